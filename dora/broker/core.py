@@ -1,0 +1,271 @@
+"""The broker's pure core: one event in, a list of actions out.
+
+``Core.handle(now, event)`` is the only entry point. The broker actor calls it for every decoded
+message and timer; the simulator calls it for every virtual-time event. Every decision (admission,
+placement, batching, re-partitioning, migration, retirement) is made here, so the simulator and the
+live system cannot disagree.
+
+After each event the core (1) applies the event, (2) hands a batch to a waiting learner if the
+deadline rule allows, (3) lets the orchestrator move workers, (4) dispatches work, (5) retires
+versions, and in strict mode (6) re-checks every invariant from scratch, raising
+``InvariantViolation`` on a bug.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from dora.broker import deadline, orchestrator
+from dora.broker.events import (
+    Action,
+    Assign,
+    BatchRequested,
+    DeliverBatch,
+    Event,
+    LearnerLost,
+    LoadReported,
+    MigrationExported,
+    Outbox,
+    Refused,
+    Retire,
+    RunFinished,
+    SampleFinished,
+    Tick,
+    TrainGroup,
+    WeightsLoaded,
+    WeightsPublished,
+    WorkerJoined,
+    WorkerLost,
+)
+from dora.broker.ledger import InvariantViolation, Ledger
+from dora.broker.scheduler import Flight, GroupState, Scheduler
+from dora.broker.transfer import TransferQueue
+from dora.config import CoreConfig
+from dora.ids import Mode, WorkerId
+
+
+class Core:
+    """Ledger + scheduler + transfer queue + orchestrator behind one ``handle``. Pure."""
+
+    def __init__(
+        self,
+        cfg: CoreConfig,
+        *,
+        initial_version: int = 0,
+        start_cursor: int = 0,
+        strict: bool = True,
+    ) -> None:
+        self.cfg = cfg
+        self.strict = strict
+        self.ledger = Ledger(cfg.staleness, initial_version)
+        self.scheduler = Scheduler(cfg, self.ledger, start_cursor)
+        self.transfer = TransferQueue(
+            cfg.train_groups, cfg.staleness, count_c1=cfg.mode is Mode.PARTIAL, start_step=initial_version
+        )
+        self.start_cursor = start_cursor
+        self.learner_waiting = False
+        self.finished = False
+        self.now = 0.0
+        self.refusals = Counter[str]()
+        self.rebalances = 0
+
+    # ------------------------------------------------------------------ entry point
+
+    def handle(self, now: float, event: Event) -> list[Action]:
+        self.now = now
+        out = Outbox()
+        full = self._apply(event, out)
+        self._deliver(out)
+        self._orchestrate(out, full=full)
+        self.scheduler.dispatch(self.transfer.step, out)
+        for version in self.ledger.collect_retired():
+            out.emit(Retire(version=version))
+        self._maybe_finish(out)
+        for a in out.actions:
+            if isinstance(a, Refused):
+                self.refusals[a.reason] += 1
+        if self.strict:
+            self.check()
+        return out.actions
+
+    @property
+    def step(self) -> int:
+        """s: the next train step whose batch will be taken."""
+        return self.transfer.step
+
+    def _apply(self, event: Event, out: Outbox) -> bool:
+        """Apply one event; True if it is a trigger for a full re-partition."""
+        sched = self.scheduler
+        match event:
+            case WorkerJoined(worker_id=w, slots=slots):
+                if w in sched.workers:  # a restarted process under the same id: its old leases are void
+                    self._lose(w, out)
+                if slots < self.cfg.group_size:
+                    out.emit(Refused(reason=f"slots {slots} < group_size {self.cfg.group_size}", worker_id=w))
+                    return False
+                sched.join(w, slots)
+                self._assign(w, out)
+                return self.cfg.mode is Mode.DORA
+            case WorkerLost(worker_id=w):
+                if w not in sched.workers:
+                    out.emit(Refused(reason="unknown_worker", worker_id=w))
+                    return False
+                self._lose(w, out)
+                return self.cfg.mode is Mode.DORA
+            case WeightsLoaded(worker_id=w, version=v):
+                worker = sched.workers.get(w)
+                if worker is None or self.ledger.version_of(w) != v:
+                    out.emit(Refused(reason="stale_load", worker_id=w))
+                    return False
+                worker.ready = True
+                self.ledger.mark_loaded(v)
+                return False
+            case SampleFinished():
+                flight = sched.accept(event, out)
+                if flight is not None:
+                    self._finished(flight)
+                return False
+            case MigrationExported(worker_id=w, group_id=g, attempt=a, n_requests=n, state=state):
+                sched.exported(w, g, a, n, state, out)
+                return False
+            case LoadReported(worker_id=w, kv_use=kv):
+                return self.cfg.mode is Mode.DORA and w in sched.workers and kv >= self.cfg.kv_rebalance_threshold
+            case Tick():
+                return self.cfg.mode is Mode.DORA
+            case WeightsPublished(version=v):
+                if v != self.ledger.newest + 1 or not self.transfer.trained(v):
+                    out.emit(Refused(reason=f"unexpected_publish v{v}"))
+                    return False
+                self.ledger.publish(v)
+                if self.cfg.mode is Mode.PARTIAL:
+                    for w in list(sched.workers):
+                        self._assign(w, out, interrupt=True)
+                return self.cfg.mode is Mode.DORA
+            case BatchRequested(step=step):
+                pending = self.transfer.in_training
+                if pending is not None and step == pending.step:
+                    out.emit(DeliverBatch(step=pending.step, groups=pending.groups, redelivery=True))
+                elif step == self.transfer.step and step == self.ledger.newest and pending is None:
+                    self.learner_waiting = True
+                else:
+                    out.emit(Refused(reason=f"bad_step {step} (next is {self.transfer.step})"))
+                return False
+            case LearnerLost():
+                self.learner_waiting = False
+                return False
+        raise TypeError(f"not a core event: {event!r}")
+
+    # ------------------------------------------------------------------ pieces
+
+    def _lose(self, worker: WorkerId, out: Outbox) -> None:
+        self.scheduler.lose(worker, out)
+        self.ledger.unpin(worker)
+
+    def _assign(self, worker: WorkerId, out: Outbox, *, interrupt: bool = False) -> None:
+        """Pin ``worker`` to the newest version and tell it to load those weights."""
+        w = self.scheduler.workers[worker]
+        if self.ledger.version_of(worker) == self.ledger.newest:
+            return
+        if w.groups and not interrupt:
+            raise InvariantViolation(f"{worker} told to change version while holding groups {sorted(w.groups)}")
+        self.ledger.pin(worker, self.ledger.newest)
+        w.ready = False
+        w.leaving = False
+        out.emit(Assign(worker_id=worker, version=self.ledger.newest, interrupt=interrupt))
+
+    def _finished(self, flight: Flight) -> None:
+        samples = tuple(flight.done[i] for i in range(self.cfg.group_size))
+        self.transfer.add(TrainGroup(group_id=flight.group_id, version=flight.version, samples=samples))
+
+    def _deliver(self, out: Outbox) -> None:
+        if not self.learner_waiting or self.transfer.in_training is not None:
+            return
+        if self.cfg.total_steps is not None and self.transfer.step >= self.cfg.total_steps:
+            return
+        batch = self.transfer.take(self.ledger.deadline_counts())
+        if batch is None:
+            return
+        for g in batch.groups:
+            self.ledger.remove_group(g.version)
+        self.learner_waiting = False
+        out.emit(batch)
+
+    def _orchestrate(self, out: Outbox, *, full: bool) -> None:
+        sched = self.scheduler
+        # Workers that finished handing over their groups load the newest weights now.
+        for w in list(sched.workers.values()):
+            if w.leaving and not w.groups:
+                self._assign(w.worker_id, out)
+        if full:
+            self.rebalances += 1
+        views = [
+            orchestrator.WorkerView(
+                worker_id=w.worker_id,
+                version=v,
+                free=w.free,
+                groups=tuple((g, sched.unfinished(sched.flights[g])) for g in sorted(w.groups)),
+                settled=w.ready and not w.leaving,
+                order=w.order,
+            )
+            for w in sched.workers.values()
+            if (v := self.ledger.version_of(w.worker_id)) is not None
+        ]
+        plan = orchestrator.plan(views, self._pending(), self.ledger.newest, full=full)
+        for gid, _src, dst in plan.migrations:
+            sched.migrate(sched.flights[gid], sched.workers[dst], out)
+        for worker in plan.moves:
+            w = sched.workers[worker]
+            if w.groups:
+                w.leaving = True
+            else:
+                self._assign(worker, out)
+
+    def _pending(self) -> dict[int, int]:
+        """R_v: unfinished samples per version, plus what the newest version is about to receive."""
+        sched = self.scheduler
+        pending = sched.pending_requests()
+        newest = self.ledger.newest
+        top_up = len(sched.queue)
+        if not self.cfg.waves and sched.budget_left():
+            room = deadline.admissible(
+                self.ledger.deadline_counts(), self.step, self.cfg.train_groups, newest + self.cfg.staleness
+            )
+            top_up += min(room, max(0, self.cfg.watermark - sched.outstanding()))
+        if top_up:
+            pending[newest] = pending.get(newest, 0) + top_up * self.cfg.group_size
+        return pending
+
+    def _maybe_finish(self, out: Outbox) -> None:
+        total = self.cfg.total_steps
+        if self.finished or total is None:
+            return
+        if self.transfer.step >= total and self.transfer.in_training is None:
+            self.finished = True
+            out.emit(RunFinished(steps=total))
+
+    # ------------------------------------------------------------------ invariants
+
+    def check(self) -> None:
+        """Recompute every structural invariant; raise InvariantViolation on the first broken one."""
+        self.ledger.check()
+        self.scheduler.check(placement=self.cfg.mode is not Mode.PARTIAL)
+        counts = self.ledger.deadline_counts()
+        if not deadline.feasible(counts, self.step, self.cfg.train_groups):
+            raise InvariantViolation(f"feasibility broken at step {self.step}: {counts}")
+        owed = Counter[int]()
+        for f in self.scheduler.flights.values():
+            owed[f.version] += 1
+        for d, groups in self.transfer.pending_by_deadline().items():
+            owed[d - self.cfg.staleness] += groups
+        expect = {v + self.cfg.staleness: n for v, n in owed.items() if n}
+        if expect != counts:
+            raise InvariantViolation(f"ledger counts {counts} != groups owed {expect}")
+        created = self.scheduler.cursor - self.start_cursor
+        held = len(self.transfer.consumed) + len(self.scheduler.flights) + len(self.transfer)
+        if created != held:
+            raise InvariantViolation(f"C2: {created} groups created, {held} accounted for")
+        if self.cfg.prompt_budget is not None and created > self.cfg.prompt_budget:
+            raise InvariantViolation(f"{created} groups created, budget is {self.cfg.prompt_budget}")
+        running = [f for f in self.scheduler.flights.values() if f.state is not GroupState.QUEUED]
+        if any(f.version not in self.ledger.alive() for f in running):
+            raise InvariantViolation("a running group's version is retired")

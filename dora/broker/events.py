@@ -1,0 +1,231 @@
+"""What the pure core takes in (events) and gives back (actions).
+
+The broker actor turns wire messages into events and actions into wire messages; the simulator
+turns actions into virtual-time work and that work back into events. Neither decides anything.
+Payloads (token arrays, exported KV state) are opaque to the core: it stores and hands them back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from dora.ids import AttemptId, Finish, GroupId, WorkerId
+
+Segments = tuple[tuple[int, int], ...]
+"""A trajectory's version history: ((version, n_tokens), ...) in generation order."""
+
+
+# ---------------------------------------------------------------- events (past tense: facts)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerJoined:
+    worker_id: WorkerId
+    slots: int
+    """Sequences the worker runs at once (its credit); a group takes group_size of them."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerLost:
+    worker_id: WorkerId
+    reason: str = "expired"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WeightsLoaded:
+    worker_id: WorkerId
+    version: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SampleFinished:
+    worker_id: WorkerId
+    group_id: GroupId
+    attempt: AttemptId
+    index: int
+    """Sample index within the group, 0 <= index < group_size."""
+    segments: Segments
+    finish: Finish = Finish.STOP
+    payload: Any = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MigrationExported:
+    """The source worker of a migration stopped the group's running samples and exported them."""
+
+    worker_id: WorkerId
+    group_id: GroupId
+    attempt: AttemptId
+    n_requests: int
+    state: Any = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoadReported:
+    worker_id: WorkerId
+    kv_use: float
+    """Fraction of KV cache / slots in use, 0..1."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Tick:
+    """Periodic timer: lets the orchestrator rebalance workers left on draining versions."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WeightsPublished:
+    version: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BatchRequested:
+    """The learner holds version ``step`` and asks for train batch ``step``."""
+
+    step: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LearnerLost:
+    reason: str = "expired"
+
+
+Event = (
+    WorkerJoined
+    | WorkerLost
+    | WeightsLoaded
+    | SampleFinished
+    | MigrationExported
+    | LoadReported
+    | Tick
+    | WeightsPublished
+    | BatchRequested
+    | LearnerLost
+)
+
+
+# ---------------------------------------------------------------- actions (imperative: commands)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Lease:
+    """Generate ``n_samples`` samples of prompt group ``group_id`` on ``version``."""
+
+    worker_id: WorkerId
+    group_id: GroupId
+    attempt: AttemptId
+    version: int
+    n_samples: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Assign:
+    """Serve ``version`` from now on. ``interrupt``: swap weights under running requests (partial mode only)."""
+
+    worker_id: WorkerId
+    version: int
+    interrupt: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MigrateOut:
+    """Stop the group's running samples and export them (token prefix, KV where possible)."""
+
+    worker_id: WorkerId
+    target: WorkerId
+    group_id: GroupId
+    attempt: AttemptId
+    version: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MigrateIn:
+    """Resume an exported group on a worker that holds the same version."""
+
+    worker_id: WorkerId
+    source: WorkerId
+    group_id: GroupId
+    attempt: AttemptId
+    version: int
+    n_requests: int
+    state: Any = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Cancel:
+    """Abort a group on a worker; its lease is void."""
+
+    worker_id: WorkerId
+    group_id: GroupId
+    attempt: AttemptId
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainSample:
+    index: int
+    segments: Segments
+    finish: Finish
+    payload: Any = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainGroup:
+    group_id: GroupId
+    version: int
+    samples: tuple[TrainSample, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeliverBatch:
+    """Train batch ``step``: exactly train_groups whole groups, earliest deadline first."""
+
+    step: int
+    groups: tuple[TrainGroup, ...]
+    redelivery: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Retire:
+    """No worker serves ``version`` and all its groups are consumed: its weights may be deleted."""
+
+    version: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Refused:
+    """An event was acknowledged and dropped (stale attempt, unknown worker, ...). For logs and metrics."""
+
+    reason: str
+    worker_id: WorkerId | None = None
+    group_id: GroupId | None = None
+    attempt: AttemptId | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunFinished:
+    """All total_steps batches were trained."""
+
+    steps: int
+
+
+Action = (
+    Lease
+    | Assign
+    | MigrateOut
+    | MigrateIn
+    | Cancel
+    | DeliverBatch
+    | Retire
+    | Refused
+    | RunFinished
+)
+
+
+@dataclass(slots=True)
+class Outbox:
+    """Actions collected while one event is handled."""
+
+    actions: list[Action] = field(default_factory=list)
+
+    def emit(self, action: Action) -> None:
+        self.actions.append(action)

@@ -1,0 +1,145 @@
+"""Version ledger: which policy versions exist, who serves them, and when their weights may go.
+
+Lifecycle of a version ``v``::
+
+    PUBLISHED --first worker pinned--> LIVE --a newer version goes live--> DRAINING --> RETIRED
+        \\________________ superseded before any worker loaded it ________________/
+
+- PUBLISHED: the learner wrote the weights; no rollout worker serves them yet.
+- LIVE: the newest version that workers serve; new groups go here.
+- DRAINING: superseded; its workers finish (or hand over) its groups and take no new main-stream work.
+- RETIRED: not the newest, no worker pinned, and every group dispatched on it consumed by the learner.
+  The ``Retire`` action lets the weight store delete the files. A retired version never comes back.
+
+Failure semantics (the core's part of them; the actor handles sockets):
+1. A result for an unknown worker, an unknown group or a stale attempt is refused and counted; the
+   core's state does not change.
+2. A lost worker's groups return to the queue whole, with a fresh attempt id at their next lease; the
+   partial output is discarded, so the prompt is re-run, never dropped (C2).
+3. A group re-run after a failure goes to the newest version that can take it and never to an older
+   version than it had, so its deadline only moves later and the feasibility invariant is kept.
+4. A broken invariant inside the core raises ``InvariantViolation``: that is a bug in this process,
+   and the process must stop rather than train on bad data.
+
+Invariant kept here: at most K + 1 versions are not retired at any time (checked by ``check``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from enum import StrEnum
+
+from dora.ids import WorkerId
+
+
+class InvariantViolation(AssertionError):
+    """The core's own state broke C1, C2, C3 or a structural invariant: a bug, never a user error."""
+
+
+class VersionState(StrEnum):
+    PUBLISHED = "published"
+    LIVE = "live"
+    DRAINING = "draining"
+    RETIRED = "retired"
+
+
+class Ledger:
+    """Versions, worker pins and per-version unconsumed group counts. Pure: no I/O, no clock."""
+
+    def __init__(self, max_staleness: int, initial_version: int = 0) -> None:
+        self.max_staleness = max_staleness
+        self.newest = initial_version
+        self._state: dict[int, VersionState] = {initial_version: VersionState.PUBLISHED}
+        self._pins: dict[WorkerId, int] = {}
+        self._unconsumed: Counter[int] = Counter()
+
+    # ------------------------------------------------------------------ queries
+
+    def state(self, version: int) -> VersionState:
+        return self._state.get(version, VersionState.RETIRED)
+
+    def alive(self) -> list[int]:
+        """Versions not retired, oldest first."""
+        return sorted(self._state)
+
+    def version_of(self, worker: WorkerId) -> int | None:
+        return self._pins.get(worker)
+
+    def workers_of(self, version: int) -> list[WorkerId]:
+        return [w for w, v in self._pins.items() if v == version]
+
+    def unconsumed(self, version: int) -> int:
+        return self._unconsumed[version]
+
+    def deadline_counts(self) -> dict[int, int]:
+        """{deadline: unconsumed groups}; deadline = dispatch version + K."""
+        return {v + self.max_staleness: n for v, n in self._unconsumed.items() if n}
+
+    # ------------------------------------------------------------------ transitions
+
+    def publish(self, version: int) -> None:
+        if version != self.newest + 1:
+            raise ValueError(f"version {version} published out of order; newest is {self.newest}")
+        self._state[version] = VersionState.PUBLISHED
+        self.newest = version
+
+    def pin(self, worker: WorkerId, version: int) -> None:
+        """``worker`` serves ``version`` from now on (loading counts: the pin moves when Assign is sent)."""
+        if self.state(version) is VersionState.RETIRED:
+            raise InvariantViolation(f"pinning {worker} to retired version {version}")
+        self._pins[worker] = version
+
+    def mark_loaded(self, version: int) -> None:
+        """A worker finished loading ``version``: it goes LIVE and older LIVE versions start draining."""
+        if self._state.get(version) is VersionState.PUBLISHED:
+            self._state[version] = VersionState.LIVE
+        if self._state.get(version) is VersionState.LIVE:
+            for v, st in self._state.items():
+                if v < version and st is VersionState.LIVE:
+                    self._state[v] = VersionState.DRAINING
+
+    def unpin(self, worker: WorkerId) -> None:
+        self._pins.pop(worker, None)
+
+    def add_group(self, version: int) -> None:
+        if self.state(version) is VersionState.RETIRED:
+            raise InvariantViolation(f"group dispatched on retired version {version}")
+        self._unconsumed[version] += 1
+
+    def move_group(self, old: int, new: int) -> None:
+        if new < old:
+            raise InvariantViolation(f"group moved to an older version ({old} -> {new})")
+        self.remove_group(old)
+        self.add_group(new)
+
+    def remove_group(self, version: int) -> None:
+        if self._unconsumed[version] <= 0:
+            raise InvariantViolation(f"consuming a group of version {version} that has none")
+        self._unconsumed[version] -= 1
+        if not self._unconsumed[version]:
+            del self._unconsumed[version]
+
+    def collect_retired(self) -> list[int]:
+        """Retire every version that is superseded, unserved and fully consumed; return them, oldest first."""
+        pinned = set(self._pins.values())
+        gone = [
+            v
+            for v in sorted(self._state)
+            if v < self.newest
+            and v not in pinned
+            and not self._unconsumed[v]
+        ]
+        for v in gone:
+            del self._state[v]  # state() reports RETIRED for any version no longer held
+        return gone
+
+    def check(self) -> None:
+        alive = self.alive()
+        if len(alive) > self.max_staleness + 1:
+            raise InvariantViolation(f"{len(alive)} versions alive {alive}, bound is K + 1 = {self.max_staleness + 1}")
+        for w, v in self._pins.items():
+            if self.state(v) is VersionState.RETIRED:
+                raise InvariantViolation(f"worker {w} pinned to retired version {v}")
+        for v, n in self._unconsumed.items():
+            if n and self.state(v) is VersionState.RETIRED:
+                raise InvariantViolation(f"retired version {v} still has {n} unconsumed groups")

@@ -1,0 +1,125 @@
+"""Orchestrator: re-partitions workers across live versions and plans same-version migrations.
+
+DORA's Algorithm 1 as dora implements it (DESIGN.md §5). Given the pending requests ``R_v`` of each
+live version (unfinished samples, plus the planned top-up of the newest version):
+
+1. each version gets ``round(W * R_v / sum R)`` workers, at least one if ``R_v > 0``; rounding is
+   repaired by largest remainder so the targets add up to ``W``; if there are fewer workers than
+   versions with work, the oldest versions (nearest deadlines) get one each;
+2. workers only ever move to the newest version (a draining version never gains workers); a version
+   above its target releases the workers holding the fewest unfinished requests first;
+3. a leaving worker's groups are planned onto the staying workers of the **same** version with free
+   slots (C1: identical weights, so the continuation is exact); a worker whose groups do not fit
+   stays until the next trigger.
+
+The plan is pure data; the core applies it (MigrateOut now, Assign once the worker is empty).
+Triggers: a published version (mandatory), a worker's KV use crossing a threshold, and a timer.
+Between triggers only idle workers of versions without pending work move (they keep the ledger
+within K + 1 live versions).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from dora.ids import GroupId, WorkerId
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    worker_id: WorkerId
+    version: int
+    free: int
+    groups: tuple[tuple[GroupId, int], ...]
+    """(group, unfinished samples) for every group the worker holds."""
+    settled: bool
+    """Weights loaded and not already leaving."""
+    order: int
+
+
+@dataclass(slots=True)
+class Plan:
+    moves: list[WorkerId] = field(default_factory=list)
+    """Workers that leave their version for the newest one."""
+    migrations: list[tuple[GroupId, WorkerId, WorkerId]] = field(default_factory=list)
+    """(group, source, target), always between workers of the same version."""
+
+
+def allocate(workers: int, pending: dict[int, int], newest: int) -> dict[int, int]:
+    """Target worker count per version: round(W * R_v / sum R), >= 1 for any version with work, sum = W."""
+    active = sorted(v for v, r in pending.items() if r > 0)
+    if not active or workers <= 0:
+        return {newest: max(workers, 0)}
+    if workers < len(active):
+        return {v: 1 for v in active[:workers]}
+    total = sum(pending[v] for v in active)
+    quota = {v: workers * pending[v] / total for v in active}
+    target = {v: max(1, math.floor(quota[v] + 0.5)) for v in active}
+    while sum(target.values()) > workers:  # give back from the most over-served (newer first on ties)
+        v = max((v for v in active if target[v] > 1), key=lambda v: (target[v] - quota[v], v))
+        target[v] -= 1
+    while sum(target.values()) < workers:  # hand out to the most under-served (newer first on ties)
+        v = max(active, key=lambda v: (quota[v] - target[v], v))
+        target[v] += 1
+    return target
+
+
+def plan(workers: list[WorkerView], pending: dict[int, int], newest: int, *, full: bool) -> Plan:
+    """Which workers move to ``newest`` and which groups they hand over first.
+
+    ``full=False`` (between triggers): only empty workers of versions with no pending work move.
+    """
+    out = Plan()
+    target = allocate(len(workers), pending, newest)
+    by_version: dict[int, list[WorkerView]] = {}
+    for w in workers:
+        if w.version == newest:
+            continue
+        if not w.settled:
+            if not w.groups:
+                out.moves.append(w.worker_id)  # loading a superseded version: go straight to the newest
+            continue
+        by_version.setdefault(w.version, []).append(w)
+    for version in sorted(by_version):
+        staying = sorted(by_version[version], key=lambda w: (_load(w), w.order))
+        surplus = len(staying) - target.get(version, 0)
+        if not full:
+            surplus = len(staying) if not pending.get(version) else 0
+        free = {w.worker_id: w.free for w in staying}
+        for cand in list(staying):
+            if surplus <= 0:
+                break
+            others = [w for w in staying if w is not cand]
+            placed = _place(cand, others, free)
+            if placed is None:
+                continue
+            staying.remove(cand)
+            free.pop(cand.worker_id)
+            surplus -= 1
+            out.moves.append(cand.worker_id)
+            out.migrations.extend(placed)
+    return out
+
+
+def _load(w: WorkerView) -> int:
+    return sum(n for _, n in w.groups)
+
+
+def _place(
+    leaving: WorkerView, staying: list[WorkerView], free: dict[WorkerId, int]
+) -> list[tuple[GroupId, WorkerId, WorkerId]] | None:
+    """First-fit-decreasing of the leaving worker's groups onto the staying ones; None if one does not fit."""
+    if not leaving.groups:
+        return []
+    trial = dict(free)
+    placed: list[tuple[GroupId, WorkerId, WorkerId]] = []
+    for gid, n in sorted(leaving.groups, key=lambda g: (-g[1], g[0])):
+        fits = [w for w in staying if trial[w.worker_id] >= n]
+        if not fits:
+            return None
+        dst = max(fits, key=lambda w: (trial[w.worker_id], -w.order))
+        trial[dst.worker_id] -= n
+        placed.append((gid, leaving.worker_id, dst.worker_id))
+    free.update(trial)
+    return placed

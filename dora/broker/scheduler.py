@@ -1,0 +1,415 @@
+"""Scheduler: leases whole groups to workers, fences results, and re-queues work of lost workers.
+
+A group (one prompt x G samples) is leased to exactly one worker at a time and so carries exactly
+one version (C1). Every lease gets a fresh attempt id; a result is accepted only from the current
+holder with the current attempt, so a late result from a dead or superseded lease is refused and
+nothing is trained twice. A lost lease returns to the front of the queue whole (C2): partial output
+is discarded and the prompt re-runs on the newest version, so its deadline only moves later.
+
+Which group goes where and when (admission, waves, legacy fill) is decided in ``dispatch``; the
+admission arithmetic itself lives in ``deadline``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from dora.broker import deadline
+from dora.broker.events import (
+    Cancel,
+    Lease,
+    MigrateIn,
+    MigrateOut,
+    Outbox,
+    Refused,
+    SampleFinished,
+    TrainSample,
+)
+from dora.broker.ledger import InvariantViolation, Ledger
+from dora.config import CoreConfig
+from dora.ids import AttemptId, Finish, GroupId, Mode, WorkerId
+
+
+class GroupState(StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    MIGRATING = "migrating"
+
+
+@dataclass(slots=True)
+class Flight:
+    """A group that is owed but not finished: queued for a (re-)lease, running, or being migrated."""
+
+    group_id: GroupId
+    version: int
+    """Dispatch version; for a queued re-run, the version of its last lease (its deadline floor)."""
+    state: GroupState
+    attempt: AttemptId | None = None
+    worker: WorkerId | None = None
+    target: WorkerId | None = None
+    """Migration target while MIGRATING."""
+    done: dict[int, TrainSample] = field(default_factory=dict)
+    failures: int = 0
+    reruns: int = 0
+
+
+@dataclass(slots=True)
+class Worker:
+    worker_id: WorkerId
+    slots: int
+    order: int
+    used: int = 0
+    """Sequences reserved: unfinished samples of held groups plus incoming migrations."""
+    ready: bool = False
+    """Weights of the pinned version are loaded."""
+    leaving: bool = False
+    """Handing its groups to peers of its version before it loads the newest weights."""
+    groups: set[GroupId] = field(default_factory=set)
+
+    @property
+    def free(self) -> int:
+        return self.slots - self.used
+
+
+class GroupFailed(RuntimeError):
+    """A group errored max_group_failures times: it can be neither trained nor dropped."""
+
+
+class Scheduler:
+    """Leases, workers and the prompt cursor. Pure: no I/O, no clock."""
+
+    def __init__(self, cfg: CoreConfig, ledger: Ledger, start_cursor: int = 0) -> None:
+        self.cfg = cfg
+        self.ledger = ledger
+        self.cursor = start_cursor
+        """Next fresh group id (position in the prompt stream)."""
+        self.workers: dict[WorkerId, Worker] = {}
+        self.flights: dict[GroupId, Flight] = {}
+        self.queue: deque[GroupId] = deque()
+        self._next_attempt = 1
+        self._joined = 0
+        self.wave_left = 0
+        self.wave: set[GroupId] = set()
+        self.stats_requeued = 0
+        self.stats_migrated_groups = 0
+        self.stats_migrated_requests = 0
+
+    # ------------------------------------------------------------------ queries
+
+    def unfinished(self, flight: Flight) -> int:
+        return self.cfg.group_size - len(flight.done)
+
+    def outstanding(self) -> int:
+        return len(self.flights)
+
+    def pending_requests(self) -> dict[int, int]:
+        """Unfinished samples of leased groups per version (R_v of the orchestrator)."""
+        load: dict[int, int] = {}
+        for f in self.flights.values():
+            if f.state is not GroupState.QUEUED:
+                load[f.version] = load.get(f.version, 0) + self.unfinished(f)
+        return load
+
+    def ready_workers(self, version: int) -> list[Worker]:
+        return [
+            w
+            for w in self.workers.values()
+            if w.ready and not w.leaving and self.ledger.version_of(w.worker_id) == version
+        ]
+
+    def pick_worker(self, version: int, need: int) -> Worker | None:
+        """The ready worker of ``version`` with the most free slots (join order breaks ties)."""
+        best: Worker | None = None
+        for w in self.ready_workers(version):
+            if w.free >= need and (best is None or (w.free, -w.order) > (best.free, -best.order)):
+                best = w
+        return best
+
+    def budget_left(self) -> bool:
+        budget = self.cfg.prompt_budget
+        return budget is None or self.cursor < budget
+
+    # ------------------------------------------------------------------ workers
+
+    def join(self, worker: WorkerId, slots: int) -> Worker:
+        self._joined += 1
+        w = Worker(worker_id=worker, slots=slots, order=self._joined)
+        self.workers[worker] = w
+        return w
+
+    def lose(self, worker: WorkerId, out: Outbox) -> None:
+        """Re-queue every group the worker held (whole); void migrations that targeted it."""
+        w = self.workers.pop(worker)
+        for gid in sorted(w.groups):
+            self.requeue(self.flights[gid], out, notify=False)
+        for f in self.flights.values():
+            if f.target == worker:
+                f.target = None  # the source still exports; the export is then re-run (see exported)
+
+    # ------------------------------------------------------------------ leasing
+
+    def lease(self, flight: Flight, worker: Worker, version: int, out: Outbox) -> None:
+        if flight.state is not GroupState.QUEUED:
+            raise InvariantViolation(f"lease of group {flight.group_id} in state {flight.state}")
+        if version != self.ledger.version_of(worker.worker_id) or not worker.ready:
+            raise InvariantViolation(f"lease of group {flight.group_id} on a worker not serving {version}")
+        flight.attempt = AttemptId(self._next_attempt)
+        self._next_attempt += 1
+        flight.state = GroupState.RUNNING
+        flight.worker = worker.worker_id
+        flight.version = version
+        worker.groups.add(flight.group_id)
+        worker.used += self.cfg.group_size
+        out.emit(
+            Lease(
+                worker_id=worker.worker_id,
+                group_id=flight.group_id,
+                attempt=flight.attempt,
+                version=version,
+                n_samples=self.cfg.group_size,
+            )
+        )
+
+    def requeue(self, flight: Flight, out: Outbox, *, notify: bool = True) -> None:
+        """Void the current lease and put the group at the front of the queue, whole."""
+        if flight.worker is not None:
+            holder = self.workers.get(flight.worker)
+            if holder is not None:
+                holder.groups.discard(flight.group_id)
+                holder.used -= self.unfinished(flight)
+                if notify and flight.attempt is not None:
+                    out.emit(Cancel(worker_id=holder.worker_id, group_id=flight.group_id, attempt=flight.attempt))
+        if flight.target is not None and flight.target in self.workers:
+            self.workers[flight.target].used -= self.unfinished(flight)
+        flight.state = GroupState.QUEUED
+        flight.attempt = None
+        flight.worker = None
+        flight.target = None
+        flight.done.clear()
+        flight.reruns += 1
+        self.stats_requeued += 1
+        self.queue.appendleft(flight.group_id)
+
+    def new_flight(self) -> Flight:
+        gid = GroupId(self.cursor)
+        self.cursor += 1
+        flight = Flight(group_id=gid, version=self.ledger.newest, state=GroupState.QUEUED)
+        self.flights[gid] = flight
+        if self.cfg.waves:
+            self.wave.add(gid)
+        return flight
+
+    def dispatch(self, step: int, out: Outbox) -> None:
+        """Lease re-runs first, then fresh groups, as far as admission, capacity and the mode allow."""
+        newest = self.ledger.newest
+        G = self.cfg.group_size
+        # Re-runs go to the newest version; their deadline only moves later, so no admission check is needed.
+        while self.queue:
+            worker = self.pick_worker(newest, G)
+            if worker is None:
+                break
+            flight = self.flights[self.queue.popleft()]
+            self.ledger.move_group(flight.version, newest)
+            self.lease(flight, worker, newest, out)
+        if self.queue:
+            return
+        if self.cfg.waves:
+            if self.wave_left == 0 and not self.wave and self.budget_left():
+                self.wave_left = self.cfg.train_groups
+            while self.wave_left > 0 and self.budget_left():
+                if not self._fresh(newest, step, out):
+                    break
+                self.wave_left -= 1
+            return
+        while self.outstanding() < self.cfg.watermark and self.budget_left():
+            if self._fresh(newest, step, out):
+                continue
+            if not (self.cfg.mode is Mode.DORA and self.cfg.legacy_fill and self._legacy_fill(step, out)):
+                break
+
+    def _fresh(self, version: int, step: int, out: Outbox) -> bool:
+        """Lease one new group on ``version`` if admission and capacity allow."""
+        if not deadline.admits(
+            self.ledger.deadline_counts(), step, self.cfg.train_groups, version + self.cfg.staleness
+        ):
+            return False
+        worker = self.pick_worker(version, self.cfg.group_size)
+        if worker is None:
+            return False
+        flight = self.new_flight()
+        self.ledger.add_group(version)
+        flight.version = version
+        self.lease(flight, worker, version, out)
+        return True
+
+    def _legacy_fill(self, step: int, out: Outbox) -> bool:
+        """dora: one new group into an idle slot of a middle version whose deadline is not the next step."""
+        alive = self.ledger.alive()
+        for version in reversed(alive[1:-1]):  # never the oldest, never the newest (handled above)
+            if version + self.cfg.staleness > step and self._fresh(version, step, out):
+                return True
+        return False
+
+    # ------------------------------------------------------------------ results
+
+    def check_result(self, worker: WorkerId, group: GroupId, attempt: AttemptId) -> Flight | str:
+        """The flight a result belongs to, or the reason it is refused."""
+        if worker not in self.workers:
+            return "unknown_worker"
+        flight = self.flights.get(group)
+        if flight is None:
+            return "unknown_group"
+        if flight.attempt != attempt:
+            return "stale_attempt"
+        if flight.worker != worker:
+            return "not_holder"
+        return flight
+
+    def accept(self, ev: SampleFinished, out: Outbox) -> Flight | None:
+        """Record one finished sample. Returns the flight when it completes the group."""
+        found = self.check_result(ev.worker_id, ev.group_id, ev.attempt)
+        if isinstance(found, str):
+            out.emit(Refused(reason=found, worker_id=ev.worker_id, group_id=ev.group_id, attempt=ev.attempt))
+            return None
+        flight = found
+        problem = self._sample_problem(flight, ev)
+        if problem is not None:
+            out.emit(Refused(reason=problem, worker_id=ev.worker_id, group_id=ev.group_id, attempt=ev.attempt))
+            if problem == "duplicate_sample":
+                return None
+            flight.failures += 1
+            if flight.failures >= self.cfg.max_group_failures:
+                raise GroupFailed(
+                    f"group {flight.group_id} failed {flight.failures} times (last: {problem}); "
+                    "it can be neither trained nor dropped"
+                )
+            self.requeue(flight, out)
+            return None
+        flight.done[ev.index] = TrainSample(index=ev.index, segments=ev.segments, finish=ev.finish, payload=ev.payload)
+        self.workers[ev.worker_id].used -= 1
+        if flight.target is not None:
+            self.workers[flight.target].used -= 1
+        if len(flight.done) < self.cfg.group_size:
+            return None
+        self._release(flight)
+        return flight
+
+    def _sample_problem(self, flight: Flight, ev: SampleFinished) -> str | None:
+        if not 0 <= ev.index < self.cfg.group_size:
+            return "bad_sample_index"
+        if ev.index in flight.done:
+            return "duplicate_sample"
+        if ev.finish is Finish.ERROR:
+            return "generation_error"
+        if not ev.segments or any(n < 0 for _, n in ev.segments):
+            return "bad_segments"
+        if self.cfg.mode is Mode.PARTIAL:
+            # partial resumes on newer weights by design: no token may predate the start version (C1 is counted).
+            if any(v < flight.version for v, _ in ev.segments):
+                return "wrong_version"
+        elif any(v != flight.version for v, _ in ev.segments):
+            return "c1_violation"
+        return None
+
+    def _release(self, flight: Flight) -> None:
+        """A finished group leaves the scheduler (its slots are already free)."""
+        if flight.worker is not None and flight.worker in self.workers:
+            self.workers[flight.worker].groups.discard(flight.group_id)
+        del self.flights[flight.group_id]
+        self.wave.discard(flight.group_id)
+
+    # ------------------------------------------------------------------ migration
+
+    def migrate(self, flight: Flight, target: Worker, out: Outbox) -> None:
+        """Ask the holder to export the group's running samples for ``target`` (same version only)."""
+        src = flight.worker
+        if src is None or flight.state is not GroupState.RUNNING or flight.attempt is None:
+            raise InvariantViolation(f"migration of group {flight.group_id} in state {flight.state}")
+        if self.ledger.version_of(target.worker_id) != flight.version or not target.ready:
+            raise InvariantViolation(
+                f"migration of group {flight.group_id} (version {flight.version}) to {target.worker_id} "
+                f"serving {self.ledger.version_of(target.worker_id)}"
+            )
+        flight.state = GroupState.MIGRATING
+        flight.target = target.worker_id
+        target.used += self.unfinished(flight)
+        out.emit(
+            MigrateOut(
+                worker_id=src, target=target.worker_id, group_id=flight.group_id, attempt=flight.attempt,
+                version=flight.version,
+            )
+        )
+
+    def exported(self, worker: WorkerId, group: GroupId, attempt: AttemptId, n_requests: int,
+                 state: object, out: Outbox) -> None:
+        found = self.check_result(worker, group, attempt)
+        if isinstance(found, str):
+            out.emit(Refused(reason=found, worker_id=worker, group_id=group, attempt=attempt))
+            return
+        flight = found
+        if flight.state is not GroupState.MIGRATING:
+            out.emit(Refused(reason="not_migrating", worker_id=worker, group_id=group, attempt=attempt))
+            return
+        if flight.target is None or n_requests != self.unfinished(flight):
+            # The target died meanwhile, or the export does not match what is owed: re-run the group.
+            self.requeue(flight, out, notify=False)
+            return
+        src = self.workers[worker]
+        dst = self.workers[flight.target]
+        src.groups.discard(group)
+        src.used -= n_requests
+        dst.groups.add(group)
+        flight.worker = dst.worker_id
+        flight.target = None
+        flight.state = GroupState.RUNNING
+        self.stats_migrated_groups += 1
+        self.stats_migrated_requests += n_requests
+        out.emit(
+            MigrateIn(
+                worker_id=dst.worker_id, source=worker, group_id=group, attempt=attempt,
+                version=flight.version, n_requests=n_requests, state=state,
+            )
+        )
+
+    # ------------------------------------------------------------------ checks
+
+    def check(self, *, placement: bool = True) -> None:
+        """Recompute slot use and lease ownership from scratch and compare.
+
+        ``placement``: every leased group runs on a worker serving its version (off only in partial
+        mode, where workers swap weights under running requests by design).
+        """
+        used = {w: 0 for w in self.workers}
+        holders: dict[GroupId, WorkerId] = {}
+        for f in self.flights.values():
+            if f.state is GroupState.QUEUED:
+                if f.worker is not None or f.attempt is not None:
+                    raise InvariantViolation(f"queued group {f.group_id} still has a lease")
+                continue
+            if f.worker not in self.workers:
+                raise InvariantViolation(f"group {f.group_id} held by unknown worker {f.worker}")
+            if placement and self.ledger.version_of(f.worker) != f.version:
+                raise InvariantViolation(
+                    f"C1: group {f.group_id} of version {f.version} on {f.worker} serving "
+                    f"{self.ledger.version_of(f.worker)}"
+                )
+            holders[f.group_id] = f.worker
+            used[f.worker] += self.unfinished(f)
+            if f.target is not None:
+                used[f.target] += self.unfinished(f)
+        for w in self.workers.values():
+            if used[w.worker_id] != w.used:
+                raise InvariantViolation(f"{w.worker_id}: {w.used} slots recorded, {used[w.worker_id]} held")
+            if w.used > w.slots:
+                raise InvariantViolation(f"{w.worker_id} over capacity: {w.used} > {w.slots}")
+            for gid in w.groups:
+                if holders.get(gid) != w.worker_id:
+                    raise InvariantViolation(f"{w.worker_id} lists group {gid} it does not hold")
+        if len(holders) != sum(len(w.groups) for w in self.workers.values()):
+            raise InvariantViolation("a group is held twice or listed by no worker")
+        if len(set(self.queue)) != len(self.queue) or any(
+            self.flights[g].state is not GroupState.QUEUED for g in self.queue
+        ):
+            raise InvariantViolation("queue holds a group twice or a group that is not queued")

@@ -1,0 +1,124 @@
+"""Transfer queue: finished groups wait here until a train batch takes them.
+
+A batch for step ``s`` is exactly ``train_groups`` whole groups. It takes every group whose deadline
+is ``s`` (waiting for them if they still run), then fills up earliest deadline (oldest version)
+first, then in completion order, and only with a choice that keeps the feasibility invariant for
+``s + 1`` (see ``deadline``). Staleness ``s - v`` is asserted per trajectory when the batch is
+taken and recorded in a histogram; so is C1 (in ``partial`` mode, violations are counted instead,
+since that baseline resumes requests on newer weights by design).
+
+A delivered batch stays here until the learner publishes version ``s + 1``: if the learner is lost
+before that, the same batch is delivered again, so a crash never drops or reshuffles a batch.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from dora.broker import deadline
+from dora.broker.events import DeliverBatch, TrainGroup
+from dora.broker.ledger import InvariantViolation
+from dora.ids import GroupId
+
+
+@dataclass(slots=True, frozen=True)
+class Finished:
+    group: TrainGroup
+    seq: int
+    """Completion order."""
+
+
+class TransferQueue:
+    """Finished groups by deadline, batch assembly and the consumption-side invariant checks."""
+
+    def __init__(self, train_groups: int, max_staleness: int, *, count_c1: bool, start_step: int = 0) -> None:
+        self.train_groups = train_groups
+        self.max_staleness = max_staleness
+        self.count_c1 = count_c1
+        """True in partial mode: mixed-version trajectories are counted, not refused."""
+        self.step = start_step
+        """s: the next step whose batch will be taken (= batches taken so far)."""
+        self._by_deadline: dict[int, list[Finished]] = {}
+        self._seq = 0
+        self.in_training: DeliverBatch | None = None
+        self.staleness = Counter[int]()
+        """Trajectories consumed, by staleness u - v."""
+        self.c1_violations = 0
+        """Trajectories consumed whose tokens came from more than one version (partial mode)."""
+        self.consumed: list[GroupId] = []
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self._by_deadline.values())
+
+    def add(self, group: TrainGroup) -> None:
+        self._seq += 1
+        d = group.version + self.max_staleness
+        if d < self.step:
+            raise InvariantViolation(f"group {group.group_id} finished after its deadline {d} (step {self.step})")
+        self._by_deadline.setdefault(d, []).append(Finished(group=group, seq=self._seq))
+
+    def pending_by_deadline(self) -> dict[int, int]:
+        return {d: len(q) for d, q in self._by_deadline.items() if q}
+
+    def waiting_on(self, counts: dict[int, int]) -> int:
+        """Groups with deadline ``s`` that are still running (the batch must wait for them)."""
+        return counts.get(self.step, 0) - len(self._by_deadline.get(self.step, ()))
+
+    def take(self, counts: dict[int, int]) -> DeliverBatch | None:
+        """Assemble batch ``s`` if the rule allows; ``counts`` are all unconsumed groups by deadline."""
+        B = self.train_groups
+        picked: list[Finished] = []
+        for d in sorted(self._by_deadline):  # oldest first: earliest deadline, then completion order
+            picked.extend(self._by_deadline[d][: B - len(picked)])
+            if len(picked) == B:
+                break
+        if len(picked) < B:
+            return None
+        if not deadline.keeps_invariant_after(counts, self.step, B, (self._deadline(f) for f in picked)):
+            return None
+        for f in picked:
+            self._by_deadline[self._deadline(f)].remove(f)
+        self._by_deadline = {d: q for d, q in self._by_deadline.items() if q}
+        batch = DeliverBatch(step=self.step, groups=tuple(f.group for f in picked))
+        self._consume(batch)
+        self.in_training = batch
+        self.step += 1
+        return batch
+
+    def _deadline(self, f: Finished) -> int:
+        return f.group.version + self.max_staleness
+
+    def _consume(self, batch: DeliverBatch) -> None:
+        """Per-batch and per-trajectory assertions (exact size, whole groups, C1, C3), then the histogram."""
+        if len(batch.groups) != self.train_groups:
+            raise InvariantViolation(f"batch {batch.step} has {len(batch.groups)} groups, not {self.train_groups}")
+        if len({g.group_id for g in batch.groups}) != len(batch.groups):
+            raise InvariantViolation(f"batch {batch.step} holds a group twice")
+        sizes = {len(g.samples) for g in batch.groups}
+        if len(sizes) != 1:
+            raise InvariantViolation(f"batch {batch.step} mixes group sizes {sorted(sizes)}")
+        for g in batch.groups:
+            lag = batch.step - g.version
+            if not 0 <= lag <= self.max_staleness:
+                raise InvariantViolation(
+                    f"C3: group {g.group_id} of version {g.version} consumed at step {batch.step} "
+                    f"(staleness {lag} > K = {self.max_staleness})"
+                )
+            for s in g.samples:
+                versions = {v for v, n in s.segments if n > 0} or {g.version}
+                if versions != {g.version}:
+                    if not self.count_c1:
+                        raise InvariantViolation(
+                            f"C1: group {g.group_id} sample {s.index} has tokens of versions {sorted(versions)}"
+                        )
+                    self.c1_violations += 1
+            self.staleness[lag] += len(g.samples)
+            self.consumed.append(g.group_id)
+
+    def trained(self, version: int) -> bool:
+        """The learner published ``version``: the batch in training is done. False if none was pending."""
+        if self.in_training is None or self.in_training.step + 1 != version:
+            return False
+        self.in_training = None
+        return True

@@ -1,0 +1,313 @@
+"""A model of the rollout fleet and the learner that carries out the core's actions.
+
+The world decides nothing. It holds what the real processes hold (loaded weights, running requests
+with their token counts and version history, exports in transit, the learner's batch) and turns the
+core's actions into that state and that state back into events. It records every token under the
+version the worker *actually* had loaded, so a scheduling bug in the core shows up as a C1/C3
+violation in the learner's checks here, independently of the core's own assertions.
+
+Two drivers use it: the discrete-event simulator (``dora.sim.des``, virtual time) and the property
+tests (hypothesis chooses which enabled event happens next).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from dora.broker.events import (
+    Action,
+    Assign,
+    BatchRequested,
+    Cancel,
+    DeliverBatch,
+    LearnerLost,
+    Lease,
+    MigrateIn,
+    MigrateOut,
+    MigrationExported,
+    Refused,
+    Retire,
+    RunFinished,
+    SampleFinished,
+    WeightsLoaded,
+    WeightsPublished,
+    WorkerJoined,
+    WorkerLost,
+)
+from dora.ids import AttemptId, GroupId, WorkerId
+
+
+class WorldError(AssertionError):
+    """The core asked for something the real system could not do, or trained data it must not."""
+
+
+@dataclass(frozen=True, slots=True)
+class Lengths:
+    """Heavy-tailed output lengths: lognormal per sample around a per-prompt difficulty, capped."""
+
+    median: float = 64.0
+    sigma: float = 1.0
+    prompt_sigma: float = 0.5
+    cap: int = 2048
+    seed: int = 0
+
+    def __call__(self, group: int, index: int, attempt: int) -> int:
+        difficulty = random.Random(f"{self.seed}:{group}").lognormvariate(0.0, self.prompt_sigma)
+        rng = random.Random(f"{self.seed}:{group}:{index}:{attempt}")
+        raw = rng.lognormvariate(math.log(self.median * difficulty), self.sigma)
+        return max(1, min(self.cap, round(raw)))
+
+
+@dataclass(slots=True)
+class Request:
+    group_id: GroupId
+    attempt: AttemptId
+    index: int
+    length: int
+    generated: float = 0.0
+    segments: list[list[int]] = field(default_factory=list)
+    """[[version, tokens], ...] in generation order."""
+
+    def add_tokens(self, version: int, tokens: int) -> None:
+        if self.segments and self.segments[-1][0] == version:
+            self.segments[-1][1] += tokens
+        else:
+            self.segments.append([version, tokens])
+
+    @property
+    def emitted(self) -> int:
+        return sum(n for _, n in self.segments)
+
+
+@dataclass(slots=True)
+class SimWorker:
+    worker_id: WorkerId
+    slots: int
+    loaded: int | None = None
+    """Version whose weights are in memory and serving."""
+    loading: int | None = None
+    requests: list[Request] = field(default_factory=list)
+    exporting: dict[GroupId, tuple[AttemptId, list[Request]]] = field(default_factory=dict)
+    alive: bool = True
+    prefill_debt: int = 0
+    """Tokens to re-prefill before decoding resumes (partial mode after a weight swap, migration)."""
+
+
+@dataclass(slots=True)
+class Learner:
+    version: int = 0
+    waiting: bool = False
+    batch: DeliverBatch | None = None
+    trained: list[GroupId] = field(default_factory=list)
+    steps: int = 0
+    staleness: Counter[int] = field(default_factory=Counter)
+    c1_violations: int = 0
+    finished: bool = False
+
+
+class World:
+    """Fleet + learner state machine. ``apply`` takes the core's actions; the other methods make events."""
+
+    def __init__(self, *, group_size: int, train_groups: int, max_staleness: int, lengths: Lengths,
+                 mixed_versions_allowed: bool = False) -> None:
+        self.group_size = group_size
+        self.train_groups = train_groups
+        self.max_staleness = max_staleness
+        self.lengths = lengths
+        self.mixed_versions_allowed = mixed_versions_allowed
+        self.workers: dict[WorkerId, SimWorker] = {}
+        self.learner = Learner()
+        self.retired: set[int] = set()
+        self.sent: list[SampleFinished] = []
+        """Every result ever sent, for replaying late or duplicated messages."""
+        self.migrated_requests = 0
+        self.refused = Counter[str]()
+        self.tokens_trained = 0
+        self.before_change: Callable[[WorkerId], None] | None = None
+        """Called before an action changes a live worker's running set (the simulator catches its clock up)."""
+        self._ids = 0
+
+    # ------------------------------------------------------------------ actions from the core
+
+    def apply(self, actions: list[Action]) -> None:
+        for a in actions:
+            match a:
+                case Lease():
+                    w = self._live(a.worker_id)
+                    if w is None:
+                        continue  # the message was sent to a process that is already dead
+                    if w.loaded != a.version or w.loading is not None:
+                        raise WorldError(f"lease of version {a.version} to {w.worker_id} serving {w.loaded}")
+                    if len(w.requests) + a.n_samples > w.slots:
+                        raise WorldError(f"{w.worker_id} leased beyond its {w.slots} slots")
+                    for i in range(a.n_samples):
+                        w.requests.append(
+                            Request(a.group_id, a.attempt, i, self.lengths(a.group_id, i, a.attempt))
+                        )
+                case Assign():
+                    w = self._live(a.worker_id)
+                    if w is None:
+                        continue
+                    if w.requests and not a.interrupt:
+                        raise WorldError(f"{w.worker_id} told to swap weights under {len(w.requests)} requests")
+                    if a.version in self.retired:
+                        raise WorldError(f"{w.worker_id} told to load retired version {a.version}")
+                    w.loading = a.version
+                case MigrateOut():
+                    w = self._live(a.worker_id)
+                    if w is None:
+                        continue
+                    moving = [r for r in w.requests if r.group_id == a.group_id and r.attempt == a.attempt]
+                    w.requests = [r for r in w.requests if r not in moving]
+                    w.exporting[a.group_id] = (a.attempt, moving)
+                case MigrateIn():
+                    w = self._live(a.worker_id)
+                    if w is None:
+                        continue
+                    if w.loaded != a.version or w.loading is not None:
+                        raise WorldError(f"migration of version {a.version} into {w.worker_id} serving {w.loaded}")
+                    w.requests.extend(a.state)
+                    self.migrated_requests += a.n_requests
+                case Cancel():
+                    w = self._live(a.worker_id)
+                    if w is not None:
+                        w.requests = [r for r in w.requests if (r.group_id, r.attempt) != (a.group_id, a.attempt)]
+                        w.exporting.pop(a.group_id, None)
+                case DeliverBatch():
+                    self._receive(a)
+                case Retire():
+                    self.retired.add(a.version)
+                    for w in self.workers.values():
+                        serving = w.loaded == a.version and w.requests and w.loading is None
+                        if w.alive and (w.loading == a.version or serving):
+                            raise WorldError(f"version {a.version} retired while {w.worker_id} still uses it")
+                case Refused():
+                    self.refused[a.reason] += 1
+                case RunFinished():
+                    self.learner.finished = True
+
+    def _live(self, worker: WorkerId) -> SimWorker | None:
+        w = self.workers.get(worker)
+        if w is None or not w.alive:
+            return None
+        if self.before_change is not None:
+            self.before_change(worker)
+        return w
+
+    def _receive(self, batch: DeliverBatch) -> None:
+        lr = self.learner
+        if batch.step != lr.version:
+            raise WorldError(f"learner at version {lr.version} got batch {batch.step}")
+        if len(batch.groups) != self.train_groups:
+            raise WorldError(f"batch {batch.step} has {len(batch.groups)} groups, not {self.train_groups}")
+        for g in batch.groups:
+            if len(g.samples) != self.group_size:
+                raise WorldError(f"group {g.group_id} has {len(g.samples)} samples")
+            lag = batch.step - g.version
+            if not 0 <= lag <= self.max_staleness:
+                raise WorldError(f"C3: group {g.group_id} v{g.version} at step {batch.step}")
+            if len({s.payload for s in g.samples}) != 1:
+                raise WorldError(f"group {g.group_id} mixes samples of different leases")
+            for s in g.samples:
+                versions = {v for v, n in s.segments if n > 0}
+                if versions - {g.version}:
+                    if not self.mixed_versions_allowed:
+                        raise WorldError(f"C1: group {g.group_id} sample {s.index} versions {sorted(versions)}")
+                    lr.c1_violations += 1
+        lr.batch = batch
+        lr.waiting = False
+
+    # ------------------------------------------------------------------ events the world produces
+
+    def join(self, slots: int) -> WorkerJoined:
+        self._ids += 1
+        wid = WorkerId(f"w{self._ids}")
+        self.workers[wid] = SimWorker(worker_id=wid, slots=slots)
+        return WorkerJoined(worker_id=wid, slots=slots)
+
+    def kill(self, worker: WorkerId) -> WorkerLost:
+        w = self.workers[worker]
+        w.alive = False
+        w.requests.clear()
+        w.exporting.clear()
+        return WorkerLost(worker_id=worker, reason="killed")
+
+    def finish_load(self, worker: WorkerId) -> WeightsLoaded:
+        w = self.workers[worker]
+        if w.loading is None:
+            raise WorldError(f"{worker} is not loading")
+        w.loaded, w.loading = w.loading, None
+        if w.requests:  # partial mode: interrupted requests resume on the new weights after re-prefill
+            w.prefill_debt += sum(r.emitted for r in w.requests)
+        return WeightsLoaded(worker_id=worker, version=w.loaded)
+
+    def finish_export(self, worker: WorkerId, group: GroupId) -> MigrationExported:
+        w = self.workers[worker]
+        attempt, requests = w.exporting.pop(group)
+        return MigrationExported(worker_id=worker, group_id=group, attempt=attempt,
+                                 n_requests=len(requests), state=requests)
+
+    def decode(self, worker: WorkerId, tokens: float) -> list[SampleFinished]:
+        """Every running request on ``worker`` advances ``tokens`` decode steps (continuous batching)."""
+        w = self.workers[worker]
+        if not w.alive or w.loaded is None or w.loading is not None:
+            return []
+        done: list[SampleFinished] = []
+        keep: list[Request] = []
+        for r in w.requests:
+            before = math.floor(r.generated + 1e-9)
+            r.generated = min(float(r.length), r.generated + tokens)
+            after = math.floor(r.generated + 1e-9)
+            if after > before:
+                r.add_tokens(w.loaded, after - before)
+            if after >= r.length:
+                ev = SampleFinished(worker_id=worker, group_id=r.group_id, attempt=r.attempt, index=r.index,
+                                    segments=tuple((v, n) for v, n in r.segments), payload=r.attempt)
+                done.append(ev)
+                self.sent.append(ev)
+            else:
+                keep.append(r)
+        w.requests = keep
+        return done
+
+    def request_batch(self) -> BatchRequested:
+        self.learner.waiting = True
+        return BatchRequested(step=self.learner.version)
+
+    def publish(self) -> WeightsPublished:
+        lr = self.learner
+        if lr.batch is None:
+            raise WorldError("publish without a batch")
+        for g in lr.batch.groups:
+            lr.trained.append(g.group_id)
+            self.tokens_trained += sum(n for s in g.samples for _, n in s.segments)
+            lr.staleness[lr.batch.step - g.version] += len(g.samples)
+        lr.batch = None
+        lr.version += 1
+        lr.steps += 1
+        return WeightsPublished(version=lr.version)
+
+    def crash_learner(self) -> LearnerLost:
+        """The learner dies mid-step; it restarts from its last published version and asks again."""
+        self.learner.batch = None
+        self.learner.waiting = False
+        return LearnerLost(reason="killed")
+
+    # ------------------------------------------------------------------ views
+
+    def alive_workers(self) -> list[SimWorker]:
+        return [w for w in self.workers.values() if w.alive]
+
+    def running(self) -> int:
+        return sum(len(w.requests) for w in self.alive_workers())
+
+    def busy(self) -> bool:
+        """Anything in the fleet that can still make progress on its own."""
+        return any(
+            (w.requests and w.loading is None) or w.loading is not None or w.exporting
+            for w in self.alive_workers()
+        )

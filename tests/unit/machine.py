@@ -1,0 +1,119 @@
+"""Drive the pure core and the world model together, one event at a time, checking everything.
+
+Shared by the stateful property test (hypothesis picks the next event) and the mutation check.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dora.broker.core import Core
+from dora.broker.events import Action, DeliverBatch, Event, Retire, SampleFinished, Tick
+from dora.config import CoreConfig
+from dora.ids import Mode
+from dora.sim.world import Lengths, World
+
+
+@dataclass
+class Harness:
+    cfg: CoreConfig
+    slots: int
+    lengths: Lengths
+    core: Core = field(init=False)
+    world: World = field(init=False)
+    now: float = 0.0
+    events: int = 0
+    max_alive: int = 0
+    delivered: list[DeliverBatch] = field(default_factory=list)
+    retired: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.core = Core(self.cfg, strict=True)
+        self.world = World(
+            group_size=self.cfg.group_size,
+            train_groups=self.cfg.train_groups,
+            max_staleness=self.cfg.staleness,
+            lengths=self.lengths,
+            mixed_versions_allowed=self.cfg.mode is Mode.PARTIAL,
+        )
+
+    def feed(self, event: Event) -> list[Action]:
+        self.now += 1.0
+        self.events += 1
+        actions = self.core.handle(self.now, event)
+        self.world.apply(actions)
+        for a in actions:
+            if isinstance(a, DeliverBatch) and not a.redelivery:
+                self.delivered.append(a)
+            elif isinstance(a, Retire):
+                self.retired.append(a.version)
+        self.max_alive = max(self.max_alive, len(self.core.ledger.alive()))
+        return actions
+
+    def feed_all(self, events: list[SampleFinished]) -> None:
+        for ev in events:
+            self.feed(ev)
+
+    # --------------------------------------------------------------- the environment's moves
+
+    def progress_possible(self) -> bool:
+        """Something can still happen without a new worker joining (used for the liveness check)."""
+        lr = self.world.learner
+        if lr.finished:
+            return True
+        if lr.batch is not None or not lr.waiting:
+            return True
+        return self.world.busy()
+
+    def step_once(self) -> bool:
+        """Make the one most natural move; False if nothing can move (deadlock unless finished)."""
+        lr = self.world.learner
+        if lr.finished:
+            return False
+        if lr.batch is not None:
+            self.feed(self.world.publish())
+            return True
+        if not lr.waiting:
+            self.feed(self.world.request_batch())
+            return True
+        for w in self.world.alive_workers():
+            if w.loading is not None:
+                self.feed(self.world.finish_load(w.worker_id))
+                return True
+            if w.exporting:
+                self.feed(self.world.finish_export(w.worker_id, next(iter(w.exporting))))
+                return True
+        running = [w for w in self.world.alive_workers() if w.requests]
+        if running:
+            w = min(running, key=lambda w: min(r.length - r.generated for r in w.requests))
+            need = min(r.length - r.generated for r in w.requests)
+            self.feed_all(self.world.decode(w.worker_id, need))
+            self.feed(Tick())
+            return True
+        if not self.world.alive_workers():
+            self.feed(self.world.join(self.slots))
+            return True
+        return False
+
+    def drain(self, limit: int = 200_000) -> None:
+        """Run to the end of the run; fail on deadlock or on a run that does not end."""
+        for _ in range(limit):
+            if not self.step_once():
+                break
+        lr = self.world.learner
+        assert lr.finished, (
+            f"deadlock at step {self.core.step}: learner waiting={lr.waiting}, "
+            f"flights={len(self.core.scheduler.flights)}, queued={len(self.core.scheduler.queue)}, "
+            f"finished={len(self.core.transfer)}, workers={[(w.worker_id, w.loaded, len(w.requests)) for w in self.world.alive_workers()]}"
+        )
+
+    def check_end(self) -> None:
+        """C2 over the whole run: every group of the run trained exactly once, in whole batches."""
+        total = self.cfg.prompt_budget
+        assert total is not None
+        trained = self.world.learner.trained
+        assert len(trained) == len(set(trained)), "a group was trained twice"
+        assert sorted(trained) == list(range(total)), "a dispatched group was never trained"
+        assert self.world.learner.steps == self.cfg.total_steps
+        assert max(self.world.learner.staleness, default=0) <= self.cfg.staleness
+        assert self.max_alive <= self.cfg.staleness + 1

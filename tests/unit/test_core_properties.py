@@ -1,0 +1,164 @@
+"""Stateful property tests of the pure core against the world model.
+
+Hypothesis chooses, step by step, which worker decodes and how far (so lengths and completion
+orders are arbitrary on top of heavy-tailed draws), when workers die, restart or rejoin under the
+same id, when the learner asks, trains, publishes or crashes, when old results are replayed, and
+when the orchestrator's timer and load triggers fire; in every mode and for K in {0, 1, 2, 3}.
+
+Checked after every step: the core's own invariants from scratch (strict mode), at most K + 1
+live versions, and liveness (something can still move). At the end the run is driven to completion:
+every group of the run must be trained exactly once (C2), in exact batches, with staleness <= K
+(C3) and one version per trajectory (C1) as seen by the learner model, independently of the core.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from dora.broker.events import LoadReported, Tick, WorkerJoined
+from dora.config import CoreConfig
+from dora.ids import Mode
+from dora.sim.world import Lengths
+from tests.unit.machine import Harness
+
+EXAMPLES = int(os.environ.get("DORA_PROPERTY_EXAMPLES", "300"))
+
+
+class CoreMachine(RuleBasedStateMachine):
+    h: Harness
+
+    @initialize(
+        mode=st.sampled_from(list(Mode)),
+        k=st.integers(0, 3),
+        train_groups=st.integers(1, 3),
+        group_size=st.integers(1, 3),
+        steps=st.integers(1, 5),
+        workers=st.integers(1, 4),
+        slot_groups=st.integers(1, 3),
+        watermark=st.one_of(st.none(), st.integers(1, 8)),
+        seed=st.integers(0, 2**16),
+        sigma=st.floats(0.2, 2.0),
+    )
+    def setup(self, mode, k, train_groups, group_size, steps, workers, slot_groups, watermark, seed, sigma):
+        cfg = CoreConfig(
+            mode=mode, max_staleness=k, train_groups=train_groups, group_size=group_size,
+            total_steps=steps, rollout_groups=watermark,
+        )
+        self.h = Harness(cfg=cfg, slots=slot_groups * group_size,
+                         lengths=Lengths(median=8, sigma=sigma, prompt_sigma=0.7, cap=200, seed=seed))
+        for _ in range(workers):
+            self.h.feed(self.h.world.join(self.h.slots))
+
+    # ------------------------------------------------------------------ fleet
+
+    @rule(pick=st.integers(0, 10**6), tokens=st.integers(1, 40))
+    def decode(self, pick, tokens):
+        live = [w for w in self.h.world.alive_workers() if w.requests]
+        if live:
+            self.h.feed_all(self.h.world.decode(live[pick % len(live)].worker_id, tokens))
+
+    @rule(pick=st.integers(0, 10**6))
+    def finish_load(self, pick):
+        loading = [w for w in self.h.world.alive_workers() if w.loading is not None]
+        if loading:
+            self.h.feed(self.h.world.finish_load(loading[pick % len(loading)].worker_id))
+
+    @rule(pick=st.integers(0, 10**6))
+    def finish_export(self, pick):
+        exporting = [w for w in self.h.world.alive_workers() if w.exporting]
+        if exporting:
+            w = exporting[pick % len(exporting)]
+            self.h.feed(self.h.world.finish_export(w.worker_id, next(iter(w.exporting))))
+
+    @precondition(lambda self: len(self.h.world.alive_workers()) > 0)
+    @rule(pick=st.integers(0, 10**6))
+    def kill_worker(self, pick):
+        live = self.h.world.alive_workers()
+        self.h.feed(self.h.world.kill(live[pick % len(live)].worker_id))
+
+    @precondition(lambda self: len(self.h.world.alive_workers()) < 6)
+    @rule()
+    def join_worker(self):
+        self.h.feed(self.h.world.join(self.h.slots))
+
+    @precondition(lambda self: len(self.h.world.alive_workers()) > 0)
+    @rule(pick=st.integers(0, 10**6))
+    def restart_same_id(self, pick):
+        """A worker process restarts and says hello under the same id before it was declared dead."""
+        live = self.h.world.alive_workers()
+        w = live[pick % len(live)]
+        w.requests.clear()
+        w.exporting.clear()
+        w.loaded = w.loading = None
+        self.h.feed(WorkerJoined(worker_id=w.worker_id, slots=w.slots))
+
+    @precondition(lambda self: len(self.h.world.sent) > 0)
+    @rule(pick=st.integers(0, 10**6))
+    def replay_old_result(self, pick):
+        """A late, duplicated or reordered result arrives again; it must never be trained twice."""
+        self.h.feed(self.h.world.sent[pick % len(self.h.world.sent)])
+
+    @rule()
+    def tick(self):
+        self.h.feed(Tick())
+
+    @precondition(lambda self: len(self.h.world.alive_workers()) > 0)
+    @rule(pick=st.integers(0, 10**6), kv=st.floats(0.0, 1.0))
+    def load_report(self, pick, kv):
+        live = self.h.world.alive_workers()
+        self.h.feed(LoadReported(worker_id=live[pick % len(live)].worker_id, kv_use=kv))
+
+    # ------------------------------------------------------------------ learner
+
+    @precondition(lambda self: not self.h.world.learner.waiting and self.h.world.learner.batch is None
+                  and not self.h.world.learner.finished)
+    @rule()
+    def learner_requests(self):
+        self.h.feed(self.h.world.request_batch())
+
+    @precondition(lambda self: self.h.world.learner.batch is not None)
+    @rule()
+    def learner_publishes(self):
+        self.h.feed(self.h.world.publish())
+
+    @precondition(lambda self: self.h.world.learner.batch is not None)
+    @rule()
+    def learner_crashes(self):
+        self.h.feed(self.h.world.crash_learner())
+
+    # ------------------------------------------------------------------ invariants
+
+    @invariant()
+    def live_versions_bounded(self):
+        assert len(self.h.core.ledger.alive()) <= self.h.cfg.staleness + 1
+
+    @invariant()
+    def something_can_move(self):
+        if self.h.world.alive_workers():
+            assert self.h.progress_possible(), "deadlock: learner waits and no worker can make progress"
+
+    def teardown(self):
+        if hasattr(self, "h"):
+            self.h.drain()
+            self.h.check_end()
+            core = self.h.core
+            event(f"mode={self.h.cfg.mode.value} K={self.h.cfg.staleness}")
+            event(f"events={min(self.h.events // 100 * 100, 1000)}+")
+            event(f"requeued={'yes' if core.scheduler.stats_requeued else 'no'}")
+            event(f"migrated={'yes' if core.scheduler.stats_migrated_groups else 'no'}")
+            event(f"max live versions={self.h.max_alive}")
+            for reason in core.refusals:
+                event(f"refused {reason.split()[0]}")
+
+
+CoreMachine.TestCase.settings = settings(
+    max_examples=EXAMPLES,
+    stateful_step_count=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestCoreMachine = CoreMachine.TestCase
