@@ -1,0 +1,324 @@
+"""Every message that crosses a process boundary.
+
+Rules: frozen, slotted, keyword-only dataclasses; commands are imperative (``Generate``), events
+past tense (``SampleFinished``). Token ids, log-probs and KV state are numpy arrays and travel as
+raw frames (dtype + shape + bytes), never as lists. New fields go last and carry a default; that
+does not bump ``WIRE_VERSION``. Removing, renaming or retyping a field does.
+
+``Hello`` and ``Reject`` are frozen forever: a peer of any wire version must be able to say hello
+and to read why it was turned away.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, ClassVar
+
+import numpy as np
+
+from dora.ids import AttemptId, Finish, GroupId, WorkerId
+
+WIRE_VERSION = 1
+
+Array = np.ndarray
+"""Sent out of band as a raw frame; received as a read-only view on the frame's memory."""
+
+Json = Any
+"""Plain msgpack data (None, bool, int, float, str, bytes, lists and str-keyed maps of them)."""
+
+
+class Role(StrEnum):
+    ROLLOUT = "rollout"
+    LEARNER = "learner"
+    CLIENT = "client"
+
+
+def _finite(name: str, value: float) -> None:
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+
+
+def _non_negative(name: str, value: int | float) -> None:
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+# ---------------------------------------------------------------- handshake and liveness (all roles)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Hello:
+    KIND: ClassVar[str] = "hello"
+    wire_version: int
+    role: Role
+    peer_id: str
+    """Worker id for a rollout worker, rank name for the learner, anything for a client."""
+    pid: int
+    host: str
+    slurm_job_id: str | None = None
+    slots: int = 0
+    """Rollout: sequences the engine runs at once (its credit)."""
+    engine: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Reject:
+    KIND: ClassVar[str] = "reject"
+    reason: str
+    wire_version: int
+    """The broker's wire version."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Welcome:
+    KIND: ClassVar[str] = "welcome"
+    broker_epoch: int
+    heartbeat_interval_s: float
+    liveness: int
+    newest_version: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Heartbeat:
+    KIND: ClassVar[str] = "heartbeat"
+    tokens_generated: int = 0
+    """Monotonic progress counter; heartbeats without progress while work is held mean a stall."""
+    running: int = 0
+    kv_use: float = 0.0
+
+    def __post_init__(self) -> None:
+        _non_negative("tokens_generated", self.tokens_generated)
+        _non_negative("running", self.running)
+        if not 0.0 <= self.kv_use <= 1.0:
+            raise ValueError(f"kv_use must be in [0, 1], got {self.kv_use}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Goodbye:
+    KIND: ClassVar[str] = "goodbye"
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Disconnect:
+    """The broker declared the peer dead; it must say Hello again (its leases are void)."""
+
+    KIND: ClassVar[str] = "disconnect"
+    reason: str
+
+
+# ---------------------------------------------------------------- broker <-> rollout
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Generate:
+    """Lease: generate ``n_samples`` samples of one prompt on ``version``."""
+
+    KIND: ClassVar[str] = "generate"
+    group_id: GroupId
+    attempt: AttemptId
+    version: int
+    prompt_ids: Array
+    n_samples: int
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+    broker_epoch: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SampleFinished:
+    KIND: ClassVar[str] = "sample_finished"
+    group_id: GroupId
+    attempt: AttemptId
+    index: int
+    segments: Array
+    """int32 (n, 2): (version, tokens) runs in generation order; one row when C1 holds."""
+    token_ids: Array
+    logprobs: Array
+    """Behaviour log-prob of every sampled token under the version that sampled it."""
+    reward: float
+    finish: Finish
+    gen_time_s: float = 0.0
+    broker_epoch: int = 0
+
+    def __post_init__(self) -> None:
+        _non_negative("index", self.index)
+        _finite("reward", self.reward)
+        if self.token_ids.shape != self.logprobs.shape:
+            raise ValueError(f"token_ids {self.token_ids.shape} and logprobs {self.logprobs.shape} differ")
+        if self.segments.ndim != 2 or self.segments.shape[1:] != (2,):
+            raise ValueError(f"segments must have shape (n, 2), got {self.segments.shape}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResultAck:
+    """The broker took (or refused, with a reason) a result; the worker may forget it."""
+
+    KIND: ClassVar[str] = "result_ack"
+    group_id: GroupId
+    attempt: AttemptId
+    index: int
+    accepted: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Assign:
+    """Serve ``version`` from now on: load the weights at ``uri`` and check their sha256 first."""
+
+    KIND: ClassVar[str] = "assign"
+    version: int
+    uri: str
+    sha256: str
+    interrupt: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WeightsLoaded:
+    KIND: ClassVar[str] = "weights_loaded"
+    version: int
+    load_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestState:
+    """One running sample handed between two workers of the same version."""
+
+    index: int
+    token_ids: Array
+    logprobs: Array
+    rng_state: bytes = b""
+    kv: tuple[Array, ...] = ()
+    """Engine-specific KV tensors; empty means the target re-prefills prompt + prefix."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MigrateOut:
+    KIND: ClassVar[str] = "migrate_out"
+    group_id: GroupId
+    attempt: AttemptId
+    version: int
+    target: WorkerId
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MigrationExported:
+    KIND: ClassVar[str] = "migration_exported"
+    group_id: GroupId
+    attempt: AttemptId
+    requests: tuple[RequestState, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MigrateIn:
+    KIND: ClassVar[str] = "migrate_in"
+    group_id: GroupId
+    attempt: AttemptId
+    version: int
+    source: WorkerId
+    prompt_ids: Array
+    requests: tuple[RequestState, ...]
+    max_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Cancel:
+    KIND: ClassVar[str] = "cancel"
+    group_id: GroupId
+    attempt: AttemptId
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RetireVersion:
+    """Nobody serves ``version`` any more and its groups are consumed; caches of it may go."""
+
+    KIND: ClassVar[str] = "retire_version"
+    version: int
+
+
+# ---------------------------------------------------------------- broker <-> learner
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestBatch:
+    KIND: ClassVar[str] = "request_batch"
+    step: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainSample:
+    index: int
+    token_ids: Array
+    logprobs: Array
+    reward: float
+    finish: Finish
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainGroup:
+    group_id: GroupId
+    version: int
+    prompt_ids: Array
+    samples: tuple[TrainSample, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainBatch:
+    KIND: ClassVar[str] = "train_batch"
+    step: int
+    groups: tuple[TrainGroup, ...]
+    redelivery: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WeightsPublished:
+    KIND: ClassVar[str] = "weights_published"
+    version: int
+    uri: str
+    sha256: str
+    publish_s: float = 0.0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- status clients
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StatusRequest:
+    KIND: ClassVar[str] = "status_request"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StatusReply:
+    KIND: ClassVar[str] = "status_reply"
+    snapshot: Json
+
+
+MESSAGES: tuple[type, ...] = (
+    Hello, Reject, Welcome, Heartbeat, Goodbye, Disconnect,
+    Generate, SampleFinished, ResultAck, Assign, WeightsLoaded, MigrateOut, MigrationExported, MigrateIn,
+    Cancel, RetireVersion,
+    RequestBatch, TrainBatch, WeightsPublished,
+    StatusRequest, StatusReply,
+)  # fmt: skip
+"""Every top-level message type, by kind."""
+
+
+def check_hello(hello: Hello) -> Reject | None:
+    """The broker's answer to a Hello that it must turn away, or None to accept it."""
+    if hello.wire_version != WIRE_VERSION:
+        return Reject(
+            reason=f"wire version mismatch: peer speaks {hello.wire_version}, broker speaks {WIRE_VERSION}; "
+            "run the same dora release on every node",
+            wire_version=WIRE_VERSION,
+        )
+    if hello.role is Role.ROLLOUT and hello.slots <= 0:
+        return Reject(reason=f"a rollout worker must offer slots > 0, got {hello.slots}", wire_version=WIRE_VERSION)
+    return None

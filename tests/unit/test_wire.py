@@ -1,0 +1,206 @@
+"""Wire protocol: round trips, golden bytes, decoder fuzzing, zero-copy arrays, the Hello handshake."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import struct
+import sys
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dora.wire import codec
+from dora.wire import messages as m
+from tests.unit.wire_samples import any_message, canonical, for_message, i32, same
+
+GOLDEN = pathlib.Path(__file__).parent / "golden" / f"wire_v{m.WIRE_VERSION}.json"
+
+
+def test_every_message_kind_is_unique_and_registered():
+    kinds = [cls.KIND for cls in m.MESSAGES]
+    assert len(kinds) == len(set(kinds))
+    assert set(codec.KINDS) == set(kinds)
+    assert set(canonical()) == set(kinds), "every kind needs a canonical (golden) instance"
+
+
+@pytest.mark.parametrize("cls", m.MESSAGES, ids=lambda c: c.KIND)
+def test_messages_are_frozen_slotted_kw_only(cls):
+    params = cls.__dataclass_params__
+    assert params.frozen and cls.__dataclass_fields__ and hasattr(cls, "__slots__")
+    assert all(f.kw_only for f in cls.__dataclass_fields__.values())
+
+
+@pytest.mark.parametrize("cls", m.MESSAGES, ids=lambda c: c.KIND)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_round_trip(cls, data):
+    msg = data.draw(for_message(cls))
+    back = codec.decode(codec.encode(msg))
+    assert same(msg, back), (msg, back)
+
+
+@pytest.mark.parametrize("kind", sorted(canonical()))
+def test_golden_bytes(kind):
+    """The encoding of each kind is pinned per WIRE_VERSION: a change must be deliberate."""
+    golden = json.loads(GOLDEN.read_text())
+    msg = canonical()[kind]
+    frames = [bytes(f).hex() for f in codec.encode(msg)]
+    assert frames == golden[kind], f"{kind} encodes differently from {GOLDEN.name}"
+    assert same(codec.decode([bytes.fromhex(f) for f in golden[kind]]), msg)
+
+
+def test_fields_travel_as_a_map_keyed_by_name():
+    frames = codec.encode(m.Cancel(group_id=3, attempt=9))
+    assert msgpack.unpackb(bytes(frames[3])) == {"group_id": 3, "attempt": 9}
+
+
+FUZZ = settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _decode_or_error(frames):
+    try:
+        msg = codec.decode(frames)
+    except codec.DecodeError:
+        return
+    # Whatever decodes must be a valid message that survives a second round trip unchanged.
+    assert type(msg) in m.MESSAGES
+    assert same(codec.decode(codec.encode(msg)), msg)
+
+
+@FUZZ
+@given(frames=st.lists(st.binary(max_size=64), max_size=7))
+def test_fuzz_random_frames(frames):
+    _decode_or_error(frames)
+
+
+@FUZZ
+@given(frames=st.lists(st.binary(max_size=40), max_size=4), kind=st.sampled_from(sorted(codec.KINDS)))
+def test_fuzz_valid_envelope_random_body(frames, kind):
+    _decode_or_error([codec.MAGIC, struct.pack(">H", m.WIRE_VERSION), kind.encode(), *frames])
+
+
+@FUZZ
+@given(msg=any_message, data=st.data())
+def test_fuzz_mutated_valid_messages(msg, data):
+    frames = [bytearray(bytes(f)) for f in codec.encode(msg)]
+    for _ in range(data.draw(st.integers(1, 4))):
+        i = data.draw(st.integers(0, len(frames) - 1))
+        action = data.draw(st.sampled_from(["flip", "truncate", "drop", "duplicate", "insert"]))
+        if action == "flip" and frames[i]:
+            j = data.draw(st.integers(0, len(frames[i]) - 1))
+            frames[i][j] ^= data.draw(st.integers(1, 255))
+        elif action == "truncate":
+            frames[i] = frames[i][: data.draw(st.integers(0, len(frames[i])))]
+        elif action == "drop" and len(frames) > 1:
+            del frames[i]
+        elif action == "duplicate":
+            frames.insert(i, bytearray(frames[i]))
+        elif action == "insert":
+            frames.insert(i, bytearray(data.draw(st.binary(max_size=16))))
+    _decode_or_error([bytes(f) for f in frames])
+
+
+@pytest.mark.parametrize(
+    ("frames", "fragment"),
+    [
+        ([], "frames"),
+        ([b"nope", b"\x00\x01", b"cancel", b"\x80"], "magic"),
+        ([codec.MAGIC, b"\x00\x01", b"no_such_kind", b"\x80"], "unknown message kind"),
+        ([codec.MAGIC, b"\x00\x01", b"cancel", b"\xc1"], "FormatError"),
+        ([codec.MAGIC, b"\x00\x01", b"cancel", msgpack.packb({"group_id": 1})], "missing field 'attempt'"),
+        ([codec.MAGIC, b"\x00\x01", b"cancel", msgpack.packb({"group_id": "x", "attempt": 1})], "cancel.group_id"),
+        ([codec.MAGIC, b"\x00\x01", b"heartbeat", msgpack.packb({"kv_use": 2.0})], "kv_use"),
+        ([codec.MAGIC, b"\x00\x01", b"cancel", msgpack.packb([1, 2])], "map of fields"),
+    ],
+)
+def test_decode_errors_name_the_problem(frames, fragment):
+    with pytest.raises(codec.DecodeError, match=fragment):
+        codec.decode(frames)
+
+
+def test_array_frame_must_match_its_shape():
+    frames = codec.encode(m.Generate(group_id=1, attempt=1, version=0, prompt_ids=i32(1, 2, 3), n_samples=1,
+                                     max_tokens=4))
+    with pytest.raises(codec.DecodeError, match="needs 12 bytes"):
+        codec.decode([*frames[:4], b"\x00" * 8])
+    with pytest.raises(codec.DecodeError, match="not referenced"):
+        codec.decode([*frames, b"extra"])
+
+
+def test_arrays_are_zero_copy_views_of_the_received_frames():
+    msg = canonical()["sample_finished"]
+    frames = [bytearray(bytes(f)) for f in codec.encode(msg)]
+    back = codec.decode([memoryview(f) for f in frames])
+    assert not back.token_ids.flags.writeable
+    frames[5][:4] = struct.pack("<i", 4242)  # token_ids is the second array frame
+    assert back.token_ids[0] == 4242, "decoded array does not share the frame's memory"
+
+
+def test_zero_copy_through_real_zeromq_frames(tmp_path):
+    ctx = zmq.Context()
+    try:
+        a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+        a.setsockopt(zmq.LINGER, 0)
+        b.setsockopt(zmq.LINGER, 0)
+        a.bind(f"ipc://{tmp_path}/pair.sock")
+        b.connect(f"ipc://{tmp_path}/pair.sock")
+        big = np.arange(100_000, dtype=np.int32)
+        msg = m.Generate(group_id=1, attempt=2, version=0, prompt_ids=big, n_samples=4, max_tokens=8)
+        a.send_multipart(codec.encode(msg), copy=False)
+        assert b.poll(5000)
+        frames = b.recv_multipart(copy=False)
+        back = codec.decode(frames)
+        assert np.shares_memory(back.prompt_ids, np.frombuffer(frames[4].buffer, dtype=np.uint8))
+        assert np.array_equal(back.prompt_ids, big)
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_version_mismatch_is_its_own_error_and_gets_a_clear_reject():
+    frames = codec.encode(canonical()["hello"])
+    frames[1] = struct.pack(">H", m.WIRE_VERSION + 1)
+    with pytest.raises(codec.WireVersionMismatch) as err:
+        codec.decode(frames)
+    assert err.value.peer_version == m.WIRE_VERSION + 1 and err.value.kind == "hello"
+    old = m.Hello(wire_version=m.WIRE_VERSION + 1, role=m.Role.ROLLOUT, peer_id="w", pid=1, host="h", slots=8)
+    reject = m.check_hello(old)
+    assert isinstance(reject, m.Reject) and reject.wire_version == m.WIRE_VERSION
+    assert f"peer speaks {m.WIRE_VERSION + 1}" in reject.reason
+    assert m.check_hello(canonical()["hello"]) is None
+    no_slots = m.Hello(wire_version=m.WIRE_VERSION, role=m.Role.ROLLOUT, peer_id="w", pid=1, host="h")
+    assert "slots" in m.check_hello(no_slots).reason
+
+
+def test_encode_refuses_wrong_types():
+    with pytest.raises(codec.EncodeError):
+        codec.encode(m.Cancel(group_id="x", attempt=1))
+    with pytest.raises(codec.EncodeError):
+        codec.encode(m.Generate(group_id=1, attempt=1, version=0, prompt_ids=[1, 2], n_samples=1, max_tokens=1))
+    with pytest.raises(codec.EncodeError):
+        codec.encode(object())
+
+
+def test_message_validation_rejects_nan_rewards_and_mismatched_logprobs():
+    with pytest.raises(ValueError, match="reward"):
+        m.SampleFinished(group_id=1, attempt=1, index=0, segments=np.zeros((1, 2), np.int32), token_ids=i32(1),
+                         logprobs=np.zeros(1, np.float32), reward=float("nan"), finish=m.Finish.STOP)
+    with pytest.raises(ValueError, match="differ"):
+        m.SampleFinished(group_id=1, attempt=1, index=0, segments=np.zeros((1, 2), np.int32), token_ids=i32(1, 2),
+                         logprobs=np.zeros(1, np.float32), reward=0.0, finish=m.Finish.STOP)
+
+
+def write_golden() -> None:
+    GOLDEN.parent.mkdir(exist_ok=True)
+    data = {kind: [bytes(f).hex() for f in codec.encode(msg)] for kind, msg in sorted(canonical().items())}
+    GOLDEN.write_text(json.dumps(data, indent=1) + "\n")
+    print(f"wrote {GOLDEN}")
+
+
+if __name__ == "__main__":  # python -m tests.unit.test_wire --write-golden (only when the format changes on purpose)
+    if sys.argv[1:] == ["--write-golden"]:
+        write_golden()
