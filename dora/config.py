@@ -45,9 +45,7 @@ class CoreConfig:
         try:
             object.__setattr__(self, "mode", Mode(self.mode))
         except ValueError:
-            raise ConfigError(
-                f"mode must be one of {', '.join(m.value for m in Mode)}; got {self.mode!r}"
-            ) from None
+            raise ConfigError(f"mode must be one of {', '.join(m.value for m in Mode)}; got {self.mode!r}") from None
         _at_least("max_staleness", self.max_staleness, 0)
         _at_least("train_groups", self.train_groups, 1)
         _at_least("group_size", self.group_size, 1)

@@ -61,9 +61,7 @@ def admissible(counts: Mapping[int, int], step: int, batch: int, deadline: int) 
     return max(0, min(bounds))
 
 
-def keeps_invariant_after(
-    counts: Mapping[int, int], step: int, batch: int, taken: Iterable[int]
-) -> bool:
+def keeps_invariant_after(counts: Mapping[int, int], step: int, batch: int, taken: Iterable[int]) -> bool:
     """Would the invariant hold for ``step + 1`` once groups with deadlines ``taken`` are consumed?"""
     rest = dict(counts)
     for d in taken:

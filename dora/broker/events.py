@@ -208,17 +208,7 @@ class RunFinished:
     steps: int
 
 
-Action = (
-    Lease
-    | Assign
-    | MigrateOut
-    | MigrateIn
-    | Cancel
-    | DeliverBatch
-    | Retire
-    | Refused
-    | RunFinished
-)
+Action = Lease | Assign | MigrateOut | MigrateIn | Cancel | DeliverBatch | Retire | Refused | RunFinished
 
 
 @dataclass(slots=True)

@@ -122,13 +122,7 @@ class Ledger:
     def collect_retired(self) -> list[int]:
         """Retire every version that is superseded, unserved and fully consumed; return them, oldest first."""
         pinned = set(self._pins.values())
-        gone = [
-            v
-            for v in sorted(self._state)
-            if v < self.newest
-            and v not in pinned
-            and not self._unconsumed[v]
-        ]
+        gone = [v for v in sorted(self._state) if v < self.newest and v not in pinned and not self._unconsumed[v]]
         for v in gone:
             del self._state[v]  # state() reports RETIRED for any version no longer held
         return gone

@@ -337,13 +337,17 @@ class Scheduler:
         target.used += self.unfinished(flight)
         out.emit(
             MigrateOut(
-                worker_id=src, target=target.worker_id, group_id=flight.group_id, attempt=flight.attempt,
+                worker_id=src,
+                target=target.worker_id,
+                group_id=flight.group_id,
+                attempt=flight.attempt,
                 version=flight.version,
             )
         )
 
-    def exported(self, worker: WorkerId, group: GroupId, attempt: AttemptId, n_requests: int,
-                 state: object, out: Outbox) -> None:
+    def exported(
+        self, worker: WorkerId, group: GroupId, attempt: AttemptId, n_requests: int, state: object, out: Outbox
+    ) -> None:
         found = self.check_result(worker, group, attempt)
         if isinstance(found, str):
             out.emit(Refused(reason=found, worker_id=worker, group_id=group, attempt=attempt))
@@ -368,8 +372,13 @@ class Scheduler:
         self.stats_migrated_requests += n_requests
         out.emit(
             MigrateIn(
-                worker_id=dst.worker_id, source=worker, group_id=group, attempt=attempt,
-                version=flight.version, n_requests=n_requests, state=state,
+                worker_id=dst.worker_id,
+                source=worker,
+                group_id=group,
+                attempt=attempt,
+                version=flight.version,
+                n_requests=n_requests,
+                state=state,
             )
         )
 

@@ -88,7 +88,10 @@ class Result:
 
 
 class Simulation:
-    """One run of one mode. ``deaths``: (time_s, worker index) kills; each killed worker restarts after ``restart_s``."""
+    """One run of one mode.
+
+    ``deaths``: (time_s, worker index) kills; each killed worker is replaced after ``restart_s``.
+    """
 
     def __init__(
         self,
@@ -108,8 +111,11 @@ class Simulation:
         self.timing = timing or Timing()
         self.core = Core(cfg, strict=strict)
         self.world = World(
-            group_size=cfg.group_size, train_groups=cfg.train_groups, max_staleness=cfg.staleness,
-            lengths=lengths or Lengths(), mixed_versions_allowed=cfg.mode is Mode.PARTIAL,
+            group_size=cfg.group_size,
+            train_groups=cfg.train_groups,
+            max_staleness=cfg.staleness,
+            lengths=lengths or Lengths(),
+            mixed_versions_allowed=cfg.mode is Mode.PARTIAL,
         )
         self.n_workers = workers
         self.slots = slots
@@ -225,12 +231,20 @@ class Simulation:
             )
         lr = self.world.learner
         return Result(
-            mode=self.cfg.mode, staleness_bound=self.cfg.staleness, wall_s=self.now, steps=lr.steps,
-            tokens=self.world.tokens_trained, learner_idle_s=self.learner_idle_s,
-            staleness=lr.staleness, c1_violations=lr.c1_violations, trained=list(lr.trained),
+            mode=self.cfg.mode,
+            staleness_bound=self.cfg.staleness,
+            wall_s=self.now,
+            steps=lr.steps,
+            tokens=self.world.tokens_trained,
+            learner_idle_s=self.learner_idle_s,
+            staleness=lr.staleness,
+            c1_violations=lr.c1_violations,
+            trained=list(lr.trained),
             expected_groups=self.cfg.prompt_budget or 0,
-            migrated_requests=self.world.migrated_requests, requeued=self.core.scheduler.stats_requeued,
-            max_live_versions=self.max_alive, step_times=self.step_times,
+            migrated_requests=self.world.migrated_requests,
+            requeued=self.core.scheduler.stats_requeued,
+            max_live_versions=self.max_alive,
+            step_times=self.step_times,
         )
 
     def _dispatch(self, kind: str, arg: object) -> None:

@@ -112,8 +112,15 @@ class Learner:
 class World:
     """Fleet + learner state machine. ``apply`` takes the core's actions; the other methods make events."""
 
-    def __init__(self, *, group_size: int, train_groups: int, max_staleness: int, lengths: Lengths,
-                 mixed_versions_allowed: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        group_size: int,
+        train_groups: int,
+        max_staleness: int,
+        lengths: Lengths,
+        mixed_versions_allowed: bool = False,
+    ) -> None:
         self.group_size = group_size
         self.train_groups = train_groups
         self.max_staleness = max_staleness
@@ -145,9 +152,7 @@ class World:
                     if len(w.requests) + a.n_samples > w.slots:
                         raise WorldError(f"{w.worker_id} leased beyond its {w.slots} slots")
                     for i in range(a.n_samples):
-                        w.requests.append(
-                            Request(a.group_id, a.attempt, i, self.lengths(a.group_id, i, a.attempt))
-                        )
+                        w.requests.append(Request(a.group_id, a.attempt, i, self.lengths(a.group_id, i, a.attempt)))
                 case Assign():
                     w = self._live(a.worker_id)
                     if w is None:
@@ -248,8 +253,9 @@ class World:
     def finish_export(self, worker: WorkerId, group: GroupId) -> MigrationExported:
         w = self.workers[worker]
         attempt, requests = w.exporting.pop(group)
-        return MigrationExported(worker_id=worker, group_id=group, attempt=attempt,
-                                 n_requests=len(requests), state=requests)
+        return MigrationExported(
+            worker_id=worker, group_id=group, attempt=attempt, n_requests=len(requests), state=requests
+        )
 
     def decode(self, worker: WorkerId, tokens: float) -> list[SampleFinished]:
         """Every running request on ``worker`` advances ``tokens`` decode steps (continuous batching)."""
@@ -265,8 +271,14 @@ class World:
             if after > before:
                 r.add_tokens(w.loaded, after - before)
             if after >= r.length:
-                ev = SampleFinished(worker_id=worker, group_id=r.group_id, attempt=r.attempt, index=r.index,
-                                    segments=tuple((v, n) for v, n in r.segments), payload=r.attempt)
+                ev = SampleFinished(
+                    worker_id=worker,
+                    group_id=r.group_id,
+                    attempt=r.attempt,
+                    index=r.index,
+                    segments=tuple((v, n) for v, n in r.segments),
+                    payload=r.attempt,
+                )
                 done.append(ev)
                 self.sent.append(ev)
             else:
@@ -308,6 +320,5 @@ class World:
     def busy(self) -> bool:
         """Anything in the fleet that can still make progress on its own."""
         return any(
-            (w.requests and w.loading is None) or w.loading is not None or w.exporting
-            for w in self.alive_workers()
+            (w.requests and w.loading is None) or w.loading is not None or w.exporting for w in self.alive_workers()
         )

@@ -246,7 +246,9 @@ def _dec(value: Any, tp: Any, where: str, blobs: list[memoryview], used: set[int
         if not isinstance(value, dict):
             raise DecodeError(f"{where}: expected a map")
         key_tp, val_tp = typing.get_args(tp)
-        return {_dec(k, key_tp, where, blobs, used): _dec(v, val_tp, f"{where}.{k}", blobs, used) for k, v in value.items()}
+        return {
+            _dec(k, key_tp, where, blobs, used): _dec(v, val_tp, f"{where}.{k}", blobs, used) for k, v in value.items()
+        }
     if dataclasses.is_dataclass(tp):
         return _dec_struct(value, tp, where, blobs, used)
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
@@ -270,7 +272,8 @@ def _array(ref: _ArrayRef, where: str, blobs: list[memoryview], used: set[int]) 
     for d in ref.shape:
         count *= d
     if count * dtype.itemsize != blob.nbytes:
-        raise DecodeError(f"{where}: shape {ref.shape} of {dtype} needs {count * dtype.itemsize} bytes, got {blob.nbytes}")
+        need = count * dtype.itemsize
+        raise DecodeError(f"{where}: shape {ref.shape} of {dtype} needs {need} bytes, got {blob.nbytes}")
     arr = np.frombuffer(blob, dtype=dtype, count=count).reshape(ref.shape)
     arr.flags.writeable = False
     return arr

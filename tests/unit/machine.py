@@ -104,7 +104,8 @@ class Harness:
         assert lr.finished, (
             f"deadlock at step {self.core.step}: learner waiting={lr.waiting}, "
             f"flights={len(self.core.scheduler.flights)}, queued={len(self.core.scheduler.queue)}, "
-            f"finished={len(self.core.transfer)}, workers={[(w.worker_id, w.loaded, len(w.requests)) for w in self.world.alive_workers()]}"
+            f"finished={len(self.core.transfer)}, "
+            f"workers={[(w.worker_id, w.loaded, len(w.requests)) for w in self.world.alive_workers()]}"
         )
 
     def check_end(self) -> None:

@@ -45,11 +45,18 @@ class CoreMachine(RuleBasedStateMachine):
     )
     def setup(self, mode, k, train_groups, group_size, steps, workers, slot_groups, watermark, seed, sigma):
         cfg = CoreConfig(
-            mode=mode, max_staleness=k, train_groups=train_groups, group_size=group_size,
-            total_steps=steps, rollout_groups=watermark,
+            mode=mode,
+            max_staleness=k,
+            train_groups=train_groups,
+            group_size=group_size,
+            total_steps=steps,
+            rollout_groups=watermark,
         )
-        self.h = Harness(cfg=cfg, slots=slot_groups * group_size,
-                         lengths=Lengths(median=8, sigma=sigma, prompt_sigma=0.7, cap=200, seed=seed))
+        self.h = Harness(
+            cfg=cfg,
+            slots=slot_groups * group_size,
+            lengths=Lengths(median=8, sigma=sigma, prompt_sigma=0.7, cap=200, seed=seed),
+        )
         for _ in range(workers):
             self.h.feed(self.h.world.join(self.h.slots))
 
@@ -114,8 +121,13 @@ class CoreMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ learner
 
-    @precondition(lambda self: not self.h.world.learner.waiting and self.h.world.learner.batch is None
-                  and not self.h.world.learner.finished)
+    @precondition(
+        lambda self: (
+            not self.h.world.learner.waiting
+            and self.h.world.learner.batch is None
+            and not self.h.world.learner.finished
+        )
+    )
     @rule()
     def learner_requests(self):
         self.h.feed(self.h.world.request_batch())

@@ -124,8 +124,9 @@ def test_decode_errors_name_the_problem(frames, fragment):
 
 
 def test_array_frame_must_match_its_shape():
-    frames = codec.encode(m.Generate(group_id=1, attempt=1, version=0, prompt_ids=i32(1, 2, 3), n_samples=1,
-                                     max_tokens=4))
+    frames = codec.encode(
+        m.Generate(group_id=1, attempt=1, version=0, prompt_ids=i32(1, 2, 3), n_samples=1, max_tokens=4)
+    )
     with pytest.raises(codec.DecodeError, match="needs 12 bytes"):
         codec.decode([*frames[:4], b"\x00" * 8])
     with pytest.raises(codec.DecodeError, match="not referenced"):
@@ -187,11 +188,27 @@ def test_encode_refuses_wrong_types():
 
 def test_message_validation_rejects_nan_rewards_and_mismatched_logprobs():
     with pytest.raises(ValueError, match="reward"):
-        m.SampleFinished(group_id=1, attempt=1, index=0, segments=np.zeros((1, 2), np.int32), token_ids=i32(1),
-                         logprobs=np.zeros(1, np.float32), reward=float("nan"), finish=m.Finish.STOP)
+        m.SampleFinished(
+            group_id=1,
+            attempt=1,
+            index=0,
+            segments=np.zeros((1, 2), np.int32),
+            token_ids=i32(1),
+            logprobs=np.zeros(1, np.float32),
+            reward=float("nan"),
+            finish=m.Finish.STOP,
+        )
     with pytest.raises(ValueError, match="differ"):
-        m.SampleFinished(group_id=1, attempt=1, index=0, segments=np.zeros((1, 2), np.int32), token_ids=i32(1, 2),
-                         logprobs=np.zeros(1, np.float32), reward=0.0, finish=m.Finish.STOP)
+        m.SampleFinished(
+            group_id=1,
+            attempt=1,
+            index=0,
+            segments=np.zeros((1, 2), np.int32),
+            token_ids=i32(1, 2),
+            logprobs=np.zeros(1, np.float32),
+            reward=0.0,
+            finish=m.Finish.STOP,
+        )
 
 
 def write_golden() -> None:

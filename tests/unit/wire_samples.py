@@ -25,36 +25,84 @@ def f32(*values: float) -> np.ndarray:
 
 def canonical() -> dict[str, Any]:
     """One fixed instance of every message kind; their encodings are the golden bytes."""
-    req = m.RequestState(index=1, token_ids=i32(11, 12), logprobs=f32(-0.5, -1.25), rng_state=b"\x01\x02",
-                         kv=(np.arange(4, dtype=np.float16).reshape(2, 2),))
-    sample = m.TrainSample(index=0, token_ids=i32(5, 6, 7), logprobs=f32(-1.0, -2.0, -0.25), reward=1.0,
-                           finish=Finish.STOP)
+    req = m.RequestState(
+        index=1,
+        token_ids=i32(11, 12),
+        logprobs=f32(-0.5, -1.25),
+        rng_state=b"\x01\x02",
+        kv=(np.arange(4, dtype=np.float16).reshape(2, 2),),
+    )
+    sample = m.TrainSample(
+        index=0, token_ids=i32(5, 6, 7), logprobs=f32(-1.0, -2.0, -0.25), reward=1.0, finish=Finish.STOP
+    )
     msgs = [
-        m.Hello(wire_version=m.WIRE_VERSION, role=m.Role.ROLLOUT, peer_id="rollout-0", pid=4242, host="node01",
-                slurm_job_id="9001", slots=64, engine="torch"),
+        m.Hello(
+            wire_version=m.WIRE_VERSION,
+            role=m.Role.ROLLOUT,
+            peer_id="rollout-0",
+            pid=4242,
+            host="node01",
+            slurm_job_id="9001",
+            slots=64,
+            engine="torch",
+        ),
         m.Reject(reason="wire version mismatch", wire_version=m.WIRE_VERSION),
         m.Welcome(broker_epoch=77, heartbeat_interval_s=0.5, liveness=4, newest_version=3),
         m.Heartbeat(tokens_generated=1000, running=3, kv_use=0.25),
         m.Goodbye(reason="sigterm"),
         m.Disconnect(reason="expired"),
-        m.Generate(group_id=12, attempt=5, version=3, prompt_ids=i32(1, 2, 3), n_samples=4, max_tokens=256,
-                   temperature=0.7, top_p=0.9, seed=123, broker_epoch=77),
-        m.SampleFinished(group_id=12, attempt=5, index=2, segments=np.array([[3, 3]], dtype=np.int32),
-                         token_ids=i32(9, 8, 7), logprobs=f32(-0.5, -0.75, -1.0), reward=0.5, finish=Finish.LENGTH,
-                         gen_time_s=1.5, broker_epoch=77),
+        m.Generate(
+            group_id=12,
+            attempt=5,
+            version=3,
+            prompt_ids=i32(1, 2, 3),
+            n_samples=4,
+            max_tokens=256,
+            temperature=0.7,
+            top_p=0.9,
+            seed=123,
+            broker_epoch=77,
+        ),
+        m.SampleFinished(
+            group_id=12,
+            attempt=5,
+            index=2,
+            segments=np.array([[3, 3]], dtype=np.int32),
+            token_ids=i32(9, 8, 7),
+            logprobs=f32(-0.5, -0.75, -1.0),
+            reward=0.5,
+            finish=Finish.LENGTH,
+            gen_time_s=1.5,
+            broker_epoch=77,
+        ),
         m.ResultAck(group_id=12, attempt=5, index=2, accepted=False, reason="stale_attempt"),
         m.Assign(version=4, uri="file:///weights/v4", sha256="ab" * 32, interrupt=False),
         m.WeightsLoaded(version=4, load_s=0.125),
         m.MigrateOut(group_id=12, attempt=5, version=3, target="rollout-1"),
         m.MigrationExported(group_id=12, attempt=5, requests=(req,)),
-        m.MigrateIn(group_id=12, attempt=5, version=3, source="rollout-0", prompt_ids=i32(1, 2, 3), requests=(req,),
-                    max_tokens=256, temperature=0.7, top_p=0.9, seed=123),
+        m.MigrateIn(
+            group_id=12,
+            attempt=5,
+            version=3,
+            source="rollout-0",
+            prompt_ids=i32(1, 2, 3),
+            requests=(req,),
+            max_tokens=256,
+            temperature=0.7,
+            top_p=0.9,
+            seed=123,
+        ),
         m.Cancel(group_id=12, attempt=5),
         m.RetireVersion(version=1),
         m.RequestBatch(step=3),
         m.TrainBatch(step=3, groups=(m.TrainGroup(group_id=12, version=3, prompt_ids=i32(1, 2), samples=(sample,)),)),
-        m.WeightsPublished(version=4, uri="file:///weights/v4", sha256="cd" * 32, publish_s=0.25,
-                           metrics={"reward_mean": 0.5, "loss": -0.125}),
+        m.WeightsPublished(
+            version=4,
+            uri="file:///weights/v4",
+            sha256="cd" * 32,
+            publish_s=0.25,
+            metrics={"reward_mean": 0.5, "loss": -0.125},
+        ),
         m.StatusRequest(),
         m.StatusReply(snapshot={"step": 3, "versions": [2, 3], "workers": {"rollout-0": {"version": 3}}}),
     ]
@@ -65,13 +113,14 @@ def same(a: Any, b: Any) -> bool:
     """Deep equality where arrays compare by dtype, shape and content."""
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return (
-            isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype
-            and a.shape == b.shape and np.array_equal(a, b, equal_nan=a.dtype.kind == "f")
+            isinstance(a, np.ndarray)
+            and isinstance(b, np.ndarray)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and np.array_equal(a, b, equal_nan=a.dtype.kind == "f")
         )
     if dataclasses.is_dataclass(a):
-        return type(a) is type(b) and all(
-            same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a)
-        )
+        return type(a) is type(b) and all(same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
     if isinstance(a, tuple | list):
         return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
     if isinstance(a, dict):
