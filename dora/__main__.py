@@ -1,0 +1,5 @@
+import sys
+
+from dora.cli import main
+
+sys.exit(main())

@@ -1,0 +1,57 @@
+"""`dora` command line: parses the subcommand, then imports only that subcommand's package.
+
+Nothing heavy is imported here, so `dora --help` and `dora broker --help` start fast and never
+pull torch or vllm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS: dict[str, tuple[str, str | None]] = {
+    "broker": ("the asyncio + ZeroMQ broker: ledger, scheduler, transfer queue, orchestrator", None),
+    "rollout": ("a rollout worker (engine: sim, torch or vllm)", None),
+    "learner": ("the FSDP2 learner (run under torchrun or srun)", None),
+    "run": ("broker, rollout workers and learner on one machine (the embedded default)", None),
+    "sim": ("discrete-event simulation of all paradigms on the production core", "dora.sim.main"),
+    "status": ("live versions, workers, queues and staleness of a running broker", None),
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dora",
+        description="Asynchronous RL post-training with multi-version streaming rollout.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Run `dora COMMAND --help` for the options of one command.",
+    )
+    from dora import __version__
+
+    p.add_argument("--version", action="version", version=f"dora {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    for name, (summary, _) in COMMANDS.items():
+        sub.add_parser(name, help=summary, add_help=False)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in COMMANDS:
+        p = parser()
+        if not argv:
+            p.print_help()
+            return 2
+        p.parse_args(argv[:1])  # prints --help / --version, or a usage error naming the bad command
+        return 2
+    name, rest = argv[0], argv[1:]
+    summary, module = COMMANDS[name]
+    if module is None:
+        print(f"dora {name}: not built yet ({summary}).", file=sys.stderr)
+        return 2
+    return int(importlib.import_module(module).main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
