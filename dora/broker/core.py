@@ -213,7 +213,7 @@ class Core:
         plan = orchestrator.plan(views, self._pending(), self.ledger.newest, full=full)
         for gid, _src, dst in plan.migrations:
             sched.migrate(sched.flights[gid], sched.workers[dst], out)
-        for worker in plan.moves:
+        for worker in sorted(plan.moves, key=lambda name: sched.workers[name].order):  # join order, as partial
             w = sched.workers[worker]
             if w.groups:
                 w.leaving = True

@@ -82,21 +82,19 @@ def plan(workers: list[WorkerView], pending: dict[int, int], newest: int, *, ful
             continue
         by_version.setdefault(w.version, []).append(w)
     for version in sorted(by_version):
-        staying = sorted(by_version[version], key=lambda w: (_load(w), w.order))
-        surplus = len(staying) - target.get(version, 0)
+        ranked = sorted(by_version[version], key=lambda w: (_load(w), w.order))
+        surplus = len(ranked) - target.get(version, 0)
         if not full:
-            surplus = len(staying) if not pending.get(version) else 0
+            surplus = len(ranked) if not pending.get(version) else 0
+        # The least-loaded leave; their groups go only to workers that stay, so nothing moves twice.
+        leaving, staying = ranked[: max(surplus, 0)], ranked[max(surplus, 0) :]
         free = {w.worker_id: w.free for w in staying}
-        for cand in list(staying):
-            if surplus <= 0:
-                break
-            others = [w for w in staying if w is not cand]
-            placed = _place(cand, others, free)
-            if placed is None:
+        for cand in leaving:
+            placed = _place(cand, staying, free)
+            if placed is None:  # its groups do not fit: it stays (and can take others' groups)
+                staying.append(cand)
+                free[cand.worker_id] = cand.free
                 continue
-            staying.remove(cand)
-            free.pop(cand.worker_id)
-            surplus -= 1
             out.moves.append(cand.worker_id)
             out.migrations.extend(placed)
     return out

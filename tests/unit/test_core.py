@@ -1,0 +1,288 @@
+"""The core's event handling: fencing, re-runs, migration protocol, modes, learner hand-off."""
+
+from __future__ import annotations
+
+import pytest
+
+from dora.broker.core import Core
+from dora.broker.events import (
+    Assign,
+    BatchRequested,
+    Cancel,
+    DeliverBatch,
+    LearnerLost,
+    Lease,
+    MigrateIn,
+    MigrateOut,
+    MigrationExported,
+    Refused,
+    Retire,
+    RunFinished,
+    SampleFinished,
+    Tick,
+    WeightsLoaded,
+    WeightsPublished,
+    WorkerJoined,
+    WorkerLost,
+)
+from dora.broker.scheduler import GroupFailed
+from dora.config import ConfigError, CoreConfig
+from dora.ids import Finish, Mode
+from dora.sim.des import Simulation
+from dora.sim.world import Lengths
+
+
+def of(actions, kind):
+    return [a for a in actions if isinstance(a, kind)]
+
+
+def ready(core: Core, worker: str, slots: int = 8) -> list:
+    acts = core.handle(0, WorkerJoined(worker_id=worker, slots=slots))
+    (assign,) = of(acts, Assign)
+    return core.handle(0, WeightsLoaded(worker_id=worker, version=assign.version))
+
+
+def finish(core: Core, lease: Lease, index: int = 0, *, worker=None, attempt=None, version=None, finish=Finish.STOP):
+    return core.handle(
+        0,
+        SampleFinished(
+            worker_id=worker or lease.worker_id, group_id=lease.group_id,
+            attempt=lease.attempt if attempt is None else attempt, index=index,
+            segments=((lease.version if version is None else version, 5),), finish=finish,
+        ),
+    )  # fmt: skip
+
+
+def cfg(**kw) -> CoreConfig:
+    base = dict(mode=Mode.DORA, max_staleness=1, train_groups=1, group_size=1, rollout_groups=1)
+    return CoreConfig(**{**base, **kw})
+
+
+# ---------------------------------------------------------------- fencing
+
+
+def test_a_group_is_leased_whole_to_one_worker_with_a_fresh_attempt():
+    core = Core(cfg(group_size=4, rollout_groups=2))
+    leases = of(ready(core, "a", slots=8), Lease)
+    assert [(x.n_samples, x.worker_id) for x in leases] == [(4, "a"), (4, "a")]
+    assert len({x.attempt for x in leases}) == 2
+
+
+@pytest.mark.parametrize(
+    ("who", "attempt_delta", "index", "reason"),
+    [
+        ("ghost", 0, 0, "unknown_worker"),
+        ("b", 0, 0, "not_holder"),
+        ("a", 1, 0, "stale_attempt"),
+        ("a", 0, 5, "bad_sample_index"),
+    ],
+)
+def test_results_that_do_not_match_the_lease_are_refused(who, attempt_delta, index, reason):
+    core = Core(cfg(group_size=2))
+    (lease,) = of(ready(core, "a"), Lease)
+    ready(core, "b")
+    acts = finish(core, lease, index, worker=who, attempt=lease.attempt + attempt_delta)
+    assert [r.reason for r in of(acts, Refused)] == [reason]
+    assert core.scheduler.flights[lease.group_id].done == {}
+
+
+def test_duplicate_sample_is_refused_and_changes_nothing():
+    core = Core(cfg(group_size=2))
+    (lease,) = of(ready(core, "a"), Lease)
+    finish(core, lease, 0)
+    acts = finish(core, lease, 0)
+    assert [r.reason for r in of(acts, Refused)] == ["duplicate_sample"]
+    assert len(core.scheduler.flights[lease.group_id].done) == 1
+
+
+def test_lost_worker_groups_rerun_whole_on_newest_and_late_results_are_refused():
+    core = Core(cfg(group_size=2, max_staleness=1))
+    (lease,) = of(ready(core, "a"), Lease)
+    finish(core, lease, 0)
+    ready(core, "b")
+    acts = core.handle(0, WorkerLost(worker_id="a"))
+    (rerun,) = of(acts, Lease)
+    assert rerun.group_id == lease.group_id and rerun.worker_id == "b" and rerun.attempt != lease.attempt
+    assert core.scheduler.flights[lease.group_id].done == {}, "partial output of the dead attempt is discarded"
+    assert [r.reason for r in of(finish(core, lease, 1), Refused)] == ["unknown_worker"]
+
+
+def test_restart_under_the_same_id_voids_the_old_leases_and_fences_their_results():
+    core = Core(cfg(group_size=1))
+    (old,) = of(ready(core, "a"), Lease)
+    acts = core.handle(0, WorkerJoined(worker_id="a", slots=8))  # the process restarted before it expired
+    assert of(acts, Assign)
+    acts = core.handle(0, WeightsLoaded(worker_id="a", version=0))
+    (new,) = of(acts, Lease)
+    assert new.group_id == old.group_id and new.attempt != old.attempt
+    assert [r.reason for r in of(finish(core, old), Refused)] == ["stale_attempt"], "same worker, old attempt"
+    assert not of(finish(core, new), Refused)
+
+
+def test_c1_violating_sample_is_refused_and_the_group_rerun_then_the_run_stops_after_repeated_errors():
+    core = Core(cfg(group_size=1, max_group_failures=2))
+    (lease,) = of(ready(core, "a"), Lease)
+    acts = finish(core, lease, version=lease.version + 1)
+    assert [r.reason for r in of(acts, Refused)] == ["c1_violation"]
+    assert of(acts, Cancel) == [Cancel(worker_id="a", group_id=lease.group_id, attempt=lease.attempt)]
+    (rerun,) = of(acts, Lease)
+    with pytest.raises(GroupFailed, match="neither trained nor dropped"):
+        finish(core, rerun, finish=Finish.ERROR)
+
+
+# ---------------------------------------------------------------- learner hand-off
+
+
+def test_batches_are_exact_and_a_lost_learner_gets_the_same_batch_again():
+    core = Core(cfg(train_groups=2, group_size=1, rollout_groups=3, total_steps=2))
+    leases = of(ready(core, "a"), Lease)
+    assert len(leases) == 3
+    core.handle(0, BatchRequested(step=0))
+    assert not of(finish(core, leases[0]), DeliverBatch), "one finished group is not a batch of two"
+    (batch,) = of(finish(core, leases[1]), DeliverBatch)
+    assert len(batch.groups) == 2 and batch.step == 0
+    core.handle(0, LearnerLost())
+    (again,) = of(core.handle(0, BatchRequested(step=0)), DeliverBatch)
+    assert again.redelivery and again.groups == batch.groups
+    assert of(core.handle(0, BatchRequested(step=5)), Refused)
+    assert of(core.handle(0, WeightsPublished(version=3)), Refused), "publish out of order"
+    acts = core.handle(0, WeightsPublished(version=1))
+    assert not of(acts, Refused)
+
+
+def test_run_ends_after_total_steps_and_never_dispatches_past_the_budget():
+    core = Core(cfg(train_groups=1, group_size=1, rollout_groups=4, total_steps=2, max_staleness=3))
+    leases = of(ready(core, "a"), Lease)
+    assert len(leases) == 2, "budget = total_steps x train_groups groups"
+    core.handle(0, BatchRequested(step=0))
+    finish(core, leases[0])
+    core.handle(0, WeightsPublished(version=1))
+    core.handle(0, BatchRequested(step=1))
+    finish(core, leases[1])
+    acts = core.handle(0, WeightsPublished(version=2))
+    assert of(acts, RunFinished) == [RunFinished(steps=2)]
+
+
+# ---------------------------------------------------------------- versions, orchestration, migration
+
+
+def test_dora_moves_workers_to_the_new_version_and_migrates_residual_groups_within_the_old_one():
+    core = Core(cfg(group_size=1, train_groups=2, rollout_groups=4, max_staleness=1))
+    leases = of(ready(core, "a", slots=2), Lease) + of(ready(core, "b", slots=2), Lease)
+    by_worker = {w: [x for x in leases if x.worker_id == w] for w in "ab"}
+    core.handle(0, BatchRequested(step=0))
+    finish(core, by_worker["a"][0])
+    (batch,) = of(finish(core, by_worker["b"][0]), DeliverBatch)
+    # Admission (K=1: 2B groups due by step 1) left one v0 group on each worker. v1 brings two fresh
+    # groups, so each version gets one worker: one worker hands its v0 group to the other and leaves.
+    assert len(batch.groups) == 2
+    acts = core.handle(0, WeightsPublished(version=1))
+    (out,) = of(acts, MigrateOut)
+    assert out.version == 0 and core.ledger.version_of(out.target) == 0, "same version only"
+    assert not of(acts, Assign), "the leaving worker keeps its version until its groups are handed over"
+    acts = core.handle(0, MigrationExported(worker_id=out.worker_id, group_id=out.group_id, attempt=out.attempt,
+                                            n_requests=1, state="kv"))  # fmt: skip
+    (mig,) = of(acts, MigrateIn)
+    assert (mig.worker_id, mig.source, mig.version, mig.state) == (out.target, out.worker_id, 0, "kv")
+    assert of(acts, Assign) == [Assign(worker_id=out.worker_id, version=1)]
+    assert core.ledger.workers_of(0) == [out.target]
+
+
+def test_export_after_the_target_died_reruns_the_group():
+    core = Core(cfg(group_size=1, train_groups=2, rollout_groups=4, max_staleness=1))
+    leases = of(ready(core, "a", slots=2), Lease) + of(ready(core, "b", slots=2), Lease)
+    core.handle(0, BatchRequested(step=0))
+    finish(core, [x for x in leases if x.worker_id == "a"][0])
+    finish(core, [x for x in leases if x.worker_id == "b"][0])
+    (out,) = of(core.handle(0, WeightsPublished(version=1)), MigrateOut)
+    core.handle(0, WorkerLost(worker_id=out.target))
+    acts = core.handle(0, MigrationExported(worker_id=out.worker_id, group_id=out.group_id, attempt=out.attempt,
+                                            n_requests=1))  # fmt: skip
+    assert not of(acts, MigrateIn)
+    assert out.group_id in core.scheduler.queue, "the group is owed again, whole (next to the dead target's own)"
+    assert of(acts, Assign) == [Assign(worker_id=out.worker_id, version=1)], "the source, now empty, moves on"
+    acts = core.handle(0, WeightsLoaded(worker_id=out.worker_id, version=1))
+    (rerun,) = [x for x in of(acts, Lease) if x.group_id == out.group_id]
+    assert rerun.version == 1 and rerun.attempt != out.attempt
+
+
+def test_retire_is_emitted_once_the_last_group_is_consumed_and_no_worker_serves_it():
+    core = Core(cfg(group_size=1, train_groups=1, rollout_groups=2, max_staleness=1, total_steps=2))
+    l0, l1 = of(ready(core, "a"), Lease)
+    core.handle(0, BatchRequested(step=0))
+    finish(core, l0)
+    finish(core, l1)
+    acts = core.handle(0, WeightsPublished(version=1))
+    assert of(acts, Assign) == [Assign(worker_id="a", version=1)], "the idle worker moves on at once"
+    assert not of(acts, Retire), "but v0 still owes a finished group to step 1"
+    acts = core.handle(0, BatchRequested(step=1))
+    assert of(acts, DeliverBatch) and of(acts, Retire) == [Retire(version=0)], "last v0 group consumed"
+    acts = core.handle(0, WeightsPublished(version=2))
+    assert of(acts, Retire) == [Retire(version=1)] and of(acts, Assign) == [Assign(worker_id="a", version=2)]
+
+
+def test_partial_mode_swaps_weights_under_running_requests_and_counts_c1_violations():
+    core = Core(cfg(mode=Mode.PARTIAL, group_size=1, train_groups=1, rollout_groups=2, max_staleness=1))
+    l0, l1 = of(ready(core, "a"), Lease)
+    core.handle(0, BatchRequested(step=0))
+    finish(core, l0)
+    acts = core.handle(0, WeightsPublished(version=1))
+    assert of(acts, Assign) == [Assign(worker_id="a", version=1, interrupt=True)]
+    core.handle(0, WeightsLoaded(worker_id="a", version=1))
+    core.handle(0, BatchRequested(step=1))
+    mixed = SampleFinished(worker_id="a", group_id=l1.group_id, attempt=l1.attempt, index=0,
+                           segments=((0, 3), (1, 4)))  # fmt: skip
+    (batch,) = of(core.handle(0, mixed), DeliverBatch)
+    assert batch.groups[0].version == 0 and core.transfer.c1_violations == 1
+
+
+def test_modes_fix_their_staleness_bound():
+    assert cfg(mode=Mode.SYNC, max_staleness=3).staleness == 0
+    assert cfg(mode=Mode.ONE_STEP, max_staleness=3).staleness == 1
+    assert cfg(mode=Mode.DORA, max_staleness=3).staleness == 3
+
+
+@pytest.mark.parametrize(
+    ("kw", "fragment"),
+    [
+        ({"mode": "fast"}, "mode must be one of"),
+        ({"train_groups": 0}, "train_groups"),
+        ({"max_staleness": -1}, "max_staleness"),
+        ({"group_size": 1.5}, "group_size"),
+        ({"kv_rebalance_threshold": 0.0}, "kv_rebalance_threshold"),
+    ],
+)
+def test_bad_config_is_one_clear_error(kw, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        cfg(**kw)
+
+
+def test_slots_below_group_size_are_refused():
+    core = Core(cfg(group_size=4))
+    acts = core.handle(0, WorkerJoined(worker_id="tiny", slots=2))
+    assert [r.reason for r in of(acts, Refused)] == ["slots 2 < group_size 4"] and "tiny" not in core.scheduler.workers
+
+
+# ---------------------------------------------------------------- K = 0 is synchronous training
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_k0_reproduces_sync_exactly(seed):
+    """dora and partial at K = 0 make the same decisions as sync: same batches, same times, faults included."""
+    runs = []
+    for mode in (Mode.SYNC, Mode.DORA, Mode.PARTIAL):
+        c = CoreConfig(mode=mode, max_staleness=0, train_groups=5, group_size=3, total_steps=6)
+        sim = Simulation(c, workers=3, slots=9, lengths=Lengths(median=40, sigma=1.2, seed=seed),
+                         deaths=((3.0, seed), (12.0, seed + 1), (25.0, seed + 2), (45.0, seed)), strict=True)  # fmt: skip
+        runs.append(sim.run())
+    sync = runs[0]
+    assert sync.requeued > 0, "the faults must hit running work for this test to mean anything"
+    for r in runs[1:]:
+        assert r.trained == sync.trained and r.step_times == sync.step_times and r.wall_s == sync.wall_s
+        assert r.staleness == {0: sync.staleness[0]} and r.c1_violations == 0
+
+
+def test_tick_outside_dora_changes_nothing():
+    core = Core(cfg(mode=Mode.SYNC, group_size=1))
+    ready(core, "a")
+    assert core.handle(0, Tick()) == []

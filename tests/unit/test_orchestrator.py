@@ -1,0 +1,85 @@
+"""Orchestrator: proportional allocation and same-version migration plans."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dora.broker.orchestrator import WorkerView, allocate, plan
+
+
+@pytest.mark.parametrize(
+    ("workers", "pending", "newest", "expect"),
+    [
+        (8, {}, 3, {3: 8}),
+        (8, {2: 0, 3: 10}, 3, {3: 8}),
+        (8, {2: 2, 3: 198}, 3, {2: 1, 3: 7}),  # the paper's case: residual requests keep one worker
+        (16, {1: 8, 2: 8, 3: 16}, 3, {1: 4, 2: 4, 3: 8}),
+        (3, {1: 1, 2: 1, 3: 100}, 3, {1: 1, 2: 1, 3: 1}),
+        (2, {1: 5, 2: 5, 3: 5}, 3, {1: 1, 2: 1}),  # fewer workers than versions: oldest first
+    ],
+)
+def test_allocate_examples(workers, pending, newest, expect):
+    assert allocate(workers, pending, newest) == expect
+
+
+@given(
+    workers=st.integers(1, 64),
+    pending=st.dictionaries(st.integers(0, 4), st.integers(0, 500), min_size=1, max_size=5),
+)
+def test_allocate_properties(workers, pending):
+    newest = max(pending)
+    target = allocate(workers, pending, newest)
+    active = [v for v, r in pending.items() if r > 0]
+    if not active:
+        assert target == {newest: workers}
+        return
+    if workers < len(active):
+        assert target == {v: 1 for v in sorted(active)[:workers]}
+        return
+    assert sum(target.values()) == workers
+    assert set(target) == set(active) and all(n >= 1 for n in target.values())
+    total = sum(pending[v] for v in active)
+    for v in active:  # within one worker of the exact share, except where the floor of one lifts it
+        quota = workers * pending[v] / total
+        assert target[v] == 1 or abs(target[v] - quota) < 1 + len(active), (v, target, quota)
+        assert target[v] <= max(1, math.ceil(quota)) + len(active)
+
+
+def _w(name, version, free, groups=(), settled=True, order=0):
+    return WorkerView(worker_id=name, version=version, free=free, groups=tuple(groups), settled=settled,
+                      order=order)  # fmt: skip
+
+
+def test_residual_requests_are_consolidated_on_one_worker_of_the_same_version():
+    workers = [_w(f"old{i}", 1, free=15, groups=[(100 + i, 1)], order=i) for i in range(4)]
+    workers += [_w(f"new{i}", 2, free=0, order=10 + i) for i in range(4)]
+    p = plan(workers, pending={1: 4, 2: 400}, newest=2, full=True)
+    assert len(p.moves) == 3, "seven of eight workers for 400 of 404 pending requests: three old ones leave"
+    staying = {w.worker_id for w in workers if w.version == 1} - set(p.moves)
+    assert len(staying) == 1
+    assert sorted(g for g, _, _ in p.migrations) == sorted(100 + i for i in range(4) if f"old{i}" in p.moves)
+    assert all(src in p.moves and dst in staying for _, src, dst in p.migrations)
+
+
+def test_migration_targets_must_have_room():
+    workers = [_w("a", 1, free=0, groups=[(1, 4)]), _w("b", 1, free=2, groups=[(2, 4)], order=1),
+               _w("n", 2, free=8, order=2)]  # fmt: skip
+    p = plan(workers, pending={1: 8, 2: 100}, newest=2, full=True)
+    assert p.moves == [] and p.migrations == [], "neither old worker can absorb the other's 4 requests"
+
+
+def test_between_triggers_only_idle_workers_of_finished_versions_move():
+    workers = [_w("idle-done", 1, free=8), _w("idle-busy-version", 2, free=8), _w("busy", 2, free=4, groups=[(7, 4)]),
+               _w("newest", 3, free=8), _w("loading-old", 2, free=8, settled=False)]  # fmt: skip
+    p = plan(workers, pending={2: 4, 3: 50}, newest=3, full=False)
+    assert sorted(p.moves) == ["idle-done", "loading-old"] and p.migrations == []
+
+
+def test_workers_only_move_to_the_newest_version():
+    workers = [_w("a", 1, free=8, groups=[(1, 1)]), _w("b", 2, free=8), _w("c", 3, free=8)]
+    p = plan(workers, pending={1: 100, 2: 0, 3: 1}, newest=3, full=True)
+    assert p.moves == ["b"], "version 1 wants more workers but never takes one from another version"
