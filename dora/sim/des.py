@@ -122,6 +122,8 @@ class Simulation:
         self.restart_s = restart_s
         self.now = 0.0
         self._queue: list[tuple[float, int, str, object]] = []
+        self._pending_work = 0
+        """Queued events other than the timer; when none is left the run can no longer change."""
         self._seq = itertools.count()
         self._last: dict[WorkerId, float] = {}
         self._debt_s: dict[WorkerId, float] = {}
@@ -142,6 +144,7 @@ class Simulation:
 
     def _at(self, t: float, kind: str, arg: object = None) -> None:
         heapq.heappush(self._queue, (t, next(self._seq), kind, arg))
+        self._pending_work += kind != "tick"
 
     def _feed(self, event: Event | None) -> None:
         """Hand an event to the core; events it causes at the same instant are queued, not nested."""
@@ -223,7 +226,10 @@ class Simulation:
         for _ in range(max_events):
             if self.world.learner.finished or not self._queue:
                 break
+            if not self._pending_work:
+                break  # only the timer is left: nothing will ever change again
             self.now, _, kind, arg = heapq.heappop(self._queue)
+            self._pending_work -= kind != "tick"
             self._dispatch(kind, arg)
         if not self.world.learner.finished:
             raise RuntimeError(

@@ -192,8 +192,8 @@ def test_export_after_the_target_died_reruns_the_group():
     core = Core(cfg(group_size=1, train_groups=2, rollout_groups=4, max_staleness=1))
     leases = of(ready(core, "a", slots=2), Lease) + of(ready(core, "b", slots=2), Lease)
     core.handle(0, BatchRequested(step=0))
-    finish(core, [x for x in leases if x.worker_id == "a"][0])
-    finish(core, [x for x in leases if x.worker_id == "b"][0])
+    finish(core, next(x for x in leases if x.worker_id == "a"))
+    finish(core, next(x for x in leases if x.worker_id == "b"))
     (out,) = of(core.handle(0, WeightsPublished(version=1)), MigrateOut)
     core.handle(0, WorkerLost(worker_id=out.target))
     acts = core.handle(0, MigrationExported(worker_id=out.worker_id, group_id=out.group_id, attempt=out.attempt,
@@ -272,8 +272,9 @@ def test_k0_reproduces_sync_exactly(seed):
     runs = []
     for mode in (Mode.SYNC, Mode.DORA, Mode.PARTIAL):
         c = CoreConfig(mode=mode, max_staleness=0, train_groups=5, group_size=3, total_steps=6)
-        sim = Simulation(c, workers=3, slots=9, lengths=Lengths(median=40, sigma=1.2, seed=seed),
-                         deaths=((3.0, seed), (12.0, seed + 1), (25.0, seed + 2), (45.0, seed)), strict=True)  # fmt: skip
+        deaths = ((3.0, seed), (12.0, seed + 1), (25.0, seed + 2), (45.0, seed))
+        sim = Simulation(c, workers=3, slots=9, lengths=Lengths(median=40, sigma=1.2, seed=seed), deaths=deaths,
+                         strict=True)  # fmt: skip
         runs.append(sim.run())
     sync = runs[0]
     assert sync.requeued > 0, "the faults must hit running work for this test to mean anything"

@@ -25,19 +25,19 @@ from dora.ids import Mode
 from dora.sim.world import Lengths
 from tests.unit.machine import Harness
 
-EXAMPLES = int(os.environ.get("DORA_PROPERTY_EXAMPLES", "300"))
+EXAMPLES = int(os.environ.get("DORA_PROPERTY_EXAMPLES", "500"))
 
 
 class CoreMachine(RuleBasedStateMachine):
     h: Harness
 
     @initialize(
-        mode=st.sampled_from(list(Mode)),
+        mode=st.sampled_from([Mode.DORA, Mode.PARTIAL, Mode.ONE_STEP, Mode.SYNC, Mode.DORA]),
         k=st.integers(0, 3),
         train_groups=st.integers(1, 3),
         group_size=st.integers(1, 3),
-        steps=st.integers(1, 5),
-        workers=st.integers(1, 4),
+        steps=st.integers(2, 6),
+        workers=st.integers(1, 5),
         slot_groups=st.integers(1, 3),
         watermark=st.one_of(st.none(), st.integers(1, 8)),
         seed=st.integers(0, 2**16),
@@ -169,7 +169,7 @@ class CoreMachine(RuleBasedStateMachine):
 
 CoreMachine.TestCase.settings = settings(
     max_examples=EXAMPLES,
-    stateful_step_count=60,
+    stateful_step_count=100,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
