@@ -81,6 +81,17 @@ def _unwrap(tp: Any) -> Any:
     return tp
 
 
+def _resolve(tp: Any, value: Any) -> Any:
+    """The type ``value`` must have: NewTypes unwrapped, ``X | None`` reduced to X (NoneType for None)."""
+    tp = _unwrap(tp)
+    if typing.get_origin(tp) in (types.UnionType, typing.Union):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return type(None)
+        return _resolve(next(a for a in args if a is not type(None)), value)
+    return tp
+
+
 # ---------------------------------------------------------------- encode
 
 
@@ -100,16 +111,13 @@ def _enc_struct(obj: Any, arrays: list[np.ndarray]) -> dict[str, Any]:
 
 
 def _enc(value: Any, tp: Any, where: str, arrays: list[np.ndarray]) -> Any:
-    tp = _unwrap(tp)
+    tp = _resolve(tp, value)
     origin = typing.get_origin(tp)
+    if tp is type(None):
+        return None
     if tp is Any:
         _check_json(value, where, EncodeError)
         return value
-    if origin in (types.UnionType, typing.Union):
-        if value is None and type(None) in typing.get_args(tp):
-            return None
-        inner = [a for a in typing.get_args(tp) if a is not type(None)]
-        return _enc(value, inner[0], where, arrays)
     if tp is np.ndarray:
         if not isinstance(value, np.ndarray):
             raise EncodeError(f"{where}: expected a numpy array, got {type(value).__name__}")
@@ -219,16 +227,13 @@ def _dec_struct(data: Any, cls: type, where: str, blobs: list[memoryview], used:
 
 
 def _dec(value: Any, tp: Any, where: str, blobs: list[memoryview], used: set[int]) -> Any:
-    tp = _unwrap(tp)
+    tp = _resolve(tp, value)
     origin = typing.get_origin(tp)
+    if tp is type(None):
+        return None
     if tp is Any:
         _check_json(value, where, DecodeError)
         return value
-    if origin in (types.UnionType, typing.Union):
-        if value is None and type(None) in typing.get_args(tp):
-            return None
-        inner = [a for a in typing.get_args(tp) if a is not type(None)]
-        return _dec(value, inner[0], where, blobs, used)
     if tp is np.ndarray:
         if not isinstance(value, _ArrayRef):
             raise DecodeError(f"{where}: expected an array reference")
