@@ -6,9 +6,19 @@ that names the key, so a user mistake is reported as one line, never as a traceb
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import enum
+import tomllib
+import types
+import typing
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from dora.ids import Mode
+
+T = TypeVar("T")
 
 
 class ConfigError(ValueError):
@@ -29,8 +39,10 @@ class CoreConfig:
     group_size: int = 4
     """G: samples per prompt; a group runs on one worker and carries one version."""
     rollout_groups: int | None = None
-    """Watermark of outstanding (running or queued) groups in the streaming modes; None = 2 x train_groups.
-    The wave modes (sync, one_step) dispatch exactly train_groups groups per wave."""
+    """Watermark of outstanding (running or queued) groups in the streaming modes (RBS). None = no
+    watermark: deadline admission and worker credits alone limit dispatch, so no slot idles while work
+    is admissible. A lower value trades throughput for fresher data. The wave modes (sync, one_step)
+    dispatch exactly train_groups groups per wave."""
     total_steps: int | None = None
     """Train steps in the run; the core never dispatches more than total_steps x train_groups groups,
     so nothing dispatched is left untrained at the end. None = unbounded."""
@@ -67,9 +79,9 @@ class CoreConfig:
         return self.max_staleness
 
     @property
-    def watermark(self) -> int:
-        """Outstanding-group target of the streaming modes."""
-        return self.rollout_groups if self.rollout_groups is not None else 2 * self.train_groups
+    def watermark(self) -> float:
+        """Outstanding-group target of the streaming modes (unbounded when rollout_groups is None)."""
+        return self.rollout_groups if self.rollout_groups is not None else float("inf")
 
     @property
     def waves(self) -> bool:
@@ -77,10 +89,159 @@ class CoreConfig:
         return self.mode in (Mode.SYNC, Mode.ONE_STEP)
 
     @property
+    def in_flight_swap(self) -> bool:
+        """partial and drop_stale load new weights under running requests (C1 is counted, not kept)."""
+        return self.mode in (Mode.PARTIAL, Mode.DROP_STALE)
+
+    @property
+    def drops_stale(self) -> bool:
+        """drop_stale bounds staleness by discarding, not by admission (C2 is counted, not kept)."""
+        return self.mode is Mode.DROP_STALE
+
+    @property
     def prompt_budget(self) -> int | None:
-        return None if self.total_steps is None else self.total_steps * self.train_groups
+        """Groups the run may dispatch; unbounded when groups can be dropped (they must be replaced)."""
+        if self.total_steps is None or self.drops_stale:
+            return None
+        return self.total_steps * self.train_groups
 
 
 def _at_least(name: str, value: object, low: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
         raise ConfigError(f"{name} must be an integer >= {low}; got {value!r}")
+
+
+# ---------------------------------------------------------------- loading: defaults < TOML < env < CLI
+
+
+def build(cls: type[T], data: Mapping[str, Any], where: str = "") -> T:
+    """Construct the (nested) config dataclass ``cls`` from plain data; unknown keys are errors."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where or cls.__name__} must be a table, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"unknown key {_join(where, unknown[0])!r} (known: {', '.join(sorted(names))})")
+    kwargs = {k: _coerce(v, hints[k], _join(where, k)) for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where or cls.__name__}: {e}") from None
+
+
+def load(
+    cls: type[T],
+    *,
+    path: str | None = None,
+    base: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    env_prefix: str = "DORA_",
+    overrides: Sequence[str] = (),
+) -> T:
+    """Resolve a config: defaults, then ``base`` data, then the TOML file, then ``DORA_SECTION__KEY``
+    variables, then ``section.key=value`` overrides (from the command line). Every value is type-checked."""
+    data: dict[str, Any] = copy.deepcopy(dict(base or {}))
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                _merge(data, tomllib.load(f))
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: invalid TOML: {e}") from None
+    for name, value in sorted((env or {}).items()):
+        if name.startswith(env_prefix) and "__" in name:
+            _set(data, name[len(env_prefix) :].lower().split("__"), value)
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        _set(data, key.strip().split("."), value)
+    return build(cls, data)
+
+
+def _merge(into: dict[str, Any], data: Mapping[str, Any]) -> None:
+    for k, v in data.items():
+        if isinstance(v, Mapping) and isinstance(into.get(k), dict):
+            _merge(into[k], v)
+        else:
+            into[k] = v
+
+
+def _set(data: dict[str, Any], path: list[str], value: str) -> None:
+    node = data
+    for part in path[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{'.'.join(path)}: {part} is not a table")
+    node[path[-1]] = value
+
+
+def _join(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else key
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; strings from env/CLI are parsed into it."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (types.UnionType, typing.Union):
+        empty = value is None or (isinstance(value, str) and value.lower() in ("none", "null", ""))
+        if empty and type(None) in args:
+            return None
+        errors = []
+        for arm in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, arm, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{where}: bad value {value!r}")
+    if dataclasses.is_dataclass(tp):
+        return build(tp, value, where)
+    if origin is tuple:
+        if isinstance(value, str):
+            value = tomllib.loads(f"v = {value}")["v"]
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{where} must be a list, got {value!r}")
+        elem = args[0]
+        return tuple(_coerce(v, elem, f"{where}[{i}]") for i, v in enumerate(value))
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where} must be a table, got {value!r}")
+        return {str(k): _coerce(v, args[1], f"{where}.{k}") for k, v in value.items()}
+    if origin is typing.Literal:
+        if value not in args:
+            raise ConfigError(f"{where} must be one of {', '.join(map(repr, args))}; got {value!r}")
+        return value
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        try:
+            return tp(value)
+        except ValueError:
+            raise ConfigError(f"{where} must be one of {', '.join(str(m.value) for m in tp)}; got {value!r}") from None
+    if tp is bool:
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+            return value.lower() in ("true", "1", "yes")
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                pass
+        elif isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+    elif (tp is str and isinstance(value, str)) or tp is Any:
+        return value
+    raise ConfigError(f"{where} must be {getattr(tp, '__name__', tp)}; got {value!r}")

@@ -22,6 +22,9 @@ class Mode(StrEnum):
     ONE_STEP = "one_step"
     PARTIAL = "partial"
     DORA = "dora"
+    DROP_STALE = "drop_stale"
+    """Peer baseline: in-flight weight swaps and no admission bound; over-stale groups are dropped
+    at consumption (breaks C1 and C2; measured to show the length bias of dropping)."""
 
 
 class Finish(IntEnum):

@@ -57,10 +57,14 @@ class Core:
     ) -> None:
         self.cfg = cfg
         self.strict = strict
-        self.ledger = Ledger(cfg.staleness, initial_version)
+        self.ledger = Ledger(cfg.staleness, initial_version, bounded=not cfg.drops_stale)
         self.scheduler = Scheduler(cfg, self.ledger, start_cursor)
         self.transfer = TransferQueue(
-            cfg.train_groups, cfg.staleness, count_c1=cfg.mode is Mode.PARTIAL, start_step=initial_version
+            cfg.train_groups,
+            cfg.staleness,
+            count_c1=cfg.in_flight_swap,
+            drop_stale=cfg.drops_stale,
+            start_step=initial_version,
         )
         self.start_cursor = start_cursor
         self.learner_waiting = False
@@ -137,7 +141,7 @@ class Core:
                     out.emit(Refused(reason=f"unexpected_publish v{v}"))
                     return False
                 self.ledger.publish(v)
-                if self.cfg.mode is Mode.PARTIAL:
+                if self.cfg.in_flight_swap:
                     for w in list(sched.workers):
                         self._assign(w, out, interrupt=True)
                 return self.cfg.mode is Mode.DORA
@@ -170,7 +174,7 @@ class Core:
             raise InvariantViolation(f"{worker} told to change version while holding groups {sorted(w.groups)}")
         self.ledger.pin(worker, self.ledger.newest)
         w.ready = False
-        w.leaving = False
+        self.scheduler.set_leaving(w, False)
         out.emit(Assign(worker_id=worker, version=self.ledger.newest, interrupt=interrupt))
 
     def _finished(self, flight: Flight) -> None:
@@ -182,6 +186,9 @@ class Core:
             return
         if self.cfg.total_steps is not None and self.transfer.step >= self.cfg.total_steps:
             return
+        if self.cfg.drops_stale:
+            for g in self.transfer.expire():
+                self.ledger.remove_group(g.version)
         batch = self.transfer.take(self.ledger.deadline_counts())
         if batch is None:
             return
@@ -193,11 +200,14 @@ class Core:
     def _orchestrate(self, out: Outbox, *, full: bool) -> None:
         sched = self.scheduler
         # Workers that finished handing over their groups load the newest weights now.
-        for w in list(sched.workers.values()):
-            if w.leaving and not w.groups:
+        for w in [sched.workers[name] for name in sorted(sched.leaving & sched.idle)]:
+            if not w.groups:
                 self._assign(w.worker_id, out)
         if full:
             self.rebalances += 1
+        newest = self.ledger.newest
+        # Between triggers only idle workers off the newest version can move: look at those alone.
+        candidates = sched.workers.values() if full else [sched.workers[name] for name in sorted(sched.idle)]
         views = [
             orchestrator.WorkerView(
                 worker_id=w.worker_id,
@@ -207,16 +217,19 @@ class Core:
                 settled=w.ready and not w.leaving,
                 order=w.order,
             )
-            for w in sched.workers.values()
-            if (v := self.ledger.version_of(w.worker_id)) is not None
+            for w in candidates
+            if (v := self.ledger.version_of(w.worker_id)) is not None and (full or v != newest)
         ]
-        plan = orchestrator.plan(views, self._pending(), self.ledger.newest, full=full)
+        if not views:
+            return
+        pending = self._pending() if full else self.scheduler.pending_requests()
+        plan = orchestrator.plan(views, pending, newest, full=full)
         for gid, _src, dst in plan.migrations:
             sched.migrate(sched.flights[gid], sched.workers[dst], out)
         for worker in sorted(plan.moves, key=lambda name: sched.workers[name].order):  # join order, as partial
             w = sched.workers[worker]
             if w.groups:
-                w.leaving = True
+                sched.set_leaving(w, True)
             else:
                 self._assign(worker, out)
 
@@ -230,7 +243,7 @@ class Core:
             room = deadline.admissible(
                 self.ledger.deadline_counts(), self.step, self.cfg.train_groups, newest + self.cfg.staleness
             )
-            top_up += min(room, max(0, self.cfg.watermark - sched.outstanding()))
+            top_up += int(min(room, max(0, self.cfg.watermark - sched.outstanding())))
         if top_up:
             pending[newest] = pending.get(newest, 0) + top_up * self.cfg.group_size
         return pending
@@ -248,9 +261,9 @@ class Core:
     def check(self) -> None:
         """Recompute every structural invariant; raise InvariantViolation on the first broken one."""
         self.ledger.check()
-        self.scheduler.check(placement=self.cfg.mode is not Mode.PARTIAL)
+        self.scheduler.check(placement=not self.cfg.in_flight_swap)
         counts = self.ledger.deadline_counts()
-        if not deadline.feasible(counts, self.step, self.cfg.train_groups):
+        if not self.cfg.drops_stale and not deadline.feasible(counts, self.step, self.cfg.train_groups):
             raise InvariantViolation(f"feasibility broken at step {self.step}: {counts}")
         owed = Counter[int]()
         for f in self.scheduler.flights.values():
@@ -261,7 +274,9 @@ class Core:
         if expect != counts:
             raise InvariantViolation(f"ledger counts {counts} != groups owed {expect}")
         created = self.scheduler.cursor - self.start_cursor
-        held = len(self.transfer.consumed) + len(self.scheduler.flights) + len(self.transfer)
+        held = (
+            len(self.transfer.consumed) + len(self.scheduler.flights) + len(self.transfer) + len(self.transfer.dropped)
+        )
         if created != held:
             raise InvariantViolation(f"C2: {created} groups created, {held} accounted for")
         if self.cfg.prompt_budget is not None and created > self.cfg.prompt_budget:

@@ -46,8 +46,10 @@ class VersionState(StrEnum):
 class Ledger:
     """Versions, worker pins and per-version unconsumed group counts. Pure: no I/O, no clock."""
 
-    def __init__(self, max_staleness: int, initial_version: int = 0) -> None:
+    def __init__(self, max_staleness: int, initial_version: int = 0, *, bounded: bool = True) -> None:
         self.max_staleness = max_staleness
+        self.bounded = bounded
+        """Enforce the K + 1 live-version bound (off only for the drop_stale baseline, which has no admission bound)."""
         self.newest = initial_version
         self._state: dict[int, VersionState] = {initial_version: VersionState.PUBLISHED}
         self._pins: dict[WorkerId, int] = {}
@@ -129,7 +131,7 @@ class Ledger:
 
     def check(self) -> None:
         alive = self.alive()
-        if len(alive) > self.max_staleness + 1:
+        if self.bounded and len(alive) > self.max_staleness + 1:
             raise InvariantViolation(f"{len(alive)} versions alive {alive}, bound is K + 1 = {self.max_staleness + 1}")
         for w, v in self._pins.items():
             if self.state(v) is VersionState.RETIRED:

@@ -92,6 +92,11 @@ class Scheduler:
         self._joined = 0
         self.wave_left = 0
         self.wave: set[GroupId] = set()
+        self.idle: set[WorkerId] = set()
+        """Workers holding no group (kept incrementally: the orchestrator looks at them on every event)."""
+        self.leaving: set[WorkerId] = set()
+        self.pending: dict[int, int] = {}
+        """Unfinished samples of leased groups per version (R_v), kept incrementally."""
         self.stats_requeued = 0
         self.stats_migrated_groups = 0
         self.stats_migrated_requests = 0
@@ -106,11 +111,30 @@ class Scheduler:
 
     def pending_requests(self) -> dict[int, int]:
         """Unfinished samples of leased groups per version (R_v of the orchestrator)."""
+        return {v: n for v, n in self.pending.items() if n}
+
+    def _recount(self) -> dict[int, int]:
         load: dict[int, int] = {}
         for f in self.flights.values():
             if f.state is not GroupState.QUEUED:
                 load[f.version] = load.get(f.version, 0) + self.unfinished(f)
         return load
+
+    def _owe(self, version: int, n: int) -> None:
+        self.pending[version] = self.pending.get(version, 0) + n
+
+    def _hold(self, worker: Worker, group: GroupId) -> None:
+        worker.groups.add(group)
+        self.idle.discard(worker.worker_id)
+
+    def _unhold(self, worker: Worker, group: GroupId) -> None:
+        worker.groups.discard(group)
+        if not worker.groups:
+            self.idle.add(worker.worker_id)
+
+    def set_leaving(self, worker: Worker, leaving: bool) -> None:
+        worker.leaving = leaving
+        (self.leaving.add if leaving else self.leaving.discard)(worker.worker_id)
 
     def ready_workers(self, version: int) -> list[Worker]:
         return [
@@ -137,11 +161,14 @@ class Scheduler:
         self._joined += 1
         w = Worker(worker_id=worker, slots=slots, order=self._joined)
         self.workers[worker] = w
+        self.idle.add(worker)
         return w
 
     def lose(self, worker: WorkerId, out: Outbox) -> None:
         """Re-queue every group the worker held (whole); void migrations that targeted it."""
         w = self.workers.pop(worker)
+        self.idle.discard(worker)
+        self.leaving.discard(worker)
         for gid in sorted(w.groups):
             self.requeue(self.flights[gid], out, notify=False)
         for f in self.flights.values():
@@ -160,8 +187,9 @@ class Scheduler:
         flight.state = GroupState.RUNNING
         flight.worker = worker.worker_id
         flight.version = version
-        worker.groups.add(flight.group_id)
+        self._hold(worker, flight.group_id)
         worker.used += self.cfg.group_size
+        self._owe(version, self.cfg.group_size)
         out.emit(
             Lease(
                 worker_id=worker.worker_id,
@@ -174,10 +202,12 @@ class Scheduler:
 
     def requeue(self, flight: Flight, out: Outbox, *, notify: bool = True) -> None:
         """Void the current lease and put the group at the front of the queue, whole."""
+        if flight.state is not GroupState.QUEUED:
+            self._owe(flight.version, -self.unfinished(flight))
         if flight.worker is not None:
             holder = self.workers.get(flight.worker)
             if holder is not None:
-                holder.groups.discard(flight.group_id)
+                self._unhold(holder, flight.group_id)
                 holder.used -= self.unfinished(flight)
                 if notify and flight.attempt is not None:
                     out.emit(Cancel(worker_id=holder.worker_id, group_id=flight.group_id, attempt=flight.attempt))
@@ -231,7 +261,7 @@ class Scheduler:
 
     def _fresh(self, version: int, step: int, out: Outbox) -> bool:
         """Lease one new group on ``version`` if admission and capacity allow."""
-        if not deadline.admits(
+        if not self.cfg.drops_stale and not deadline.admits(
             self.ledger.deadline_counts(), step, self.cfg.train_groups, version + self.cfg.staleness
         ):
             return False
@@ -289,6 +319,7 @@ class Scheduler:
             return None
         flight.done[ev.index] = TrainSample(index=ev.index, segments=ev.segments, finish=ev.finish, payload=ev.payload)
         self.workers[ev.worker_id].used -= 1
+        self._owe(flight.version, -1)
         if flight.target is not None:
             self.workers[flight.target].used -= 1
         if len(flight.done) < self.cfg.group_size:
@@ -305,7 +336,7 @@ class Scheduler:
             return "generation_error"
         if not ev.segments or any(n < 0 for _, n in ev.segments):
             return "bad_segments"
-        if self.cfg.mode is Mode.PARTIAL:
+        if self.cfg.in_flight_swap:
             # partial resumes on newer weights by design: no token may predate the start version (C1 is counted).
             if any(v < flight.version for v, _ in ev.segments):
                 return "wrong_version"
@@ -316,7 +347,7 @@ class Scheduler:
     def _release(self, flight: Flight) -> None:
         """A finished group leaves the scheduler (its slots are already free)."""
         if flight.worker is not None and flight.worker in self.workers:
-            self.workers[flight.worker].groups.discard(flight.group_id)
+            self._unhold(self.workers[flight.worker], flight.group_id)
         del self.flights[flight.group_id]
         self.wave.discard(flight.group_id)
 
@@ -362,9 +393,9 @@ class Scheduler:
             return
         src = self.workers[worker]
         dst = self.workers[flight.target]
-        src.groups.discard(group)
+        self._unhold(src, group)
         src.used -= n_requests
-        dst.groups.add(group)
+        self._hold(dst, group)
         flight.worker = dst.worker_id
         flight.target = None
         flight.state = GroupState.RUNNING
@@ -416,6 +447,12 @@ class Scheduler:
             for gid in w.groups:
                 if holders.get(gid) != w.worker_id:
                     raise InvariantViolation(f"{w.worker_id} lists group {gid} it does not hold")
+        if self._recount() != self.pending_requests():
+            raise InvariantViolation(f"pending requests {self.pending_requests()} != recount {self._recount()}")
+        if self.idle != {w.worker_id for w in self.workers.values() if not w.groups}:
+            raise InvariantViolation("idle-worker set out of date")
+        if self.leaving != {w.worker_id for w in self.workers.values() if w.leaving}:
+            raise InvariantViolation("leaving-worker set out of date")
         if len(holders) != sum(len(w.groups) for w in self.workers.values()):
             raise InvariantViolation("a group is held twice or listed by no worker")
         if len(set(self.queue)) != len(self.queue) or any(

@@ -32,7 +32,9 @@ class Finished:
 class TransferQueue:
     """Finished groups by deadline, batch assembly and the consumption-side invariant checks."""
 
-    def __init__(self, train_groups: int, max_staleness: int, *, count_c1: bool, start_step: int = 0) -> None:
+    def __init__(
+        self, train_groups: int, max_staleness: int, *, count_c1: bool, drop_stale: bool = False, start_step: int = 0
+    ) -> None:
         self.train_groups = train_groups
         self.max_staleness = max_staleness
         self.count_c1 = count_c1
@@ -47,6 +49,9 @@ class TransferQueue:
         self.c1_violations = 0
         """Trajectories consumed whose tokens came from more than one version (partial mode)."""
         self.consumed: list[GroupId] = []
+        self.drop_stale = drop_stale
+        """drop_stale baseline: batches fill in completion order and over-stale groups are discarded."""
+        self.dropped: list[TrainGroup] = []
 
     def __len__(self) -> int:
         return sum(len(q) for q in self._by_deadline.values())
@@ -54,7 +59,7 @@ class TransferQueue:
     def add(self, group: TrainGroup) -> None:
         self._seq += 1
         d = group.version + self.max_staleness
-        if d < self.step:
+        if d < self.step and not self.drop_stale:
             raise InvariantViolation(f"group {group.group_id} finished after its deadline {d} (step {self.step})")
         self._by_deadline.setdefault(d, []).append(Finished(group=group, seq=self._seq))
 
@@ -65,17 +70,29 @@ class TransferQueue:
         """Groups with deadline ``s`` that are still running (the batch must wait for them)."""
         return counts.get(self.step, 0) - len(self._by_deadline.get(self.step, ()))
 
+    def expire(self) -> list[TrainGroup]:
+        """drop_stale only: discard finished groups that would exceed K at step ``s`` (they are lost)."""
+        gone = [f.group for d, q in self._by_deadline.items() if d < self.step for f in q]
+        self._by_deadline = {d: q for d, q in self._by_deadline.items() if d >= self.step}
+        self.dropped.extend(gone)
+        return gone
+
     def take(self, counts: dict[int, int]) -> DeliverBatch | None:
         """Assemble batch ``s`` if the rule allows; ``counts`` are all unconsumed groups by deadline."""
         B = self.train_groups
         picked: list[Finished] = []
-        for d in sorted(self._by_deadline):  # oldest first: earliest deadline, then completion order
-            picked.extend(self._by_deadline[d][: B - len(picked)])
-            if len(picked) == B:
-                break
+        if self.drop_stale:  # the peer rule: first finished, first trained
+            picked = sorted((f for q in self._by_deadline.values() for f in q), key=lambda f: f.seq)[:B]
+        else:
+            for d in sorted(self._by_deadline):  # oldest first: earliest deadline, then completion order
+                picked.extend(self._by_deadline[d][: B - len(picked)])
+                if len(picked) == B:
+                    break
         if len(picked) < B:
             return None
-        if not deadline.keeps_invariant_after(counts, self.step, B, (self._deadline(f) for f in picked)):
+        if not self.drop_stale and not deadline.keeps_invariant_after(
+            counts, self.step, B, (self._deadline(f) for f in picked)
+        ):
             return None
         for f in picked:
             self._by_deadline[self._deadline(f)].remove(f)

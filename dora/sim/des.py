@@ -1,144 +1,168 @@
 """Discrete-event simulation: the production core driven by the world model on a virtual clock.
 
-Timing model (all parameters in ``Timing``):
-- a worker decodes all its running requests together (continuous batching); one decode step takes
-  ``tpot_base_s + tpot_per_seq_s * running`` seconds, so a lone straggler costs almost as much per
-  token as a full batch (memory-bound decode);
-- requests that must be re-prefilled (partial mode after a weight swap) first cost
-  ``prefill_per_token_s`` per token already generated;
-- loading a new version takes ``load_s``; exporting a migrated group takes ``export_s``;
-- the learner trains a batch in ``train_fixed_s + train_per_token_s * tokens`` and then publishes.
+The core (``dora.broker.core.Core``) makes every decision; this module only advances time:
 
-Rollout workers and the learner are separate resources (disaggregated placement). The core makes
-every decision; this module only advances time.
+- **Rollout.** Each worker is one engine replica (``dora.sim.engine``): a decode step of ``n`` running
+  sequences takes ``tpot_base_s + tpot_per_seq_s * n``; prefill (new requests, re-prefill after a
+  weight swap or a migration without KV) costs ``prefill_s_per_token`` and stalls that replica's
+  decoding; a version change costs ``load_s``; a migration ships ``kv_bytes_per_token`` per token of
+  context at ``transfer_bytes_per_s`` (or nothing, then the target re-prefills).
+- **Trainer.** A batch of ``T`` tokens trains for ``step_fixed_s + T * gpu_s_per_token / trainer_gpus``,
+  then publishes for ``publish_s``.
+- **Placement.** ``colocated``: every accelerator is a rollout worker, and rollout pauses while the
+  same accelerators train. ``disaggregated``: ``rollout_gpus`` serve rollout, the rest train, both at once.
+
+Between two events a replica's batch is constant, so its progress is exact (no time stepping).
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import random
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from dora.broker.core import Core
-from dora.broker.events import (
-    Action,
-    Assign,
-    Cancel,
-    DeliverBatch,
-    Event,
-    Lease,
-    MigrateIn,
-    MigrateOut,
-    Tick,
-)
-from dora.config import CoreConfig
+from dora.broker.events import Action, Assign, Cancel, DeliverBatch, Event, Lease, MigrateIn, MigrateOut, Tick
 from dora.ids import Mode, WorkerId
-from dora.sim.world import Lengths, World
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Timing:
-    tpot_base_s: float = 0.02
-    tpot_per_seq_s: float = 0.0001
-    prefill_per_token_s: float = 0.0002
-    load_s: float = 1.0
-    export_s: float = 0.05
-    train_fixed_s: float = 2.0
-    train_per_token_s: float = 0.0
-    tick_s: float = 2.0
-
-    def step_s(self, running: int) -> float:
-        return self.tpot_base_s + self.tpot_per_seq_s * running
+from dora.sim.config import SimConfig
+from dora.sim.world import World
 
 
 @dataclass(slots=True)
-class Result:
+class StepRecord:
+    step: int
+    delivered_s: float
+    published_s: float = 0.0
+    tokens: int = 0
+    """Prompt + response tokens trained."""
+    response_tokens: int = 0
+    bubble: float = 0.0
+    """(max - mean) / max of the batch's response lengths."""
+
+
+@dataclass(slots=True)
+class Totals:
+    """Time integrals, sampled at every step boundary so a steady-state window can be cut out."""
+
+    t: float = 0.0
+    rollout_active_s: float = 0.0
+    rollout_only_s: float = 0.0
+    trainer_busy_s: float = 0.0
+    slot_s: float = 0.0
+    """Integral of running sequences over time (all workers)."""
+    capacity_s: float = 0.0
+    """Integral of (workers x max_slots) over the time rollout could run."""
+
+    def minus(self, other: Totals) -> Totals:
+        return Totals(*(getattr(self, f) - getattr(other, f) for f in Totals.__slots__))
+
+
+@dataclass(slots=True)
+class Outcome:
+    """Everything one simulated run measured; ``dora.sim.metrics`` turns it into the reported numbers."""
+
     mode: Mode
     staleness_bound: int
+    placement: str
+    rollout_workers: int
+    trainer_gpus: int
     wall_s: float
-    steps: int
-    tokens: int
-    learner_idle_s: float
+    steps: list[StepRecord]
+    totals_at_step: list[Totals]
+    """Totals at the end of every step (index i = after step i)."""
     staleness: Counter[int]
     c1_violations: int
+    mixed_version_trajectories: int
     trained: list[int]
-    expected_groups: int
+    dropped_lengths: list[int]
+    trained_lengths: list[int]
+    groups_dispatched: int
+    groups_in_flight: int
+    migrated_groups: int
     migrated_requests: int
+    reprefill_tokens: int
     requeued: int
+    rebalances: int
+    worker_moves: int
+    preemptions: int
     max_live_versions: int
-    step_times: list[float] = field(default_factory=list)
-
-    @property
-    def throughput(self) -> float:
-        return self.tokens / self.wall_s if self.wall_s else 0.0
-
-    @property
-    def c2_ok(self) -> bool:
-        return sorted(self.trained) == list(range(self.expected_groups))
-
-    @property
-    def max_staleness(self) -> int:
-        return max((k for k, n in self.staleness.items() if n), default=0)
-
-    @property
-    def mean_staleness(self) -> float:
-        n = sum(self.staleness.values())
-        return sum(k * v for k, v in self.staleness.items()) / n if n else 0.0
+    timeline: dict[str, list[tuple[float, float, int, str]]] = field(default_factory=dict)
 
 
 class Simulation:
-    """One run of one mode.
-
-    ``deaths``: (time_s, worker index) kills; each killed worker is replaced after ``restart_s``.
-    """
+    """One run of one mode on one configuration."""
 
     def __init__(
         self,
-        cfg: CoreConfig,
+        cfg: SimConfig,
+        mode: Mode,
         *,
-        workers: int,
-        slots: int,
-        timing: Timing | None = None,
-        lengths: Lengths | None = None,
-        deaths: tuple[tuple[float, int], ...] = (),
-        restart_s: float = 1.0,
+        rollout_gpus: int | None = None,
+        deaths: tuple[tuple[float, int], ...] | None = None,
         strict: bool = False,
+        timeline: bool = False,
     ) -> None:
-        if cfg.total_steps is None:
-            raise ValueError("a simulation needs total_steps")
-        self.cfg = cfg
-        self.timing = timing or Timing()
-        self.core = Core(cfg, strict=strict)
+        self.cfg = cfg.for_mode(mode)
+        self.mode = mode
+        cl = cfg.cluster
+        self.placement = cl.placement_of(mode)
+        if self.placement == "colocated":
+            self.n_workers = cl.total_gpus // cl.gpus_per_worker
+            self.trainer_gpus = cl.total_gpus
+        else:
+            rg = rollout_gpus or cl.rollout_gpus or cl.total_gpus // 2
+            self.n_workers = max(1, rg // cl.gpus_per_worker)
+            self.trainer_gpus = cl.total_gpus - self.n_workers * cl.gpus_per_worker
+            if self.trainer_gpus < 1:
+                raise ValueError(f"no accelerator left to train: {rg} of {cl.total_gpus} serve rollout")
+        self.eng = cfg.engine
+        self.core = Core(self.cfg.core, strict=strict)
         self.world = World(
-            group_size=cfg.group_size,
-            train_groups=cfg.train_groups,
-            max_staleness=cfg.staleness,
-            lengths=lengths or Lengths(),
-            mixed_versions_allowed=cfg.mode is Mode.PARTIAL,
-        )
-        self.n_workers = workers
-        self.slots = slots
-        self.restart_s = restart_s
+            group_size=self.cfg.core.group_size, train_groups=self.cfg.core.train_groups,
+            max_staleness=self.cfg.core.staleness, workload=cfg.workload.build(cfg.run.seed),
+            mixed_versions_allowed=self.cfg.core.in_flight_swap, max_running=self.eng.max_slots,
+            kv_budget_tokens=self.eng.kv_budget_tokens, kv_transfer=self.eng.kv_transfer,
+        )  # fmt: skip
+        self.world.before_change = self._advance
         self.now = 0.0
         self._queue: list[tuple[float, int, str, object]] = []
-        self._pending_work = 0
-        """Queued events other than the timer; when none is left the run can no longer change."""
         self._seq = itertools.count()
-        self._last: dict[WorkerId, float] = {}
-        self._debt_s: dict[WorkerId, float] = {}
-        self._epoch: dict[WorkerId, int] = {}
+        self._pending_work = 0
         self._inbox: deque[Event] = deque()
         self._touched: set[WorkerId] = set()
         self._feeding = False
-        self.world.before_change = self._advance
-        self._idle_since: float | None = 0.0
-        self.learner_idle_s = 0.0
+        self._last: dict[WorkerId, float] = {}
+        self._debt_s: dict[WorkerId, float] = {}
+        self._epoch: dict[WorkerId, int] = {}
+        self._running: dict[WorkerId, int] = {}
+        self._n_busy = 0
+        self._n_running = 0
+        self._paused = False
+        self._training = False
+        self._acct_t = 0.0
+        self.totals = Totals()
+        self.totals_at_step: list[Totals] = []
+        self.steps: list[StepRecord] = []
         self.max_alive = 1
-        self.step_times: list[float] = []
-        self._step_started = 0.0
+        self.moves = 0
+        self._n_alive = 0
+        self._trained_samples: list[list] = []
+        self.record_timeline = timeline
+        self.timeline: dict[str, list[tuple[float, float, int, str]]] = {}
+        self._state: dict[WorkerId, tuple[float, int, str]] = {}
+        if deaths is None:
+            deaths = self.fault_schedule(cfg)
         for t, idx in deaths:
             self._at(t, "kill", idx)
+
+    @staticmethod
+    def fault_schedule(cfg: SimConfig) -> tuple[tuple[float, int], ...]:
+        """``run.faults`` kills, the same for every mode: times over a rough run length, victims by index."""
+        rng = random.Random(cfg.run.seed)
+        horizon = cfg.run.steps * 600.0
+        return tuple(sorted((rng.uniform(0, horizon), rng.randrange(1 << 30)) for _ in range(cfg.run.faults)))
 
     # ------------------------------------------------------------------ plumbing
 
@@ -172,86 +196,157 @@ class Simulation:
                 case Lease() | MigrateIn() | Cancel():
                     self._touched.add(a.worker_id)
                 case Assign():
-                    self._at(self.now + self.timing.load_s, "loaded", (a.worker_id, a.version))
+                    self.moves += 1
+                    self._at(self.now + self.eng.load_s, "loaded", (a.worker_id, a.version))
                     self._touched.add(a.worker_id)
                 case MigrateOut():
-                    self._at(self.now + self.timing.export_s, "export", (a.worker_id, a.group_id))
+                    w = self.world.workers[a.worker_id]
+                    tokens = sum(r.context for r in w.exporting.get(a.group_id, (0, []))[1])
+                    ship = (
+                        tokens * self.eng.kv_bytes_per_token / self.eng.transfer_bytes_per_s
+                        if self.eng.kv_transfer
+                        else 0.0
+                    )
+                    self._at(self.now + ship, "export", (a.worker_id, a.group_id))
                     self._touched.add(a.worker_id)
                 case DeliverBatch(redelivery=False):
-                    if self._idle_since is not None:
-                        self.learner_idle_s += self.now - self._idle_since
-                        self._idle_since = None
-                    tokens = sum(n for g in a.groups for s in g.samples for _, n in s.segments)
-                    self._at(self.now + self.timing.train_fixed_s + self.timing.train_per_token_s * tokens, "trained")
+                    self._start_training(a)
+
+    def _start_training(self, batch: DeliverBatch) -> None:
+        lengths = [sum(n for _, n in s.segments) for g in batch.groups for s in g.samples]
+        prompts = sum(self.world.workload.prompt_len(g.group_id) * len(g.samples) for g in batch.groups)
+        longest = max(lengths, default=0)
+        rec = StepRecord(step=batch.step, delivered_s=self.now, tokens=sum(lengths) + prompts,
+                         response_tokens=sum(lengths),
+                         bubble=(longest - sum(lengths) / len(lengths)) / longest if longest else 0.0)  # fmt: skip
+        self.steps.append(rec)
+        self._account()
+        self._training = True
+        if self.placement == "colocated":  # the same accelerators now train: rollout stops
+            for w in list(self.world.workers):
+                self._advance(w)
+            self._paused = True
+            for w in list(self.world.workers):
+                self._touched.add(w)
+        train_s = self.cfg.trainer.train_s(rec.tokens, self.trainer_gpus) + self.cfg.trainer.publish_s
+        self._at(self.now + train_s, "trained")
+
+    def _account(self) -> None:
+        dt = self.now - self._acct_t
+        if dt > 0:
+            t = self.totals
+            t.t += dt
+            active = self._n_busy > 0 and not self._paused
+            t.rollout_active_s += dt * active
+            t.rollout_only_s += dt * (active and not self._training)
+            t.trainer_busy_s += dt * self._training
+            t.slot_s += dt * self._n_running * (not self._paused)
+            if not self._paused:
+                t.capacity_s += dt * self._n_alive * self.eng.max_slots
+        self._acct_t = self.now
 
     def _decoding(self, worker: WorkerId) -> bool:
-        w = self.world.workers[worker]
-        return w.alive and w.loading is None and bool(w.requests)
+        return not self._paused and self.world.workers[worker].decoding
 
     def _advance(self, worker: WorkerId) -> None:
-        """Bring one worker's decoding up to ``now``; its finished samples go to the inbox."""
+        """Bring one worker up to ``now``: pay prefill debt, then decode; finished samples go to the inbox."""
         last = self._last.get(worker, self.now)
         self._last[worker] = self.now
         w = self.world.workers[worker]
         if w.prefill_debt:
-            self._debt_s[worker] = self._debt_s.get(worker, 0.0) + w.prefill_debt * self.timing.prefill_per_token_s
+            self._debt_s[worker] = self._debt_s.get(worker, 0.0) + w.prefill_debt * self.eng.prefill_s_per_token
             w.prefill_debt = 0
-        if not self._decoding(worker) or self.now <= last:
+        if not self._decoding(worker):
             return
-        dt = self.now - last
+        dt = max(0.0, self.now - last)
         debt = self._debt_s.get(worker, 0.0)
         pay = min(debt, dt)
-        self._debt_s[worker] = debt - pay
-        tokens = (dt - pay) / self.timing.step_s(len(w.requests))
-        self._inbox.extend(self.world.decode(worker, tokens + 1e-7))
-        self._touched.add(worker)
+        self._debt_s[worker] = debt - pay if debt - pay > 1e-9 else 0.0
+        if self._debt_s[worker]:
+            return
+        steps = (dt - pay) / self.eng.step_s(len(w.engine.running))
+        done = self.world.decode(worker, steps + 1e-9)  # the epsilon also settles a request due right now
+        if done or steps > 0:
+            self._inbox.extend(done)
+            self._touched.add(worker)
 
     def _reschedule(self, worker: WorkerId) -> None:
         self._advance(worker)
+        self._account()
+        self._refresh(worker)
         self._epoch[worker] = self._epoch.get(worker, 0) + 1
         if not self._decoding(worker):
             return
         w = self.world.workers[worker]
-        remaining = min(r.length - r.generated for r in w.requests)
-        t = self.now + self._debt_s.get(worker, 0.0) + remaining * self.timing.step_s(len(w.requests))
+        steps = w.engine.steps_to_next()
+        if steps is None:
+            return
+        t = self.now + self._debt_s.get(worker, 0.0) + steps * self.eng.step_s(len(w.engine.running))
         self._at(t, "decode", (worker, self._epoch[worker]))
+
+    def _refresh(self, worker: WorkerId) -> None:
+        """Keep the fleet-wide counts (and the timeline) in step with one worker's state."""
+        w = self.world.workers[worker]
+        running = len(w.engine.running) if self._decoding(worker) else 0
+        old = self._running.get(worker, 0)
+        self._n_running += running - old
+        self._n_busy += (running > 0) - (old > 0)
+        self._running[worker] = running
+        if self.record_timeline:
+            kind = "dead" if not w.alive else "load" if w.loading is not None else "busy" if len(w.engine) else "idle"
+            version = w.loading if w.loading is not None else (w.loaded if w.loaded is not None else -1)
+            state = (version, kind)
+            prev = self._state.get(worker)
+            if prev is None or prev[1:] != state:
+                if prev is not None and self.now > prev[0]:
+                    self.timeline.setdefault(worker, []).append((prev[0], self.now, prev[1], prev[2]))
+                self._state[worker] = (self.now, *state)
 
     # ------------------------------------------------------------------ run
 
-    def run(self, max_events: int = 5_000_000) -> Result:
+    def run(self, max_events: int = 50_000_000) -> Outcome:
         for _ in range(self.n_workers):
-            self._feed(self.world.join(self.slots))
+            self._n_alive += 1
+            self._feed(self.world.join(self.eng.credit))
         self._feed(self.world.request_batch())
-        self._at(self.timing.tick_s, "tick")
+        self._at(self.cfg.run.tick_s, "tick")
         for _ in range(max_events):
-            if self.world.learner.finished or not self._queue:
+            if self.world.learner.finished or not self._queue or not self._pending_work:
                 break
-            if not self._pending_work:
-                break  # only the timer is left: nothing will ever change again
             self.now, _, kind, arg = heapq.heappop(self._queue)
             self._pending_work -= kind != "tick"
+            self._account()
             self._dispatch(kind, arg)
         if not self.world.learner.finished:
-            raise RuntimeError(
-                f"simulation of {self.cfg.mode} stopped at step {self.core.step} with no event left (deadlock)"
-            )
+            raise RuntimeError(f"simulation of {self.mode.value} stopped at step {self.core.step}: deadlock")
+        self._account()
+        if self.record_timeline:
+            for w in self.world.workers:
+                self._refresh(w)
+                prev = self._state.get(w)
+                if prev is not None and self.now > prev[0]:
+                    self.timeline.setdefault(w, []).append((prev[0], self.now, prev[1], prev[2]))
+        return self._outcome()
+
+    def _outcome(self) -> Outcome:
         lr = self.world.learner
-        return Result(
-            mode=self.cfg.mode,
-            staleness_bound=self.cfg.staleness,
-            wall_s=self.now,
-            steps=lr.steps,
-            tokens=self.world.tokens_trained,
-            learner_idle_s=self.learner_idle_s,
-            staleness=lr.staleness,
-            c1_violations=lr.c1_violations,
-            trained=list(lr.trained),
-            expected_groups=self.cfg.prompt_budget or 0,
-            migrated_requests=self.world.migrated_requests,
-            requeued=self.core.scheduler.stats_requeued,
-            max_live_versions=self.max_alive,
-            step_times=self.step_times,
-        )
+        tq = self.core.transfer
+        trained_lengths = [sum(n for _, n in s.segments) for b in self._trained_samples for s in b]
+        return Outcome(
+            mode=self.mode, staleness_bound=self.cfg.core.staleness, placement=self.placement,
+            rollout_workers=self.n_workers, trainer_gpus=self.trainer_gpus, wall_s=self.now, steps=self.steps,
+            totals_at_step=self.totals_at_step, staleness=lr.staleness, c1_violations=lr.c1_violations,
+            mixed_version_trajectories=lr.mixed_version_trajectories, trained=list(lr.trained),
+            dropped_lengths=[sum(n for _, n in s.segments) for g in tq.dropped for s in g.samples],
+            trained_lengths=trained_lengths, groups_dispatched=self.core.scheduler.cursor,
+            groups_in_flight=len(self.core.scheduler.flights) + len(tq),
+            migrated_groups=self.core.scheduler.stats_migrated_groups,
+            migrated_requests=self.core.scheduler.stats_migrated_requests,
+            reprefill_tokens=self.world.reprefill_tokens, requeued=self.core.scheduler.stats_requeued,
+            rebalances=self.core.rebalances, worker_moves=self.moves,
+            preemptions=sum(w.engine.preemptions for w in self.world.workers.values()),
+            max_live_versions=self.max_alive, timeline=self.timeline,
+        )  # fmt: skip
 
     def _dispatch(self, kind: str, arg: object) -> None:
         match kind:
@@ -264,6 +359,7 @@ class Simulation:
                 worker, version = arg  # type: ignore[misc]
                 w = self.world.workers[worker]
                 if w.alive and w.loading == version:
+                    self._advance(worker)
                     self._feed(self.world.finish_load(worker))
                     self._touched.add(worker)
                     self._feed(None)
@@ -273,23 +369,39 @@ class Simulation:
                 if w.alive and group in w.exporting:
                     self._feed(self.world.finish_export(worker, group))
             case "trained":
-                self.step_times.append(self.now - self._step_started)
-                self._step_started = self.now
-                self._feed(self.world.publish())
-                if not self.world.learner.finished:
-                    self._idle_since = self.now
-                    self._feed(self.world.request_batch())
+                self._finish_training()
             case "tick":
                 for w in self.world.alive_workers():
                     self._touched.add(w.worker_id)
                 self._feed(Tick())
-                self._at(self.now + self.timing.tick_s, "tick")
+                self._at(self.now + self.cfg.run.tick_s, "tick")
             case "kill":
                 live = self.world.alive_workers()
                 if live:
                     victim = live[int(arg) % len(live)]  # type: ignore[call-overload]
                     self._advance(victim.worker_id)
+                    self._n_alive -= 1
                     self._feed(self.world.kill(victim.worker_id))
-                    self._at(self.now + self.restart_s, "join")
+                    self._touched.add(victim.worker_id)
+                    self._at(self.now + self.cfg.run.restart_s, "join")
+                    self._feed(None)
             case "join":
-                self._feed(self.world.join(self.slots))
+                self._n_alive += 1
+                self._feed(self.world.join(self.eng.credit))
+
+    def _finish_training(self) -> None:
+        batch = self.world.learner.batch
+        assert batch is not None
+        self._trained_samples.append([s for g in batch.groups for s in g.samples])
+        self.steps[-1].published_s = self.now
+        self._training = False
+        self.totals_at_step.append(Totals(*(getattr(self.totals, f) for f in Totals.__slots__)))
+        if self._paused:
+            self._paused = False
+            for w in self.world.workers:
+                self._last[w] = self.now
+                self._touched.add(w)
+        self._feed(self.world.publish())
+        if not self.world.learner.finished:
+            self._feed(self.world.request_batch())
+        self._feed(None)

@@ -1,73 +1,84 @@
-"""`dora sim`: run the paradigms side by side on one simulated workload and report the invariants."""
+"""`dora sim`: simulate the training paradigms side by side on one cluster and workload, on the production core."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import random
+import os
+import pathlib
 import sys
 import time
 
-from dora.config import ConfigError, CoreConfig
+from dora.config import ConfigError, load
 from dora.ids import Mode
-from dora.sim.des import Simulation, Timing
-from dora.sim.report import as_json, broken_promises, print_table
-from dora.sim.world import Lengths
+from dora.sim.config import SimConfig
+from dora.sim.report import broken_promises, print_table
+from dora.sim.runner import simulate
+
+DEMO = {
+    "run": {"steps": 12, "warmup_steps": 2, "tick_s": 5.0, "restart_s": 10.0},
+    "core": {"train_groups": 32, "group_size": 8, "max_staleness": 2},
+    "cluster": {"total_gpus": 16, "gpus_per_worker": 1, "rollout_gpus": 8},
+    "engine": {"tpot_base_s": 0.02, "tpot_per_seq_s": 0.0001, "max_slots": 64, "prefill_s_per_token": 2e-5,
+               "load_s": 1.0},
+    "trainer": {"gpu_s_per_token": 0.002, "step_fixed_s": 2.0, "publish_s": 0.5},
+    "workload": {"median": 400.0, "sigma": 1.1, "cap": 8192, "prompt_tokens": 100.0},
+}  # fmt: skip
+"""Built-in small cluster used when no --config is given: it runs in seconds."""
+
+ALL = [Mode.SYNC, Mode.ONE_STEP, Mode.PARTIAL, Mode.DORA, Mode.DROP_STALE]
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="dora sim", description=__doc__)
+    p.add_argument(
+        "--config", metavar="FILE.toml", help="cluster, engine, trainer and workload (default: a small demo)"
+    )
     p.add_argument("--mode", choices=[*(m.value for m in Mode), "all"], default="all")
-    p.add_argument("--steps", type=int, default=12, help="train steps per run (default 12)")
-    p.add_argument("--staleness", type=int, default=2, help="K for partial and dora (default 2)")
-    p.add_argument("--workers", type=int, default=8, help="rollout workers (default 8)")
-    p.add_argument("--slots", type=int, default=64, help="sequences per worker (default 64)")
-    p.add_argument("--train-groups", type=int, default=32, help="groups per batch (default 32)")
-    p.add_argument("--group-size", type=int, default=8, help="samples per prompt (default 8)")
-    p.add_argument("--median-tokens", type=float, default=400.0, help="median output length (default 400)")
-    p.add_argument("--sigma", type=float, default=1.1, help="lognormal sigma of output lengths (default 1.1)")
-    p.add_argument("--max-tokens", type=int, default=8192, help="output length cap (default 8192)")
-    p.add_argument("--train-fixed-s", type=float, default=5.0, help="learner time per step (default 5)")
-    p.add_argument("--train-per-token-s", type=float, default=3e-4, help="learner time per token (default 3e-4)")
-    p.add_argument("--faults", type=int, default=0, help="random worker kills during each run (default 0)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", metavar="OUT", help="also write the results as JSON to OUT")
+    p.add_argument("--steps", type=int, help="train steps per run (overrides run.steps)")
+    p.add_argument("--faults", type=int, help="random worker kills per run (overrides run.faults)")
+    p.add_argument("--seed", type=int, help="workload and fault seed (overrides run.seed)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override any config key, e.g. --set core.max_staleness=2 (repeatable)")  # fmt: skip
+    p.add_argument("--json", metavar="OUT", help="write one metrics object per mode to OUT")
+    p.add_argument("--plots", metavar="DIR", help="write timeline, staleness and throughput PNGs to DIR")
     return p.parse_args(argv)
+
+
+def resolve(args: argparse.Namespace) -> SimConfig:
+    overrides = list(args.set)
+    for flag, key in ((args.steps, "run.steps"), (args.faults, "run.faults"), (args.seed, "run.seed")):
+        if flag is not None:
+            overrides.append(f"{key}={flag}")
+    return load(SimConfig, path=args.config, base=None if args.config else DEMO, env=os.environ,
+                env_prefix="DORA_SIM__", overrides=overrides)  # fmt: skip
 
 
 def main(argv: list[str]) -> int:
     args = parse(argv)
-    modes = list(Mode) if args.mode == "all" else [Mode(args.mode)]
     try:
-        lengths = Lengths(median=args.median_tokens, sigma=args.sigma, cap=args.max_tokens, seed=args.seed)
-        configs = [
-            CoreConfig(mode=m, max_staleness=args.staleness, train_groups=args.train_groups,
-                       group_size=args.group_size, total_steps=args.steps)
-            for m in modes
-        ]  # fmt: skip
-        if args.workers < 1 or args.slots < args.group_size:
-            raise ConfigError("need --workers >= 1 and --slots >= --group-size")
+        cfg = resolve(args)
     except ConfigError as e:
         print(f"dora sim: {e}", file=sys.stderr)
         return 2
-    timing = Timing(train_fixed_s=args.train_fixed_s, train_per_token_s=args.train_per_token_s)
+    modes = ALL if args.mode == "all" else [Mode(args.mode)]
     results = []
-    for cfg in configs:
-        # The same faults for every mode: times spread over a sync-length run, victims by index.
-        rng = random.Random(args.seed)
-        horizon = args.steps * 40.0
-        deaths = tuple(sorted((rng.uniform(0, horizon), rng.randrange(1 << 30)) for _ in range(args.faults)))
+    for mode in modes:
         t0 = time.perf_counter()
-        sim = Simulation(cfg, workers=args.workers, slots=args.slots, timing=timing, lengths=lengths,
-                         deaths=deaths, strict=True)  # fmt: skip
-        results.append(sim.run())
-        print(f"{cfg.mode.value:>8}: {args.steps} steps simulated in {time.perf_counter() - t0:.2f}s", file=sys.stderr)
-    sys.stderr.flush()
-    print_table(results)
+        results.append(simulate(cfg, mode, timeline=bool(args.plots)))
+        m = results[-1].metrics
+        print(f"{mode.value:>10}: {cfg.run.steps} steps in {time.perf_counter() - t0:.1f}s "
+              f"({m['placement']}, {m['rollout_gpus']} rollout / {m['trainer_gpus']} trainer GPUs)",
+              file=sys.stderr, flush=True)  # fmt: skip
+    print_table([r.metrics for r in results])
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(as_json(results), f, indent=1)
-    failed = {r.mode.value: broken_promises(r) for r in results if broken_promises(r)}
+        pathlib.Path(args.json).write_text(json.dumps([r.metrics for r in results], indent=1))
+    if args.plots:
+        from dora.sim.plots import write_plots
+
+        for path in write_plots(results, pathlib.Path(args.plots), title=args.config or "demo"):
+            print(f"wrote {path}", file=sys.stderr)
+    failed = {r.mode.value: broken for r in results if (broken := broken_promises(r.metrics))}
     if failed:
         print(f"dora sim: invariants broken: {failed}", file=sys.stderr)
         return 1

@@ -12,8 +12,6 @@ tests (hypothesis chooses which enabled event happens next).
 
 from __future__ import annotations
 
-import math
-import random
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,63 +36,35 @@ from dora.broker.events import (
     WorkerJoined,
     WorkerLost,
 )
-from dora.ids import AttemptId, GroupId, WorkerId
+from dora.ids import GroupId, WorkerId
+from dora.sim.engine import Engine, Request
+from dora.sim.workload import Workload
 
 
 class WorldError(AssertionError):
     """The core asked for something the real system could not do, or trained data it must not."""
 
 
-@dataclass(frozen=True, slots=True)
-class Lengths:
-    """Heavy-tailed output lengths: lognormal per sample around a per-prompt difficulty, capped."""
-
-    median: float = 64.0
-    sigma: float = 1.0
-    prompt_sigma: float = 0.5
-    cap: int = 2048
-    seed: int = 0
-
-    def __call__(self, group: int, index: int, attempt: int) -> int:
-        difficulty = random.Random(f"{self.seed}:{group}").lognormvariate(0.0, self.prompt_sigma)
-        rng = random.Random(f"{self.seed}:{group}:{index}:{attempt}")
-        raw = rng.lognormvariate(math.log(self.median * difficulty), self.sigma)
-        return max(1, min(self.cap, round(raw)))
-
-
-@dataclass(slots=True)
-class Request:
-    group_id: GroupId
-    attempt: AttemptId
-    index: int
-    length: int
-    generated: float = 0.0
-    segments: list[list[int]] = field(default_factory=list)
-    """[[version, tokens], ...] in generation order."""
-
-    def add_tokens(self, version: int, tokens: int) -> None:
-        if self.segments and self.segments[-1][0] == version:
-            self.segments[-1][1] += tokens
-        else:
-            self.segments.append([version, tokens])
-
-    @property
-    def emitted(self) -> int:
-        return sum(n for _, n in self.segments)
-
-
 @dataclass(slots=True)
 class SimWorker:
     worker_id: WorkerId
     slots: int
+    engine: Engine
     loaded: int | None = None
     """Version whose weights are in memory and serving."""
     loading: int | None = None
-    requests: list[Request] = field(default_factory=list)
-    exporting: dict[GroupId, tuple[AttemptId, list[Request]]] = field(default_factory=dict)
+    exporting: dict[GroupId, tuple[int, list[Request]]] = field(default_factory=dict)
     alive: bool = True
     prefill_debt: int = 0
-    """Tokens to re-prefill before decoding resumes (partial mode after a weight swap, migration)."""
+    """Tokens to prefill before decoding resumes (new requests, re-prefill after a swap or a migration)."""
+
+    @property
+    def requests(self) -> list[Request]:
+        return self.engine.requests()
+
+    @property
+    def decoding(self) -> bool:
+        return self.alive and self.loading is None and bool(self.engine.running)
 
 
 @dataclass(slots=True)
@@ -106,6 +76,7 @@ class Learner:
     steps: int = 0
     staleness: Counter[int] = field(default_factory=Counter)
     c1_violations: int = 0
+    mixed_version_trajectories: int = 0
     finished: bool = False
 
 
@@ -118,24 +89,34 @@ class World:
         group_size: int,
         train_groups: int,
         max_staleness: int,
-        lengths: Lengths,
+        workload: Workload,
         mixed_versions_allowed: bool = False,
+        max_running: int | None = None,
+        kv_budget_tokens: int | None = None,
+        kv_transfer: bool = True,
     ) -> None:
         self.group_size = group_size
         self.train_groups = train_groups
         self.max_staleness = max_staleness
-        self.lengths = lengths
+        self.workload = workload
         self.mixed_versions_allowed = mixed_versions_allowed
+        self.max_running = max_running
+        """Sequences an engine decodes at once (None: as many as it holds)."""
+        self.kv_budget_tokens = kv_budget_tokens if kv_budget_tokens is not None else 1 << 62
+        self.kv_transfer = kv_transfer
+        """Migration carries the KV cache (no re-prefill on the target)."""
         self.workers: dict[WorkerId, SimWorker] = {}
         self.learner = Learner()
         self.retired: set[int] = set()
         self.sent: list[SampleFinished] = []
         """Every result ever sent, for replaying late or duplicated messages."""
         self.migrated_requests = 0
+        self.migrated_tokens = 0
+        self.reprefill_tokens = 0
         self.refused = Counter[str]()
         self.tokens_trained = 0
         self.before_change: Callable[[WorkerId], None] | None = None
-        """Called before an action changes a live worker's running set (the simulator catches its clock up)."""
+        """Called before an action changes a live worker (the simulator catches its clock up first)."""
         self._ids = 0
 
     # ------------------------------------------------------------------ actions from the core
@@ -149,45 +130,52 @@ class World:
                         continue  # the message was sent to a process that is already dead
                     if w.loaded != a.version or w.loading is not None:
                         raise WorldError(f"lease of version {a.version} to {w.worker_id} serving {w.loaded}")
-                    if len(w.requests) + a.n_samples > w.slots:
+                    if len(w.engine) + a.n_samples > w.slots:
                         raise WorldError(f"{w.worker_id} leased beyond its {w.slots} slots")
-                    for i in range(a.n_samples):
-                        w.requests.append(Request(a.group_id, a.attempt, i, self.lengths(a.group_id, i, a.attempt)))
+                    prompt = self.workload.prompt_len(a.group_id)
+                    reqs = [
+                        Request(a.group_id, a.attempt, i, self.workload.length(a.group_id, i, a.attempt), prompt)
+                        for i in range(a.n_samples)
+                    ]
+                    w.prefill_debt += w.engine.submit(reqs)
                 case Assign():
                     w = self._live(a.worker_id)
                     if w is None:
                         continue
-                    if w.requests and not a.interrupt:
-                        raise WorldError(f"{w.worker_id} told to swap weights under {len(w.requests)} requests")
+                    if len(w.engine) and not a.interrupt:
+                        raise WorldError(f"{w.worker_id} told to swap weights under {len(w.engine)} requests")
                     if a.version in self.retired:
                         raise WorldError(f"{w.worker_id} told to load retired version {a.version}")
                     w.loading = a.version
                 case MigrateOut():
                     w = self._live(a.worker_id)
-                    if w is None:
-                        continue
-                    moving = [r for r in w.requests if r.group_id == a.group_id and r.attempt == a.attempt]
-                    w.requests = [r for r in w.requests if r not in moving]
-                    w.exporting[a.group_id] = (a.attempt, moving)
+                    if w is not None:
+                        w.exporting[a.group_id] = (a.attempt, w.engine.remove(a.group_id, a.attempt))
                 case MigrateIn():
                     w = self._live(a.worker_id)
                     if w is None:
                         continue
                     if w.loaded != a.version or w.loading is not None:
                         raise WorldError(f"migration of version {a.version} into {w.worker_id} serving {w.loaded}")
-                    w.requests.extend(a.state)
+                    reqs: list[Request] = a.state
+                    for r in reqs:
+                        r.has_kv = self.kv_transfer
+                        if not self.kv_transfer:
+                            self.reprefill_tokens += round(r.context)
                     self.migrated_requests += a.n_requests
+                    self.migrated_tokens += round(sum(r.context for r in reqs))
+                    w.prefill_debt += w.engine.submit(reqs, front=True)
                 case Cancel():
                     w = self._live(a.worker_id)
                     if w is not None:
-                        w.requests = [r for r in w.requests if (r.group_id, r.attempt) != (a.group_id, a.attempt)]
+                        w.engine.remove(a.group_id, a.attempt)
                         w.exporting.pop(a.group_id, None)
                 case DeliverBatch():
                     self._receive(a)
                 case Retire():
                     self.retired.add(a.version)
                     for w in self.workers.values():
-                        serving = w.loaded == a.version and w.requests and w.loading is None
+                        serving = w.loaded == a.version and len(w.engine) and w.loading is None
                         if w.alive and (w.loading == a.version or serving):
                             raise WorldError(f"version {a.version} retired while {w.worker_id} still uses it")
                 case Refused():
@@ -223,6 +211,7 @@ class World:
                     if not self.mixed_versions_allowed:
                         raise WorldError(f"C1: group {g.group_id} sample {s.index} versions {sorted(versions)}")
                     lr.c1_violations += 1
+                    lr.mixed_version_trajectories += len(versions) > 1
         lr.batch = batch
         lr.waiting = False
 
@@ -231,13 +220,14 @@ class World:
     def join(self, slots: int) -> WorkerJoined:
         self._ids += 1
         wid = WorkerId(f"w{self._ids}")
-        self.workers[wid] = SimWorker(worker_id=wid, slots=slots)
+        engine = Engine(self.max_running or slots, self.kv_budget_tokens)
+        self.workers[wid] = SimWorker(worker_id=wid, slots=slots, engine=engine)
         return WorkerJoined(worker_id=wid, slots=slots)
 
     def kill(self, worker: WorkerId) -> WorkerLost:
         w = self.workers[worker]
         w.alive = False
-        w.requests.clear()
+        w.engine.clear()
         w.exporting.clear()
         return WorkerLost(worker_id=worker, reason="killed")
 
@@ -246,44 +236,43 @@ class World:
         if w.loading is None:
             raise WorldError(f"{worker} is not loading")
         w.loaded, w.loading = w.loading, None
-        if w.requests:  # partial mode: interrupted requests resume on the new weights after re-prefill
-            w.prefill_debt += sum(r.emitted for r in w.requests)
+        if len(w.engine):  # partial mode: interrupted requests resume on the new weights after re-prefill
+            tokens = w.engine.swap_weights(w.loaded)
+            self.reprefill_tokens += tokens
+            w.prefill_debt += tokens
+        else:
+            w.engine.version = w.loaded
         return WeightsLoaded(worker_id=worker, version=w.loaded)
 
     def finish_export(self, worker: WorkerId, group: GroupId) -> MigrationExported:
         w = self.workers[worker]
         attempt, requests = w.exporting.pop(group)
-        return MigrationExported(
-            worker_id=worker, group_id=group, attempt=attempt, n_requests=len(requests), state=requests
-        )
+        return MigrationExported(worker_id=worker, group_id=group, attempt=attempt,
+                                 n_requests=len(requests), state=requests)  # fmt: skip
 
-    def decode(self, worker: WorkerId, tokens: float) -> list[SampleFinished]:
-        """Every running request on ``worker`` advances ``tokens`` decode steps (continuous batching)."""
+    def steps_to_next(self, worker: WorkerId) -> float | None:
         w = self.workers[worker]
-        if not w.alive or w.loaded is None or w.loading is not None:
-            return []
+        return w.engine.steps_to_next() if w.decoding else None
+
+    def decode(self, worker: WorkerId, steps: float) -> list[SampleFinished]:
+        """The worker's running requests advance ``steps`` decode steps together (continuous batching)."""
+        w = self.workers[worker]
         done: list[SampleFinished] = []
-        keep: list[Request] = []
-        for r in w.requests:
-            before = math.floor(r.generated + 1e-9)
-            r.generated = min(float(r.length), r.generated + tokens)
-            after = math.floor(r.generated + 1e-9)
-            if after > before:
-                r.add_tokens(w.loaded, after - before)
-            if after >= r.length:
-                ev = SampleFinished(
-                    worker_id=worker,
-                    group_id=r.group_id,
-                    attempt=r.attempt,
-                    index=r.index,
-                    segments=tuple((v, n) for v, n in r.segments),
-                    payload=r.attempt,
-                )
+        left = steps
+        while w.decoding and left > 0:
+            nxt = w.engine.steps_to_next()
+            step = left if nxt is None else min(left, nxt)
+            w.engine.advance(step)
+            left -= step
+            finished, prefill = w.engine.settle()
+            w.prefill_debt += prefill
+            for r in finished:
+                ev = SampleFinished(worker_id=worker, group_id=GroupId(r.group_id), attempt=r.attempt,
+                                    index=r.index, segments=r.segments(), payload=r.attempt)  # fmt: skip
                 done.append(ev)
                 self.sent.append(ev)
-            else:
-                keep.append(r)
-        w.requests = keep
+            if step <= 0 and not finished:
+                break
         return done
 
     def request_batch(self) -> BatchRequested:
@@ -296,8 +285,8 @@ class World:
             raise WorldError("publish without a batch")
         for g in lr.batch.groups:
             lr.trained.append(g.group_id)
-            self.tokens_trained += sum(n for s in g.samples for _, n in s.segments)
             lr.staleness[lr.batch.step - g.version] += len(g.samples)
+            self.tokens_trained += sum(n for s in g.samples for _, n in s.segments)
         lr.batch = None
         lr.version += 1
         lr.steps += 1
@@ -314,11 +303,6 @@ class World:
     def alive_workers(self) -> list[SimWorker]:
         return [w for w in self.workers.values() if w.alive]
 
-    def running(self) -> int:
-        return sum(len(w.requests) for w in self.alive_workers())
-
     def busy(self) -> bool:
         """Anything in the fleet that can still make progress on its own."""
-        return any(
-            (w.requests and w.loading is None) or w.loading is not None or w.exporting for w in self.alive_workers()
-        )
+        return any(w.decoding or w.loading is not None or w.exporting for w in self.alive_workers())

@@ -10,15 +10,15 @@ from dataclasses import dataclass, field
 from dora.broker.core import Core
 from dora.broker.events import Action, DeliverBatch, Event, Retire, SampleFinished, Tick
 from dora.config import CoreConfig
-from dora.ids import Mode
-from dora.sim.world import Lengths, World
+from dora.sim.workload import Workload
+from dora.sim.world import World
 
 
 @dataclass
 class Harness:
     cfg: CoreConfig
     slots: int
-    lengths: Lengths
+    workload: Workload
     core: Core = field(init=False)
     world: World = field(init=False)
     now: float = 0.0
@@ -33,8 +33,8 @@ class Harness:
             group_size=self.cfg.group_size,
             train_groups=self.cfg.train_groups,
             max_staleness=self.cfg.staleness,
-            lengths=self.lengths,
-            mixed_versions_allowed=self.cfg.mode is Mode.PARTIAL,
+            workload=self.workload,
+            mixed_versions_allowed=self.cfg.in_flight_swap,
         )
 
     def feed(self, event: Event) -> list[Action]:
@@ -83,11 +83,14 @@ class Harness:
             if w.exporting:
                 self.feed(self.world.finish_export(w.worker_id, next(iter(w.exporting))))
                 return True
-        running = [w for w in self.world.alive_workers() if w.requests]
-        if running:
-            w = min(running, key=lambda w: min(r.length - r.generated for r in w.requests))
-            need = min(r.length - r.generated for r in w.requests)
-            self.feed_all(self.world.decode(w.worker_id, need))
+        due = [
+            (s, w.worker_id)
+            for w in self.world.alive_workers()
+            if (s := self.world.steps_to_next(w.worker_id)) is not None
+        ]
+        if due:
+            need, worker = min(due)
+            self.feed_all(self.world.decode(worker, need + 1e-9))
             self.feed(Tick())
             return True
         if not self.world.alive_workers():

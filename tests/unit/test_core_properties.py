@@ -22,7 +22,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from dora.broker.events import LoadReported, Tick, WorkerJoined
 from dora.config import CoreConfig
 from dora.ids import Mode
-from dora.sim.world import Lengths
+from dora.sim.workload import Workload
 from tests.unit.machine import Harness
 
 EXAMPLES = int(os.environ.get("DORA_PROPERTY_EXAMPLES", "500"))
@@ -55,7 +55,9 @@ class CoreMachine(RuleBasedStateMachine):
         self.h = Harness(
             cfg=cfg,
             slots=slot_groups * group_size,
-            lengths=Lengths(median=8, sigma=sigma, prompt_sigma=0.7, cap=200, seed=seed),
+            workload=Workload.lognormal(
+                median=8, sigma=sigma, difficulty_sigma=0.7, cap=200, seed=seed, prompt_tokens=4
+            ),
         )
         for _ in range(workers):
             self.h.feed(self.h.world.join(self.h.slots))
@@ -98,7 +100,7 @@ class CoreMachine(RuleBasedStateMachine):
         """A worker process restarts and says hello under the same id before it was declared dead."""
         live = self.h.world.alive_workers()
         w = live[pick % len(live)]
-        w.requests.clear()
+        w.engine.clear()
         w.exporting.clear()
         w.loaded = w.loading = None
         self.h.feed(WorkerJoined(worker_id=w.worker_id, slots=w.slots))

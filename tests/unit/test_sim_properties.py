@@ -1,36 +1,52 @@
 """Property tests on whole simulated runs: heavy-tailed lengths, worker deaths and restarts, any mode and K.
 
 Where the stateful machine lets hypothesis pick adversarial orders, these runs keep time realistic
-(continuous batching, weight loads, migrations, learner steps) so that several versions really are
-alive at once and the orchestrator really migrates. Each run must end (liveness), train every group
-of the run exactly once (C2), keep staleness <= K (C3) and one version per trajectory (C1, except the
-partial baseline, which must report its violations), with at most K + 1 versions alive.
+(continuous batching with slot and KV limits, preemption, prefill, weight loads, migrations, learner
+steps, both placements) so that several versions really are alive at once and the orchestrator
+really migrates. Each run must end (liveness), train every group of the run exactly once (C2),
+keep staleness <= K (C3) and one version per trajectory (C1, except the partial baseline, which
+must report its violations), with at most K + 1 versions alive.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from dora.config import CoreConfig
 from dora.ids import Mode
-from dora.sim.des import Simulation, Timing
-from dora.sim.world import Lengths
+from dora.sim.des import Simulation
+from tests.unit.simcfg import small
 
 EXAMPLES = int(os.environ.get("DORA_SIM_EXAMPLES", "300"))
+KEEPERS = [Mode.DORA, Mode.DORA, Mode.PARTIAL, Mode.ONE_STEP, Mode.SYNC]
+
+
+def check_run(o, cfg, mode: Mode) -> None:
+    steps, b, k = cfg.run.steps, cfg.core.train_groups, cfg.for_mode(mode).core.staleness
+    assert len(o.steps) == steps
+    assert sorted(o.trained) == list(range(steps * b)), "C2: every group of the run trained exactly once"
+    assert o.groups_dispatched == len(o.trained) + o.groups_in_flight, "conservation"
+    assert max(o.staleness, default=0) <= k, "C3"
+    assert o.max_live_versions <= k + 1
+    if mode is not Mode.PARTIAL:
+        assert o.c1_violations == 0, "C1"
 
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    mode=st.sampled_from([Mode.DORA, Mode.DORA, Mode.PARTIAL, Mode.ONE_STEP, Mode.SYNC]),
+    mode=st.sampled_from(KEEPERS),
+    colocated=st.booleans(),
     k=st.integers(0, 3),
     train_groups=st.integers(1, 8),
     group_size=st.integers(1, 4),
     steps=st.integers(2, 10),
     workers=st.integers(1, 8),
     slot_groups=st.integers(1, 4),
+    running_frac=st.floats(0.3, 1.0),
+    kv=st.one_of(st.none(), st.integers(40, 400)),
     watermark=st.one_of(st.none(), st.integers(1, 12)),
     legacy_fill=st.booleans(),
     sigma=st.floats(0.3, 2.0),
@@ -40,32 +56,23 @@ EXAMPLES = int(os.environ.get("DORA_SIM_EXAMPLES", "300"))
     seed=st.integers(0, 2**20),
 )
 def test_simulated_runs_keep_every_invariant(
-    mode, k, train_groups, group_size, steps, workers, slot_groups, watermark, legacy_fill, sigma, load_s,
-    train_s, deaths, seed,
+    mode, colocated, k, train_groups, group_size, steps, workers, slot_groups, running_frac, kv, watermark,
+    legacy_fill, sigma, load_s, train_s, deaths, seed,
 ):  # fmt: skip
-    cfg = CoreConfig(
-        mode=mode, max_staleness=k, train_groups=train_groups, group_size=group_size, total_steps=steps,
-        rollout_groups=watermark, legacy_fill=legacy_fill,
+    credit = slot_groups * group_size
+    cfg = small(
+        workers=workers, credit=credit, max_running=max(1, round(credit * running_frac)), steps=steps, k=k,
+        train_groups=train_groups, group_size=group_size, watermark=watermark, legacy_fill=legacy_fill, sigma=sigma,
+        load_s=load_s, train_s=train_s, tick_s=1.5, restart_s=2.0, seed=seed, prefill_s_per_token=1e-3,
+        kv_budget_tokens=kv or 1 << 40, placement={m.value: "colocated" for m in Mode} if colocated else None,
     )  # fmt: skip
-    sim = Simulation(
-        cfg, workers=workers, slots=slot_groups * group_size,
-        timing=Timing(load_s=load_s, train_fixed_s=train_s, tick_s=1.5),
-        lengths=Lengths(median=30, sigma=sigma, prompt_sigma=0.8, cap=2000, seed=seed),
-        deaths=tuple(sorted(deaths)), restart_s=2.0, strict=True,
-    )  # fmt: skip
-    r = sim.run()
-    assert r.steps == steps
-    assert sorted(r.trained) == list(range(steps * train_groups)), "C2: every group trained exactly once"
-    assert r.max_staleness <= cfg.staleness, "C3"
-    assert r.max_live_versions <= cfg.staleness + 1
-    if mode is not Mode.PARTIAL:
-        assert r.c1_violations == 0, "C1"
+    o = Simulation(cfg, mode, deaths=tuple(sorted(deaths)), strict=True).run()
+    check_run(o, cfg, mode)
     event(f"mode={mode.value}")
-    event(f"migrated={'yes' if r.migrated_requests else 'no'}")
-    event(f"re-run={'yes' if r.requeued else 'no'}")
-    event(f"live versions={r.max_live_versions}")
-    if mode is Mode.PARTIAL:
-        event(f"partial C1 violations={'yes' if r.c1_violations else 'no'}")
+    event(f"migrated={'yes' if o.migrated_requests else 'no'}")
+    event(f"re-run={'yes' if o.requeued else 'no'}")
+    event(f"preempted={'yes' if o.preemptions else 'no'}")
+    event(f"live versions={o.max_live_versions}")
 
 
 @settings(max_examples=max(EXAMPLES // 3, 10), deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -76,20 +83,29 @@ def test_simulated_runs_keep_every_invariant(
     workers=st.integers(4, 10),
     slot_groups=st.integers(2, 6),
     sigma=st.floats(1.0, 2.0),
+    kv_transfer=st.booleans(),
     deaths=st.lists(st.tuples(st.floats(0.0, 300.0), st.integers(0, 99)), max_size=3),
     seed=st.integers(0, 2**20),
 )
 def test_dora_fleets_with_long_tails_migrate_and_keep_every_invariant(
-    k, train_groups, group_size, workers, slot_groups, sigma, deaths, seed
+    k, train_groups, group_size, workers, slot_groups, sigma, kv_transfer, deaths, seed
 ):
     """Larger dora fleets, where versions overlap for long and residual groups get consolidated."""
-    cfg = CoreConfig(mode=Mode.DORA, max_staleness=k, train_groups=train_groups, group_size=group_size,
-                     total_steps=8)  # fmt: skip
-    r = Simulation(
-        cfg, workers=workers, slots=slot_groups * group_size, timing=Timing(train_fixed_s=5.0),
-        lengths=Lengths(median=40, sigma=sigma, cap=4000, seed=seed), deaths=tuple(sorted(deaths)), strict=True,
-    ).run()  # fmt: skip
-    assert sorted(r.trained) == list(range(8 * train_groups))
-    assert r.max_staleness <= k and r.c1_violations == 0 and r.max_live_versions <= k + 1
-    event(f"migrated={'yes' if r.migrated_requests else 'no'}")
-    event(f"live versions={r.max_live_versions}")
+    cfg = small(
+        workers=workers,
+        credit=slot_groups * group_size,
+        steps=8,
+        k=k,
+        train_groups=train_groups,
+        group_size=group_size,
+        sigma=sigma,
+        cap=4000,
+        train_s=5.0,
+        seed=seed,
+        prefill_s_per_token=1e-3,
+    )
+    cfg = replace(cfg, engine=replace(cfg.engine, kv_transfer=kv_transfer))
+    o = Simulation(cfg, Mode.DORA, deaths=tuple(sorted(deaths)), strict=True).run()
+    check_run(o, cfg, Mode.DORA)
+    event(f"migrated={'yes' if o.migrated_requests else 'no'}")
+    event(f"live versions={o.max_live_versions}")

@@ -1,0 +1,182 @@
+"""Configuration of a simulated cluster: `dora sim --config FILE.toml`.
+
+Sections: ``[run]``, ``[core]`` (the same CoreConfig the broker uses), ``[cluster]``, ``[engine]``,
+``[trainer]`` and ``[workload]``. Every key is checked; an unknown key or a bad value is one clear
+error. ``examples/sim/*.toml`` document where each number comes from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from dora.config import ConfigError, CoreConfig
+from dora.ids import Mode
+from dora.sim.workload import Component, Workload
+
+Placement = Literal["colocated", "disaggregated"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunSection:
+    steps: int = 12
+    warmup_steps: int = 2
+    """Steps left out of the steady-state metrics (the paper averages iterations after warm-up)."""
+    seed: int = 0
+    tick_s: float = 30.0
+    """Orchestrator timer (virtual seconds)."""
+    faults: int = 0
+    """Random worker kills per run (same times and victims for every mode)."""
+    restart_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or not 0 <= self.warmup_steps < self.steps:
+            raise ConfigError(f"run.steps must be >= 1 and 0 <= run.warmup_steps < steps; got {self}")
+        if self.tick_s <= 0 or self.restart_s < 0 or self.faults < 0:
+            raise ConfigError("run.tick_s must be > 0, run.restart_s and run.faults >= 0")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClusterSection:
+    total_gpus: int = 32
+    gpus_per_worker: int = 4
+    """Accelerators per inference-engine replica (one rollout worker = one DP group)."""
+    rollout_gpus: int | None = None
+    """Disaggregated placement: accelerators in the rollout pool (the rest train). None = search the
+    split with the best steady-state throughput for each mode, and report it."""
+    placement: dict[str, Placement] = field(
+        default_factory=lambda: {"sync": "colocated", "one_step": "disaggregated", "partial": "colocated",
+                                 "dora": "disaggregated", "drop_stale": "disaggregated"}
+    )  # fmt: skip
+
+    def __post_init__(self) -> None:
+        if self.gpus_per_worker < 1 or self.total_gpus < 2 * self.gpus_per_worker:
+            raise ConfigError("cluster.total_gpus must hold at least two workers of cluster.gpus_per_worker")
+        if self.rollout_gpus is not None and not (
+            self.gpus_per_worker <= self.rollout_gpus < self.total_gpus
+            and self.rollout_gpus % self.gpus_per_worker == 0
+        ):
+            raise ConfigError("cluster.rollout_gpus must be a multiple of gpus_per_worker below total_gpus")
+        bad = sorted(set(self.placement) - {m.value for m in Mode})
+        if bad:
+            raise ConfigError(f"cluster.placement: unknown mode {bad[0]!r}")
+
+    def placement_of(self, mode: Mode) -> Placement:
+        return self.placement.get(mode.value, "disaggregated")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineSection:
+    """One inference-engine replica. Decode step = tpot_base_s + tpot_per_seq_s x running sequences."""
+
+    tpot_base_s: float = 0.02
+    tpot_per_seq_s: float = 0.0001
+    tpot_scale: float = 1.0
+    """Multiplies both decode terms: hardware-derived terms, one fitted scale."""
+    max_slots: int = 256
+    """Sequences decoded at once (vLLM max_num_seqs)."""
+    kv_budget_tokens: int = 1 << 40
+    """KV cache capacity in tokens (prompt + generated of every running sequence)."""
+    prefill_s_per_token: float = 0.0
+    """Prefill cost; also the re-prefill cost of partial after a weight swap and of migration without KV."""
+    kv_bytes_per_token: float = 0.0
+    transfer_bytes_per_s: float = 1e11
+    """Worker-to-worker bandwidth for KV migration."""
+    kv_transfer: bool = True
+    """Migration ships the KV cache; False = the target re-prefills prompt + generated prefix."""
+    load_s: float = 1.0
+    """Time for a replica to receive and load a new version's weights."""
+    credit_slots: int = 0
+    """Sequences leased to a replica at once (its credit); 0 = 2 x max_slots, so a queue waits in the engine."""
+
+    def __post_init__(self) -> None:
+        if (
+            self.tpot_base_s <= 0
+            or self.tpot_per_seq_s < 0
+            or self.tpot_scale <= 0
+            or self.max_slots < 1
+            or self.kv_budget_tokens < 1
+        ):
+            raise ConfigError("engine: tpot_base_s > 0, tpot_per_seq_s >= 0, max_slots >= 1, kv_budget_tokens >= 1")
+        if min(self.prefill_s_per_token, self.kv_bytes_per_token, self.load_s, self.credit_slots) < 0:
+            raise ConfigError("engine: costs must be >= 0")
+        if self.transfer_bytes_per_s <= 0:
+            raise ConfigError("engine.transfer_bytes_per_s must be > 0")
+
+    def step_s(self, running: int) -> float:
+        return self.tpot_scale * (self.tpot_base_s + self.tpot_per_seq_s * running)
+
+    @property
+    def credit(self) -> int:
+        return self.credit_slots or 2 * self.max_slots
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainerSection:
+    """Train step = step_fixed_s + tokens x gpu_s_per_token / trainer GPUs, then publish_s."""
+
+    gpu_s_per_token: float = 0.001
+    step_fixed_s: float = 5.0
+    publish_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if min(self.gpu_s_per_token, self.step_fixed_s, self.publish_s) < 0:
+            raise ConfigError("trainer: costs must be >= 0")
+
+    def train_s(self, tokens: int, gpus: int) -> float:
+        return self.step_fixed_s + tokens * self.gpu_s_per_token / gpus
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ComponentSection:
+    weight: float = 1.0
+    median: float = 1200.0
+    sigma: float = 1.18
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkloadSection:
+    distribution: Literal["lognormal", "mixture"] = "lognormal"
+    median: float = 1200.0
+    sigma: float = 1.18
+    components: tuple[ComponentSection, ...] = ()
+    """mixture only: [[workload.components]] tables of weight, median, sigma."""
+    cap: int = 30_720
+    difficulty_sigma: float = 0.5
+    prompt_tokens: float = 150.0
+    prompt_sigma: float = 0.3
+
+    def __post_init__(self) -> None:
+        if self.distribution == "mixture" and not self.components:
+            raise ConfigError("workload.distribution = 'mixture' needs [[workload.components]]")
+        if self.distribution == "lognormal" and self.components:
+            raise ConfigError("workload.components is only for distribution = 'mixture'")
+
+    def build(self, seed: int) -> Workload:
+        comps = (
+            tuple(Component(weight=c.weight, median=c.median, sigma=c.sigma) for c in self.components)
+            if self.distribution == "mixture"
+            else (Component(median=self.median, sigma=self.sigma),)
+        )
+        try:
+            return Workload(components=comps, difficulty_sigma=self.difficulty_sigma, cap=self.cap,
+                            prompt_tokens=self.prompt_tokens, prompt_sigma=self.prompt_sigma, seed=seed)  # fmt: skip
+        except ValueError as e:
+            raise ConfigError(f"workload: {e}") from None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SimConfig:
+    run: RunSection = field(default_factory=RunSection)
+    core: CoreConfig = field(default_factory=CoreConfig)
+    cluster: ClusterSection = field(default_factory=ClusterSection)
+    engine: EngineSection = field(default_factory=EngineSection)
+    trainer: TrainerSection = field(default_factory=TrainerSection)
+    workload: WorkloadSection = field(default_factory=WorkloadSection)
+
+    def __post_init__(self) -> None:
+        if self.engine.credit < self.core.group_size:
+            raise ConfigError("engine credit (credit_slots, or 2 x max_slots) must hold at least one group")
+
+    def for_mode(self, mode: Mode) -> SimConfig:
+        return replace(self, core=replace(self.core, mode=mode, total_steps=self.run.steps))

@@ -1,0 +1,100 @@
+"""Reported metrics of a simulated run (steady state: the steps after ``run.warmup_steps``).
+
+``ideal_step_time_s`` is a lower bound from total decode capacity with perfect packing. A replica
+decodes at most ``S = min(max_slots, kv_budget_tokens / (prompt + mean_response / 2))`` sequences at
+once (the KV term uses a request's mean context over its life), i.e. ``S / (tpot_base_s + tpot_per_seq_s
+* S)`` tokens per second, so ``W`` replicas need at least ``R = response_tokens / (W * that)`` to generate a
+step's responses. With ``T`` the trainer's time for the same step, the bound is ``R + T`` colocated (the
+two phases share the accelerators) and ``max(R, T)`` disaggregated. No prefill, no straggler, no
+weight sync: a real schedule can only be slower, and ``fraction_of_ideal = ideal / measured``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from statistics import fmean
+from typing import Any
+
+from dora.sim.config import SimConfig
+from dora.sim.des import Outcome, Totals
+
+LENGTH_BUCKETS = (0, 1024, 2048, 4096, 8192, 16384, 1 << 62)
+
+
+def summarize(o: Outcome, cfg: SimConfig) -> dict[str, Any]:
+    warm = min(cfg.run.warmup_steps, len(o.steps) - 1)
+    window = o.steps[warm:]
+    start = o.totals_at_step[warm - 1] if warm else Totals()
+    end = o.totals_at_step[-1]
+    d = end.minus(start)
+    elapsed = d.t or 1e-9
+    tokens = sum(s.tokens for s in window)
+    step_time = elapsed / len(window)
+    ideal = ideal_step_time(o, cfg, window)
+    dropped = len(o.dropped_lengths) // max(cfg.core.group_size, 1)
+    return {
+        "mode": o.mode.value,
+        "max_staleness": o.staleness_bound,
+        "placement": o.placement,
+        "rollout_workers": o.rollout_workers,
+        "rollout_gpus": o.rollout_workers * cfg.cluster.gpus_per_worker,
+        "trainer_gpus": o.trainer_gpus,
+        "steps": len(o.steps),
+        "warmup_steps": warm,
+        "wall_s": o.wall_s,
+        "throughput_tokens_per_s": tokens / elapsed,
+        "step_time_s": step_time,
+        "rollout_only_fraction": d.rollout_only_s / elapsed,
+        "trainer_idle_fraction": 1.0 - d.trainer_busy_s / elapsed,
+        "slot_utilization": d.slot_s / d.capacity_s if d.capacity_s else 0.0,
+        "bubble": fmean(s.bubble for s in window),
+        "staleness_histogram": {str(k): n for k, n in sorted(o.staleness.items())},
+        "mean_staleness": _mean_hist(o.staleness),
+        "max_staleness_consumed": max((k for k, n in o.staleness.items() if n), default=0),
+        "c1_violations": o.c1_violations,
+        "mixed_version_trajectories": o.mixed_version_trajectories,
+        "groups_dispatched": o.groups_dispatched,
+        "groups_trained": len(o.trained),
+        "groups_in_flight_at_end": o.groups_in_flight,
+        "dropped_groups": dropped,
+        "dropped_fraction_by_length": dropped_by_length(o),
+        "migrations": o.migrated_groups,
+        "migrated_requests": o.migrated_requests,
+        "reprefill_tokens": o.reprefill_tokens,
+        "orchestrator_actions": o.rebalances + o.worker_moves + o.migrated_groups,
+        "worker_moves": o.worker_moves,
+        "requeued_groups": o.requeued,
+        "preemptions": o.preemptions,
+        "max_live_versions": o.max_live_versions,
+        "ideal_step_time_s": ideal,
+        "fraction_of_ideal": ideal / step_time if step_time else 0.0,
+    }
+
+
+def ideal_step_time(o: Outcome, cfg: SimConfig, window: list) -> float:
+    e = cfg.engine
+    response = fmean(s.response_tokens for s in window)
+    per_sample = response / (cfg.core.train_groups * cfg.core.group_size)
+    prompt = fmean(s.tokens - s.response_tokens for s in window) / (cfg.core.train_groups * cfg.core.group_size)
+    slots = max(1.0, min(e.max_slots, e.kv_budget_tokens / (prompt + per_sample / 2)))
+    rate = o.rollout_workers * slots / e.step_s(round(slots))
+    rollout = response / rate
+    train = cfg.trainer.train_s(round(fmean(s.tokens for s in window)), o.trainer_gpus) + cfg.trainer.publish_s
+    return rollout + train if o.placement == "colocated" else max(rollout, train)
+
+
+def dropped_by_length(o: Outcome) -> dict[str, float]:
+    """Share of finished samples that were dropped, per response-length bucket (drop_stale shows the bias)."""
+    out = {}
+    for lo, hi in itertools.pairwise(LENGTH_BUCKETS):
+        dropped = sum(lo <= n < hi for n in o.dropped_lengths)
+        kept = sum(lo <= n < hi for n in o.trained_lengths)
+        if dropped + kept:
+            label = f"{lo}-{hi}" if hi < 1 << 60 else f"{lo}+"
+            out[label] = dropped / (dropped + kept)
+    return out
+
+
+def _mean_hist(hist: dict[int, int]) -> float:
+    n = sum(hist.values())
+    return sum(k * v for k, v in hist.items()) / n if n else 0.0
