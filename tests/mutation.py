@@ -45,8 +45,8 @@ MUTANTS = [
     Mutant(
         "admission-bound",
         "dora/broker/scheduler.py",
-        "if not deadline.admits(\n",
-        "if False and deadline.admits(\n",
+        "if not self.cfg.drops_stale and not deadline.admits(",
+        "if False and not deadline.admits(",
         "fresh groups are dispatched without the deadline admission check",
     ),
     Mutant(

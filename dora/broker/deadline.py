@@ -61,9 +61,12 @@ def admissible(counts: Mapping[int, int], step: int, batch: int, deadline: int) 
     return max(0, min(bounds))
 
 
-def keeps_invariant_after(counts: Mapping[int, int], step: int, batch: int, taken: Iterable[int]) -> bool:
-    """Would the invariant hold for ``step + 1`` once groups with deadlines ``taken`` are consumed?"""
+def keeps_invariant_after(
+    counts: Mapping[int, int], step: int, batch: int, taken: Iterable[int] | Mapping[int, int]
+) -> bool:
+    """Would the invariant hold for ``step + 1`` once groups with deadlines ``taken`` are consumed?
+    ``taken``: one deadline per group, or {deadline: number of groups}."""
     rest = dict(counts)
-    for d in taken:
-        rest[d] -= 1
+    for d, n in taken.items() if isinstance(taken, Mapping) else ((d, 1) for d in taken):
+        rest[d] -= n
     return feasible({d: n for d, n in rest.items() if n}, step + 1, batch)

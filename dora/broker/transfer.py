@@ -80,22 +80,24 @@ class TransferQueue:
     def take(self, counts: dict[int, int]) -> DeliverBatch | None:
         """Assemble batch ``s`` if the rule allows; ``counts`` are all unconsumed groups by deadline."""
         B = self.train_groups
+        if len(self) < B:
+            return None
         picked: list[Finished] = []
         if self.drop_stale:  # the peer rule: first finished, first trained
             picked = sorted((f for q in self._by_deadline.values() for f in q), key=lambda f: f.seq)[:B]
         else:
-            for d in sorted(self._by_deadline):  # oldest first: earliest deadline, then completion order
-                picked.extend(self._by_deadline[d][: B - len(picked)])
-                if len(picked) == B:
-                    break
-        if len(picked) < B:
-            return None
-        if not self.drop_stale and not deadline.keeps_invariant_after(
-            counts, self.step, B, (self._deadline(f) for f in picked)
-        ):
-            return None
-        for f in picked:
-            self._by_deadline[self._deadline(f)].remove(f)
+            # Oldest first: earliest deadline, then completion order. Check the counts before building the batch.
+            take: dict[int, int] = {}
+            for d in sorted(self._by_deadline):
+                take[d] = min(len(self._by_deadline[d]), B - sum(take.values()))
+            if not deadline.keeps_invariant_after(counts, self.step, B, take):
+                return None
+            for d, n in take.items():
+                picked.extend(self._by_deadline[d][:n])
+                self._by_deadline[d] = self._by_deadline[d][n:]
+        if self.drop_stale:
+            gone = {id(f) for f in picked}
+            self._by_deadline = {d: [f for f in q if id(f) not in gone] for d, q in self._by_deadline.items()}
         self._by_deadline = {d: q for d, q in self._by_deadline.items() if q}
         batch = DeliverBatch(step=self.step, groups=tuple(f.group for f in picked))
         self._consume(batch)

@@ -6,8 +6,8 @@ Memory-bound decode is nearly flat in batch size, which is what makes a lone str
 
 - At most ``max_slots`` requests run at once, and their KV cache (prompt + generated tokens of every
   running request) must fit in ``kv_budget_tokens``. Requests beyond that wait, in arrival order.
-- KV grows by one token per running request per step. When the next step would not fit, the most
-  recently admitted request is preempted (its KV dropped, as vLLM's recompute preemption does) and goes back to the
+- KV grows by one token per running request per step. When the next step would not fit, the latest
+  arrival is preempted (its KV dropped, as vLLM's recompute preemption does) and goes back to the
   front of the queue; it must re-prefill prompt + generated tokens when it runs again.
 - Admitting a request costs a prefill of its prompt (plus its generated prefix when its KV was lost:
   preemption, a weight swap in ``partial`` mode, a migration without KV transfer). Prefill is
@@ -47,7 +47,11 @@ class Request:
     open_at: float = 0.0
     has_kv: bool = False
     """The engine holding it has its KV cache (no prefill needed to resume)."""
+    arrival: int = -1
+    """Priority on its engine, fixed when it first arrives there: preemption takes the latest arrival,
+    so a resumed request keeps its place (as vLLM does) instead of being preempted again and again."""
     seq: int = 0
+    """Heap entry of its current run (changes every time it is admitted)."""
 
     def close_segment(self, generated: float) -> None:
         if self.open_version is not None:
@@ -83,6 +87,7 @@ class Engine:
         self._kv_const = 0.0
         """sum(prompt_len - offset) over running requests: kv_used = _kv_const + n * counter."""
         self._seq = itertools.count()
+        self._arrivals = itertools.count()
         self.preemptions = 0
 
     # ------------------------------------------------------------------ queries
@@ -115,6 +120,8 @@ class Engine:
 
     def submit(self, reqs: list[Request], *, front: bool = False) -> int:
         """Queue requests; returns prompt/prefix tokens to prefill for those admitted now."""
+        for r in reqs:
+            r.arrival = next(self._arrivals)
         if front:
             self.waiting.extendleft(reversed(reqs))
         else:
@@ -137,7 +144,7 @@ class Engine:
             r.close_segment(r.generated)
             done.append(r)
         while len(self.running) > 1 and self._room() <= EPS:
-            victim = max(self.running.values(), key=lambda r: r.seq)
+            victim = max(self.running.values(), key=lambda r: r.arrival)
             self._stop(victim)
             victim.has_kv = False
             self.waiting.appendleft(victim)

@@ -26,11 +26,12 @@ def write_plots(results: Sequence[ModeResult], out: pathlib.Path, *, title: str)
     return paths
 
 
-def throughput_bars(rows: list[dict[str, Any]], path: pathlib.Path, *, title: str) -> pathlib.Path:
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    names = [r["mode"] for r in rows]
+def throughput_bars(rows: list[dict[str, Any]], path: pathlib.Path, *, title: str, label: str = "mode") -> pathlib.Path:
+    fig, ax = plt.subplots(figsize=(max(7, 1.3 * len(rows)), 3.5))
+    names = [r[label] for r in rows]
     values = [r["throughput_tokens_per_s"] for r in rows]
-    bars = ax.bar(names, values, color=["#888" if n != "dora" else "#1f77b4" for n in names])
+    bars = ax.bar(names, values, color=["#1f77b4" if n.startswith("dora") else "#888" for n in names])
+    ax.tick_params(axis="x", labelsize=8)
     for bar, r in zip(bars, rows, strict=True):
         ax.annotate(f"{r['step_time_s'] / 60:.1f} min/step", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                     ha="center", va="bottom", fontsize=8)  # fmt: skip
@@ -70,6 +71,29 @@ def timeline(r: ModeResult, path: pathlib.Path, *, title: str) -> pathlib.Path:
     ax.set_yticks(range(len(lines)), [w for w, _ in lines], fontsize=6)
     ax.set_xlabel("virtual time (s); vertical lines: versions published; colour: policy version served")
     ax.set_title(f"{r.mode.value} worker timeline — {title}", fontsize=10)
+    return _save(fig, path)
+
+
+def xy_plot(
+    series: dict[Any, dict[str, dict[str, Any]]],
+    path: pathlib.Path,
+    *,
+    xlabel: str,
+    ylabel: str,
+    value: str,
+    logx: bool = False,
+) -> pathlib.Path:
+    """One line per mode: ``series[x][mode][value]``."""
+    fig, ax = plt.subplots(figsize=(6.5, 3.5))
+    xs = list(series)
+    for name in next(iter(series.values())):
+        ax.plot(xs, [series[x][name][value] for x in xs], marker="o", label=name)
+    if logx:
+        ax.set_xscale("log", base=2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
     return _save(fig, path)
 
 

@@ -1,0 +1,217 @@
+"""DORA's Table A, reproduced on the production core, beside the paper's numbers; plus the sweeps.
+
+    python bench/paper_table.py                 # both paper configs + every sweep -> bench/out/
+    python bench/paper_table.py --only table    # just the two paper configs
+    python bench/paper_table.py --only sweeps --steps 8
+
+Each run is the same `dora.broker.core.Core` the broker runs, driven by the simulator. Only the
+64-GPU synchronous run was calibrated (bench/calibrate.py); everything else printed is a prediction.
+Disaggregated modes get their best rollout/trainer split (searched, then stated). Sweeps reuse each
+mode's split fraction from the 64-GPU table so that only the swept condition changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+from typing import Any
+
+from dora.config import load
+from dora.ids import Mode
+from dora.sim.config import SimConfig
+from dora.sim.plots import staleness, throughput_bars, timeline, xy_plot
+from dora.sim.runner import ModeResult, simulate
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CONFIGS = {64: ROOT / "examples/sim/paper-64gpu.toml", 128: ROOT / "examples/sim/paper-128gpu.toml"}
+
+# DORA paper (arXiv 2604.26256v1), Table A. None = not reported. Derived cells are marked in paper.md.
+PAPER = {
+    64: {"sync": (22.91, 14143, 0.65), "one_step": (22.94, 14141, 0.33), "partial": (17.38, 19872, 0.46),
+         "dora": (14.67, 23327, 0.12)},
+    128: {"sync": (20.23, 16070, 0.73), "one_step": (14.0, 23200, None), "partial": (13.95, 30750, None),
+          "dora": (10.46, 34135, 0.24)},
+}  # fmt: skip
+
+VARIANTS: list[tuple[str, Mode, list[str]]] = [
+    ("sync", Mode.SYNC, []),
+    ("one_step", Mode.ONE_STEP, []),
+    ("partial", Mode.PARTIAL, []),
+    ("dora", Mode.DORA, []),
+    ("dora colocated", Mode.DORA, ["cluster.placement.dora=colocated"]),
+    ("dora no legacy fill", Mode.DORA, ["core.legacy_fill=false"]),
+    ("drop_stale", Mode.DROP_STALE, []),
+]
+
+
+def run(cfg_path: pathlib.Path, mode: Mode, overrides: list[str], *, timeline_on: bool = False) -> ModeResult:
+    cfg = load(SimConfig, path=str(cfg_path), overrides=overrides)
+    return simulate(cfg, mode, timeline=timeline_on)
+
+
+def table(gpus: int, out: pathlib.Path, steps: int | None) -> dict[str, Any]:
+    extra = [f"run.steps={steps}"] if steps else []
+    rows: dict[str, dict[str, Any]] = {}
+    results: dict[str, ModeResult] = {}
+    for name, mode, overrides in VARIANTS:
+        t0 = time.perf_counter()
+        r = run(CONFIGS[gpus], mode, overrides + extra, timeline_on=name in ("sync", "dora", "partial"))
+        r.metrics["variant"] = name
+        r.metrics["sim_seconds"] = time.perf_counter() - t0
+        rows[name], results[name] = r.metrics, r
+        print(f"  {gpus} GPUs {name:>20}: {r.metrics['step_time_s'] / 60:6.2f} min/step "
+              f"({r.metrics['sim_seconds']:.0f}s to simulate)", file=sys.stderr, flush=True)  # fmt: skip
+    print_table(gpus, rows)
+    picks = [results[n] for n in ("sync", "one_step", "partial", "dora", "drop_stale")]
+    throughput_bars([r.metrics for r in results.values()], out / f"throughput_{gpus}gpu.png",
+                    title=f"paper-{gpus}gpu", label="variant")  # fmt: skip
+    staleness(picks, out / f"staleness_{gpus}gpu.png", title=f"paper-{gpus}gpu")
+    for name in ("sync", "partial", "dora"):
+        timeline(results[name], out / f"timeline_{gpus}gpu_{name}.png", title=f"paper-{gpus}gpu")
+    return rows
+
+
+def print_table(gpus: int, rows: dict[str, dict[str, Any]]) -> None:
+    sync = rows["sync"]["throughput_tokens_per_s"]
+    print(f"\n### {gpus} GPUs: ours beside the paper's Table A (steady state, steps after warm-up)\n")
+    print("| variant | GPUs (rollout+trainer) | step min: ours / paper | tokens/s: ours / paper | "
+          "rollout-only: ours / paper | vs sync (ours) | max staleness | C1 viol. | dropped |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, m in rows.items():
+        paper = PAPER[gpus].get(m["mode"]) if name == m["mode"] else None
+        p_step, p_tps, p_ro = paper or (None, None, None)
+        where = "colocated" if m["placement"] == "colocated" else f"{m['rollout_gpus']}+{m['trainer_gpus']}"
+        print(f"| {name} | {where} | {m['step_time_s'] / 60:.2f} / {_fmt(p_step, '.2f')} | "
+              f"{m['throughput_tokens_per_s']:,.0f} / {_fmt(p_tps, ',.0f')} | "
+              f"{m['rollout_only_fraction']:.0%} / {_fmt(p_ro, '.0%')} | {m['throughput_tokens_per_s'] / sync:.2f}x | "
+              f"{m['max_staleness_consumed']} | {m['c1_violations']} | {m['dropped_groups']} |")  # fmt: skip
+    d, p = rows["dora"]["throughput_tokens_per_s"], rows["partial"]["throughput_tokens_per_s"]
+    best = max((m for n, m in rows.items() if n.startswith("dora")), key=lambda m: m["throughput_tokens_per_s"])
+    print(f"\ndora / sync = {d / sync:.2f}x (paper {PAPER[gpus]['dora'][1] / PAPER[gpus]['sync'][1]:.2f}x), "
+          f"dora / partial = {d / p:.2f}x (paper {PAPER[gpus]['dora'][1] / PAPER[gpus]['partial'][1]:.2f}x); "
+          f"best dora variant ({best['variant']}) / sync = {best['throughput_tokens_per_s'] / sync:.2f}x")  # fmt: skip
+    ds = rows.get("drop_stale")
+    if ds:
+        buckets = ", ".join(f"{k}: {v:.0%}" for k, v in ds["dropped_fraction_by_length"].items())
+        print(f"drop_stale dropped {ds['dropped_groups']} groups; share of samples dropped by length: {buckets}")
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "n/r" if value is None else format(value, spec)
+
+
+def split_fractions(rows: dict[str, dict[str, Any]]) -> dict[str, float]:
+    return {n: m["rollout_gpus"] / (m["rollout_gpus"] + m["trainer_gpus"]) for n, m in rows.items()
+            if m["placement"] == "disaggregated"}  # fmt: skip
+
+
+def fixed_split(cfg_path: pathlib.Path, name: str, fractions: dict[str, float], overrides: list[str]) -> list[str]:
+    """Pin a disaggregated mode's split to its table fraction (rounded to whole workers)."""
+    if name not in fractions:
+        return []
+    cfg = load(SimConfig, path=str(cfg_path), overrides=overrides)
+    g, total = cfg.cluster.gpus_per_worker, cfg.cluster.total_gpus
+    workers = min(max(1, round(fractions[name] * total / g)), total // g - 1)
+    return [f"cluster.rollout_gpus={workers * g}"]
+
+
+def sweeps(out: pathlib.Path, steps: int, fractions: dict[str, float]) -> dict[str, Any]:
+    cfg = CONFIGS[64]
+    base = [f"run.steps={steps}", f"run.warmup_steps={min(2, steps - 2)}"]
+    res: dict[str, Any] = {}
+
+    def point(name: str, mode: Mode, extra: list[str]) -> dict[str, Any]:
+        ov = base + extra
+        m = run(cfg, mode, ov + fixed_split(cfg, name, fractions, ov)).metrics
+        keep = ("step_time_s", "throughput_tokens_per_s", "rollout_only_fraction", "mean_staleness",
+                "max_staleness_consumed", "fraction_of_ideal", "rollout_gpus", "trainer_gpus", "c1_violations",
+                "dropped_groups", "reprefill_tokens", "migrations")  # fmt: skip
+        return {k: m[k] for k in keep}
+
+    modes = [("sync", Mode.SYNC), ("partial", Mode.PARTIAL), ("dora", Mode.DORA)]
+    res["staleness_k"] = {k: point("dora", Mode.DORA, [f"core.max_staleness={k}"]) for k in range(5)}
+    _report("K (dora)", res["staleness_k"])
+    res["length_sigma"] = {s: {n: point(n, m, [f"workload.sigma={s}"]) for n, m in modes} for s in (0.6, 1.2, 1.8)}
+    _report_modes("length sigma", res["length_sigma"])
+    res["workers"] = {}
+    for workers in (16, 32, 64, 128, 256, 512, 1024):
+        ov = [f"cluster.total_gpus={workers * 4}"]
+        res["workers"][workers] = {n: point(n, m, ov) for n, m in modes}
+    _report_modes("rollout workers x 4 GPUs (TBS fixed at 8,192)", res["workers"])
+    res["prefill_cost"] = {}
+    for f in (1, 4, 16):  # re-prefill is what partial pays at every version (MoE / long context make it dear)
+        cost = [f"engine.prefill_s_per_token={3.29e-5 * f}"]
+        res["prefill_cost"][f] = {
+            "partial": point("partial", Mode.PARTIAL, cost),
+            "dora": point("dora", Mode.DORA, cost),
+            "dora colocated": point("dora colocated", Mode.DORA, [*cost, "cluster.placement.dora=colocated"]),
+        }
+    _report_modes("prefill (and re-prefill) cost x", res["prefill_cost"])
+    res["kv_budget"] = {f: {n: point(n, m, [f"engine.kv_budget_tokens={833_000 * f}"]) for n, m in modes}
+                        for f in (1, 2, 4)}  # fmt: skip
+    _report_modes("KV budget x (host-memory offload)", res["kv_budget"])
+    for key, xlabel in (
+        ("length_sigma", "output-length sigma"),
+        ("workers", "rollout workers (4 GPUs each)"),
+        ("prefill_cost", "prefill cost multiplier"),
+        ("kv_budget", "KV budget multiplier"),
+    ):
+        xy_plot(res[key], out / f"sweep_{key}.png", xlabel=xlabel, ylabel="tokens / s",
+                value="throughput_tokens_per_s", logx=key == "workers")  # fmt: skip
+    xy_plot({k: {"dora": v} for k, v in res["staleness_k"].items()}, out / "sweep_staleness_k.png",
+            xlabel="K (max staleness)", ylabel="tokens / s", value="throughput_tokens_per_s")  # fmt: skip
+    return res
+
+
+def _report(title: str, series: dict[Any, dict[str, Any]]) -> None:
+    print(f"\n### sweep: {title}\n\n| value | step min | tokens/s | rollout-only | mean staleness | of ideal |")
+    print("|---|---|---|---|---|---|")
+    for x, m in series.items():
+        print(
+            f"| {x} | {m['step_time_s'] / 60:.2f} | {m['throughput_tokens_per_s']:,.0f} | "
+            f"{m['rollout_only_fraction']:.0%} | {m['mean_staleness']:.2f} | {m['fraction_of_ideal']:.0%} |"
+        )
+
+
+def _report_modes(title: str, series: dict[Any, dict[str, dict[str, Any]]]) -> None:
+    names = list(next(iter(series.values())))
+    print(f"\n### sweep: {title} (tokens/s; step minutes)\n")
+    print("| value | " + " | ".join(names) + " | " + " / ".join(f"dora÷{n}" for n in names if n != "dora") + " |")
+    print("|---" * (len(names) + 2) + "|")
+    for x, row in series.items():
+        cells = " | ".join(
+            f"{row[n]['throughput_tokens_per_s']:,.0f} ({row[n]['step_time_s'] / 60:.1f})" for n in names
+        )
+        ratios = " / ".join(f"{row['dora']['throughput_tokens_per_s'] / row[n]['throughput_tokens_per_s']:.2f}"
+                            for n in names if n != "dora")  # fmt: skip
+        print(f"| {x} | {cells} | {ratios} |")
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", choices=["table", "sweeps"])
+    p.add_argument("--steps", type=int, help="steps per table run (default: the configs' 20)")
+    p.add_argument("--sweep-steps", type=int, default=8)
+    p.add_argument("--out", default=str(ROOT / "bench" / "out"))
+    args = p.parse_args(argv)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    fractions: dict[str, float] = {"dora": 0.5625, "one_step": 0.5625, "drop_stale": 0.5}
+    if args.only != "sweeps":
+        for gpus in (64, 128):
+            report[f"paper_{gpus}gpu"] = table(gpus, out, args.steps)
+        fractions = split_fractions(report["paper_64gpu"])
+    if args.only != "table":
+        report["sweeps"] = sweeps(out, args.sweep_steps, fractions)
+    (out / "paper_table.json").write_text(json.dumps(report, indent=1, default=str))
+    print(f"\nwrote {out}/paper_table.json and PNGs in {time.perf_counter() - t0:.0f}s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
