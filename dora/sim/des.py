@@ -152,17 +152,18 @@ class Simulation:
         self.record_timeline = timeline
         self.timeline: dict[str, list[tuple[float, float, int, str]]] = {}
         self._state: dict[WorkerId, tuple[float, int, str]] = {}
-        if deaths is None:
-            deaths = self.fault_schedule(cfg)
-        for t, idx in deaths:
+        for t, idx in deaths or ():
             self._at(t, "kill", idx)
+        self._faults_at_step = self.fault_schedule(cfg) if deaths is None else {}
 
     @staticmethod
-    def fault_schedule(cfg: SimConfig) -> tuple[tuple[float, int], ...]:
-        """``run.faults`` kills, the same for every mode: times over a rough run length, victims by index."""
+    def fault_schedule(cfg: SimConfig) -> dict[int, list[tuple[float, int]]]:
+        """``run.faults`` kills, the same for every mode: {step: [(seconds after that step's batch, victim)]}."""
         rng = random.Random(cfg.run.seed)
-        horizon = cfg.run.steps * 600.0
-        return tuple(sorted((rng.uniform(0, horizon), rng.randrange(1 << 30)) for _ in range(cfg.run.faults)))
+        plan: dict[int, list[tuple[float, int]]] = {}
+        for _ in range(cfg.run.faults):
+            plan.setdefault(rng.randrange(cfg.run.steps), []).append((rng.uniform(0, 60), rng.randrange(1 << 30)))
+        return plan
 
     # ------------------------------------------------------------------ plumbing
 
@@ -220,6 +221,8 @@ class Simulation:
                          response_tokens=sum(lengths),
                          bubble=(longest - sum(lengths) / len(lengths)) / longest if longest else 0.0)  # fmt: skip
         self.steps.append(rec)
+        for delay, victim in self._faults_at_step.get(batch.step, ()):
+            self._at(self.now + delay, "kill", victim)
         self._account()
         self._training = True
         if self.placement == "colocated":  # the same accelerators now train: rollout stops

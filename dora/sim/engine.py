@@ -5,7 +5,8 @@ step takes ``tpot_base_s + tpot_per_seq_s * running`` seconds (see ``dora.sim.co
 Memory-bound decode is nearly flat in batch size, which is what makes a lone straggler expensive.
 
 - At most ``max_slots`` requests run at once, and their KV cache (prompt + generated tokens of every
-  running request) must fit in ``kv_budget_tokens``. Requests beyond that wait, in arrival order.
+  running request) must fit in ``kv_budget_tokens``. Requests beyond that wait, in arrival order;
+  one is admitted only if 1% of the cache stays free after it (vLLM's admission watermark).
 - KV grows by one token per running request per step. When the next step would not fit, the latest
   arrival is preempted (its KV dropped, as vLLM's recompute preemption does) and goes back to the
   front of the queue; it must re-prefill prompt + generated tokens when it runs again.
@@ -76,13 +77,18 @@ class Request:
 class Engine:
     """Running and waiting requests of one replica. Pure bookkeeping: the caller owns time."""
 
-    def __init__(self, max_slots: int, kv_budget_tokens: int) -> None:
+    def __init__(self, max_slots: int, kv_budget_tokens: int, kv_watermark: float = 0.01) -> None:
         self.max_slots = max_slots
         self.kv_budget = kv_budget_tokens
+        self.watermark = kv_watermark * kv_budget_tokens
+        """KV kept free when admitting (vLLM's block-manager watermark, 1%): without it a full cache
+        admits a request only to preempt it one step later."""
         self.counter = 0.0
         self.version: int | None = None
         self.running: dict[int, Request] = {}
         self._heap: list[tuple[float, int, Request]] = []
+        self._latest: list[tuple[int, int, Request]] = []
+        """Max-heap (negated arrival) of running requests: the preemption victim in O(log n)."""
         self.waiting: deque[Request] = deque()
         self._kv_const = 0.0
         """sum(prompt_len - offset) over running requests: kv_used = _kv_const + n * counter."""
@@ -144,7 +150,7 @@ class Engine:
             r.close_segment(r.generated)
             done.append(r)
         while len(self.running) > 1 and self._room() <= EPS:
-            victim = max(self.running.values(), key=lambda r: r.arrival)
+            victim = self._pop_latest()
             self._stop(victim)
             victim.has_kv = False
             self.waiting.appendleft(victim)
@@ -168,6 +174,7 @@ class Engine:
     def clear(self) -> None:
         self.running.clear()
         self._heap.clear()
+        self._latest.clear()
         self.waiting.clear()
         self._kv_const = 0.0
 
@@ -191,7 +198,7 @@ class Engine:
         prefill = 0
         while self.waiting and len(self.running) < self.max_slots:
             r = self.waiting[0]
-            if self.running and self._room() - r.context - 1 <= EPS:
+            if self.running and self._room() - r.context - 1 <= self.watermark + EPS:
                 break
             self.waiting.popleft()
             if not r.has_kv:
@@ -205,6 +212,7 @@ class Engine:
             self.running[id(r)] = r
             self._kv_const += r.prompt_len - r.offset
             heapq.heappush(self._heap, (r.offset + r.length, r.seq, r))
+            heapq.heappush(self._latest, (-r.arrival, r.seq, r))
         return prefill
 
     def _stop(self, r: Request) -> None:
@@ -212,6 +220,12 @@ class Engine:
         del self.running[id(r)]
         self._kv_const -= r.prompt_len - r.offset
         r.generated = min(float(r.length), self.counter - r.offset)
+
+    def _pop_latest(self) -> Request:
+        while True:
+            _, seq, r = heapq.heappop(self._latest)
+            if self.running.get(id(r)) is r and r.seq == seq:
+                return r
 
     def _clean_heap(self) -> None:
         """Drop heap entries of requests that stopped running (or were re-admitted under a newer entry)."""

@@ -39,7 +39,7 @@ def print_table(rows: list[dict[str, Any]], console: Console | None = None) -> N
     base = next((r for r in rows if r["mode"] == "sync"), None)
     table = Table(title="dora sim: paradigms on the same cluster and workload, decided by the same core")
     cols = ("mode", "K", "placement", "step", "vs sync", "tok/s", "rollout-only", "slots used", "of ideal",
-            "staleness", "C1", "C2", "C3", "dropped", "migrated")  # fmt: skip
+            "staleness", "C1", "C2", "C3", "dropped", "migrated", "re-run")  # fmt: skip
     for col in cols:
         table.add_column(col, justify="left" if col in ("mode", "placement", "staleness") else "right")
     for m in rows:
@@ -53,11 +53,13 @@ def print_table(rows: list[dict[str, Any]], console: Console | None = None) -> N
             f"{m['throughput_tokens_per_s']:.0f}", f"{m['rollout_only_fraction']:.0%}", f"{m['slot_utilization']:.0%}",
             f"{m['fraction_of_ideal']:.0%}", hist, c1, "yes" if "C2" in k else "[red]no[/red]",
             "yes" if "C3" in k else "[red]no[/red]", str(m["dropped_groups"]), str(m["migrated_requests"]),
+            str(m["requeued_groups"]),
         )  # fmt: skip
     console.print(table)
     console.print(
         "step: steady-state step time; tok/s: prompt+response tokens trained per second; rollout-only: share of time "
         "the trainer waits for data; of ideal: perfect-packing bound / step. C1: one version per trajectory. "
-        "C2: nothing dispatched dropped. C3: staleness at consumption <= K. Disaggregated modes: rollout+trainer GPUs.",
+        "C2: nothing dispatched dropped. C3: staleness at consumption <= K. "
+        "re-run: groups re-run whole after a worker died. Disaggregated modes: rollout+trainer GPUs.",
         style="dim",
     )

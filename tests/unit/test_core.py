@@ -286,3 +286,18 @@ def test_tick_outside_dora_changes_nothing():
     core = Core(cfg(mode=Mode.SYNC, group_size=1))
     ready(core, "a")
     assert core.handle(0, Tick()) == []
+
+
+def test_drop_stale_discards_over_stale_groups_and_counts_them():
+    """The peer baseline: no admission bound, first-finished-first-trained, over-stale work dropped (C2 broken)."""
+    core = Core(cfg(mode=Mode.DROP_STALE, group_size=1, train_groups=1, rollout_groups=None, max_staleness=0))
+    leases = of(ready(core, "a", slots=3), Lease)
+    assert len(leases) == 3, "no deadline admission: the worker is filled to its credit"
+    core.handle(0, BatchRequested(step=0))
+    (b0,) = of(finish(core, leases[0]), DeliverBatch)
+    core.handle(0, WeightsPublished(version=1))
+    finish(core, leases[1])  # version 0, now over-stale for step 1 (K = 0)
+    core.handle(0, BatchRequested(step=1))
+    assert [g.group_id for g in core.transfer.dropped] == [leases[1].group_id]
+    assert not of(finish(core, leases[2]), DeliverBatch), "also over-stale: dropped, not trained"
+    assert len(core.transfer.dropped) == 2 and core.transfer.consumed == [b0.groups[0].group_id]

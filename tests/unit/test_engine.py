@@ -148,3 +148,14 @@ def test_same_seed_same_json():
     assert a == b
     c = json.dumps(simulate(replace(cfg, run=replace(cfg.run, seed=12)), Mode.DORA).metrics, sort_keys=True)
     assert a != c
+
+
+def test_split_search_reports_every_split_it_tried_and_picks_the_fastest():
+    from dora.sim.runner import best_split
+
+    cfg = small(workers=5, credit=9, steps=4, k=2, train_groups=4, sigma=1.2, train_s=20.0)
+    cfg = replace(cfg, cluster=replace(cfg.cluster, total_gpus=8, rollout_gpus=None))
+    best, tried = best_split(cfg, Mode.DORA)
+    assert tried and best in {g for g, _ in tried}
+    assert dict(tried)[best] == max(t for _, t in tried)
+    assert all(1 <= g <= 7 for g, _ in tried)

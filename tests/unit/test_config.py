@@ -1,0 +1,70 @@
+"""Configuration: precedence (defaults < base < TOML < env < CLI), unknown keys, type errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from dora.config import ConfigError, CoreConfig, load
+from dora.ids import Mode
+from dora.sim.config import SimConfig
+
+
+@pytest.fixture
+def toml(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('[core]\nmax_staleness = 2\ntrain_groups = 16\nmode = "partial"\n[run]\nsteps = 5\n')
+    return str(path)
+
+
+def test_precedence_defaults_base_toml_env_cli(toml):
+    assert load(SimConfig).core.max_staleness == CoreConfig().max_staleness
+    assert load(SimConfig, base={"core": {"max_staleness": 4, "group_size": 2}}).core.max_staleness == 4
+    cfg = load(SimConfig, path=toml, base={"core": {"max_staleness": 4, "group_size": 2}})
+    assert (cfg.core.max_staleness, cfg.core.group_size, cfg.core.mode) == (2, 2, Mode.PARTIAL), "TOML over base"
+    env = {"DORA_SIM__CORE__MAX_STALENESS": "3", "DORA_SIM__RUN__STEPS": "7", "UNRELATED": "x"}
+    cfg = load(SimConfig, path=toml, env=env, env_prefix="DORA_SIM__")
+    assert (cfg.core.max_staleness, cfg.run.steps, cfg.core.train_groups) == (3, 7, 16), "env over TOML"
+    cfg = load(SimConfig, path=toml, env=env, env_prefix="DORA_SIM__", overrides=["core.max_staleness=1"])
+    assert cfg.core.max_staleness == 1, "command line over env"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragment"),
+    [
+        (["core.max_stalenes=1"], "unknown key 'core.max_stalenes'"),
+        (["nosuch.key=1"], "unknown key 'nosuch'"),
+        (["core.train_groups=many"], "core.train_groups must be int"),
+        (["core.legacy_fill=perhaps"], "core.legacy_fill must be bool"),
+        (["core.mode=fast"], "core.mode must be one of"),
+        (["cluster.placement.dora=cloud"], "must be one of 'colocated', 'disaggregated'"),
+        (["run.steps=0"], "run.steps"),
+        (["core"], "section.key=value"),
+        (["workload.distribution=mixture"], "needs [[workload.components]]"),
+    ],
+)
+def test_bad_values_are_one_clear_error(overrides, fragment):
+    with pytest.raises(ConfigError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
+        load(SimConfig, overrides=overrides)
+
+
+def test_bad_toml_and_missing_file(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[core\n")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load(SimConfig, path=str(bad))
+    with pytest.raises(ConfigError, match="not found"):
+        load(SimConfig, path=str(tmp_path / "none.toml"))
+
+
+def test_mixture_workload_from_toml(tmp_path):
+    path = tmp_path / "mix.toml"
+    path.write_text(
+        '[workload]\ndistribution = "mixture"\ncap = 4096\n'
+        "[[workload.components]]\nweight = 3\nmedian = 100\nsigma = 0.3\n"
+        "[[workload.components]]\nweight = 1\nmedian = 3000\nsigma = 0.3\n"
+    )
+    wl = load(SimConfig, path=str(path)).workload.build(seed=1)
+    lengths = [wl.length(g, 0, 1) for g in range(2000)]
+    short = sum(n < 600 for n in lengths) / len(lengths)
+    assert 0.65 < short < 0.85, "a bimodal mixture: about three quarters short answers"
+    assert max(lengths) <= 4096
