@@ -32,14 +32,14 @@ def simulate(cfg: SimConfig, mode: Mode, *, timeline: bool = False, strict: bool
     return ModeResult(mode=mode, metrics=m, outcome=o, split_search=searched)
 
 
-def best_split(cfg: SimConfig, mode: Mode) -> tuple[int, list[tuple[int, float]]]:
-    """The rollout pool size with the best steady-state throughput, by a ternary search over worker counts
-    on short runs (throughput is unimodal in the split: too few workers starve the trainer, too many
-    starve training of accelerators). Every split tried is returned, so the choice can be reported."""
+def best_split(cfg: SimConfig, mode: Mode, grid: int = 7) -> tuple[int, list[tuple[int, float]]]:
+    """The rollout pool size with the best steady-state throughput, on short runs: a coarse grid over
+    the whole range, then every worker count next to the best point (the curve is noisy, so no
+    bracketing search is trusted). Every split tried is returned, so the choice can be reported."""
     g = cfg.cluster.gpus_per_worker
     steps = min(cfg.run.steps, max(cfg.run.warmup_steps + 3, 5))
     probe = replace(cfg, run=replace(cfg.run, steps=steps, warmup_steps=min(cfg.run.warmup_steps, steps - 2)))
-    lo, hi = 1, cfg.cluster.total_gpus // g - 1
+    top = cfg.cluster.total_gpus // g - 1
     seen: dict[int, float] = {}
 
     def rate(workers: int) -> float:
@@ -48,11 +48,12 @@ def best_split(cfg: SimConfig, mode: Mode) -> tuple[int, list[tuple[int, float]]
             seen[workers] = summarize(o, probe)["throughput_tokens_per_s"]
         return seen[workers]
 
-    while hi - lo > 2:
-        a, b = lo + (hi - lo) // 3, hi - (hi - lo) // 3
-        if rate(a) < rate(b):
-            lo = a + 1
-        else:
-            hi = b - 1 if b - 1 >= a else b
-    best = max(range(lo, hi + 1), key=rate)
+    coarse = sorted({max(1, min(top, round(1 + i * (top - 1) / (grid - 1)))) for i in range(grid)})
+    best = max(coarse, key=rate)
+    step = max(1, (top - 1) // (grid - 1))
+    while step >= 1:
+        best = max(range(max(1, best - step), min(top, best + step) + 1, max(1, step // 2) or 1), key=rate)
+        if step == 1:
+            break
+        step //= 2
     return best * g, sorted((w * g, t) for w, t in seen.items())
