@@ -10,7 +10,10 @@ The core (``dora.broker.core.Core``) makes every decision; this module only adva
 - **Trainer.** A batch of ``T`` tokens trains for ``step_fixed_s + T * gpu_s_per_token / trainer_gpus``,
   then publishes for ``publish_s``.
 - **Placement.** ``colocated``: every accelerator is a rollout worker, and rollout pauses while the
-  same accelerators train. ``disaggregated``: ``rollout_gpus`` serve rollout, the rest train, both at once.
+  same accelerators train; the engines' weights and KV caches survive the training phase at no cost
+  (offloading them to host memory and back is not modelled; it would cost sync, partial and dora
+  alike, and partial still re-prefills after its weight swap). ``disaggregated``: ``rollout_gpus``
+  serve rollout, the rest train, both at once.
 
 Between two events a replica's batch is constant, so its progress is exact (no time stepping).
 """
