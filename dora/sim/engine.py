@@ -157,6 +157,24 @@ class Engine:
             self.preemptions += 1
         return done, self._admit()
 
+    def run_for(self, steps: float) -> tuple[list[Request], int]:
+        """Decode ``steps`` steps, stopping at every finish and KV boundary on the way (so each stretch
+        runs at a constant batch size). Returns (finished requests, prefill tokens incurred)."""
+        done: list[Request] = []
+        prefill = 0
+        left = steps
+        while self.running and left > 0:
+            nxt = self.steps_to_next()
+            step = left if nxt is None else min(left, nxt)
+            self.advance(step)
+            left -= step
+            finished, tokens = self.settle()
+            done += finished
+            prefill += tokens
+            if step <= 0 and not finished:
+                break
+        return done, prefill
+
     def remove(self, group_id: int, attempt: int) -> list[Request]:
         """Take a group's requests out (cancel or export); their version history is closed."""
         out = []

@@ -257,22 +257,16 @@ class World:
     def decode(self, worker: WorkerId, steps: float) -> list[SampleFinished]:
         """The worker's running requests advance ``steps`` decode steps together (continuous batching)."""
         w = self.workers[worker]
-        done: list[SampleFinished] = []
-        left = steps
-        while w.decoding and left > 0:
-            nxt = w.engine.steps_to_next()
-            step = left if nxt is None else min(left, nxt)
-            w.engine.advance(step)
-            left -= step
-            finished, prefill = w.engine.settle()
-            w.prefill_debt += prefill
-            for r in finished:
-                ev = SampleFinished(worker_id=worker, group_id=GroupId(r.group_id), attempt=r.attempt,
-                                    index=r.index, segments=r.segments(), payload=r.attempt)  # fmt: skip
-                done.append(ev)
-                self.sent.append(ev)
-            if step <= 0 and not finished:
-                break
+        if not w.decoding:
+            return []
+        finished, prefill = w.engine.run_for(steps)
+        w.prefill_debt += prefill
+        done = [
+            SampleFinished(worker_id=worker, group_id=GroupId(r.group_id), attempt=r.attempt, index=r.index,
+                           segments=r.segments(), payload=r.attempt)
+            for r in finished
+        ]  # fmt: skip
+        self.sent.extend(done)
         return done
 
     def request_batch(self) -> BatchRequested:

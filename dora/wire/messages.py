@@ -259,6 +259,8 @@ class TrainSample:
     logprobs: Array
     reward: float
     finish: Finish
+    segments: Array | None = None
+    """int32 (n, 2) (version, tokens) runs, so the learner can check C1 itself."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

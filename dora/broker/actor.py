@@ -1,0 +1,468 @@
+"""BrokerActor: the asyncio + ZeroMQ ROUTER shell around the pure core. It decides nothing.
+
+Every decoded message becomes a core event; every core action becomes a message. The actor owns
+what the core must not: sockets, the clock, peer identities, liveness timers, payload frames and
+the registry of published weights.
+
+Sending: the ROUTER has ROUTER_MANDATORY on and every send is non-blocking. A message that meets a
+full pipe (EAGAIN) waits in that peer's outbox and is retried; nothing is dropped silently. A peer
+that cannot be routed to (EHOSTUNREACH) is gone: its leases are re-queued by the core. Application
+credits (the worker's slots) keep those outboxes small.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import structlog
+import zmq
+import zmq.asyncio
+
+from dora.actor.liveness import Liveness
+from dora.broker import events as ev
+from dora.broker.core import Core
+from dora.broker.scheduler import GroupFailed
+from dora.ids import WorkerId
+from dora.runconfig import RunConfig
+from dora.wire import codec
+from dora.wire import messages as m
+
+log = structlog.get_logger()
+
+
+@dataclass(slots=True)
+class Peer:
+    identity: bytes
+    role: m.Role
+    name: str
+    outbox: deque[list[Any]] = field(default_factory=deque)
+
+
+class BrokerActor:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        sock: zmq.asyncio.Socket,
+        core: Core,
+        prompts: Callable[[int], np.ndarray],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        epoch: int = 0,
+    ) -> None:
+        self.cfg = cfg
+        self.sock = sock
+        self.sync = zmq.Socket.shadow(sock.underlying)
+        """Non-blocking sends and receives go through this synchronous view of the same socket; the
+        asyncio socket is only awaited for readiness (its own NOBLOCK calls would hide errors in futures)."""
+        self.core = core
+        self.prompts = prompts
+        self.clock = clock
+        self.epoch = epoch
+        b = cfg.broker
+        self.liveness = Liveness(b.heartbeat_interval_s, b.liveness, b.stall_timeout_s)
+        self.peers: dict[bytes, Peer] = {}
+        self.learner: bytes | None = None
+        self.weights: dict[int, tuple[str, str]] = {0: ("sim://v0", "0" * 64)}
+        self.counters = Counter[str]()
+        self.malformed = Counter[str]()
+        self.started = clock()
+        self.trained_tokens = 0
+        self.step_started = clock()
+        self.done = asyncio.Event()
+        self._pending_out: set[bytes] = set()
+
+    # ------------------------------------------------------------------ loop
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Serve until ``stop`` is set or the run is finished."""
+        next_beat = self.clock()
+        next_tick = self.clock() + self.cfg.broker.tick_s
+        while not stop.is_set() and not self.done.is_set():
+            timeout_ms = max(0, int(1000 * min(next_beat, next_tick) - 1000 * self.clock()))
+            if await self.sock.poll(min(timeout_ms, 100), zmq.POLLIN):
+                for _ in range(1000):  # drain what is queued without one await per message
+                    try:
+                        frames = self.sync.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self.on_frames(frames)
+            now = self.clock()
+            if now >= next_beat:
+                next_beat = now + self.cfg.broker.heartbeat_interval_s
+                self.check_liveness(now)
+            if now >= next_tick:
+                next_tick = now + self.cfg.broker.tick_s
+                self.feed(ev.Tick())
+            self.flush()
+
+    def on_frames(self, frames: list[Any]) -> None:
+        identity = bytes(frames[0])
+        try:
+            msg = codec.decode(frames[1:])
+        except codec.WireVersionMismatch as e:
+            self.malformed["wire_version"] += 1
+            log.warning("wire_version_mismatch", peer_version=e.peer_version, kind=e.kind)
+            self.send_raw(identity, m.Reject(reason=str(e), wire_version=m.WIRE_VERSION))
+            return
+        except codec.DecodeError as e:
+            self.malformed["decode"] += 1
+            if self.malformed.total() % 1000 == 1:
+                log.warning("bad_frame", error=str(e)[:200], total=self.malformed.total())
+            return
+        peer = self.peers.get(identity)
+        if isinstance(msg, m.Hello):
+            self.on_hello(identity, msg)
+            return
+        if isinstance(msg, m.StatusRequest):
+            self.send_raw(identity, m.StatusReply(snapshot=self.snapshot()))
+            return
+        if peer is None:
+            self.malformed["unregistered"] += 1
+            self.send_raw(identity, m.Disconnect(reason="say hello first"))
+            return
+        self.liveness.heard(identity.decode(), self.clock())
+        with structlog.contextvars.bound_contextvars(kind=type(msg).__name__, peer=peer.name):
+            self.on_message(peer, msg)
+
+    def on_hello(self, identity: bytes, hello: m.Hello) -> None:
+        reject = m.check_hello(hello)
+        if reject is not None:
+            log.error("peer_rejected", peer=hello.peer_id, reason=reject.reason)
+            self.send_raw(identity, reject)
+            return
+        old = self.peers.get(identity)
+        if old is not None:
+            self.peer_lost(old, "hello again")
+        peer = Peer(identity=identity, role=hello.role, name=hello.peer_id)
+        self.peers[identity] = peer
+        self.liveness.joined(identity.decode(), self.clock())
+        self.send(
+            peer,
+            m.Welcome(
+                broker_epoch=self.epoch,
+                heartbeat_interval_s=self.cfg.broker.heartbeat_interval_s,
+                liveness=self.cfg.broker.liveness,
+                newest_version=self.core.ledger.newest,
+            ),
+        )
+        log.info(
+            "peer_joined",
+            peer=hello.peer_id,
+            role=hello.role.value,
+            pid=hello.pid,
+            host=hello.host,
+            slots=hello.slots,
+            engine=hello.engine,
+        )
+        if hello.role is m.Role.ROLLOUT:
+            self.feed(ev.WorkerJoined(worker_id=WorkerId(identity.decode()), slots=hello.slots))
+        elif hello.role is m.Role.LEARNER:
+            if self.learner is not None and self.learner in self.peers:
+                self.peer_lost(self.peers[self.learner], "replaced by a new learner")
+            self.learner = identity
+
+    def on_message(self, peer: Peer, msg: Any) -> None:
+        w = WorkerId(peer.identity.decode())
+        rollout, learner = peer.role is m.Role.ROLLOUT, peer.role is m.Role.LEARNER
+        match msg:
+            case m.Heartbeat() if rollout:
+                self.send(peer, m.Heartbeat())  # so the worker can tell a dead broker from an idle one
+                self.liveness.progressed(w, self.clock(), msg.tokens_generated, busy=msg.running > 0)
+                if msg.kv_use >= self.core.cfg.kv_rebalance_threshold:
+                    self.feed(ev.LoadReported(worker_id=w, kv_use=msg.kv_use))
+            case m.Heartbeat():
+                self.send(peer, m.Heartbeat())
+                self.liveness.progressed(w, self.clock(), 0, busy=False)
+            case m.SampleFinished() if rollout:
+                self.on_sample(peer, msg)
+            case m.WeightsLoaded() if rollout:
+                self.feed(ev.WeightsLoaded(worker_id=w, version=msg.version))
+            case m.MigrationExported() if rollout:
+                self.feed(
+                    ev.MigrationExported(
+                        worker_id=w,
+                        group_id=msg.group_id,
+                        attempt=msg.attempt,
+                        n_requests=len(msg.requests),
+                        state=msg.requests,
+                    )
+                )
+            case m.RequestBatch() if learner:
+                self.feed(ev.BatchRequested(step=msg.step))
+            case m.WeightsPublished() if learner:
+                self.weights[msg.version] = (msg.uri, msg.sha256)
+                self.on_published(msg)
+            case m.Goodbye():
+                log.info("peer_left", reason=msg.reason)
+                self.peer_lost(peer, f"goodbye: {msg.reason}")
+            case _:
+                self.malformed[f"unexpected {type(msg).__name__} from {peer.role.value}"] += 1
+
+    def on_sample(self, peer: Peer, msg: m.SampleFinished) -> None:
+        if msg.broker_epoch != self.epoch:
+            self.send(
+                peer,
+                m.ResultAck(
+                    group_id=msg.group_id,
+                    attempt=msg.attempt,
+                    index=msg.index,
+                    accepted=False,
+                    reason="old broker epoch",
+                ),
+            )
+            return
+        segments = tuple((int(v), int(n)) for v, n in msg.segments)
+        actions = self.feed(
+            ev.SampleFinished(
+                worker_id=WorkerId(peer.identity.decode()),
+                group_id=msg.group_id,
+                attempt=msg.attempt,
+                index=msg.index,
+                segments=segments,
+                finish=msg.finish,
+                payload=msg,
+            )
+        )
+        refused = next((a for a in actions if isinstance(a, ev.Refused) and a.group_id == msg.group_id), None)
+        self.send(
+            peer,
+            m.ResultAck(
+                group_id=msg.group_id,
+                attempt=msg.attempt,
+                index=msg.index,
+                accepted=refused is None,
+                reason=refused.reason if refused else "",
+            ),
+        )
+
+    def on_published(self, msg: m.WeightsPublished) -> None:
+        actions = self.feed(ev.WeightsPublished(version=msg.version))
+        if any(isinstance(a, ev.Refused) for a in actions):
+            return
+        now = self.clock()
+        hist = self.core.transfer.staleness
+        log.info(
+            "train_step",
+            step=msg.version - 1,
+            version=msg.version,
+            step_s=round(now - self.step_started, 3),
+            publish_s=msg.publish_s,
+            staleness=dict(sorted(hist.items())),
+            live_versions=self.core.ledger.alive(),
+            workers=len(self.core.scheduler.workers),
+            **{k: round(v, 4) for k, v in msg.metrics.items()},
+        )
+        self.step_started = now
+
+    # ------------------------------------------------------------------ the core
+
+    def feed(self, event: ev.Event) -> list[ev.Action]:
+        try:
+            actions = self.core.handle(self.clock(), event)
+        except GroupFailed as e:
+            log.error("group_failed", error=str(e))
+            raise
+        for action in actions:
+            self.act(action)
+        return actions
+
+    def act(self, a: ev.Action) -> None:
+        match a:
+            case ev.Lease():
+                c = self.cfg.run
+                self.to_worker(
+                    a.worker_id,
+                    m.Generate(
+                        group_id=a.group_id,
+                        attempt=a.attempt,
+                        version=a.version,
+                        prompt_ids=self.prompts(a.group_id),
+                        n_samples=a.n_samples,
+                        max_tokens=c.max_tokens,
+                        temperature=c.temperature,
+                        top_p=c.top_p,
+                        seed=(c.seed << 32) ^ a.attempt,
+                        broker_epoch=self.epoch,
+                    ),
+                )
+            case ev.Assign():
+                uri, sha = self.weights.get(a.version, (f"sim://v{a.version}", "0" * 64))
+                self.to_worker(a.worker_id, m.Assign(version=a.version, uri=uri, sha256=sha, interrupt=a.interrupt))
+            case ev.MigrateOut():
+                self.to_worker(
+                    a.worker_id,
+                    m.MigrateOut(group_id=a.group_id, attempt=a.attempt, version=a.version, target=a.target),
+                )
+            case ev.MigrateIn():
+                requests: tuple[m.RequestState, ...] = a.state
+                log.info(
+                    "migration",
+                    group_id=a.group_id,
+                    source=a.source,
+                    target=a.worker_id,
+                    version=a.version,
+                    requests=a.n_requests,
+                    tokens_moved=sum(len(r.token_ids) for r in requests),
+                )
+                c = self.cfg.run
+                self.to_worker(
+                    a.worker_id,
+                    m.MigrateIn(
+                        group_id=a.group_id,
+                        attempt=a.attempt,
+                        version=a.version,
+                        source=a.source,
+                        prompt_ids=self.prompts(a.group_id),
+                        requests=requests,
+                        max_tokens=c.max_tokens,
+                        temperature=c.temperature,
+                        top_p=c.top_p,
+                        seed=(c.seed << 32) ^ a.attempt,
+                    ),
+                )
+            case ev.Cancel():
+                self.to_worker(a.worker_id, m.Cancel(group_id=a.group_id, attempt=a.attempt))
+            case ev.DeliverBatch():
+                self.deliver(a)
+            case ev.Retire():
+                log.info("version_retired", version=a.version)
+                self.weights.pop(a.version, None)
+                for peer in [p for p in self.peers.values() if p.role is m.Role.ROLLOUT]:
+                    self.send(peer, m.RetireVersion(version=a.version))
+            case ev.Refused():
+                self.counters[f"refused {a.reason}"] += 1
+            case ev.RunFinished():
+                log.info("run_finished", steps=a.steps, elapsed_s=round(self.clock() - self.started, 3))
+                if self.cfg.broker.exit_when_done:
+                    for peer in list(self.peers.values()):
+                        self.send(peer, m.Goodbye(reason="run finished"))
+                    self.done.set()
+
+    def deliver(self, batch: ev.DeliverBatch) -> None:
+        groups = []
+        for g in batch.groups:
+            samples = []
+            for s in g.samples:
+                p: m.SampleFinished = s.payload
+                samples.append(
+                    m.TrainSample(
+                        index=s.index,
+                        token_ids=p.token_ids,
+                        logprobs=p.logprobs,
+                        reward=p.reward,
+                        finish=p.finish,
+                        segments=p.segments,
+                    )
+                )
+                self.trained_tokens += len(p.token_ids)
+            groups.append(
+                m.TrainGroup(
+                    group_id=g.group_id, version=g.version, prompt_ids=self.prompts(g.group_id), samples=tuple(samples)
+                )
+            )
+        learner = self.peers.get(self.learner) if self.learner else None
+        if learner is None:
+            log.warning("batch_without_learner", step=batch.step)
+            return  # the core keeps it and delivers it again when a learner asks for this step
+        self.send(learner, m.TrainBatch(step=batch.step, groups=tuple(groups), redelivery=batch.redelivery))
+
+    # ------------------------------------------------------------------ peers and sending
+
+    def check_liveness(self, now: float) -> None:
+        for name, reason in self.liveness.expired(now):
+            peer = self.peers.get(name.encode())
+            if peer is not None:
+                log.warning("peer_expired", peer=peer.name, reason=reason)
+                self.send_raw(peer.identity, m.Disconnect(reason=reason))
+                self.peer_lost(peer, reason)
+
+    def peer_lost(self, peer: Peer, reason: str) -> None:
+        self.peers.pop(peer.identity, None)
+        self.liveness.forget(peer.identity.decode())
+        self.counters[f"lost {peer.role.value}"] += 1
+        if peer.role is m.Role.ROLLOUT and WorkerId(peer.identity.decode()) in self.core.scheduler.workers:
+            self.feed(ev.WorkerLost(worker_id=WorkerId(peer.identity.decode()), reason=reason))
+        elif peer.role is m.Role.LEARNER and self.learner == peer.identity:
+            self.learner = None
+            self.feed(ev.LearnerLost(reason=reason))
+
+    def to_worker(self, worker: WorkerId, msg: Any) -> None:
+        peer = self.peers.get(worker.encode())
+        if peer is not None:
+            self.send(peer, msg)
+
+    def send(self, peer: Peer, msg: Any) -> None:
+        peer.outbox.append([peer.identity, *codec.encode(msg)])
+        self._pending_out.add(peer.identity)
+
+    def send_raw(self, identity: bytes, msg: Any) -> None:
+        """Reply to an identity that is not (or no longer) a registered peer; best effort."""
+        try:
+            self.sync.send_multipart([identity, *codec.encode(msg)], flags=zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError:
+            self.counters["unroutable reply"] += 1
+
+    def flush(self) -> None:
+        for identity in list(self._pending_out):
+            peer = self.peers.get(identity)
+            if peer is None:
+                self._pending_out.discard(identity)
+                continue
+            while peer.outbox:
+                try:
+                    self.sync.send_multipart(peer.outbox[0], flags=zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break  # full pipe: keep it queued, retry on the next pass
+                except zmq.ZMQError as e:
+                    if e.errno == zmq.EHOSTUNREACH:
+                        self.peer_lost(peer, "unreachable")
+                        break
+                    raise
+                peer.outbox.popleft()
+            if not peer.outbox:
+                self._pending_out.discard(identity)
+
+    # ------------------------------------------------------------------ status
+
+    def snapshot(self) -> dict[str, Any]:
+        core, sched, led = self.core, self.core.scheduler, self.core.ledger
+        per_version: dict[int, dict[str, int]] = {}
+        for v in led.alive():
+            per_version[v] = {"workers": len(led.workers_of(v)), "running": 0, "queued": 0, "state": led.state(v).value}
+        for f in sched.flights.values():
+            row = per_version.setdefault(f.version, {"workers": 0, "running": 0, "queued": 0, "state": "retired"})
+            row["queued" if f.worker is None else "running"] += 1
+        elapsed = max(self.clock() - self.started, 1e-9)
+        return {
+            "mode": core.cfg.mode.value,
+            "step": core.step,
+            "newest_version": led.newest,
+            "broker_epoch": self.epoch,
+            "versions": {str(v): row for v, row in sorted(per_version.items())},
+            "workers": {
+                w: {
+                    "version": led.version_of(w),
+                    "ready": s.ready,
+                    "leaving": s.leaving,
+                    "used": s.used,
+                    "slots": s.slots,
+                    "groups": len(s.groups),
+                }
+                for w, s in sched.workers.items()
+            },
+            "finished_waiting": len(core.transfer),
+            "staleness": {str(k): n for k, n in sorted(core.transfer.staleness.items())},
+            "trained_tokens": self.trained_tokens,
+            "tokens_per_s": self.trained_tokens / elapsed,
+            "migrated_groups": sched.stats_migrated_groups,
+            "requeued_groups": sched.stats_requeued,
+            "counters": dict(self.counters),
+            "malformed": dict(self.malformed),
+            "uptime_s": elapsed,
+        }

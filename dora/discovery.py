@@ -1,0 +1,24 @@
+"""Finding the broker: an endpoint string, or the discovery file the broker writes atomically."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+from dora.config import ConfigError
+
+
+def resolve_endpoint(target: str) -> str:
+    if target.startswith(("tcp://", "ipc://", "inproc://")):
+        return target
+    path = pathlib.Path(target)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"no broker at {target!r}: not an endpoint and no such discovery file") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{target}: not a broker discovery file ({e})") from None
+    endpoint = data.get("endpoint") if isinstance(data, dict) else None
+    if not isinstance(endpoint, str):
+        raise ConfigError(f"{target}: no endpoint in the discovery file")
+    return endpoint

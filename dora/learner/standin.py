@@ -1,0 +1,181 @@
+"""`dora learner --trainer sim`: a learner stand-in without torch, on the real protocol.
+
+It asks for batch ``u``, checks every batch invariant on its own (exactly train_groups whole groups
+of group_size samples, one version per trajectory unless the mode swaps weights in flight,
+staleness ``u - v <= K``), waits the trainer model's time for those tokens (scaled), and publishes
+version ``u + 1``. An audit file gets one JSON line per step with the groups it trained, so a test
+can prove that every group was trained exactly once. A broken invariant stops it with exit 3.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any, TextIO
+
+import structlog
+import zmq
+import zmq.asyncio
+
+from dora.runconfig import RunConfig
+from dora.wire import codec
+from dora.wire import messages as m
+
+log = structlog.get_logger()
+
+
+class InvariantBroken(RuntimeError):
+    pass
+
+
+def check_batch(
+    batch: m.TrainBatch, *, step: int, groups: int, group_size: int, k: int, mixed_ok: bool
+) -> dict[str, Any]:
+    """Raise InvariantBroken unless the batch is exact, whole, fresh enough and (where promised) single-version."""
+    if batch.step != step:
+        raise InvariantBroken(f"asked for batch {step}, got {batch.step}")
+    if len(batch.groups) != groups or len({g.group_id for g in batch.groups}) != groups:
+        raise InvariantBroken(f"batch {step}: {len(batch.groups)} groups (distinct ones needed: {groups})")
+    staleness: dict[int, int] = {}
+    mixed = tokens = 0
+    for g in batch.groups:
+        lag = step - g.version
+        if not 0 <= lag <= k:
+            raise InvariantBroken(f"C3: group {g.group_id} of version {g.version} at step {step} (K = {k})")
+        if len(g.samples) != group_size or sorted(s.index for s in g.samples) != list(range(group_size)):
+            raise InvariantBroken(f"C2: group {g.group_id} is not whole ({len(g.samples)} of {group_size} samples)")
+        staleness[lag] = staleness.get(lag, 0) + len(g.samples)
+        for s in g.samples:
+            tokens += len(s.token_ids)
+            versions = set() if s.segments is None else {int(v) for v, n in s.segments if n > 0}
+            if versions - {g.version}:
+                if not mixed_ok:
+                    raise InvariantBroken(f"C1: group {g.group_id} sample {s.index} has versions {sorted(versions)}")
+                mixed += 1
+            if len(s.token_ids) != len(s.logprobs):
+                raise InvariantBroken(f"group {g.group_id} sample {s.index}: tokens and log-probs differ in length")
+    return {"staleness": staleness, "mixed_version_trajectories": mixed, "tokens": tokens}
+
+
+class StandInLearner:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        ctx: zmq.asyncio.Context,
+        endpoint: str,
+        *,
+        audit: TextIO | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cfg = cfg
+        self.ctx = ctx
+        self.endpoint = endpoint
+        self.audit = audit
+        self.clock = clock
+        self.version = 0
+
+    async def run(self, stop: asyncio.Event) -> int:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, f"learner/{socket.gethostname()}/{uuid.uuid4().hex[:8]}".encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.endpoint)
+        core, b = self.cfg.core, self.cfg.broker
+        try:
+            if not await sock.poll(int(1000 * b.heartbeat_interval_s * b.liveness), zmq.POLLOUT):
+                log.error("broker_unreachable", endpoint=self.endpoint)
+                return 1
+            await sock.send_multipart(
+                codec.encode(
+                    m.Hello(
+                        wire_version=m.WIRE_VERSION,
+                        role=m.Role.LEARNER,
+                        peer_id="learner-0",
+                        pid=os.getpid(),
+                        host=socket.gethostname(),
+                        slurm_job_id=os.environ.get("SLURM_JOB_ID"),
+                    )
+                )
+            )
+            await sock.send_multipart(codec.encode(m.RequestBatch(step=self.version)))
+            next_beat = self.clock()
+            while not stop.is_set():
+                if await sock.poll(max(1, int(1000 * (next_beat - self.clock()))), zmq.POLLIN):
+                    msg = codec.decode(await sock.recv_multipart(copy=False))
+                    match msg:
+                        case m.TrainBatch():
+                            await self.train(sock, msg, stop)
+                            if core.total_steps is not None and self.version >= core.total_steps:
+                                log.info("learner_done", version=self.version)
+                                return 0
+                            await sock.send_multipart(codec.encode(m.RequestBatch(step=self.version)))
+                        case m.Goodbye():
+                            return 0
+                        case m.Reject() | m.Disconnect():
+                            log.error("learner_turned_away", reason=msg.reason)
+                            return 1
+                if self.clock() >= next_beat:
+                    next_beat = self.clock() + b.heartbeat_interval_s
+                    await sock.send_multipart(codec.encode(m.Heartbeat()))
+            return 0
+        except InvariantBroken as e:
+            log.error("invariant_broken", error=str(e))
+            return 3
+        finally:
+            sock.close(linger=0)
+
+    async def train(self, sock: zmq.asyncio.Socket, batch: m.TrainBatch, stop: asyncio.Event) -> None:
+        core = self.cfg.core
+        facts = check_batch(
+            batch,
+            step=self.version,
+            groups=core.train_groups,
+            group_size=core.group_size,
+            k=core.staleness,
+            mixed_ok=core.in_flight_swap,
+        )
+        started = self.clock()
+        train_s = self.cfg.trainer.train_s(facts["tokens"], self.cfg.learner.sim_gpus) * self.cfg.run.time_scale
+        deadline = started + train_s
+        while self.clock() < deadline and not stop.is_set():  # keep heartbeating while "training"
+            await asyncio.sleep(min(self.cfg.broker.heartbeat_interval_s, deadline - self.clock()))
+            await sock.send_multipart(codec.encode(m.Heartbeat()))
+        await asyncio.sleep(self.cfg.trainer.publish_s * self.cfg.run.time_scale)
+        self.version += 1
+        rewards = [s.reward for g in batch.groups for s in g.samples]
+        sha = hashlib.sha256(f"sim-weights-{self.version}".encode()).hexdigest()
+        await sock.send_multipart(
+            codec.encode(
+                m.WeightsPublished(
+                    version=self.version,
+                    uri=f"sim://v{self.version}",
+                    sha256=sha,
+                    publish_s=self.cfg.trainer.publish_s * self.cfg.run.time_scale,
+                    metrics={
+                        "reward_mean": sum(rewards) / len(rewards),
+                        "tokens": float(facts["tokens"]),
+                        "train_s": self.clock() - started,
+                    },
+                )
+            )
+        )
+        if self.audit is not None:
+            self.audit.write(
+                json.dumps(
+                    {
+                        "step": batch.step,
+                        "redelivery": batch.redelivery,
+                        "groups": sorted(g.group_id for g in batch.groups),
+                        "versions": sorted({g.version for g in batch.groups}),
+                        "staleness": facts["staleness"],
+                        "mixed": facts["mixed_version_trajectories"],
+                    }
+                )
+                + "\n"
+            )
+            self.audit.flush()

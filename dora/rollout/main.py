@@ -1,0 +1,54 @@
+"""`dora rollout --broker ADDR|broker.json --engine sim [--name NAME] [--config run.toml] [--set k=v ...]`"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import sys
+
+import uvloop
+import zmq.asyncio
+
+from dora.config import ConfigError, load
+from dora.discovery import resolve_endpoint
+from dora.logging import configure_logging
+from dora.rollout.actor import RolloutActor
+from dora.rollout.engines.sim import SimEngine
+from dora.runconfig import RunConfig
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="dora rollout", description="A rollout worker: one inference-engine replica.")
+    p.add_argument("--broker", required=True, help="tcp://host:port, ipc://path, or a broker.json discovery file")
+    p.add_argument("--engine", choices=["sim"], default="sim")
+    p.add_argument("--name", default=f"{socket.gethostname()}-{os.getpid()}")
+    p.add_argument("--config", metavar="FILE.toml")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--time-scale", type=float, help="real seconds per simulated second (overrides run.time_scale)")
+    args = p.parse_args(argv)
+    overrides = [*args.set, *([f"run.time_scale={args.time_scale}"] if args.time_scale else [])]
+    try:
+        cfg = load(RunConfig, path=args.config, env=os.environ, env_prefix="DORA_", overrides=overrides)
+        endpoint = resolve_endpoint(args.broker)
+    except ConfigError as e:
+        print(f"dora rollout: {e}", file=sys.stderr)
+        return 2
+    configure_logging(cfg.log, process="rollout", worker=args.name)
+    return uvloop.run(serve(cfg, endpoint, args.name))
+
+
+async def serve(cfg: RunConfig, endpoint: str, name: str) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    ctx = zmq.asyncio.Context()
+    try:
+        engine = SimEngine(cfg.engine, cfg.workload.build(cfg.run.seed), time_scale=cfg.run.time_scale,
+                           now=loop.time())  # fmt: skip
+        return await RolloutActor(cfg, ctx, endpoint, name, engine, clock=loop.time).run(stop)
+    finally:
+        ctx.destroy(linger=0)

@@ -1,0 +1,84 @@
+"""One run's configuration, shared by `dora broker`, `dora rollout` and `dora learner`.
+
+Every process reads the same TOML file and uses the sections it needs, so a run is described once.
+The ``[engine]``, ``[trainer]`` and ``[workload]`` sections are the simulator's: a live run with the
+``sim`` engine and trainer follows the same timing and length models as `dora sim`, scaled in real
+time by ``run.time_scale``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dora.config import ConfigError, CoreConfig
+from dora.logging import LogConfig
+from dora.sim.config import EngineSection, TrainerSection, WorkloadSection
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LiveRun:
+    seed: int = 0
+    time_scale: float = 0.01
+    """Real seconds per simulated second for the sim engine and trainer (0.01: 100x faster than real)."""
+    max_tokens: int = 30_720
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.time_scale <= 0:
+            raise ConfigError(f"run.time_scale must be > 0; got {self.time_scale}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BrokerSection:
+    bind: str = "tcp://127.0.0.1:5555"
+    """ROUTER endpoint (tcp://host:port, port 0 = any free port, or ipc://path)."""
+    discovery_file: str | None = "broker.json"
+    """Where the bound endpoint is published (written atomically); None = only the ready line."""
+    heartbeat_interval_s: float = 0.5
+    liveness: int = 4
+    """Missed heartbeat intervals before a peer is declared dead."""
+    stall_timeout_s: float = 30.0
+    """A worker holding work whose progress counter does not move for this long is declared dead."""
+    tick_s: float = 2.0
+    """Orchestrator timer (re-partition of workers across versions)."""
+    max_message_bytes: int = 256 << 20
+    hwm: int = 100_000
+    exit_when_done: bool = True
+    """Exit 0 once the run's total_steps are trained (after telling the peers)."""
+    shutdown_s: float = 5.0
+    """Budget for a graceful stop on SIGTERM (below Slurm's KillWait)."""
+    strict: bool = False
+    """Re-check every core invariant from scratch after every event (slow; for tests and debugging)."""
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_interval_s <= 0 or self.liveness < 2 or self.stall_timeout_s <= 0 or self.tick_s <= 0:
+            raise ConfigError("broker: heartbeat_interval_s, stall_timeout_s, tick_s > 0 and liveness >= 2")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RolloutSection:
+    slots: int = 0
+    """Sequences this worker accepts at once (its credit); 0 = engine.credit."""
+    reconnect_max_s: float = 32.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LearnerSection:
+    audit_file: str | None = None
+    """JSON lines, one per trained step: the groups it trained (for exactly-once checks)."""
+    sim_gpus: int = 1
+    """Accelerators the sim trainer stands for (its step time is the trainer model's for this many)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunConfig:
+    run: LiveRun = field(default_factory=LiveRun)
+    core: CoreConfig = field(default_factory=CoreConfig)
+    broker: BrokerSection = field(default_factory=BrokerSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    learner: LearnerSection = field(default_factory=LearnerSection)
+    engine: EngineSection = field(default_factory=EngineSection)
+    trainer: TrainerSection = field(default_factory=TrainerSection)
+    workload: WorkloadSection = field(default_factory=WorkloadSection)
+    log: LogConfig = field(default_factory=LogConfig)
