@@ -43,11 +43,15 @@ def throughput_bars(rows: list[dict[str, Any]], path: pathlib.Path, *, title: st
 def staleness(results: Sequence[ModeResult], path: pathlib.Path, *, title: str) -> pathlib.Path:
     fig, ax = plt.subplots(figsize=(7, 3.5))
     width = 0.8 / max(len(results), 1)
+    top = 0
     for i, r in enumerate(results):
         hist = {int(k): v for k, v in r.metrics["staleness_histogram"].items()}
         total = sum(hist.values()) or 1
         xs = sorted(hist)
-        ax.bar([x + i * width for x in xs], [hist[x] / total for x in xs], width=width, label=r.mode.value)
+        top = max([top, *xs])
+        offset = (i - (len(results) - 1) / 2) * width  # each staleness value is one centred group of bars
+        ax.bar([x + offset for x in xs], [hist[x] / total for x in xs], width=width, label=r.mode.value)
+    ax.set_xticks(range(top + 1))
     ax.set_xlabel("staleness at consumption (learner version - dispatch version)")
     ax.set_ylabel("share of trajectories")
     ax.legend(fontsize=8)
