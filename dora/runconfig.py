@@ -40,6 +40,10 @@ class BrokerSection:
     """Missed heartbeat intervals before a peer is declared dead."""
     stall_timeout_s: float = 30.0
     """A worker holding work whose progress counter does not move for this long is declared dead."""
+    learner_timeout_s: float = 300.0
+    """Silence after which the learner is declared dead and its batch is held for a new one. Longer
+    than the rollout window: a learner may block for a while (a checkpoint, a long step), and
+    declaring it dead early would void a step it is about to publish."""
     tick_s: float = 2.0
     """Orchestrator timer (re-partition of workers across versions)."""
     max_message_bytes: int = 256 << 20
@@ -52,8 +56,10 @@ class BrokerSection:
     """Re-check every core invariant from scratch after every event (slow; for tests and debugging)."""
 
     def __post_init__(self) -> None:
-        if self.heartbeat_interval_s <= 0 or self.liveness < 2 or self.stall_timeout_s <= 0 or self.tick_s <= 0:
-            raise ConfigError("broker: heartbeat_interval_s, stall_timeout_s, tick_s > 0 and liveness >= 2")
+        if min(self.heartbeat_interval_s, self.stall_timeout_s, self.tick_s, self.learner_timeout_s) <= 0:
+            raise ConfigError("broker: heartbeat_interval_s, stall_timeout_s, learner_timeout_s and tick_s must be > 0")
+        if self.liveness < 2:
+            raise ConfigError(f"broker.liveness must be >= 2 (heartbeats missed before a peer is dead); got {self.liveness}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

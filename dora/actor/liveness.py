@@ -14,6 +14,7 @@ from dataclasses import dataclass
 @dataclass(slots=True)
 class PeerState:
     last_seen: float
+    timeout_s: float
     progress: int = 0
     progress_at: float = 0.0
     busy: bool = False
@@ -30,8 +31,9 @@ class Liveness:
     def __contains__(self, peer: str) -> bool:
         return peer in self._peers
 
-    def joined(self, peer: str, now: float) -> None:
-        self._peers[peer] = PeerState(last_seen=now, progress_at=now)
+    def joined(self, peer: str, now: float, *, timeout_s: float | None = None) -> None:
+        """Start watching ``peer``; ``timeout_s`` overrides the silence window for this one peer."""
+        self._peers[peer] = PeerState(last_seen=now, timeout_s=timeout_s or self.timeout_s, progress_at=now)
 
     def heard(self, peer: str, now: float) -> None:
         """Any message from the peer proves it is alive."""
@@ -56,7 +58,7 @@ class Liveness:
         """Peers to declare dead now, with the reason ("silent" or "stalled"); they are forgotten."""
         out = []
         for peer, st in self._peers.items():
-            if now - st.last_seen > self.timeout_s:
+            if now - st.last_seen > st.timeout_s:
                 out.append((peer, "silent"))
             elif st.busy and now - st.progress_at > self.stall_timeout_s:
                 out.append((peer, "stalled"))

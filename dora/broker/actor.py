@@ -123,8 +123,14 @@ class BrokerActor:
             self.send_raw(identity, m.StatusReply(snapshot=self.snapshot()))
             return
         if peer is None:
-            self.malformed["unregistered"] += 1
-            self.send_raw(identity, m.Disconnect(reason="say hello first"))
+            if isinstance(msg, m.SampleFinished):  # a worker declared dead comes back with old work: fenced off
+                self.counters["refused result from an unregistered peer"] += 1
+                if self.counters["refused result from an unregistered peer"] % 100 == 1:
+                    log.warning("late_result_refused", group_id=msg.group_id, attempt=msg.attempt,
+                                peer=identity.decode(errors="replace"))  # fmt: skip
+            else:
+                self.malformed["unregistered"] += 1
+            self.send_raw(identity, m.Disconnect(reason="unknown peer: say hello first"))
             return
         self.liveness.heard(identity.decode(), self.clock())
         with structlog.contextvars.bound_contextvars(kind=type(msg).__name__, peer=peer.name):
@@ -141,7 +147,8 @@ class BrokerActor:
             self.peer_lost(old, "hello again")
         peer = Peer(identity=identity, role=hello.role, name=hello.peer_id)
         self.peers[identity] = peer
-        self.liveness.joined(identity.decode(), self.clock())
+        timeout = self.cfg.broker.learner_timeout_s if hello.role is m.Role.LEARNER else None
+        self.liveness.joined(identity.decode(), self.clock(), timeout_s=timeout)
         self.send(
             peer,
             m.Welcome(
@@ -206,6 +213,7 @@ class BrokerActor:
 
     def on_sample(self, peer: Peer, msg: m.SampleFinished) -> None:
         if msg.broker_epoch != self.epoch:
+            self.counters["refused old broker epoch"] += 1
             self.send(
                 peer,
                 m.ResultAck(
@@ -275,6 +283,7 @@ class BrokerActor:
     def act(self, a: ev.Action) -> None:
         match a:
             case ev.Lease():
+                log.debug("group_leased", group_id=a.group_id, attempt=a.attempt, worker=a.worker_id, version=a.version)
                 c = self.cfg.run
                 self.to_worker(
                     a.worker_id,
@@ -292,6 +301,7 @@ class BrokerActor:
                     ),
                 )
             case ev.Assign():
+                log.info("worker_assigned", worker=a.worker_id, version=a.version, interrupt=a.interrupt)
                 uri, sha = self.weights.get(a.version, (f"sim://v{a.version}", "0" * 64))
                 self.to_worker(a.worker_id, m.Assign(version=a.version, uri=uri, sha256=sha, interrupt=a.interrupt))
             case ev.MigrateOut():
@@ -383,6 +393,9 @@ class BrokerActor:
                 self.peer_lost(peer, reason)
 
     def peer_lost(self, peer: Peer, reason: str) -> None:
+        held = self.core.scheduler.workers.get(WorkerId(peer.identity.decode()))
+        log.warning("peer_lost", peer=peer.name, role=peer.role.value, reason=reason,
+                    groups=sorted(held.groups) if held is not None else [])  # fmt: skip
         self.peers.pop(peer.identity, None)
         self.liveness.forget(peer.identity.decode())
         self.counters[f"lost {peer.role.value}"] += 1

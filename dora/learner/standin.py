@@ -102,14 +102,19 @@ class StandInLearner:
                     )
                 )
             )
-            await sock.send_multipart(codec.encode(m.RequestBatch(step=self.version)))
             next_beat = self.clock()
             while not stop.is_set():
                 if await sock.poll(max(1, int(1000 * (next_beat - self.clock()))), zmq.POLLIN):
                     msg = codec.decode(await sock.recv_multipart(copy=False))
                     match msg:
+                        case m.Welcome():  # a learner joining a run in progress picks it up at the newest version
+                            self.version = msg.newest_version
+                            log.info("registered", broker_epoch=msg.broker_epoch, version=self.version)
+                            await sock.send_multipart(codec.encode(m.RequestBatch(step=self.version)))
                         case m.TrainBatch():
                             await self.train(sock, msg, stop)
+                            if stop.is_set():
+                                break
                             if core.total_steps is not None and self.version >= core.total_steps:
                                 log.info("learner_done", version=self.version)
                                 return 0
@@ -122,6 +127,10 @@ class StandInLearner:
                 if self.clock() >= next_beat:
                     next_beat = self.clock() + b.heartbeat_interval_s
                     await sock.send_multipart(codec.encode(m.Heartbeat()))
+            # stopped (SIGTERM): tell the broker now, so it holds the batch for the next learner at once
+            await sock.send_multipart(codec.encode(m.Goodbye(reason="stopping")))
+            await asyncio.sleep(0.05)
+            log.info("learner_stopped", version=self.version)
             return 0
         except InvariantBroken as e:
             log.error("invariant_broken", error=str(e))
@@ -142,7 +151,9 @@ class StandInLearner:
         started = self.clock()
         train_s = self.cfg.trainer.train_s(facts["tokens"], self.cfg.learner.sim_gpus) * self.cfg.run.time_scale
         deadline = started + train_s
-        while self.clock() < deadline and not stop.is_set():  # keep heartbeating while "training"
+        while self.clock() < deadline:  # keep heartbeating while "training"
+            if stop.is_set():
+                return  # a step cut short is not published: the broker re-delivers the batch to the next learner
             await asyncio.sleep(min(self.cfg.broker.heartbeat_interval_s, deadline - self.clock()))
             await sock.send_multipart(codec.encode(m.Heartbeat()))
         await asyncio.sleep(self.cfg.trainer.publish_s * self.cfg.run.time_scale)

@@ -1,0 +1,127 @@
+"""Faults against real processes: kill -9 and SIGSTOP of a worker, a learner paused for 30 s, SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import time
+from datetime import datetime
+
+import pytest
+
+from dora.status import fetch
+from tests.live.cluster import Cluster, cluster
+
+pytestmark = pytest.mark.timeout(180)
+
+INTERVAL, LIVENESS = 0.25, 4
+
+
+def ts(rec: dict) -> float:
+    return datetime.fromisoformat(rec["timestamp"].replace("Z", "+00:00")).timestamp()
+
+
+def wait_until(pred, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def identity_of(c: Cluster, name: str, min_groups: int = 1) -> tuple[str, dict]:
+    """The broker identity of worker ``name`` once it holds at least ``min_groups`` groups."""
+
+    def find():
+        snap = fetch(c.endpoint)
+        for ident, row in snap["workers"].items():
+            if ident.startswith(f"rollout/{name}/") and row["groups"] >= min_groups and row["ready"]:
+                return ident, snap
+        return None
+
+    return wait_until(find, 30, f"{name} to hold a group")
+
+
+def test_kill_9_worker_mid_group_its_groups_are_re_leased_in_time(tmp_path):
+    with cluster(tmp_path, {"core": {"total_steps": 12}, "log": {"level": "debug"}}) as c:
+        c.start(workers=3)
+        wait_until(lambda: fetch(c.endpoint)["step"] >= 2, 30, "step 2")
+        ident, _ = identity_of(c, "w1")
+        killed_at = time.time()
+        c.signal("w1", signal.SIGKILL)
+        assert c.wait("learner", 90) == 0, c.log("learner")[-3000:]
+
+        lost = [r for r in c.events("broker", "peer_lost") if r["peer"] == "w1"]
+        assert len(lost) == 1 and lost[0]["reason"] == "silent" and lost[0]["groups"], lost
+        held = set(lost[0]["groups"])
+        leases = c.events("broker", "group_leased")
+        window = INTERVAL * LIVENESS + 1.0
+        for g in held:
+            again = [r for r in leases if r["group_id"] == g and r["worker"] != ident and ts(r) > killed_at]
+            assert again, f"group {g} of the killed worker was never leased again"
+            assert ts(again[0]) - killed_at <= window, (g, ts(again[0]) - killed_at, window)
+        c.check_exactly_once()  # 0 groups lost, 0 trained twice
+
+
+def test_sigstop_worker_past_liveness_then_sigcont_nothing_trained_twice(tmp_path):
+    with cluster(tmp_path, {"core": {"total_steps": 14}}) as c:
+        c.start(workers=3)
+        wait_until(lambda: fetch(c.endpoint)["step"] >= 2, 30, "step 2")
+        identity_of(c, "w2")  # it holds work when it freezes
+        c.signal("w2", signal.SIGSTOP)
+        wait_until(lambda: [r for r in c.events("broker", "peer_lost") if r["peer"] == "w2"], 10, "w2 declared dead")
+        time.sleep(0.5)
+        c.signal("w2", signal.SIGCONT)
+        # it learns it was dropped, voids its work and joins again under a new identity
+        wait_until(lambda: c.events("w2", "reconnecting"), 10, "w2 to reconnect")
+        assert c.wait("learner", 90) == 0, c.log("learner")[-3000:]
+        joined = [r for r in c.events("broker", "peer_joined") if r["peer"] == "w2"]
+        assert len(joined) == 2, joined
+        lost = [r for r in c.events("broker", "peer_lost") if r["peer"] == "w2"]
+        assert lost[0]["reason"] == "silent" and lost[0]["groups"]
+        c.check_exactly_once()
+
+
+def test_learner_paused_30s_nothing_dropped_and_broker_memory_bounded(tmp_path):
+    k, b = 2, 8
+    with cluster(tmp_path, {"core": {"total_steps": 10, "max_staleness": k, "train_groups": b}}) as c:
+        c.start(workers=3)
+        broker_pid = c.procs["broker"].pid
+        wait_until(lambda: fetch(c.endpoint)["step"] >= 3, 30, "step 3")
+        c.signal("learner", signal.SIGSTOP)
+        paused_at = time.monotonic()
+        rss, waiting = [], []
+        while time.monotonic() - paused_at < 30:
+            snap = fetch(c.endpoint)
+            untrained = snap["finished_waiting"] + sum(v["running"] + v["queued"] for v in snap["versions"].values())
+            waiting.append(untrained)
+            rss.append(rss_kib(broker_pid))
+            time.sleep(1.0)
+        c.signal("learner", signal.SIGCONT)
+        assert c.wait("learner", 90) == 0, c.log("learner")[-3000:]
+        assert c.wait("broker", 15) == 0
+        # admission stops new work at (K + 1) x B untrained groups: the backlog cannot grow with the pause
+        assert max(waiting) <= (k + 1) * b, waiting
+        assert waiting[-1] == waiting[len(waiting) // 2], "still admitting work while the learner is away"
+        assert max(rss[5:]) - min(rss[5:]) < 8 * 1024, rss  # KiB: flat, not growing with the pause
+        assert not [r for r in c.events("broker", "peer_lost") if r["role"] == "learner"]
+        c.check_exactly_once()
+
+
+def rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def test_sigterm_drains_and_exits_0_within_10s(tmp_path):
+    with cluster(tmp_path, {"core": {"total_steps": 1000}}) as c:
+        c.start(workers=2)
+        wait_until(lambda: fetch(c.endpoint)["step"] >= 2, 30, "step 2")
+        for name in ("w0", "learner", "w1", "broker"):
+            started = time.monotonic()
+            c.signal(name, signal.SIGTERM)
+            assert c.wait(name, 10) == 0, c.log(name)[-2000:]
+            assert time.monotonic() - started < 10
+        left = {r["peer"]: r["reason"] for r in c.events("broker", "peer_lost")}
+        assert left.get("w0", "").startswith("goodbye") and left.get("learner-0", "").startswith("goodbye"), left

@@ -1,0 +1,64 @@
+"""A whole dora run as real processes: broker + 3 sim rollout workers + the sim learner, 20 steps."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.live.cluster import cluster
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_twenty_step_dora_run_keeps_every_invariant(tmp_path):
+    with cluster(tmp_path) as c:
+        c.start(workers=3)
+        assert c.wait("learner", 90) == 0, c.log("learner")[-3000:]
+        assert c.wait("broker", 15) == 0, c.log("broker")[-3000:]
+        for w in ("w0", "w1", "w2"):  # the broker's goodbye ends them
+            assert c.wait(w, 15) == 0, c.log(w)[-3000:]
+
+        steps = c.check_exactly_once()
+        assert max(max(r["staleness"], key=int) for r in steps[5:]) != "0", "dora ran synchronously"
+        train = c.events("broker", "train_step")
+        assert [r["step"] for r in train] == list(range(20))
+        assert all(r["live_versions"] and len(r["live_versions"]) <= 3 for r in train)  # at most K + 1 alive
+
+        retired = [r["version"] for r in c.events("broker", "version_retired")]
+        assert len(retired) >= 15 and len(set(retired)) == len(retired), retired
+        moves = c.events("broker", "worker_assigned")
+        assert len({(r["worker"], r["version"]) for r in moves}) > 3, "the orchestrator never moved a worker"
+        migrations = c.events("broker", "migration")
+        assert migrations, "no request was migrated"
+        for mig in migrations:
+            assert mig["source"] != mig["target"]
+            assert {"version", "tokens_moved", "requests", "group_id"} <= mig.keys()
+        assert not c.events("broker", "group_failed")
+        assert "invariant" not in c.log("broker").lower().replace("invariants", "")
+
+
+def test_status_shows_the_run(tmp_path):
+    with cluster(tmp_path, {"core": {"total_steps": 200}}) as c:
+        c.start(workers=2)
+        deadline = time.monotonic() + 30
+        snap: dict = {}
+        while time.monotonic() < deadline:
+            out = subprocess.run([sys.executable, "-m", "dora", "status", "--broker", str(tmp_path / "broker.json"),
+                                  "--json"], capture_output=True, text=True, timeout=20)  # fmt: skip
+            assert out.returncode == 0, out.stderr
+            snap = json.loads(out.stdout)
+            if snap["step"] >= 2 and len(snap["workers"]) == 2:
+                break
+            time.sleep(0.3)
+        assert snap["step"] >= 2 and len(snap["workers"]) == 2, snap
+        assert snap["versions"] and snap["trained_tokens"] > 0 and snap["tokens_per_s"] > 0
+        table = subprocess.run([sys.executable, "-m", "dora", "status", "--broker", c.endpoint],
+                               capture_output=True, text=True, timeout=20)  # fmt: skip
+        assert table.returncode == 0 and "version" in table.stdout.lower(), table.stdout + table.stderr
+        c.signal("learner", signal.SIGTERM)
+        assert c.wait("learner", 10) == 0
