@@ -59,7 +59,7 @@ class BrokerSection:
         if min(self.heartbeat_interval_s, self.stall_timeout_s, self.tick_s, self.learner_timeout_s) <= 0:
             raise ConfigError("broker: heartbeat_interval_s, stall_timeout_s, learner_timeout_s and tick_s must be > 0")
         if self.liveness < 2:
-            raise ConfigError(f"broker.liveness must be >= 2 (heartbeats missed before a peer is dead); got {self.liveness}")
+            raise ConfigError(f"broker.liveness must be >= 2 (missed heartbeats before death); got {self.liveness}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
