@@ -117,6 +117,13 @@ class BrokerActor:
             return
         peer = self.peers.get(identity)
         if isinstance(msg, m.Hello):
+            try:
+                identity.decode()
+            except UnicodeDecodeError:  # peer names are its socket identity; ours are always text
+                self.malformed["bad identity"] += 1
+                self.send_raw(identity, m.Reject(reason="the socket identity must be UTF-8 text (set zmq.IDENTITY)",
+                                                 wire_version=m.WIRE_VERSION))  # fmt: skip
+                return
             self.on_hello(identity, msg)
             return
         if isinstance(msg, m.StatusRequest):
