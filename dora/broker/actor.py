@@ -83,9 +83,12 @@ class BrokerActor:
         """Serve until ``stop`` is set or the run is finished."""
         next_beat = self.clock()
         next_tick = self.clock() + self.cfg.broker.tick_s
+        retry_ms = 1
         while not stop.is_set() and not self.done.is_set():
-            timeout_ms = max(0, int(1000 * min(next_beat, next_tick) - 1000 * self.clock()))
-            if await self.sock.poll(min(timeout_ms, 100), zmq.POLLIN):
+            timeout_ms = min(100, max(0, int(1000 * min(next_beat, next_tick) - 1000 * self.clock())))
+            if self._pending_out:  # a ROUTER cannot say when one peer's pipe drains: retry soon, backing off
+                timeout_ms = min(timeout_ms, retry_ms)
+            if await self.sock.poll(timeout_ms, zmq.POLLIN):
                 for _ in range(1000):  # drain what is queued without one await per message
                     try:
                         frames = self.sync.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -99,7 +102,7 @@ class BrokerActor:
             if now >= next_tick:
                 next_tick = now + self.cfg.broker.tick_s
                 self.feed(ev.Tick())
-            self.flush()
+            retry_ms = 1 if self.flush() else min(2 * retry_ms, 50)
 
     def on_frames(self, frames: list[Any]) -> None:
         identity = bytes(frames[0])
@@ -428,7 +431,9 @@ class BrokerActor:
         except zmq.ZMQError:
             self.counters["unroutable reply"] += 1
 
-    def flush(self) -> None:
+    def flush(self) -> int:
+        """Send what the outboxes hold, in order, until a pipe is full. Returns the messages sent."""
+        sent = 0
         for identity in list(self._pending_out):
             peer = self.peers.get(identity)
             if peer is None:
@@ -445,8 +450,10 @@ class BrokerActor:
                         break
                     raise
                 peer.outbox.popleft()
+                sent += 1
             if not peer.outbox:
                 self._pending_out.discard(identity)
+        return sent
 
     # ------------------------------------------------------------------ status
 

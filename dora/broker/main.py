@@ -38,6 +38,22 @@ def main(argv: list[str]) -> int:
     return uvloop.run(serve(cfg))
 
 
+def open_router(ctx: zmq.asyncio.Context, cfg: RunConfig) -> tuple[zmq.asyncio.Socket, str]:
+    """The broker's ROUTER: unroutable sends raise (never dropped silently), explicit HWMs, no linger,
+    a cap on message size; bound to ``broker.bind``. Returns the socket and the endpoint it got."""
+    sock = ctx.socket(zmq.ROUTER)
+    for opt, value in (
+        (zmq.ROUTER_MANDATORY, 1),
+        (zmq.LINGER, 0),
+        (zmq.SNDHWM, cfg.broker.hwm),
+        (zmq.RCVHWM, cfg.broker.hwm),
+        (zmq.MAXMSGSIZE, cfg.broker.max_message_bytes),
+    ):
+        sock.setsockopt(opt, value)
+    sock.bind(cfg.broker.bind)
+    return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
 async def serve(cfg: RunConfig) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -45,17 +61,7 @@ async def serve(cfg: RunConfig) -> int:
         loop.add_signal_handler(sig, stop.set)
     ctx = zmq.asyncio.Context()
     try:
-        sock = ctx.socket(zmq.ROUTER)
-        for opt, value in (
-            (zmq.ROUTER_MANDATORY, 1),
-            (zmq.LINGER, 0),
-            (zmq.SNDHWM, cfg.broker.hwm),
-            (zmq.RCVHWM, cfg.broker.hwm),
-            (zmq.MAXMSGSIZE, cfg.broker.max_message_bytes),
-        ):
-            sock.setsockopt(opt, value)
-        sock.bind(cfg.broker.bind)
-        endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        sock, endpoint = open_router(ctx, cfg)
         epoch = secrets.randbits(62)
         ready = {"event": "ready", "endpoint": endpoint, "pid": os.getpid(), "broker_epoch": epoch}
         if cfg.broker.discovery_file:

@@ -1,0 +1,230 @@
+"""BrokerActor over inproc:// with fake peers that speak the protocol: handshake, leases within
+credit, results and batches, fencing of dead peers, rejects, and no silent drop under backpressure."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+import zmq.asyncio
+
+from dora.broker.actor import BrokerActor
+from dora.broker.core import Core
+from dora.broker.main import open_router
+from dora.config import load
+from dora.ids import Finish
+from dora.runconfig import RunConfig
+from dora.wire import codec
+from dora.wire import messages as m
+
+pytestmark = pytest.mark.timeout(30)
+G, B = 4, 2
+
+
+class Fake:
+    """A peer: one DEALER with a text identity."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, name: str, **opts: int) -> None:
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, name.encode())
+        self.sock.setsockopt(zmq.LINGER, 0)
+        for k, v in opts.items():
+            self.sock.setsockopt(getattr(zmq, k), v)
+        self.sock.connect(endpoint)
+        self.name = name
+        self.backlog: list[Any] = []
+
+    async def send(self, msg: Any) -> None:
+        await self.sock.send_multipart(codec.encode(msg))
+
+    async def recv(self, kind: type | tuple[type, ...] = object, timeout_s: float = 5.0) -> Any:
+        """The next message of ``kind``; others are kept, in order, for a later call."""
+        for i, msg in enumerate(self.backlog):
+            if isinstance(msg, kind):
+                return self.backlog.pop(i)
+        async with asyncio.timeout(timeout_s):
+            while True:
+                msg = codec.decode(await self.sock.recv_multipart())
+                if isinstance(msg, kind):
+                    return msg
+                self.backlog.append(msg)
+
+    async def hello(self, role: m.Role, slots: int = 0) -> m.Welcome:
+        await self.send(m.Hello(wire_version=m.WIRE_VERSION, role=role, peer_id=self.name, pid=os.getpid(),
+                                host="test", slots=slots, engine="fake"))  # fmt: skip
+        return await self.recv(m.Welcome)
+
+    async def worker(self, slots: int) -> m.Assign:
+        """Join as a rollout worker and load the version the broker assigns."""
+        await self.hello(m.Role.ROLLOUT, slots)
+        assign = await self.recv(m.Assign)
+        await self.send(m.WeightsLoaded(version=assign.version, load_s=0.0))
+        return assign
+
+
+def finished(gen: m.Generate, index: int, epoch: int) -> m.SampleFinished:
+    n = 5 + index
+    return m.SampleFinished(group_id=gen.group_id, attempt=gen.attempt, index=index,
+                            segments=np.array([[gen.version, n]], dtype=np.int32),
+                            token_ids=np.arange(n, dtype=np.int32), logprobs=np.full(n, -0.5, np.float32),
+                            reward=float(index % 2), finish=Finish.STOP, broker_epoch=epoch)  # fmt: skip
+
+
+@asynccontextmanager
+async def running_broker(*overrides: str) -> AsyncIterator[tuple[BrokerActor, str, zmq.asyncio.Context]]:
+    cfg = load(RunConfig, overrides=[f"broker.bind=inproc://broker-{uuid.uuid4().hex}", "broker.strict=true",
+                                     "broker.heartbeat_interval_s=0.05", "broker.liveness=40", "broker.tick_s=0.05",
+                                     "core.mode=dora",
+                                     f"core.group_size={G}", f"core.train_groups={B}", "core.max_staleness=1",
+                                     "core.total_steps=100", *overrides])  # fmt: skip
+    ctx = zmq.asyncio.Context()
+    sock, endpoint = open_router(ctx, cfg)
+    actor = BrokerActor(cfg, sock, Core(cfg.core, strict=True), lambda g: np.arange(3, dtype=np.int32) + g, epoch=7)
+    stop = asyncio.Event()
+    task = asyncio.create_task(actor.run(stop))
+    try:
+        yield actor, endpoint, ctx
+    finally:
+        stop.set()
+        await task  # re-raises anything the actor crashed with
+        ctx.destroy(linger=0)
+
+
+async def test_worker_is_pinned_and_never_leased_beyond_its_credit():
+    async with running_broker() as (actor, ep, ctx):
+        w = Fake(ctx, ep, "rollout/a/1")
+        assign = await w.worker(slots=2 * G + 1)
+        assert assign.version == 0
+        gens = [await w.recv(m.Generate) for _ in range(2)]
+        assert all(g.version == 0 and g.n_samples == G and g.broker_epoch == 7 for g in gens)
+        with pytest.raises(TimeoutError):  # 9 slots hold two groups of 4, not three
+            await w.recv(m.Generate, timeout_s=0.3)
+        snap = actor.snapshot()
+        assert snap["workers"]["rollout/a/1"]["used"] == 2 * G <= snap["workers"]["rollout/a/1"]["slots"]
+
+
+async def test_results_are_acked_and_whole_groups_reach_the_learner():
+    async with running_broker() as (_actor, ep, ctx):
+        w = Fake(ctx, ep, "rollout/a/1")
+        await w.worker(slots=2 * G)
+        learner = Fake(ctx, ep, "learner/x")
+        await learner.hello(m.Role.LEARNER)
+        await learner.send(m.RequestBatch(step=0))
+        seen: set[int] = set()
+        while len(seen) < B:
+            gen = await w.recv(m.Generate)
+            for i in range(G):
+                await w.send(finished(gen, i, epoch=7))
+                ack = await w.recv(m.ResultAck)
+                assert ack.accepted and (ack.group_id, ack.index) == (gen.group_id, i)
+            seen.add(gen.group_id)
+        batch = await learner.recv(m.TrainBatch)
+        assert batch.step == 0 and len(batch.groups) == B
+        for g in batch.groups:
+            assert g.version == 0 and sorted(s.index for s in g.samples) == list(range(G))
+            assert all(np.array_equal(s.token_ids, np.arange(5 + s.index)) for s in g.samples)
+            assert np.array_equal(g.prompt_ids, np.arange(3) + g.group_id)
+
+
+async def test_duplicate_and_foreign_results_are_refused():
+    async with running_broker() as (actor, ep, ctx):
+        a, b = Fake(ctx, ep, "rollout/a/1"), Fake(ctx, ep, "rollout/b/1")
+        await a.worker(slots=G)
+        await b.worker(slots=G)
+        gen = await a.recv(m.Generate)
+        await a.send(finished(gen, 0, epoch=7))
+        assert (await a.recv(m.ResultAck)).accepted
+        await a.send(finished(gen, 0, epoch=7))  # the same sample again
+        dup = await a.recv(m.ResultAck)
+        assert not dup.accepted and "duplicate" in dup.reason
+        await b.send(finished(gen, 1, epoch=7))  # a sample of a group it does not hold
+        foreign = await b.recv(m.ResultAck)
+        assert not foreign.accepted and foreign.reason in ("not_holder", "stale_attempt")
+        await a.send(finished(gen, 1, epoch=6))  # from an earlier broker
+        old = await a.recv(m.ResultAck)
+        assert not old.accepted and "epoch" in old.reason
+        assert actor.counters["refused old broker epoch"] == 1
+
+
+async def test_a_silent_worker_is_dropped_its_group_re_leased_and_its_late_results_refused():
+    async with running_broker("broker.liveness=3") as (actor, ep, ctx):
+        a = Fake(ctx, ep, "rollout/a/1")
+        await a.worker(slots=G)
+        gen = await a.recv(m.Generate)
+        b = Fake(ctx, ep, "rollout/b/1")
+        await b.worker(slots=G)
+        again: m.Generate | None = None
+        async with asyncio.timeout(5):  # b heartbeats and works, a says nothing: a dies after 3 x 0.05 s
+            while again is None:
+                await b.send(m.Heartbeat(tokens_generated=0, running=0, kv_use=0.0))
+                try:
+                    got = await b.recv(m.Generate, timeout_s=0.05)
+                except TimeoutError:
+                    continue
+                if got.group_id == gen.group_id:
+                    again = got
+                else:  # its own fresh group: finish it to free the slots
+                    for i in range(G):
+                        await b.send(finished(got, i, epoch=7))
+        assert again.group_id == gen.group_id and again.attempt != gen.attempt
+        assert isinstance(await a.recv((m.Disconnect,)), m.Disconnect)
+        await a.send(finished(gen, 0, epoch=7))  # late: a is no longer a peer
+        assert isinstance(await a.recv(), m.Disconnect)
+        await asyncio.sleep(0.05)
+        assert actor.counters["refused result from an unregistered peer"] == 1
+        assert actor.snapshot()["requeued_groups"] >= 1
+
+
+async def test_bad_peers_get_a_clear_answer_and_the_broker_lives_on():
+    async with running_broker() as (_actor, ep, ctx):
+        old = Fake(ctx, ep, "rollout/old/1")
+        await old.send(m.Hello(wire_version=m.WIRE_VERSION, role=m.Role.ROLLOUT, peer_id="old", pid=1, host="h",
+                               slots=G))  # fmt: skip
+        frames = codec.encode(m.Heartbeat())
+        frames[1] = (m.WIRE_VERSION + 1).to_bytes(2, "big")
+        await old.sock.send_multipart(frames)
+        reject = await old.recv(m.Reject)
+        assert "wire version" in reject.reason and reject.wire_version == m.WIRE_VERSION
+        stranger = Fake(ctx, ep, "rollout/stranger/1")
+        await stranger.send(m.WeightsLoaded(version=0, load_s=0.0))
+        assert "hello" in (await stranger.recv(m.Disconnect)).reason
+        zero = Fake(ctx, ep, "rollout/zero/1")
+        await zero.send(m.Hello(wire_version=m.WIRE_VERSION, role=m.Role.ROLLOUT, peer_id="z", pid=1, host="h"))
+        assert "slots" in (await zero.recv(m.Reject)).reason
+        anon = ctx.socket(zmq.DEALER)  # no identity: ZeroMQ makes a binary one
+        anon.connect(ep)
+        await anon.send_multipart(codec.encode(m.Hello(wire_version=m.WIRE_VERSION, role=m.Role.ROLLOUT,
+                                                       peer_id="anon", pid=1, host="h", slots=G)))  # fmt: skip
+        async with asyncio.timeout(5):
+            reply = codec.decode(await anon.recv_multipart())
+        assert isinstance(reply, m.Reject) and "identity" in reply.reason
+        await old.sock.send_multipart([b"\x00garbage"])
+        status = Fake(ctx, ep, "client/status/1")
+        await status.send(m.StatusRequest())
+        snap = (await status.recv(m.StatusReply)).snapshot
+        assert snap["malformed"]["wire_version"] == 1 and snap["malformed"]["decode"] == 1
+        assert snap["malformed"]["bad identity"] == 1 and snap["malformed"]["unregistered"] == 1
+
+
+async def test_a_slow_reader_loses_nothing_when_its_pipe_is_full():
+    async with running_broker("broker.hwm=8") as (actor, ep, ctx):
+        slow = Fake(ctx, ep, "learner/slow", RCVHWM=4)
+        await slow.hello(m.Role.LEARNER)
+        n = 3000
+        for _ in range(n):  # every heartbeat is answered; the answers pile up while nobody reads
+            await slow.send(m.Heartbeat())
+        await asyncio.sleep(0.3)
+        assert actor.peers[b"learner/slow"].outbox, "the pipe never filled: the test proves nothing"
+        got = 0
+        async with asyncio.timeout(10):
+            while got < n:
+                if isinstance(codec.decode(await slow.sock.recv_multipart()), m.Heartbeat):
+                    got += 1
+        assert got == n and not actor.counters["unroutable reply"]
