@@ -133,11 +133,10 @@ class BrokerActor:
             self.send_raw(identity, m.StatusReply(snapshot=self.snapshot()))
             return
         if peer is None:
-            if isinstance(msg, m.SampleFinished):  # a worker declared dead comes back with old work: fenced off
+            if isinstance(msg, m.SampleFinished | m.SamplesFinished):  # a worker declared dead, back with old work
                 self.counters["refused result from an unregistered peer"] += 1
                 if self.counters["refused result from an unregistered peer"] % 100 == 1:
-                    log.warning("late_result_refused", group_id=msg.group_id, attempt=msg.attempt,
-                                peer=identity.decode(errors="replace"))  # fmt: skip
+                    log.warning("late_result_refused", peer=identity.decode(errors="replace"))
             else:
                 self.malformed["unregistered"] += 1
             self.send_raw(identity, m.Disconnect(reason="unknown peer: say hello first"))
@@ -197,7 +196,9 @@ class BrokerActor:
                 self.send(peer, m.Heartbeat())
                 self.liveness.progressed(w, self.clock(), 0, busy=False)
             case m.SampleFinished() if rollout:
-                self.on_sample(peer, msg)
+                self.send(peer, self.on_sample(peer, msg))
+            case m.SamplesFinished() if rollout:
+                self.send(peer, m.ResultAcks(acks=tuple(self.on_sample(peer, s) for s in msg.samples)))
             case m.WeightsLoaded() if rollout:
                 self.feed(ev.WeightsLoaded(worker_id=w, version=msg.version))
             case m.MigrationExported() if rollout:
@@ -221,21 +222,14 @@ class BrokerActor:
             case _:
                 self.malformed[f"unexpected {type(msg).__name__} from {peer.role.value}"] += 1
 
-    def on_sample(self, peer: Peer, msg: m.SampleFinished) -> None:
+    def on_sample(self, peer: Peer, msg: m.SampleFinished) -> m.ResultAck:
+        """Hand one finished sample to the core; the answer for the worker."""
         if msg.broker_epoch != self.epoch:
             self.counters["refused old broker epoch"] += 1
-            self.send(
-                peer,
-                m.ResultAck(
-                    group_id=msg.group_id,
-                    attempt=msg.attempt,
-                    index=msg.index,
-                    accepted=False,
-                    reason="old broker epoch",
-                ),
+            return m.ResultAck(
+                group_id=msg.group_id, attempt=msg.attempt, index=msg.index, accepted=False, reason="old broker epoch"
             )
-            return
-        segments = tuple((int(v), int(n)) for v, n in msg.segments)
+        segments = tuple(map(tuple, msg.segments.tolist()))
         actions = self.feed(
             ev.SampleFinished(
                 worker_id=WorkerId(peer.identity.decode()),
@@ -248,15 +242,12 @@ class BrokerActor:
             )
         )
         refused = next((a for a in actions if isinstance(a, ev.Refused) and a.group_id == msg.group_id), None)
-        self.send(
-            peer,
-            m.ResultAck(
-                group_id=msg.group_id,
-                attempt=msg.attempt,
-                index=msg.index,
-                accepted=refused is None,
-                reason=refused.reason if refused else "",
-            ),
+        return m.ResultAck(
+            group_id=msg.group_id,
+            attempt=msg.attempt,
+            index=msg.index,
+            accepted=refused is None,
+            reason=refused.reason if refused else "",
         )
 
     def on_published(self, msg: m.WeightsPublished) -> None:

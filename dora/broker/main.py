@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import secrets
@@ -71,9 +72,8 @@ async def serve(cfg: RunConfig) -> int:
             os.replace(tmp, cfg.broker.discovery_file)
         print(json.dumps(ready), flush=True)
         workload = cfg.workload.build(cfg.run.seed)
-        actor = BrokerActor(
-            cfg, sock, Core(cfg.core, strict=cfg.broker.strict), lambda g: prompt_ids(workload, g), epoch=epoch
-        )
+        prompts = functools.lru_cache(maxsize=8192)(lambda g: prompt_ids(workload, g))  # a lease, a batch: same prompt
+        actor = BrokerActor(cfg, sock, Core(cfg.core, strict=cfg.broker.strict), prompts, epoch=epoch)
         await actor.run(stop)
         actor.flush()
         await asyncio.sleep(0.05)  # let the last replies (goodbyes) leave before the socket closes

@@ -117,6 +117,8 @@ class StandInLearner:
                                 break
                             if core.total_steps is not None and self.version >= core.total_steps:
                                 log.info("learner_done", version=self.version)
+                                await sock.send_multipart(codec.encode(m.Goodbye(reason="done")))
+                                await asyncio.sleep(0.05)
                                 return 0
                             await sock.send_multipart(codec.encode(m.RequestBatch(step=self.version)))
                         case m.Goodbye():

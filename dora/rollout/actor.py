@@ -172,14 +172,18 @@ class RolloutActor:
             case m.Goodbye():
                 log.info("broker_finished", reason=msg.reason)
                 self.finished = True
-            case m.ResultAck() | m.RetireVersion() | m.Heartbeat():
+            case m.ResultAck() | m.ResultAcks() | m.RetireVersion() | m.Heartbeat():
                 pass
             case _:
                 log.warning("unexpected_message", kind=type(msg).__name__)
 
     def report_finished(self) -> None:
-        for r in self.engine.take_finished():
-            self.send(self.engine.result(r, self.epoch))
+        """Stream what finished since the last report: one message, however many samples."""
+        results = [self.engine.result(r, self.epoch) for r in self.engine.take_finished()]
+        if len(results) == 1:
+            self.send(results[0])
+        elif results:
+            self.send(m.SamplesFinished(samples=tuple(results)))
 
     def send(self, msg: Any) -> None:
         assert self.sock is not None

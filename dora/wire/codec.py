@@ -33,6 +33,7 @@ ARRAY_EXT = 1
 MAX_ARRAY_DIMS = 8
 DTYPES = frozenset({"|b1", "|u1", "|i1", "<i2", "<u2", "<i4", "<u4", "<i8", "<u8", "<f2", "<f4", "<f8"})
 KINDS: dict[str, type] = {cls.KIND: cls for cls in MESSAGES}
+_DTYPE_OBJECTS = {d: np.dtype(d) for d in DTYPES}
 
 Buffer = bytes | bytearray | memoryview | Any
 """Anything with the buffer protocol (bytes, memoryview, zmq.Frame)."""
@@ -81,15 +82,18 @@ def _unwrap(tp: Any) -> Any:
     return tp
 
 
-def _resolve(tp: Any, value: Any) -> Any:
-    """The type ``value`` must have: NewTypes unwrapped, ``X | None`` reduced to X (NoneType for None)."""
+Enc = typing.Callable[[Any, str, list[np.ndarray]], Any]
+Dec = typing.Callable[[Any, str, list[memoryview], set[int]], Any]
+"""A field's codec, compiled once per declared type (the type walk is not repeated per message)."""
+
+
+def _optional(tp: Any) -> tuple[Any, bool]:
+    """(the type a non-None value must have, whether None is allowed): NewTypes unwrapped, ``X | None`` split."""
     tp = _unwrap(tp)
     if typing.get_origin(tp) in (types.UnionType, typing.Union):
         args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return type(None)
-        return _resolve(next(a for a in args if a is not type(None)), value)
-    return tp
+        return _unwrap(next(a for a in args if a is not type(None))), type(None) in args
+    return tp, False
 
 
 # ---------------------------------------------------------------- encode
@@ -101,54 +105,108 @@ def encode(msg: Any) -> list[Buffer]:
     if KINDS.get(getattr(cls, "KIND", None)) is not cls:
         raise EncodeError(f"{cls.__name__} is not a wire message")
     arrays: list[np.ndarray] = []
-    body = msgpack.packb(_enc_struct(msg, arrays), use_bin_type=True)
-    return [MAGIC, struct.pack(">H", WIRE_VERSION), cls.KIND.encode("ascii"), body, *(memoryview(a) for a in arrays)]
+    body = msgpack.packb(_struct_encoder(cls)(msg, cls.KIND, arrays), use_bin_type=True)
+    return [MAGIC, _VERSION_FRAME, cls.KIND.encode("ascii"), body, *(memoryview(a) for a in arrays)]
 
 
-def _enc_struct(obj: Any, arrays: list[np.ndarray]) -> dict[str, Any]:
-    hints = _hints(type(obj))
-    return {f.name: _enc(getattr(obj, f.name), hints[f.name], f.name, arrays) for f in _fields(type(obj))}
+_VERSION_FRAME = struct.pack(">H", WIRE_VERSION)
 
 
-def _enc(value: Any, tp: Any, where: str, arrays: list[np.ndarray]) -> Any:
-    tp = _resolve(tp, value)
+@functools.cache
+def _struct_encoder(cls: type) -> Enc:
+    hints = _hints(cls)
+    plan = [(f.name, _encoder(hints[f.name])) for f in _fields(cls)]
+
+    def enc(obj: Any, where: str, arrays: list[np.ndarray]) -> dict[str, Any]:
+        return {name: e(getattr(obj, name), f"{where}.{name}", arrays) for name, e in plan}
+
+    return enc
+
+
+@functools.cache
+def _encoder(declared: Any) -> Enc:
+    tp, nullable = _optional(declared)
+    inner = _base_encoder(tp)
+    if not nullable:
+        return inner
+    return lambda v, where, arrays: None if v is None else inner(v, where, arrays)
+
+
+def _base_encoder(tp: Any) -> Enc:
     origin = typing.get_origin(tp)
+    name = getattr(tp, "__name__", str(tp))
+
+    def mismatch(v: Any, where: str, arrays: list[np.ndarray]) -> Any:
+        raise EncodeError(f"{where}: {v!r} is not a {name}")
+
     if tp is type(None):
-        return None
+        return lambda v, where, arrays: None if v is None else mismatch(v, where, arrays)
     if tp is Any:
-        _check_json(value, where, EncodeError)
-        return value
+
+        def plain(v: Any, where: str, arrays: list[np.ndarray]) -> Any:
+            _check_json(v, where, EncodeError)
+            return v
+
+        return plain
     if tp is np.ndarray:
-        if not isinstance(value, np.ndarray):
-            raise EncodeError(f"{where}: expected a numpy array, got {type(value).__name__}")
-        arr = np.require(value, requirements="C")
-        if arr.dtype.byteorder == ">":
-            arr = arr.astype(arr.dtype.newbyteorder("<"))
-        if arr.dtype.str not in DTYPES:
-            raise EncodeError(f"{where}: dtype {arr.dtype} cannot travel")
-        arrays.append(arr)
-        ref = msgpack.packb([len(arrays) - 1, arr.dtype.str, list(arr.shape)])
-        return msgpack.ExtType(ARRAY_EXT, ref)
+        return _enc_array
     if origin is tuple:
         args = typing.get_args(tp)
-        if not isinstance(value, tuple):
-            raise EncodeError(f"{where}: expected a tuple, got {type(value).__name__}")
-        elem = args[0] if len(args) == 2 and args[1] is Ellipsis else None
-        return [_enc(v, elem or args[i], f"{where}[{i}]", arrays) for i, v in enumerate(value)]
+        if len(args) == 2 and args[1] is Ellipsis:
+            elem = _encoder(args[0])
+
+            def homogeneous(v: Any, where: str, arrays: list[np.ndarray]) -> Any:
+                if not isinstance(v, tuple):
+                    raise EncodeError(f"{where}: expected a tuple, got {type(v).__name__}")
+                return [elem(x, f"{where}[{i}]", arrays) for i, x in enumerate(v)]
+
+            return homogeneous
+        elems = [_encoder(a) for a in args]
+
+        def fixed(v: Any, where: str, arrays: list[np.ndarray]) -> Any:
+            if not isinstance(v, tuple) or len(v) != len(elems):
+                raise EncodeError(f"{where}: expected a tuple of {len(elems)}, got {v!r}")
+            return [e(x, f"{where}[{i}]", arrays) for i, (e, x) in enumerate(zip(elems, v, strict=True))]
+
+        return fixed
     if origin is dict:
         key_tp, val_tp = typing.get_args(tp)
-        return {_enc(k, key_tp, where, arrays): _enc(v, val_tp, f"{where}.{k}", arrays) for k, v in value.items()}
+        ke, ve = _encoder(key_tp), _encoder(val_tp)
+        return lambda v, where, arrays: {ke(k, where, arrays): ve(x, f"{where}.{k}", arrays) for k, x in v.items()}
     if dataclasses.is_dataclass(tp):
-        if not isinstance(value, tp):
-            raise EncodeError(f"{where}: expected {tp.__name__}, got {type(value).__name__}")
-        return _enc_struct(value, arrays)
+        fields = _struct_encoder(tp)
+
+        def nested(v: Any, where: str, arrays: list[np.ndarray]) -> Any:
+            if not isinstance(v, tp):
+                raise EncodeError(f"{where}: expected {name}, got {type(v).__name__}")
+            return fields(v, where, arrays)
+
+        return nested
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        return tp(value).value
-    if tp is float and isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
-    if tp in (int, str, bytes, bool) and type(value) is tp:
-        return value
-    raise EncodeError(f"{where}: {value!r} is not a {getattr(tp, '__name__', tp)}")
+        return lambda v, where, arrays: tp(v).value
+    if tp is float:
+        return lambda v, where, arrays: (
+            float(v) if isinstance(v, int | float) and not isinstance(v, bool) else mismatch(v, where, arrays)
+        )
+    if tp in (int, str, bytes, bool):
+        return lambda v, where, arrays: v if type(v) is tp else mismatch(v, where, arrays)
+    return mismatch
+
+
+def _enc_array(value: Any, where: str, arrays: list[np.ndarray]) -> Any:
+    if not isinstance(value, np.ndarray):
+        raise EncodeError(f"{where}: expected a numpy array, got {type(value).__name__}")
+    arr = value if value.flags.c_contiguous else np.ascontiguousarray(value)
+    if arr.dtype.byteorder == ">":
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    dtype = arr.dtype.str
+    if dtype not in DTYPES:
+        raise EncodeError(f"{where}: dtype {arr.dtype} cannot travel")
+    arrays.append(arr)
+    return msgpack.ExtType(ARRAY_EXT, _pack([len(arrays) - 1, dtype, list(arr.shape)]))
+
+
+_pack = msgpack.Packer().pack
 
 
 def _check_json(value: Any, where: str, error: type[Exception]) -> None:
@@ -214,55 +272,106 @@ def _ext_hook(code: int, data: bytes) -> _ArrayRef:
 
 
 def _dec_struct(data: Any, cls: type, where: str, blobs: list[memoryview], used: set[int]) -> Any:
-    if not isinstance(data, dict):
-        raise DecodeError(f"{where}: expected a map of fields")
+    return _struct_decoder(cls)(data, where, blobs, used)
+
+
+@functools.cache
+def _struct_decoder(cls: type) -> Dec:
     hints = _hints(cls)
-    kwargs: dict[str, Any] = {}
-    for f in _fields(cls):
-        if f.name in data:
-            kwargs[f.name] = _dec(data[f.name], hints[f.name], f"{where}.{f.name}", blobs, used)
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise DecodeError(f"{where}: missing field {f.name!r}")
-    return cls(**kwargs)
+    plan = [
+        (f.name, _decoder(hints[f.name]), f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+        for f in _fields(cls)
+    ]
+
+    def dec(data: Any, where: str, blobs: list[memoryview], used: set[int]) -> Any:
+        if not isinstance(data, dict):
+            raise DecodeError(f"{where}: expected a map of fields")
+        kwargs: dict[str, Any] = {}
+        for name, d, required in plan:
+            if name in data:
+                kwargs[name] = d(data[name], f"{where}.{name}", blobs, used)
+            elif required:
+                raise DecodeError(f"{where}: missing field {name!r}")
+        return cls(**kwargs)
+
+    return dec
 
 
-def _dec(value: Any, tp: Any, where: str, blobs: list[memoryview], used: set[int]) -> Any:
-    tp = _resolve(tp, value)
+@functools.cache
+def _decoder(declared: Any) -> Dec:
+    tp, nullable = _optional(declared)
+    inner = _base_decoder(tp)
+    if not nullable:
+        return inner
+    return lambda v, where, blobs, used: None if v is None else inner(v, where, blobs, used)
+
+
+def _base_decoder(tp: Any) -> Dec:
     origin = typing.get_origin(tp)
+    name = getattr(tp, "__name__", str(tp))
+
+    def mismatch(v: Any, where: str, blobs: list[memoryview], used: set[int]) -> Any:
+        raise DecodeError(f"{where}: {type(v).__name__} where {name} is expected")
+
     if tp is type(None):
-        return None
+        return lambda v, where, blobs, used: None if v is None else mismatch(v, where, blobs, used)
     if tp is Any:
-        _check_json(value, where, DecodeError)
-        return value
+
+        def plain(v: Any, where: str, blobs: list[memoryview], used: set[int]) -> Any:
+            _check_json(v, where, DecodeError)
+            return v
+
+        return plain
     if tp is np.ndarray:
-        if not isinstance(value, _ArrayRef):
-            raise DecodeError(f"{where}: expected an array reference")
-        return _array(value, where, blobs, used)
+
+        def array(v: Any, where: str, blobs: list[memoryview], used: set[int]) -> Any:
+            if not isinstance(v, _ArrayRef):
+                raise DecodeError(f"{where}: expected an array reference")
+            return _array(v, where, blobs, used)
+
+        return array
     if origin is tuple:
-        if not isinstance(value, list):
-            raise DecodeError(f"{where}: expected a list")
         args = typing.get_args(tp)
         if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_dec(v, args[0], f"{where}[{i}]", blobs, used) for i, v in enumerate(value))
-        if len(args) != len(value):
-            raise DecodeError(f"{where}: expected {len(args)} items")
-        return tuple(_dec(v, a, f"{where}[{i}]", blobs, used) for i, (v, a) in enumerate(zip(value, args, strict=True)))
+            elem = _decoder(args[0])
+
+            def homogeneous(v: Any, where: str, blobs: list[memoryview], used: set[int]) -> Any:
+                if not isinstance(v, list):
+                    raise DecodeError(f"{where}: expected a list")
+                return tuple(elem(x, f"{where}[{i}]", blobs, used) for i, x in enumerate(v))
+
+            return homogeneous
+        elems = [_decoder(a) for a in args]
+
+        def fixed(v: Any, where: str, blobs: list[memoryview], used: set[int]) -> Any:
+            if not isinstance(v, list):
+                raise DecodeError(f"{where}: expected a list")
+            if len(v) != len(elems):
+                raise DecodeError(f"{where}: expected {len(elems)} items")
+            return tuple(d(x, f"{where}[{i}]", blobs, used) for i, (d, x) in enumerate(zip(elems, v, strict=True)))
+
+        return fixed
     if origin is dict:
-        if not isinstance(value, dict):
-            raise DecodeError(f"{where}: expected a map")
         key_tp, val_tp = typing.get_args(tp)
-        return {
-            _dec(k, key_tp, where, blobs, used): _dec(v, val_tp, f"{where}.{k}", blobs, used) for k, v in value.items()
-        }
+        kd, vd = _decoder(key_tp), _decoder(val_tp)
+
+        def mapping(v: Any, where: str, blobs: list[memoryview], used: set[int]) -> Any:
+            if not isinstance(v, dict):
+                raise DecodeError(f"{where}: expected a map")
+            return {kd(k, where, blobs, used): vd(x, f"{where}.{k}", blobs, used) for k, x in v.items()}
+
+        return mapping
     if dataclasses.is_dataclass(tp):
-        return _dec_struct(value, tp, where, blobs, used)
+        return _struct_decoder(tp)
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        return tp(value)
-    if tp is float and isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
-    if tp in (int, str, bytes, bool) and type(value) is tp:
-        return value
-    raise DecodeError(f"{where}: {type(value).__name__} where {getattr(tp, '__name__', tp)} is expected")
+        return lambda v, where, blobs, used: tp(v)
+    if tp is float:
+        return lambda v, where, blobs, used: (
+            float(v) if isinstance(v, int | float) and not isinstance(v, bool) else mismatch(v, where, blobs, used)
+        )
+    if tp in (int, str, bytes, bool):
+        return lambda v, where, blobs, used: v if type(v) is tp else mismatch(v, where, blobs, used)
+    return mismatch
 
 
 def _array(ref: _ArrayRef, where: str, blobs: list[memoryview], used: set[int]) -> np.ndarray:
@@ -271,7 +380,7 @@ def _array(ref: _ArrayRef, where: str, blobs: list[memoryview], used: set[int]) 
     if not 0 <= ref.index < len(blobs) or ref.index in used:
         raise DecodeError(f"{where}: array frame {ref.index} missing or used twice")
     used.add(ref.index)
-    dtype = np.dtype(ref.dtype)
+    dtype = _DTYPE_OBJECTS[ref.dtype]
     blob = blobs[ref.index]
     count = 1
     for d in ref.shape:

@@ -155,6 +155,15 @@ class SampleFinished:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class SamplesFinished:
+    """Several finished samples in one message: what a worker's engine finished since it last reported.
+    The broker takes them in order, exactly as if each came alone, and answers with one ResultAcks."""
+
+    KIND: ClassVar[str] = "samples_finished"
+    samples: tuple[SampleFinished, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ResultAck:
     """The broker took (or refused, with a reason) a result; the worker may forget it."""
 
@@ -164,6 +173,14 @@ class ResultAck:
     index: int
     accepted: bool
     reason: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResultAcks:
+    """The answers to one SamplesFinished, in its order."""
+
+    KIND: ClassVar[str] = "result_acks"
+    acks: tuple[ResultAck, ...]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -305,7 +322,8 @@ class StatusReply:
 
 MESSAGES: tuple[type, ...] = (
     Hello, Reject, Welcome, Heartbeat, Goodbye, Disconnect,
-    Generate, SampleFinished, ResultAck, Assign, WeightsLoaded, MigrateOut, MigrationExported, MigrateIn,
+    Generate, SampleFinished, SamplesFinished, ResultAck, ResultAcks,
+    Assign, WeightsLoaded, MigrateOut, MigrationExported, MigrateIn,
     Cancel, RetireVersion,
     RequestBatch, TrainBatch, WeightsPublished,
     StatusRequest, StatusReply,

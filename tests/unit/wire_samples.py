@@ -75,7 +75,39 @@ def canonical() -> dict[str, Any]:
             gen_time_s=1.5,
             broker_epoch=77,
         ),
+        m.SamplesFinished(
+            samples=(
+                m.SampleFinished(
+                    group_id=12,
+                    attempt=5,
+                    index=0,
+                    segments=np.array([[3, 1]], dtype=np.int32),
+                    token_ids=i32(4),
+                    logprobs=f32(-0.25),
+                    reward=1.0,
+                    finish=Finish.STOP,
+                    broker_epoch=77,
+                ),
+                m.SampleFinished(
+                    group_id=13,
+                    attempt=6,
+                    index=1,
+                    segments=np.array([[3, 2]], dtype=np.int32),
+                    token_ids=i32(5, 6),
+                    logprobs=f32(-0.5, -1.0),
+                    reward=0.0,
+                    finish=Finish.LENGTH,
+                    broker_epoch=77,
+                ),
+            )
+        ),
         m.ResultAck(group_id=12, attempt=5, index=2, accepted=False, reason="stale_attempt"),
+        m.ResultAcks(
+            acks=(
+                m.ResultAck(group_id=12, attempt=5, index=0, accepted=True),
+                m.ResultAck(group_id=13, attempt=6, index=1, accepted=False, reason="stale_attempt"),
+            )
+        ),
         m.Assign(version=4, uri="file:///weights/v4", sha256="ab" * 32, interrupt=False),
         m.WeightsLoaded(version=4, load_s=0.125),
         m.MigrateOut(group_id=12, attempt=5, version=3, target="rollout-1"),

@@ -1,0 +1,232 @@
+"""How many trajectories a live `dora broker` routes per second, beside a bare pyzmq echo.
+
+    python bench/broker_throughput.py [--seconds 10] [--workers 3] [--tokens 1024]
+
+The broker is the real `dora broker` process (dora mode, K = 2). Rollout workers are zero-latency
+fakes in their own processes: every leased group comes straight back as G finished samples of
+``--tokens`` tokens with log-probs. A fake learner publishes a version the moment a batch arrives.
+So the broker's own work is what limits the rate: decode, the core's decision for every sample,
+acks, leases and batch delivery.
+
+Workers stream what finished together as one message (here a whole group: G samples); the broker
+answers each with one ack message. In the same run, a bare pyzmq ROUTER echoes the same frames to
+the same number of DEALERs (one message in, a short one out): the local limit of this machine.
+
+Printed: trajectories/s, MB/s of samples routed, broker CPU µs per trajectory (from /proc), and the
+ratio to the echo rate. Targets: >= 50% of the echo rate and >= 10,000 trajectories/s at 1,024 tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import zmq
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from dora.ids import Finish  # noqa: E402
+from dora.wire import codec  # noqa: E402
+from dora.wire import messages as m  # noqa: E402
+
+G, B, K = 8, 64, 2
+
+
+def cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def sample(gen: m.Generate, index: int, epoch: int, ids: np.ndarray, lps: np.ndarray) -> m.SampleFinished:
+    return m.SampleFinished(group_id=gen.group_id, attempt=gen.attempt, index=index,
+                            segments=np.array([[gen.version, len(ids)]], dtype=np.int32), token_ids=ids,
+                            logprobs=lps, reward=1.0, finish=Finish.STOP, broker_epoch=epoch)  # fmt: skip
+
+
+def fake_worker(endpoint: str, name: str, slots: int, tokens: int, until: float) -> None:
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.IDENTITY, f"rollout/{name}/0".encode())
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(endpoint)
+    ids = (np.arange(tokens) % 50_000).astype(np.int32)
+    lps = np.full(tokens, -0.7, np.float32)
+    s.send_multipart(codec.encode(m.Hello(wire_version=m.WIRE_VERSION, role=m.Role.ROLLOUT, peer_id=name,
+                                          pid=os.getpid(), host="bench", slots=slots, engine="zero")))  # fmt: skip
+    epoch = 0
+    while time.time() < until:
+        if not s.poll(100):
+            continue
+        msg = codec.decode(s.recv_multipart(copy=False))
+        match msg:
+            case m.Welcome():
+                epoch = msg.broker_epoch
+            case m.Assign():
+                s.send_multipart(codec.encode(m.WeightsLoaded(version=msg.version)))
+            case m.Generate():  # the whole group finished at once: one message, as a real worker coalesces
+                done = tuple(sample(msg, i, epoch, ids, lps) for i in range(msg.n_samples))
+                s.send_multipart(codec.encode(m.SamplesFinished(samples=done)), copy=False)
+            case m.MigrateOut():  # its groups are already done: nothing left to hand over
+                s.send_multipart(codec.encode(m.MigrationExported(group_id=msg.group_id, attempt=msg.attempt,
+                                                                  requests=())))  # fmt: skip
+            case m.Goodbye():
+                break
+    ctx.destroy(linger=0)
+
+
+def run_broker(seconds: float, workers: int, tokens: int, profile: str | None = None) -> dict:
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="dora-bench-"))
+    (tmp / "run.toml").write_text(
+        f'[core]\nmode = "dora"\nmax_staleness = {K}\ntrain_groups = {B}\ngroup_size = {G}\n'
+        f'[broker]\nbind = "ipc://{tmp}/broker.sock"\ndiscovery_file = "{tmp}/broker.json"\n'
+        "heartbeat_interval_s = 1.0\nliveness = 60\ntick_s = 1.0\nexit_when_done = false\n"
+        '[log]\nformat = "json"\nlevel = "warning"\n'
+    )
+    prof = ["-m", "cProfile", "-o", profile] if profile else []
+    with open(tmp / "broker.log", "wb") as err:
+        broker = subprocess.Popen([sys.executable, *prof, "-m", "dora", "broker", "--config", str(tmp / "run.toml")],
+                                  stdout=subprocess.PIPE, stderr=err)  # fmt: skip
+    try:
+        ready = json.loads(broker.stdout.readline())
+        endpoint = ready["endpoint"]
+        until = time.time() + seconds + 3
+        procs = [mp.Process(target=fake_worker, args=(endpoint, f"z{i}", 2 * B * G // workers, tokens, until))
+                 for i in range(workers)]  # fmt: skip
+        for p in procs:
+            p.start()
+        ctx = zmq.Context()
+        learner = ctx.socket(zmq.DEALER)
+        learner.setsockopt(zmq.IDENTITY, b"learner/bench/0")
+        learner.setsockopt(zmq.LINGER, 0)
+        learner.connect(endpoint)
+        learner.send_multipart(codec.encode(m.Hello(wire_version=m.WIRE_VERSION, role=m.Role.LEARNER,
+                                                    peer_id="learner-0", pid=os.getpid(), host="bench")))  # fmt: skip
+        learner.send_multipart(codec.encode(m.RequestBatch(step=0)))
+        steps, trajectories, nbytes = 0, 0, 0
+        t0 = c0 = None
+        warm = time.time() + 2.0  # workers connect and the first versions flow before the clock starts
+        end = warm + seconds
+        while time.time() < end:
+            if not learner.poll(100):
+                continue
+            msg = codec.decode(learner.recv_multipart(copy=False))
+            if not isinstance(msg, m.TrainBatch):
+                continue
+            if t0 is None and time.time() >= warm:
+                t0, c0, first = time.time(), cpu_s(broker.pid), msg.step
+            elif t0 is not None:
+                steps += 1
+                trajectories += sum(len(g.samples) for g in msg.groups)
+                nbytes += sum(s.token_ids.nbytes + s.logprobs.nbytes for g in msg.groups for s in g.samples)
+            learner.send_multipart(codec.encode(m.WeightsPublished(version=msg.step + 1, uri="bench", sha256="0" * 64)))
+            learner.send_multipart(codec.encode(m.RequestBatch(step=msg.step + 1)))
+        wall = time.time() - t0
+        cpu = cpu_s(broker.pid) - c0
+        ctx.destroy(linger=0)
+        for p in procs:
+            p.join(timeout=10)
+        return {"steps": steps, "first_step": first, "trajectories": trajectories, "wall_s": wall, "cpu_s": cpu,
+                "trajectories_per_s": trajectories / wall, "mb_per_s": nbytes / wall / 1e6,
+                "cpu_us_per_trajectory": 1e6 * cpu / max(trajectories, 1)}  # fmt: skip
+    finally:
+        broker.terminate()  # graceful: a profile gets written
+        try:
+            broker.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            broker.kill()
+            broker.wait()
+
+
+def echo_server(endpoint: str, until: float) -> None:
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.ROUTER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.bind(endpoint)
+    while time.time() < until:
+        if s.poll(100):
+            for _ in range(1000):
+                try:
+                    frames = s.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                s.send_multipart([frames[0], b"ack"], copy=False)  # a small answer, as an ack is
+    ctx.destroy(linger=0)
+
+
+def echo_client(endpoint: str, tokens: int, seconds: float, window: int, out: mp.Queue) -> None:
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(endpoint)
+    gen = m.Generate(group_id=1, attempt=1, version=0, prompt_ids=np.zeros(1, np.int32), n_samples=G, max_tokens=1)
+    ids, lps = (np.arange(tokens) % 50_000).astype(np.int32), np.full(tokens, -0.7, np.float32)
+    frames = codec.encode(m.SamplesFinished(samples=tuple(sample(gen, i, 0, ids, lps) for i in range(G))))
+    time.sleep(0.5)
+    sent = got = 0
+    end = time.time() + seconds
+    while time.time() < end:
+        while sent - got < window:
+            s.send_multipart(frames, copy=False)
+            sent += 1
+        s.recv_multipart()
+        got += 1
+    out.put(got / seconds)
+    ctx.destroy(linger=0)
+
+
+def run_echo(seconds: float, clients: int, tokens: int) -> dict:
+    tmp = tempfile.mkdtemp(prefix="dora-echo-")
+    endpoint = f"ipc://{tmp}/echo.sock"
+    server = mp.Process(target=echo_server, args=(endpoint, time.time() + seconds + 5))
+    server.start()
+    q: mp.Queue = mp.Queue()
+    procs = [mp.Process(target=echo_client, args=(endpoint, tokens, seconds, 256, q)) for _ in range(clients)]
+    for p in procs:
+        p.start()
+    rate = sum(q.get(timeout=seconds + 30) for _ in procs)
+    for p in procs:
+        p.join()
+    server.kill()
+    return {"messages_per_s": rate}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seconds", type=float, default=10.0)
+    p.add_argument("--workers", type=int, default=3)
+    p.add_argument("--tokens", type=int, default=1024)
+    p.add_argument("--profile", metavar="OUT.prof", help="run the broker under cProfile (slower) and write the profile")
+    args = p.parse_args()
+    echo = run_echo(args.seconds, args.workers, args.tokens)
+    b = run_broker(args.seconds, args.workers, args.tokens, args.profile)
+    b["messages_per_s"] = b["trajectories_per_s"] / G
+    ratio = b["messages_per_s"] / echo["messages_per_s"]
+    print(f"bare pyzmq ROUTER/DEALER echo ({args.workers} clients; one message = {G} samples of {args.tokens} "
+          f"tokens, answered by a short ack): {echo['messages_per_s']:,.0f} msg/s "
+          f"= {G * echo['messages_per_s']:,.0f} samples/s")  # fmt: skip
+    print(
+        f"dora broker ({args.workers} zero-latency workers, G={G}, B={B}, K={K}): "
+        f"{b['messages_per_s']:,.0f} result msg/s = {b['trajectories_per_s']:,.0f} trajectories/s, "
+        f"{b['mb_per_s']:,.1f} MB/s of samples, {b['cpu_us_per_trajectory']:.0f} µs broker CPU per trajectory, "
+        f"{b['steps']} steps in {b['wall_s']:.1f} s"
+    )
+    print(
+        f"broker / bare echo = {ratio:.2f} (target >= 0.50); trajectories/s target >= 10,000: "
+        f"{'met' if b['trajectories_per_s'] >= 10_000 else 'not met'}"
+    )
+    print(json.dumps({"echo": echo, "broker": b, "ratio": ratio}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
