@@ -70,6 +70,8 @@ class BrokerActor:
         self.learner: bytes | None = None
         self.weights: dict[int, tuple[str, str]] = {0: ("sim://v0", "0" * 64)}
         self.counters = Counter[str]()
+        self.decision_s = Counter[str]()
+        """Seconds spent in the core's decisions, by event kind (orchestration runs inside them)."""
         self.malformed = Counter[str]()
         self.started = clock()
         self.trained_tokens = 0
@@ -272,11 +274,14 @@ class BrokerActor:
     # ------------------------------------------------------------------ the core
 
     def feed(self, event: ev.Event) -> list[ev.Action]:
+        started = time.perf_counter()
         try:
             actions = self.core.handle(self.clock(), event)
         except GroupFailed as e:
             log.error("group_failed", error=str(e))
             raise
+        finally:
+            self.decision_s[type(event).__name__] += time.perf_counter() - started
         for action in actions:
             self.act(action)
         return actions
@@ -349,7 +354,9 @@ class BrokerActor:
             case ev.Refused():
                 self.counters[f"refused {a.reason}"] += 1
             case ev.RunFinished():
-                log.info("run_finished", steps=a.steps, elapsed_s=round(self.clock() - self.started, 3))
+                log.info("run_finished", steps=a.steps, elapsed_s=round(self.clock() - self.started, 3),
+                         decision_s={k: round(v, 4) for k, v in self.decision_s.most_common()},
+                         migrated_groups=self.core.scheduler.stats_migrated_groups)  # fmt: skip
                 if self.cfg.broker.exit_when_done:
                     for peer in list(self.peers.values()):
                         self.send(peer, m.Goodbye(reason="run finished"))
@@ -481,6 +488,7 @@ class BrokerActor:
             "migrated_groups": sched.stats_migrated_groups,
             "requeued_groups": sched.stats_requeued,
             "counters": dict(self.counters),
+            "decision_s": dict(self.decision_s),
             "malformed": dict(self.malformed),
             "uptime_s": elapsed,
         }

@@ -1,0 +1,118 @@
+"""A dora run on one machine as real processes: broker, rollout workers and learner.
+
+Each process is started with ``subprocess.Popen`` in its own session (so a terminal's Ctrl-C does not
+reach it twice) and stopped by its PID. They share one TOML file; the broker binds where the config
+says and the others find it through its discovery file. Each process logs JSON lines to its own
+file in the run directory, which ``events`` parses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+
+def to_toml(cfg: dict[str, dict[str, Any]]) -> str:
+    """A two-level mapping as TOML (sections of scalars and lists; what a run config holds)."""
+    lines = []
+    for section, values in cfg.items():
+        lines.append(f"[{section}]")
+        lines.extend(f"{k} = {json.dumps(v)}" for k, v in values.items())
+    return "\n".join(lines) + "\n"
+
+
+class LocalRun:
+    def __init__(self, rundir: pathlib.Path, cfg: dict[str, dict[str, Any]]) -> None:
+        self.dir = rundir
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.cfg = {s: dict(v) for s, v in cfg.items()}
+        self.cfg.setdefault("broker", {})["discovery_file"] = str(rundir / "broker.json")
+        self.cfg.setdefault("log", {}).setdefault("format", "json")
+        self.config = rundir / "run.toml"
+        self.config.write_text(to_toml(self.cfg))
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.endpoint = ""
+
+    # ---------------------------------------------------------------- processes
+
+    def spawn(self, name: str, *args: str) -> subprocess.Popen[bytes]:
+        with open(self.dir / f"{name}.log", "wb") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "dora", *args, "--config", str(self.config)],
+                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        self.procs[name] = proc
+        return proc
+
+    def start_broker(self, timeout_s: float = 30.0) -> str:
+        disc = self.dir / "broker.json"
+        disc.unlink(missing_ok=True)
+        proc = self.spawn("broker", "broker")
+        deadline = time.monotonic() + timeout_s
+        while not disc.exists():
+            if proc.poll() is not None:
+                raise RuntimeError(f"the broker exited with {proc.returncode}:\n{self.log('broker')[-3000:]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the broker wrote no discovery file within {timeout_s:g} s")
+            time.sleep(0.05)
+        self.endpoint = json.loads(disc.read_text())["endpoint"]
+        return self.endpoint
+
+    def start_worker(self, name: str, engine: str = "sim") -> subprocess.Popen[bytes]:
+        disc = str(self.dir / "broker.json")
+        return self.spawn(name, "rollout", "--engine", engine, "--broker", disc, "--name", name)
+
+    def start_learner(self, trainer: str = "sim") -> subprocess.Popen[bytes]:
+        return self.spawn("learner", "learner", "--trainer", trainer, "--broker", str(self.dir / "broker.json"))
+
+    def start(self, workers: int) -> None:
+        self.start_broker()
+        for i in range(workers):
+            self.start_worker(f"w{i}")
+        self.start_learner()
+
+    def signal(self, name: str, sig: int) -> None:
+        os.kill(self.procs[name].pid, sig)
+
+    def wait(self, name: str, timeout_s: float) -> int:
+        try:
+            return self.procs[name].wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(f"{name} still running after {timeout_s:g} s:\n{self.log(name)[-3000:]}") from None
+
+    def stop(self, grace_s: float = 10.0) -> dict[str, int]:
+        """SIGTERM what still runs, SIGKILL what does not stop within ``grace_s``; exit codes by name."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)  # a stopped process cannot act on SIGTERM
+                proc.terminate()
+        deadline = time.monotonic() + grace_s
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        return {name: p.returncode for name, p in self.procs.items()}
+
+    # ---------------------------------------------------------------- evidence
+
+    def log(self, name: str) -> str:
+        path = self.dir / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def events(self, name: str, event: str | None = None) -> list[dict[str, Any]]:
+        out = []
+        for line in self.log(name).splitlines():
+            if line.startswith("{"):
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if event is None or rec.get("event") == event:
+                    out.append(rec)
+        return out
