@@ -51,11 +51,19 @@ def config(steps: int, time_scale: float) -> dict[str, dict]:
 def sim_config(cfg: RunConfig, workers: int) -> SimConfig:
     """The live run as a simulation: one accelerator per worker, the learner's sim_gpus training."""
     return SimConfig(
-        run=RunSection(steps=cfg.core.total_steps or 1, warmup_steps=WARMUP, seed=cfg.run.seed,
-                       tick_s=cfg.broker.tick_s / cfg.run.time_scale),  # fmt: skip
+        run=RunSection(
+            steps=cfg.core.total_steps or 1,
+            warmup_steps=WARMUP,
+            seed=cfg.run.seed,
+            tick_s=cfg.broker.tick_s / cfg.run.time_scale,
+        ),
         core=cfg.core,
-        cluster=ClusterSection(total_gpus=workers + cfg.learner.sim_gpus, gpus_per_worker=1, rollout_gpus=workers,
-                               placement={m.value: "disaggregated" for m in Mode}),  # fmt: skip
+        cluster=ClusterSection(
+            total_gpus=workers + cfg.learner.sim_gpus,
+            gpus_per_worker=1,
+            rollout_gpus=workers,
+            placement={m.value: "disaggregated" for m in Mode},
+        ),
         engine=cfg.engine,
         trainer=cfg.trainer,
         workload=cfg.workload,
@@ -102,17 +110,21 @@ def main() -> int:
     step_err = abs(live_step - sm["step_time_s"]) / sm["step_time_s"]
     keys = sorted(set(live_hist) | set(sim_hist))
     hist_err = max(abs(live_hist.get(k, 0.0) - sim_hist.get(k, 0.0)) for k in keys)
-    print(f"\n| | live | sim | difference |\n|---|---|---|---|")
+    print("\n| | live | sim | difference |\n|---|---|---|---|")
     print(f"| steady-state step (virtual s) | {live_step:.1f} | {sm['step_time_s']:.1f} | {100 * step_err:.1f}% |")
     for k in keys:
         print(f"| staleness {k} (share) | {live_hist.get(k, 0):.3f} | {sim_hist.get(k, 0):.3f} | "
               f"{abs(live_hist.get(k, 0) - sim_hist.get(k, 0)):.3f} |")  # fmt: skip
     print(f"| migrated groups | {finished['migrated_groups']} | {sim.migrated_groups} | |")
-    print(f"\nbroker decision time {sum(finished['decision_s'].values()):.3f} s of {finished['elapsed_s']:.1f} s wall "
-          f"= {100 * overhead:.2f}% (target <= 2%); by event: {json.dumps(finished['decision_s'])}")
+    print(
+        f"\nbroker decision time {sum(finished['decision_s'].values()):.3f} s of {finished['elapsed_s']:.1f} s wall "
+        f"= {100 * overhead:.2f}% (target <= 2%); by event: {json.dumps(finished['decision_s'])}"
+    )
     ok = step_err <= 0.15 and hist_err <= 0.15 and overhead <= 0.02
-    print(f"step time within 15%: {step_err <= 0.15}; staleness shares within 0.15: {hist_err <= 0.15}; "
-          f"overhead <= 2%: {overhead <= 0.02}")
+    print(
+        f"step time within 15%: {step_err <= 0.15}; staleness shares within 0.15: {hist_err <= 0.15}; "
+        f"overhead <= 2%: {overhead <= 0.02}"
+    )
     return 0 if ok else 1
 
 
