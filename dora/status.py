@@ -62,6 +62,13 @@ def render(s: dict[str, Any], console: Console) -> None:
             str(row["groups"]),
         )
     console.print(w)
+    if s.get("lost_peers"):
+        lost = Table(title="dead, stalled or departed peers (latest last)")
+        for col in ("peer", "role", "reason", "at uptime (s)"):
+            lost.add_column(col)
+        for row in s["lost_peers"][-10:]:
+            lost.add_row(row["peer"], row["role"], row["reason"], f"{row['uptime_s']:.1f}")
+        console.print(lost)
     console.print(
         f"staleness consumed: {s['staleness']}  migrated groups: {s['migrated_groups']}  "
         f"re-run groups: {s['requeued_groups']}  counters: {s['counters']}  malformed: {s['malformed']}"

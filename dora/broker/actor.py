@@ -70,6 +70,8 @@ class BrokerActor:
         self.learner: bytes | None = None
         self.weights: dict[int, tuple[str, str]] = {0: ("sim://v0", "0" * 64)}
         self.counters = Counter[str]()
+        self.lost: deque[dict[str, Any]] = deque(maxlen=32)
+        """The latest peers declared dead or gone, with why (for `dora status`)."""
         self.decision_s = Counter[str]()
         """Seconds spent in the core's decisions, by event kind (orchestration runs inside them)."""
         self.malformed = Counter[str]()
@@ -404,6 +406,8 @@ class BrokerActor:
         held = self.core.scheduler.workers.get(WorkerId(peer.identity.decode()))
         log.warning("peer_lost", peer=peer.name, role=peer.role.value, reason=reason,
                     groups=sorted(held.groups) if held is not None else [])  # fmt: skip
+        self.lost.append({"peer": peer.name, "role": peer.role.value, "reason": reason,
+                          "uptime_s": round(self.clock() - self.started, 3)})  # fmt: skip
         self.peers.pop(peer.identity, None)
         self.liveness.forget(peer.identity.decode())
         self.counters[f"lost {peer.role.value}"] += 1
@@ -489,6 +493,7 @@ class BrokerActor:
             "requeued_groups": sched.stats_requeued,
             "counters": dict(self.counters),
             "decision_s": dict(self.decision_s),
+            "lost_peers": list(self.lost),
             "malformed": dict(self.malformed),
             "uptime_s": elapsed,
         }

@@ -23,6 +23,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from dora.config import ConfigError
 from dora.rollout.engines.sim import SimEngine
 from dora.runconfig import RunConfig
 from dora.wire import codec
@@ -40,7 +41,7 @@ class RolloutActor:
         self,
         cfg: RunConfig,
         ctx: zmq.asyncio.Context,
-        endpoint: str,
+        endpoint: str | Callable[[], str],
         name: str,
         engine: SimEngine,
         *,
@@ -80,7 +81,11 @@ class RolloutActor:
         sock.setsockopt(zmq.IDENTITY, f"rollout/{self.name}/{uuid.uuid4().hex[:8]}".encode())
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IMMEDIATE, 1)
-        sock.connect(self.endpoint)
+        try:  # a discovery file is read again on every session: a restarted broker may listen elsewhere
+            sock.connect(self.endpoint() if callable(self.endpoint) else self.endpoint)
+        except (ConfigError, zmq.ZMQError) as e:
+            sock.close(linger=0)
+            raise Reconnect(f"no broker: {e}") from None
         self.sock = zmq.Socket.shadow(sock.underlying)  # non-blocking I/O; ``sock`` is awaited for readiness
         self.finished = False
         try:

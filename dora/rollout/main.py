@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Callable
 
 import uvloop
 import zmq.asyncio
@@ -32,15 +33,15 @@ def main(argv: list[str]) -> int:
     overrides = [*args.set, *([f"run.time_scale={args.time_scale}"] if args.time_scale else [])]
     try:
         cfg = load(RunConfig, path=args.config, env=os.environ, env_prefix="DORA_", overrides=overrides)
-        endpoint = resolve_endpoint(args.broker)
+        resolve_endpoint(args.broker)  # a bad address is a usage error now; later sessions re-read it
     except ConfigError as e:
         print(f"dora rollout: {e}", file=sys.stderr)
         return 2
-    configure_logging(cfg.log, process="rollout", worker=args.name)
-    return uvloop.run(serve(cfg, endpoint, args.name))
+    configure_logging(cfg.log, process="rollout", worker_id=args.name)
+    return uvloop.run(serve(cfg, lambda: resolve_endpoint(args.broker), args.name))
 
 
-async def serve(cfg: RunConfig, endpoint: str, name: str) -> int:
+async def serve(cfg: RunConfig, endpoint: Callable[[], str], name: str) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

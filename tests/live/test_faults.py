@@ -126,3 +126,21 @@ def test_sigterm_drains_and_exits_0_within_10s(tmp_path):
             assert time.monotonic() - started < 10
         left = {r["peer"]: r["reason"] for r in c.events("broker", "peer_lost")}
         assert left.get("w0", "").startswith("goodbye") and left.get("learner-0", "").startswith("goodbye"), left
+
+
+def test_workers_find_a_restarted_broker_through_the_discovery_file(tmp_path):
+    with cluster(tmp_path, {"core": {"total_steps": 6}, "rollout": {"reconnect_max_s": 1.0}}) as c:
+        c.start_broker()
+        c.start_worker("w0")
+        c.start_worker("w1")
+        wait_until(lambda: len(fetch(c.endpoint)["workers"]) == 2, 30, "two workers")
+        first = c.endpoint
+        c.signal("broker", signal.SIGKILL)
+        c.wait("broker", 10)
+        wait_until(lambda: c.events("w0", "reconnecting") and c.events("w1", "reconnecting"), 15, "reconnects")
+        c.start_broker()  # port 0 again: most likely another port, published in the discovery file
+        c.start_learner()
+        assert c.wait("learner", 90) == 0, c.log("learner")[-3000:]
+        assert c.wait("broker", 15) == 0
+        assert first != c.endpoint or first.startswith("ipc://")
+        c.check_exactly_once()  # a fresh run on the new broker; its workers are the old processes
