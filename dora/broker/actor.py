@@ -200,9 +200,9 @@ class BrokerActor:
                 self.send(peer, m.Heartbeat())
                 self.liveness.progressed(w, self.clock(), 0, busy=False)
             case m.SampleFinished() if rollout:
-                self.send(peer, self.on_sample(peer, msg))
+                self.send(peer, self.on_samples(peer, (msg,))[0])
             case m.SamplesFinished() if rollout:
-                self.send(peer, m.ResultAcks(acks=tuple(self.on_sample(peer, s) for s in msg.samples)))
+                self.send(peer, m.ResultAcks(acks=self.on_samples(peer, msg.samples)))
             case m.WeightsLoaded() if rollout:
                 self.feed(ev.WeightsLoaded(worker_id=w, version=msg.version))
             case m.MigrationExported() if rollout:
@@ -226,33 +226,35 @@ class BrokerActor:
             case _:
                 self.malformed[f"unexpected {type(msg).__name__} from {peer.role.value}"] += 1
 
-    def on_sample(self, peer: Peer, msg: m.SampleFinished) -> m.ResultAck:
-        """Hand one finished sample to the core; the answer for the worker."""
-        if msg.broker_epoch != self.epoch:
-            self.counters["refused old broker epoch"] += 1
-            return m.ResultAck(
-                group_id=msg.group_id, attempt=msg.attempt, index=msg.index, accepted=False, reason="old broker epoch"
-            )
-        segments = tuple(map(tuple, msg.segments.tolist()))
-        actions = self.feed(
-            ev.SampleFinished(
-                worker_id=WorkerId(peer.identity.decode()),
-                group_id=msg.group_id,
-                attempt=msg.attempt,
-                index=msg.index,
-                segments=segments,
-                finish=msg.finish,
-                payload=msg,
-            )
-        )
-        refused = next((a for a in actions if isinstance(a, ev.Refused) and a.group_id == msg.group_id), None)
-        return m.ResultAck(
-            group_id=msg.group_id,
-            attempt=msg.attempt,
-            index=msg.index,
-            accepted=refused is None,
-            reason=refused.reason if refused else "",
-        )
+    def on_samples(self, peer: Peer, msgs: tuple[m.SampleFinished, ...]) -> tuple[m.ResultAck, ...]:
+        """Hand finished samples to the core as one event; the answer for each, in order."""
+        worker = WorkerId(peer.identity.decode())
+        current = [x for x in msgs if x.broker_epoch == self.epoch]
+        refused: dict[tuple[int, int, int], list[str]] = {}
+        if current:
+            events = tuple(
+                ev.SampleFinished(worker_id=worker, group_id=x.group_id, attempt=x.attempt, index=x.index,
+                                  segments=tuple(map(tuple, x.segments.tolist())), finish=x.finish, payload=x)
+                for x in current
+            )  # fmt: skip
+            actions = self.feed(events[0] if len(events) == 1 else ev.SamplesFinished(samples=events))
+            for a in actions:
+                if isinstance(a, ev.Refused) and a.index is not None:
+                    refused.setdefault((a.group_id, a.attempt, a.index), []).append(a.reason)
+        left = Counter((x.group_id, x.attempt, x.index) for x in current)
+        acks = []
+        for x in msgs:
+            key = (x.group_id, x.attempt, x.index)
+            if x.broker_epoch != self.epoch:
+                self.counters["refused old broker epoch"] += 1
+                reason: str | None = "old broker epoch"
+            else:  # a copy later in the same message is the one refused as a duplicate
+                left[key] -= 1
+                reasons = refused.get(key, [])
+                reason = reasons[len(reasons) - 1 - left[key]] if left[key] < len(reasons) else None
+            acks.append(m.ResultAck(group_id=x.group_id, attempt=x.attempt, index=x.index, accepted=reason is None,
+                                    reason=reason or ""))  # fmt: skip
+        return tuple(acks)
 
     def on_published(self, msg: m.WeightsPublished) -> None:
         actions = self.feed(ev.WeightsPublished(version=msg.version))

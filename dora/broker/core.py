@@ -30,6 +30,7 @@ from dora.broker.events import (
     Retire,
     RunFinished,
     SampleFinished,
+    SamplesFinished,
     Tick,
     TrainGroup,
     WeightsLoaded,
@@ -128,6 +129,12 @@ class Core:
                 flight = sched.accept(event, out)
                 if flight is not None:
                     self._finished(flight)
+                return False
+            case SamplesFinished(samples=samples):
+                for sample in samples:
+                    flight = sched.accept(sample, out)
+                    if flight is not None:
+                        self._finished(flight)
                 return False
             case MigrationExported(worker_id=w, group_id=g, attempt=a, n_requests=n, state=state):
                 sched.exported(w, g, a, n, state, out)

@@ -51,6 +51,14 @@ class SampleFinished:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class SamplesFinished:
+    """Several results that arrived together: each is taken exactly as a lone SampleFinished would
+    be, in order; the decisions that follow (leases, orchestration, batches) are made once after."""
+
+    samples: tuple[SampleFinished, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class MigrationExported:
     """The source worker of a migration stopped the group's running samples and exported them."""
 
@@ -95,6 +103,7 @@ Event = (
     | WorkerLost
     | WeightsLoaded
     | SampleFinished
+    | SamplesFinished
     | MigrationExported
     | LoadReported
     | Tick
@@ -199,6 +208,8 @@ class Refused:
     worker_id: WorkerId | None = None
     group_id: GroupId | None = None
     attempt: AttemptId | None = None
+    index: int | None = None
+    """The sample, when a result was refused."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

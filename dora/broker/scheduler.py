@@ -301,12 +301,14 @@ class Scheduler:
         """Record one finished sample. Returns the flight when it completes the group."""
         found = self.check_result(ev.worker_id, ev.group_id, ev.attempt)
         if isinstance(found, str):
-            out.emit(Refused(reason=found, worker_id=ev.worker_id, group_id=ev.group_id, attempt=ev.attempt))
+            out.emit(Refused(reason=found, worker_id=ev.worker_id, group_id=ev.group_id, attempt=ev.attempt,
+                             index=ev.index))  # fmt: skip
             return None
         flight = found
         problem = self._sample_problem(flight, ev)
         if problem is not None:
-            out.emit(Refused(reason=problem, worker_id=ev.worker_id, group_id=ev.group_id, attempt=ev.attempt))
+            out.emit(Refused(reason=problem, worker_id=ev.worker_id, group_id=ev.group_id, attempt=ev.attempt,
+                             index=ev.index))  # fmt: skip
             if problem == "duplicate_sample":
                 return None
             flight.failures += 1

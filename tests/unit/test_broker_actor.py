@@ -228,3 +228,17 @@ async def test_a_slow_reader_loses_nothing_when_its_pipe_is_full():
                 if isinstance(codec.decode(await slow.sock.recv_multipart()), m.Heartbeat):
                     got += 1
         assert got == n and not actor.counters["unroutable reply"]
+
+
+async def test_one_report_of_many_samples_gets_one_answer_per_sample_in_order():
+    async with running_broker() as (_actor, ep, ctx):
+        w = Fake(ctx, ep, "rollout/a/1")
+        await w.worker(slots=G)
+        gen = await w.recv(m.Generate)
+        first = finished(gen, 0, epoch=7)
+        report = (first, first, *(finished(gen, i, epoch=7) for i in range(1, G)), finished(gen, 1, epoch=3))
+        await w.send(m.SamplesFinished(samples=report))
+        acks = (await w.recv(m.ResultAcks)).acks
+        assert [(a.index, a.accepted) for a in acks] == [(0, True), (0, False), *((i, True) for i in range(1, G)),
+                                                         (1, False)]  # fmt: skip
+        assert acks[1].reason == "duplicate_sample" and "epoch" in acks[-1].reason

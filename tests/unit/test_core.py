@@ -19,6 +19,7 @@ from dora.broker.events import (
     Retire,
     RunFinished,
     SampleFinished,
+    SamplesFinished,
     Tick,
     WeightsLoaded,
     WeightsPublished,
@@ -93,6 +94,49 @@ def test_duplicate_sample_is_refused_and_changes_nothing():
     acts = finish(core, lease, 0)
     assert [r.reason for r in of(acts, Refused)] == ["duplicate_sample"]
     assert len(core.scheduler.flights[lease.group_id].done) == 1
+
+
+def test_results_taken_together_decide_as_the_same_results_one_by_one():
+    """SamplesFinished (what a worker reports in one message) = the same SampleFinished events in order."""
+
+    def drive(together: bool) -> tuple[list, list, int, int]:
+        core = Core(cfg(group_size=4, train_groups=2, max_staleness=1, rollout_groups=None), strict=True)
+        log: list = []
+        refusals: list = []
+        reports = 0
+
+        def handle(event) -> None:  # and load whatever weights the core assigns, as a worker would
+            acts = core.handle(0, event)
+            log.extend((x.group_id, x.worker_id, x.version) for x in of(acts, Lease))
+            refusals.extend((r.group_id, r.index, r.reason) for r in of(acts, Refused))
+            for a in of(acts, Assign):
+                handle(WeightsLoaded(worker_id=a.worker_id, version=a.version))
+            for batch in of(acts, DeliverBatch):
+                handle(WeightsPublished(version=batch.step + 1))
+
+        for w in ("a", "b"):
+            handle(WorkerJoined(worker_id=w, slots=8))
+        for _ in range(4):  # rounds: every held group finishes, the learner trains, new groups are leased
+            held = sorted(core.scheduler.flights.values(), key=lambda f: f.group_id)
+            for worker in ("a", "b"):
+                results = [SampleFinished(worker_id=worker, group_id=f.group_id, attempt=f.attempt, index=i,
+                                          segments=((f.version, 5),)) for f in held if f.worker == worker
+                           for i in range(4)]  # fmt: skip
+                if not results:
+                    continue
+                reports += 1
+                results.append(results[0])  # a duplicate in the same report
+                for e in [SamplesFinished(samples=tuple(results))] if together else results:
+                    handle(e)
+            handle(BatchRequested(step=core.step))
+        return sorted(log), refusals, core.step, reports
+
+    one_by_one, together = drive(False), drive(True)
+    assert together == one_by_one
+    log, refusals, steps, reports = together
+    assert steps >= 3 and len(log) >= 8 and reports >= 4
+    assert len(refusals) == reports  # the copy of a sample of a group already complete: no longer held
+    assert all(r[2] in ("duplicate_sample", "unknown_group") for r in refusals)
 
 
 def test_lost_worker_groups_rerun_whole_on_newest_and_late_results_are_refused():
