@@ -35,11 +35,12 @@ from dora.sim.metrics import summarize  # noqa: E402
 WARMUP = 2
 
 
-def config(steps: int, time_scale: float) -> dict[str, dict]:
+def config(steps: int, time_scale: float, workers: int) -> dict[str, dict]:
     return {
         "run": {"time_scale": time_scale, "max_tokens": 4096},
         "core": {"mode": "dora", "max_staleness": 2, "train_groups": 8, "group_size": 4, "total_steps": steps},
-        "broker": {"bind": "tcp://127.0.0.1:0", "heartbeat_interval_s": 0.25, "tick_s": 0.5},
+        "broker": {"bind": "tcp://127.0.0.1:0", "heartbeat_interval_s": 0.25, "tick_s": 0.5,
+                   "min_workers": workers},  # the simulated fleet is there from t = 0 too
         "engine": {"tpot_base_s": 0.02, "tpot_per_seq_s": 0.0001, "max_slots": 64, "credit_slots": 64,
                    "prefill_s_per_token": 2e-5, "load_s": 1.0},
         "trainer": {"gpu_s_per_token": 0.0005, "step_fixed_s": 2.0, "publish_s": 0.5},
@@ -83,7 +84,7 @@ def main() -> int:
     p.add_argument("--out", help="run directory for the live logs (default: a temp dir)")
     args = p.parse_args()
     rundir = pathlib.Path(args.out or tempfile.mkdtemp(prefix="dora-live-vs-sim-"))
-    raw = config(args.steps, args.time_scale)
+    raw = config(args.steps, args.time_scale, args.workers)
     run = LocalRun(rundir, raw)
     cfg = load(RunConfig, path=str(run.config))
 

@@ -80,6 +80,8 @@ class BrokerActor:
         self.step_started = clock()
         self.done = asyncio.Event()
         self._pending_out: set[bytes] = set()
+        self.waiting: list[ev.WorkerJoined] | None = [] if cfg.broker.min_workers > 1 else None
+        """Rollout workers that said hello before the fleet reached broker.min_workers."""
 
     # ------------------------------------------------------------------ loop
 
@@ -181,7 +183,17 @@ class BrokerActor:
             engine=hello.engine,
         )
         if hello.role is m.Role.ROLLOUT:
-            self.feed(ev.WorkerJoined(worker_id=WorkerId(identity.decode()), slots=hello.slots))
+            joined = ev.WorkerJoined(worker_id=WorkerId(identity.decode()), slots=hello.slots)
+            if self.waiting is None:
+                self.feed(joined)
+                return
+            self.waiting.append(joined)  # the run starts once broker.min_workers have said hello
+            alive = list({j.worker_id: j for j in self.waiting if j.worker_id.encode() in self.peers}.values())
+            if len(alive) >= self.cfg.broker.min_workers:
+                self.waiting = None
+                log.info("fleet_ready", workers=len(alive))
+                for j in alive:
+                    self.feed(j)
         elif hello.role is m.Role.LEARNER:
             if self.learner is not None and self.learner in self.peers:
                 self.peer_lost(self.peers[self.learner], "replaced by a new learner")
@@ -488,6 +500,7 @@ class BrokerActor:
                 for w, s in sched.workers.items()
             },
             "finished_waiting": len(core.transfer),
+            "fleet_waiting": None if self.waiting is None else self.cfg.broker.min_workers,
             "staleness": {str(k): n for k, n in sorted(core.transfer.staleness.items())},
             "trained_tokens": self.trained_tokens,
             "tokens_per_s": self.trained_tokens / elapsed,
