@@ -19,6 +19,7 @@ import json
 import pathlib
 import sys
 import tempfile
+import tomllib
 from statistics import fmean
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -36,17 +37,14 @@ WARMUP = 2
 
 
 def config(steps: int, time_scale: float, workers: int) -> dict[str, dict]:
-    return {
-        "run": {"time_scale": time_scale, "max_tokens": 4096},
-        "core": {"mode": "dora", "max_staleness": 2, "train_groups": 8, "group_size": 4, "total_steps": steps},
-        "broker": {"bind": "tcp://127.0.0.1:0", "heartbeat_interval_s": 0.25, "tick_s": 0.5,
-                   "min_workers": workers},  # the simulated fleet is there from t = 0 too
-        "engine": {"tpot_base_s": 0.02, "tpot_per_seq_s": 0.0001, "max_slots": 64, "credit_slots": 64,
-                   "prefill_s_per_token": 2e-5, "load_s": 1.0},
-        "trainer": {"gpu_s_per_token": 0.0005, "step_fixed_s": 2.0, "publish_s": 0.5},
-        "workload": {"median": 300.0, "sigma": 1.1, "cap": 4096, "prompt_tokens": 50.0},
-        "log": {"format": "json"},
-    }  # fmt: skip
+    """examples/live/sim.toml, with this run's size and pace."""
+    cfg = tomllib.loads((ROOT / "examples" / "live" / "sim.toml").read_text())
+    cfg["run"]["time_scale"] = time_scale
+    cfg["core"]["total_steps"] = steps
+    cfg["broker"]["min_workers"] = workers  # the simulated fleet is there from t = 0 too
+    cfg["log"]["format"] = "json"
+    cfg["learner"].pop("audit_file", None)
+    return cfg
 
 
 def sim_config(cfg: RunConfig, workers: int) -> SimConfig:
