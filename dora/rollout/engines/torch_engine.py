@@ -1,0 +1,261 @@
+"""The `torch` engine: a transformers causal LM with its own continuous batching.
+
+- **Continuous batching.** Sequences join and leave at step boundaries. A new sequence is prefilled
+  alone (its prompt in one forward pass), then joins the decode batch. Each decode step runs every
+  running sequence once: their caches are left-padded to one length, masked, and given their own
+  position ids, so a sequence computes what it would compute alone (to float rounding).
+- **Per-sequence KV cache.** Each sequence keeps its own keys and values per layer. That is what
+  makes migration cheap: ``export`` hands over the token prefix, the behaviour log-probs, the
+  sampler's RNG state and the KV cache; ``import_`` resumes from them without a re-prefill. A
+  request exported without KV is re-prefilled from prompt + prefix on import.
+- **Sampling.** Temperature and top-p, one ``torch.Generator`` per sequence seeded from the
+  request's seed and the sample index, so a sample's tokens do not depend on what else runs.
+- **Behaviour log-prob** of each sampled token: ``log_softmax(logits / temperature)`` at that token,
+  i.e. under the temperature-scaled policy before top-p truncation (the learner scores the same).
+
+Weights: ``load_weights(version, path, sha256)`` reads a safetensors file (or an HF folder's
+``model.safetensors``), checks its sha256 first and refuses a mismatch or a load while requests run;
+on refusal the engine stays on its current version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pathlib
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from dora.ids import Finish
+
+
+class EngineError(RuntimeError):
+    """A request the engine refuses (bad weights, a load while generating, an unknown request)."""
+
+
+@dataclass(slots=True)
+class Sequence:
+    group_id: int
+    attempt: int
+    index: int
+    prompt: list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    generator: torch.Generator
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    """Per layer (keys, values) of shape [kv_heads, positions, head_dim]; positions = prompt + tokens - 1."""
+    finish: Finish | None = None
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        return self.group_id, self.attempt, self.index
+
+    @property
+    def positions(self) -> int:
+        return 0 if self.kv is None else self.kv[0][0].shape[1]
+
+
+def sha256_file(path: pathlib.Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def weights_file(path: str | pathlib.Path) -> pathlib.Path:
+    p = pathlib.Path(path)
+    return p / "model.safetensors" if p.is_dir() else p
+
+
+class TorchEngine:
+    name = "torch"
+
+    def __init__(self, model_dir: str | pathlib.Path, *, max_slots: int = 64, device: str = "cpu",
+                 dtype: str = "float32", version: int | None = None) -> None:  # fmt: skip
+        from transformers import AutoModelForCausalLM
+
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
+        self.model.to(self.device).eval()
+        self.eos = self.model.config.eos_token_id
+        self.max_slots = max_slots
+        self.version = version
+        self.running: list[Sequence] = []
+        self.waiting: deque[Sequence] = deque()
+        self.tokens_generated = 0
+
+    # ------------------------------------------------------------------ weights
+
+    def load_weights(self, version: int, path: str | pathlib.Path, sha256: str | None) -> None:
+        """Load a published version in place. Refused while requests run or when the bytes do not match."""
+        if self.running or self.waiting:
+            raise EngineError(f"cannot load v{version}: {len(self.running) + len(self.waiting)} requests are running")
+        file = weights_file(path)
+        if not file.is_file():
+            raise EngineError(f"no weights at {file}")
+        if sha256 is not None and (got := sha256_file(file)) != sha256:
+            raise EngineError(f"v{version} at {file}: sha256 {got[:12]}… does not match the published {sha256[:12]}…")
+        from safetensors.torch import load_file
+
+        state = load_file(str(file), device=str(self.device))
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        if unexpected or [k for k in missing if "rotary" not in k]:
+            raise EngineError(f"v{version} does not fit the model: missing {missing[:3]}, extra {unexpected[:3]}")
+        self.version = version
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(self, *, group_id: int, attempt: int, prompt: list[int], n: int, max_tokens: int,
+               temperature: float = 1.0, top_p: float = 1.0, seed: int = 0) -> None:  # fmt: skip
+        if self.version is None:
+            raise EngineError("no weights loaded")
+        for i in range(n):
+            g = torch.Generator(device="cpu")
+            g.manual_seed(hash_seed(seed, i))
+            seq = Sequence(group_id=group_id, attempt=attempt, index=i, prompt=list(prompt), max_tokens=max_tokens,
+                           temperature=temperature, top_p=top_p, generator=g)  # fmt: skip
+            self.waiting.append(seq)
+
+    def export(self, group_id: int, attempt: int, *, with_kv: bool = True) -> list[dict[str, Any]]:
+        """Remove the group's unfinished samples and return their state (prefix, log-probs, RNG, KV)."""
+        out = []
+        for seq in self._take(group_id, attempt):
+            state: dict[str, Any] = {
+                "index": seq.index,
+                "token_ids": np.array(seq.tokens, dtype=np.int32),
+                "logprobs": np.array(seq.logprobs, dtype=np.float32),
+                "rng_state": seq.generator.get_state().numpy().tobytes(),
+                "kv": (),
+            }
+            if with_kv and seq.kv is not None:
+                state["kv"] = tuple(t.cpu().numpy() for pair in seq.kv for t in pair)
+            out.append(state)
+        return out
+
+    def import_(self, *, group_id: int, attempt: int, prompt: list[int], requests: list[dict[str, Any]],
+                max_tokens: int, temperature: float = 1.0, top_p: float = 1.0) -> None:  # fmt: skip
+        """Resume exported samples here: with their KV cache as is, or re-prefilled from prompt + prefix."""
+        for st in requests:
+            g = torch.Generator(device="cpu")
+            g.set_state(torch.frombuffer(bytearray(st["rng_state"]), dtype=torch.uint8))
+            seq = Sequence(group_id=group_id, attempt=attempt, index=st["index"], prompt=list(prompt),
+                           max_tokens=max_tokens, temperature=temperature, top_p=top_p, generator=g,
+                           tokens=[int(x) for x in st["token_ids"]],
+                           logprobs=[float(x) for x in st["logprobs"]])  # fmt: skip
+            kv = st.get("kv") or ()
+            if kv and seq.tokens:
+                t = [torch.from_numpy(np.array(a)).to(self.device) for a in kv]
+                seq.kv = [(t[2 * i], t[2 * i + 1]) for i in range(len(t) // 2)]
+                self.running.append(seq) if len(self.running) < self.max_slots else self.waiting.appendleft(seq)
+            else:
+                self.waiting.appendleft(seq)  # re-prefilled when admitted
+
+    def cancel(self, group_id: int, attempt: int) -> None:
+        self._take(group_id, attempt)
+
+    def _take(self, group_id: int, attempt: int) -> list[Sequence]:
+        match = [s for s in [*self.running, *self.waiting] if (s.group_id, s.attempt) == (group_id, attempt)]
+        self.running = [s for s in self.running if (s.group_id, s.attempt) != (group_id, attempt)]
+        self.waiting = deque(s for s in self.waiting if (s.group_id, s.attempt) != (group_id, attempt))
+        return sorted(match, key=lambda s: s.index)
+
+    def load(self) -> tuple[int, float]:
+        """(running sequences, slot use 0..1)."""
+        return len(self.running), len(self.running) / self.max_slots
+
+    def __len__(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    # ------------------------------------------------------------------ stepping
+
+    @torch.inference_mode()
+    def step(self) -> list[Sequence]:
+        """Admit waiting sequences (prefill), then one decode step of every running one. Returns those done."""
+        done: list[Sequence] = []
+        while self.waiting and len(self.running) < self.max_slots:
+            seq = self.waiting.popleft()
+            if seq.kv is None:
+                self._prefill(seq)
+            if seq.finish is not None:
+                done.append(seq)
+            else:
+                self.running.append(seq)
+        if self.running:
+            self._decode(self.running)
+            done += [s for s in self.running if s.finish is not None]
+            self.running = [s for s in self.running if s.finish is None]
+        return done
+
+    def _prefill(self, seq: Sequence) -> None:
+        """Prompt (+ any migrated prefix but its last token) in one pass; samples the next token if none is pending."""
+        ids = seq.prompt + seq.tokens[:-1] if seq.tokens else seq.prompt
+        out = self.model(input_ids=torch.tensor([ids], device=self.device), use_cache=True)
+        seq.kv = [(layer.keys[0], layer.values[0]) for layer in out.past_key_values.layers]
+        if not seq.tokens:
+            self._sample([seq], out.logits[:, -1])
+
+    def _decode(self, seqs: list[Sequence]) -> None:
+        from transformers import DynamicCache
+
+        lengths = [s.positions for s in seqs]
+        longest = max(lengths)
+        n_layers = len(seqs[0].kv)
+        data = []
+        for layer in range(n_layers):
+            k0 = seqs[0].kv[layer][0]
+            keys = k0.new_zeros((len(seqs), k0.shape[0], longest, k0.shape[2]))
+            values = keys.clone()
+            for b, s in enumerate(seqs):
+                k, v = s.kv[layer]
+                keys[b, :, longest - k.shape[1] :] = k
+                values[b, :, longest - v.shape[1] :] = v
+            data.append((keys, values))
+        mask = torch.ones((len(seqs), longest + 1), dtype=torch.long, device=self.device)
+        for b, n in enumerate(lengths):
+            mask[b, : longest - n] = 0
+        out = self.model(
+            input_ids=torch.tensor([[s.tokens[-1]] for s in seqs], device=self.device),
+            attention_mask=mask,
+            position_ids=torch.tensor([[n] for n in lengths], device=self.device),
+            past_key_values=DynamicCache(ddp_cache_data=data),
+            use_cache=True,
+        )
+        for layer_idx, layer in enumerate(out.past_key_values.layers):
+            for b, s in enumerate(seqs):
+                k, v = s.kv[layer_idx]
+                s.kv[layer_idx] = (torch.cat([k, layer.keys[b, :, -1:]], 1), torch.cat([v, layer.values[b, :, -1:]], 1))
+        self._sample(seqs, out.logits[:, -1])
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        for s, row in zip(seqs, logits.float(), strict=True):
+            scaled = row / max(s.temperature, 1e-6)
+            logp = torch.log_softmax(scaled, -1)
+            if s.temperature <= 0:
+                token = int(torch.argmax(logp))
+            else:
+                probs = logp.exp()
+                if s.top_p < 1.0:
+                    sorted_p, order = torch.sort(probs, descending=True)
+                    keep = torch.cumsum(sorted_p, 0) - sorted_p < s.top_p
+                    probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
+                token = int(torch.multinomial(probs, 1, generator=s.generator))
+            s.tokens.append(token)
+            s.logprobs.append(float(logp[token]))
+            self.tokens_generated += 1
+            if token == self.eos:
+                s.finish = Finish.STOP
+            elif len(s.tokens) >= s.max_tokens:
+                s.finish = Finish.LENGTH
+
+
+def hash_seed(seed: int, index: int) -> int:
+    """A 63-bit sampler seed per (request seed, sample index)."""
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)

@@ -1,0 +1,88 @@
+"""Tiny causal LMs built offline: a byte-level BPE tokenizer and a Qwen2-style model from a config.
+
+There is no model hub here, so test and demo models are made locally and saved as an ordinary
+Hugging Face folder (config, safetensors, tokenizer), then loaded through the same code path a real
+checkpoint takes (``AutoModelForCausalLM.from_pretrained``). Embeddings are untied: a random tied
+model's greedy decode repeats its last prompt token, which makes "new weights change the output"
+checks pass vacuously, and vLLM's CPU in-place reload mishandles tied heads.
+
+The tokenizer is trained on a fixed list of standard-library sources, so it is the same on every
+machine with the same Python. The task alphabet (digits, operators, words used in prompts) is
+always representable: byte-level BPE covers every byte.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sysconfig
+from dataclasses import dataclass
+
+CORPUS = ("textwrap.py", "argparse.py", "difflib.py", "json/__init__.py", "string.py", "fractions.py")
+SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TinySpec:
+    hidden: int = 128
+    layers: int = 2
+    vocab: int = 1024
+    max_positions: int = 4096
+    seed: int = 0
+
+
+def build_tokenizer(vocab: int = 1024):  # -> PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    std = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    files = [str(std / f) for f in CORPUS if (std / f).exists()]
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=list(SPECIAL), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    tk.train(files, trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token=SPECIAL[0], pad_token=SPECIAL[0])
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def build_model(out: str | pathlib.Path, spec: TinySpec = TinySpec()) -> pathlib.Path:
+    """Write a tiny untied Qwen2 model and its tokenizer to ``out`` (an HF folder); returns the path."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    out = pathlib.Path(out)
+    tok = build_tokenizer(spec.vocab)
+    cfg = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=spec.hidden,
+        intermediate_size=4 * spec.hidden,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=max(2, spec.hidden // 32),
+        num_key_value_heads=max(1, spec.hidden // 64),
+        max_position_embeddings=spec.max_positions,
+        bos_token_id=tok.eos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(spec.seed)
+    model = AutoModelForCausalLM.from_config(cfg)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def load(path: str | pathlib.Path, *, dtype: str = "float32"):  # -> (model, tokenizer)
+    """The model and tokenizer of an HF folder, for inference (eval mode, no grad)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype))
+    model.eval()
+    return model, AutoTokenizer.from_pretrained(str(path))

@@ -1,0 +1,129 @@
+"""The torch engine: continuous batching, exact behaviour log-probs, seeds, weights, KV migration."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+from dora.ids import Finish
+from dora.rollout.engines.torch_engine import EngineError, TorchEngine, sha256_file, weights_file
+
+pytestmark = pytest.mark.timeout(120)
+PROMPT = [17, 300, 45, 9, 88, 12]
+
+
+def run(engine: TorchEngine, limit: int = 10_000) -> dict:
+    done = {}
+    for _ in range(limit):
+        for s in engine.step():
+            done[s.key] = s
+        if not len(engine):
+            return done
+    raise AssertionError("the engine did not finish")
+
+
+def engine(model, **kw) -> TorchEngine:
+    return TorchEngine(model, version=0, **kw)
+
+
+def test_log_probs_are_those_of_a_full_forward_pass_at_the_sampled_tokens(tiny_model):
+    e = engine(tiny_model)
+    e.submit(group_id=1, attempt=1, prompt=PROMPT, n=3, max_tokens=24, temperature=0.8, seed=5)
+    done = run(e)
+    assert len(done) == 3
+    for s in done.values():
+        assert 1 <= len(s.tokens) <= 24 and len(s.logprobs) == len(s.tokens)
+        with torch.no_grad():
+            logits = e.model(input_ids=torch.tensor([PROMPT + s.tokens])).logits[0].float()
+        ref = torch.log_softmax(logits[len(PROMPT) - 1 : -1] / 0.8, -1)
+        ref = ref[torch.arange(len(s.tokens)), torch.tensor(s.tokens)]
+        assert torch.allclose(torch.tensor(s.logprobs), ref, atol=1e-4), (s.logprobs[:4], ref[:4])
+
+
+def test_greedy_matches_hf_generate(tiny_model):
+    e = engine(tiny_model)
+    e.submit(group_id=1, attempt=1, prompt=PROMPT, n=1, max_tokens=16, temperature=0.0)
+    (s,) = run(e).values()
+    with torch.no_grad():
+        ref = e.model.generate(torch.tensor([PROMPT]), max_new_tokens=16, do_sample=False,
+                               eos_token_id=e.eos, pad_token_id=e.eos)[0, len(PROMPT):]  # fmt: skip
+    assert s.tokens == ref.tolist()[: len(s.tokens)]
+
+
+def test_a_sample_does_not_depend_on_what_else_runs_beside_it(tiny_model):
+    alone = engine(tiny_model)
+    alone.submit(group_id=1, attempt=1, prompt=PROMPT, n=2, max_tokens=32, seed=9)
+    a = run(alone)
+    crowded = engine(tiny_model, max_slots=3)
+    crowded.submit(group_id=7, attempt=1, prompt=[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], n=4, max_tokens=40, seed=1)
+    crowded.submit(group_id=1, attempt=1, prompt=PROMPT, n=2, max_tokens=32, seed=9)
+    b = run(crowded)
+    for key, s in a.items():
+        assert b[key].tokens == s.tokens
+        assert torch.allclose(torch.tensor(b[key].logprobs), torch.tensor(s.logprobs), atol=1e-4)
+
+
+def test_continuous_batching_never_exceeds_its_slots_and_finishes_everything(tiny_model):
+    e = engine(tiny_model, max_slots=3)
+    for g in range(4):
+        e.submit(group_id=g, attempt=1, prompt=PROMPT[: 2 + g], n=2, max_tokens=10 + 5 * g, seed=g)
+    done, seen = {}, 0
+    while len(e):
+        for s in e.step():
+            done[s.key] = s
+        seen = max(seen, len(e.running))
+        assert len(e.running) <= 3
+    assert seen == 3 and len(done) == 8
+    assert all(s.finish in (Finish.STOP, Finish.LENGTH) for s in done.values())
+    assert all(len(s.tokens) == s.max_tokens for s in done.values() if s.finish is Finish.LENGTH)
+
+
+@pytest.mark.parametrize("with_kv", [True, False], ids=["kv-transfer", "re-prefill"])
+def test_a_request_migrated_mid_generation_continues_exactly(tiny_model, with_kv):
+    ref = engine(tiny_model)
+    ref.submit(group_id=3, attempt=2, prompt=PROMPT, n=2, max_tokens=40, temperature=1.0, seed=11)
+    expected = run(ref)
+
+    src, dst = engine(tiny_model), engine(tiny_model)
+    src.submit(group_id=3, attempt=2, prompt=PROMPT, n=2, max_tokens=40, temperature=1.0, seed=11)
+    for _ in range(12):
+        src.step()
+    made = len(src.running[0].tokens)  # the first step prefills and decodes: 13 tokens after 12 steps
+    assert len(src.running) == 2 and all(len(s.tokens) == made for s in src.running)
+    assert all(made < len(s.tokens) for s in expected.values()), "both samples mid-generation"
+    state = src.export(3, 2, with_kv=with_kv)
+    assert not len(src) and len(state) == 2 and all(len(st["token_ids"]) == made for st in state)
+    assert bool(state[0]["kv"]) is with_kv
+    dst.import_(group_id=3, attempt=2, prompt=PROMPT, requests=state, max_tokens=40, temperature=1.0)
+    got = run(dst)
+    for key, s in expected.items():
+        assert got[key].tokens == s.tokens
+        if with_kv:  # the same arithmetic on the same cache: bit for bit
+            assert got[key].logprobs == s.logprobs
+        else:  # the prefix is recomputed in one pass: equal to float rounding
+            assert torch.allclose(torch.tensor(got[key].logprobs), torch.tensor(s.logprobs), atol=1e-4)
+
+
+def test_weights_load_in_place_are_verified_and_change_the_output(tiny_model, tmp_path):
+    from safetensors.torch import save_file
+
+    e = engine(tiny_model)
+    new = {k: v + 0.05 * torch.randn_like(v) for k, v in e.model.state_dict().items()}
+    path = tmp_path / "v1.safetensors"
+    save_file({k: v.contiguous() for k, v in new.items()}, str(path))
+    good = sha256_file(path)
+    e.submit(group_id=1, attempt=1, prompt=PROMPT, n=1, max_tokens=12, temperature=0.0)
+    with pytest.raises(EngineError, match="running"):
+        e.load_weights(1, path, good)
+    (before,) = run(e).values()
+    with pytest.raises(EngineError, match="sha256"):
+        e.load_weights(1, path, hashlib.sha256(b"other").hexdigest())
+    assert e.version == 0
+    e.load_weights(1, path, good)
+    assert e.version == 1
+    e.submit(group_id=1, attempt=1, prompt=PROMPT, n=1, max_tokens=12, temperature=0.0)
+    (after,) = run(e).values()
+    assert after.tokens != before.tokens
+    assert weights_file(tiny_model).name == "model.safetensors"
