@@ -62,9 +62,9 @@ class LocalRun:
         self.endpoint = json.loads(disc.read_text())["endpoint"]
         return self.endpoint
 
-    def start_worker(self, name: str, engine: str = "sim") -> subprocess.Popen[bytes]:
+    def start_worker(self, name: str, engine: str = "sim", *extra: str) -> subprocess.Popen[bytes]:
         disc = str(self.dir / "broker.json")
-        return self.spawn(name, "rollout", "--engine", engine, "--broker", disc, "--name", name)
+        return self.spawn(name, "rollout", "--engine", engine, "--broker", disc, "--name", name, *extra)
 
     def start_learner(self, trainer: str = "sim") -> subprocess.Popen[bytes]:
         return self.spawn("learner", "learner", "--trainer", trainer, "--broker", str(self.dir / "broker.json"))

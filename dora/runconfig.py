@@ -72,6 +72,28 @@ class RolloutSection:
     slots: int = 0
     """Sequences this worker accepts at once (its credit); 0 = engine.credit."""
     reconnect_max_s: float = 32.0
+    model: str | None = None
+    """An HF model folder for the torch engine (the version-0 weights)."""
+    device: str = "cpu"
+    dtype: str = "float32"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TaskSection:
+    name: str = "synthetic"
+    """synthetic (token arrays for the sim engine), arithmetic or countdown."""
+    seed: int = 0
+    tokenizer: str | None = None
+    """Folder holding tokenizer.json (the model folder); the broker encodes prompts with it."""
+    reward: str | None = None
+    """module:function scoring (completion, item); default: the task's own."""
+    reward_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.name not in ("synthetic", "arithmetic", "countdown"):
+            raise ConfigError(f"task.name must be synthetic, arithmetic or countdown; got {self.name!r}")
+        if self.name != "synthetic" and not self.tokenizer:
+            raise ConfigError(f"task {self.name!r} needs task.tokenizer (the model folder with tokenizer.json)")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -88,6 +110,7 @@ class RunConfig:
     core: CoreConfig = field(default_factory=CoreConfig)
     broker: BrokerSection = field(default_factory=BrokerSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
+    task: TaskSection = field(default_factory=TaskSection)
     learner: LearnerSection = field(default_factory=LearnerSection)
     engine: EngineSection = field(default_factory=EngineSection)
     trainer: TrainerSection = field(default_factory=TrainerSection)

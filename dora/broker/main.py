@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import json
 import os
 import secrets
 import signal
 import sys
+from collections.abc import Callable
 
+import numpy as np
 import uvloop
 import zmq
 import zmq.asyncio
@@ -20,7 +21,7 @@ from dora.broker.core import Core
 from dora.config import ConfigError, load
 from dora.logging import configure_logging
 from dora.runconfig import RunConfig
-from dora.tasks.synthetic import prompt_ids
+from dora.tasks.prompts import prompt_source
 
 
 def main(argv: list[str]) -> int:
@@ -35,8 +36,13 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"dora broker: {e}", file=sys.stderr)
         return 2
+    try:
+        prompts = prompt_source(cfg)
+    except ValueError as e:
+        print(f"dora broker: {e}", file=sys.stderr)
+        return 2
     configure_logging(cfg.log, process="broker")
-    return uvloop.run(serve(cfg))
+    return uvloop.run(serve(cfg, prompts))
 
 
 def open_router(ctx: zmq.asyncio.Context, cfg: RunConfig) -> tuple[zmq.asyncio.Socket, str]:
@@ -55,7 +61,7 @@ def open_router(ctx: zmq.asyncio.Context, cfg: RunConfig) -> tuple[zmq.asyncio.S
     return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
-async def serve(cfg: RunConfig) -> int:
+async def serve(cfg: RunConfig, prompts: Callable[[int], np.ndarray]) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -71,8 +77,6 @@ async def serve(cfg: RunConfig) -> int:
                 json.dump(ready, f)
             os.replace(tmp, cfg.broker.discovery_file)
         print(json.dumps(ready), flush=True)
-        workload = cfg.workload.build(cfg.run.seed)
-        prompts = functools.lru_cache(maxsize=8192)(lambda g: prompt_ids(workload, g))  # a lease, a batch: same prompt
         actor = BrokerActor(cfg, sock, Core(cfg.core, strict=cfg.broker.strict), prompts, epoch=epoch)
         await actor.run(stop)
         actor.flush()

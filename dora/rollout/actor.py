@@ -24,7 +24,7 @@ import zmq
 import zmq.asyncio
 
 from dora.config import ConfigError
-from dora.rollout.engines.sim import SimEngine
+from dora.rollout.engines.base import EngineError, WorkerEngine
 from dora.runconfig import RunConfig
 from dora.wire import codec
 from dora.wire import messages as m
@@ -43,7 +43,7 @@ class RolloutActor:
         ctx: zmq.asyncio.Context,
         endpoint: str | Callable[[], str],
         name: str,
-        engine: SimEngine,
+        engine: WorkerEngine,
         *,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -58,7 +58,7 @@ class RolloutActor:
         self.interval = cfg.broker.heartbeat_interval_s
         self.silence_s = cfg.broker.heartbeat_interval_s * cfg.broker.liveness
         self.sock: zmq.Socket | None = None
-        self.loading: tuple[int, float] | None = None
+        self.loading: tuple[int, float, str, str] | None = None
         self.sent = 0
 
     async def run(self, stop: asyncio.Event) -> int:
@@ -124,9 +124,13 @@ class RolloutActor:
                 if now - heard > self.silence_s:
                     raise Reconnect("broker silent")
                 if self.loading is not None and now >= self.loading[1]:
-                    version = self.loading[0]
+                    version, _, uri, sha = self.loading
                     self.loading = None
-                    self.engine.loaded(version)
+                    try:
+                        self.engine.loaded(version, uri, sha)
+                    except EngineError as e:  # bad weights: stay on the old version, let the broker re-plan
+                        log.error("weights_refused", version=version, error=str(e))
+                        raise Reconnect(f"could not load v{version}") from None
                     self.send(m.WeightsLoaded(version=version, load_s=self.engine.load_seconds()))
                 self.engine.advance(now)
                 self.report_finished()
@@ -153,11 +157,11 @@ class RolloutActor:
                 self.epoch = msg.broker_epoch
                 log.info("registered", broker_epoch=msg.broker_epoch, newest_version=msg.newest_version)
             case m.Assign():
-                if len(self.engine.engine) and not msg.interrupt:
+                if self.engine.busy() and not msg.interrupt:
                     log.error("assign_refused_requests_running", version=msg.version)
                     return
                 self.engine.advance(now)
-                self.loading = (msg.version, now + self.engine.load_seconds())
+                self.loading = (msg.version, now + self.engine.load_seconds(), msg.uri, msg.sha256)
                 structlog.contextvars.bind_contextvars(version=msg.version)
             case m.Generate():
                 self.engine.submit(msg, now)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import pathlib
 import signal
 import socket
 import sys
@@ -17,6 +18,7 @@ from dora.config import ConfigError, load
 from dora.discovery import resolve_endpoint
 from dora.logging import configure_logging
 from dora.rollout.actor import RolloutActor
+from dora.rollout.engines.base import WorkerEngine
 from dora.rollout.engines.sim import SimEngine
 from dora.runconfig import RunConfig
 
@@ -24,32 +26,52 @@ from dora.runconfig import RunConfig
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="dora rollout", description="A rollout worker: one inference-engine replica.")
     p.add_argument("--broker", required=True, help="tcp://host:port, ipc://path, or a broker.json discovery file")
-    p.add_argument("--engine", choices=["sim"], default="sim")
+    p.add_argument("--engine", choices=["sim", "torch"], default="sim")
+    p.add_argument("--model", help="torch engine: an HF model folder (overrides rollout.model)")
     p.add_argument("--name", default=f"{socket.gethostname()}-{os.getpid()}")
     p.add_argument("--config", metavar="FILE.toml")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--time-scale", type=float, help="real seconds per simulated second (overrides run.time_scale)")
     args = p.parse_args(argv)
     overrides = [*args.set, *([f"run.time_scale={args.time_scale}"] if args.time_scale else [])]
+    overrides += [f"rollout.model={args.model}"] if args.model else []
     try:
         cfg = load(RunConfig, path=args.config, env=os.environ, env_prefix="DORA_", overrides=overrides)
         resolve_endpoint(args.broker)  # a bad address is a usage error now; later sessions re-read it
+        if args.engine == "torch":
+            if not cfg.rollout.model or not (pathlib.Path(cfg.rollout.model) / "config.json").is_file():
+                raise ConfigError(f"--engine torch needs --model DIR (an HF model folder); got {cfg.rollout.model!r}")
+            if cfg.task.name == "synthetic":
+                raise ConfigError("--engine torch needs a real task: set task.name (arithmetic, countdown)")
     except ConfigError as e:
         print(f"dora rollout: {e}", file=sys.stderr)
         return 2
     configure_logging(cfg.log, process="rollout", worker_id=args.name)
-    return uvloop.run(serve(cfg, lambda: resolve_endpoint(args.broker), args.name))
+    return uvloop.run(serve(cfg, lambda: resolve_endpoint(args.broker), args.name, args.engine))
 
 
-async def serve(cfg: RunConfig, endpoint: Callable[[], str], name: str) -> int:
+def make_engine(cfg: RunConfig, kind: str, now: float) -> WorkerEngine:
+    if kind == "torch":
+        from dora.rollout.engines.torch_engine import TorchEngine
+        from dora.rollout.engines.torch_worker import TorchWorkerEngine
+        from dora.tasks.prompts import TaskRun
+
+        t = cfg.task
+        task = TaskRun(t.name, t.seed, t.tokenizer or cfg.rollout.model, t.reward, t.reward_timeout_s)
+        slots = cfg.rollout.slots or cfg.engine.max_slots
+        engine = TorchEngine(cfg.rollout.model, max_slots=slots, device=cfg.rollout.device, dtype=cfg.rollout.dtype)
+        return TorchWorkerEngine(engine, task)
+    return SimEngine(cfg.engine, cfg.workload.build(cfg.run.seed), time_scale=cfg.run.time_scale, now=now)
+
+
+async def serve(cfg: RunConfig, endpoint: Callable[[], str], name: str, kind: str = "sim") -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     ctx = zmq.asyncio.Context()
     try:
-        engine = SimEngine(cfg.engine, cfg.workload.build(cfg.run.seed), time_scale=cfg.run.time_scale,
-                           now=loop.time())  # fmt: skip
+        engine = make_engine(cfg, kind, loop.time())
         return await RolloutActor(cfg, ctx, endpoint, name, engine, clock=loop.time).run(stop)
     finally:
         ctx.destroy(linger=0)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from dora.ids import Finish
-from dora.rollout.engines.torch_engine import EngineError, TorchEngine, sha256_file, weights_file
+from dora.rollout.engines.base import EngineError
+from dora.rollout.engines.torch_engine import TorchEngine, sha256_file, weights_file
 
 pytestmark = pytest.mark.timeout(120)
 PROMPT = [17, 300, 45, 9, 88, 12]

@@ -39,7 +39,11 @@ class SimEngine:
     def load_seconds(self) -> float:
         return self.cfg.load_s * self.scale
 
-    def loaded(self, version: int) -> None:
+    def busy(self) -> bool:
+        return len(self.engine) > 0
+
+    def loaded(self, version: int, uri: str = "", sha256: str = "") -> None:
+        """The version's weights are in (the sim engine has none to read: ``uri`` names them only)."""
         if len(self.engine):
             self.debt_s += self.cfg.prefill_s_per_token * self.engine.swap_weights(version)
         self.engine.version = version

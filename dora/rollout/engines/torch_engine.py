@@ -30,10 +30,7 @@ import numpy as np
 import torch
 
 from dora.ids import Finish
-
-
-class EngineError(RuntimeError):
-    """A request the engine refuses (bad weights, a load while generating, an unknown request)."""
+from dora.rollout.engines.base import EngineError
 
 
 @dataclass(slots=True)

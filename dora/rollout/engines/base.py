@@ -1,0 +1,53 @@
+"""What a rollout worker needs from an inference engine. `sim`, `torch` (and any custom engine) implement it.
+
+The rollout actor owns the socket and the clock and calls these from its event loop. The contract:
+
+- ``loaded(version, uri, sha256)``: take the version's weights (``uri`` from the ``Assign``; a
+  ``sim://`` URI names weights that do not exist). Raise ``EngineError`` to refuse (requests still
+  running, a sha256 mismatch); the engine must then still be on its previous version.
+- ``submit(Generate, now)``: queue ``n_samples`` samples of a group, with the request's seed.
+- ``advance(now)``: make progress (a time-driven engine catches up to ``now``; a compute-driven one
+  runs one step) and keep what finished for ``take_finished``; ``next_event_s`` says how soon to call
+  again (0: now; None: idle).
+- ``result(sample, broker_epoch)``: the ``SampleFinished`` for a finished sample: token ids, the
+  behaviour log-prob of every sampled token, ``(version, tokens)`` segments, reward, finish reason.
+- ``export(group, attempt, now)`` / ``import_(MigrateIn, now)``: hand a group's unfinished samples to
+  another worker holding the same version (token prefix, log-probs, RNG state and, where the engine
+  can, its KV cache) and resume them there.
+- ``cancel``, ``clear`` (drop everything: the session ended), ``busy``, ``load`` (running sequences,
+  KV or slot use 0..1), ``tokens_generated`` (a progress counter for the stall watchdog).
+
+A custom engine from an embedding stack implements these methods and is passed to
+``dora.rollout.actor.RolloutActor``; see ``examples/custom_engine.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from dora.wire import messages as m
+
+
+class EngineError(RuntimeError):
+    """A request the engine refuses (bad weights, a load while generating, an unknown request)."""
+
+
+class WorkerEngine(Protocol):
+    name: str
+
+    @property
+    def tokens_generated(self) -> int: ...
+
+    def busy(self) -> bool: ...
+    def load_seconds(self) -> float: ...
+    def loaded(self, version: int, uri: str = "", sha256: str = "") -> None: ...
+    def submit(self, gen: m.Generate, now: float) -> None: ...
+    def export(self, group: int, attempt: int, now: float) -> list[m.RequestState]: ...
+    def import_(self, mig: m.MigrateIn, now: float) -> None: ...
+    def cancel(self, group: int, attempt: int, now: float) -> None: ...
+    def advance(self, now: float) -> None: ...
+    def take_finished(self) -> list[Any]: ...
+    def next_event_s(self) -> float | None: ...
+    def result(self, sample: Any, broker_epoch: int) -> m.SampleFinished: ...
+    def load(self) -> tuple[int, float]: ...
+    def clear(self) -> None: ...

@@ -1,0 +1,97 @@
+"""The torch engine as a rollout worker's engine: the protocol's messages in, finished samples out.
+
+The rollout actor drives every engine through the same calls (see ``dora.rollout.engines.base``).
+Here a call to ``advance`` runs one engine step (a prefill of what joined, one decode step of what
+runs) when there is work; finished samples are scored with the run's task reward and reported.
+
+Weights: an ``Assign`` names the version's weights by URI. ``file://`` paths (or plain paths) are
+loaded in place, checked against the published sha256. ``sim://`` names the sim learner's versions,
+which carry no weights: the engine keeps its tensors and takes the version label, so a live run with
+the sim learner exercises versions, migration and C1 bookkeeping on a real model.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dora.ids import Finish
+from dora.rollout.engines.torch_engine import Sequence, TorchEngine
+from dora.tasks.prompts import TaskRun
+from dora.wire import messages as m
+
+
+class TorchWorkerEngine:
+    name = "torch"
+
+    def __init__(self, engine: TorchEngine, task: TaskRun) -> None:
+        self.engine = engine
+        self.task = task
+        self.finished: list[Sequence] = []
+
+    @property
+    def tokens_generated(self) -> int:
+        return self.engine.tokens_generated
+
+    @property
+    def version(self) -> int | None:
+        return self.engine.version
+
+    def busy(self) -> bool:
+        return len(self.engine) > 0
+
+    def load_seconds(self) -> float:
+        return 0.0  # loading happens in ``loaded``, synchronously
+
+    def loaded(self, version: int, uri: str = "", sha256: str = "") -> None:
+        if uri.startswith("sim://") or not uri:
+            self.engine.version = version
+            return
+        self.engine.load_weights(version, uri.removeprefix("file://"), sha256 or None)
+
+    def submit(self, gen: m.Generate, now: float) -> None:
+        self.engine.submit(group_id=gen.group_id, attempt=gen.attempt, prompt=gen.prompt_ids.tolist(),
+                           n=gen.n_samples, max_tokens=gen.max_tokens, temperature=gen.temperature,
+                           top_p=gen.top_p, seed=gen.seed)  # fmt: skip
+
+    def export(self, group: int, attempt: int, now: float) -> list[m.RequestState]:
+        return [m.RequestState(index=st["index"], token_ids=st["token_ids"], logprobs=st["logprobs"],
+                               rng_state=st["rng_state"], kv=st["kv"])
+                for st in self.engine.export(group, attempt)]  # fmt: skip
+
+    def import_(self, mig: m.MigrateIn, now: float) -> None:
+        states = [{"index": r.index, "token_ids": r.token_ids, "logprobs": r.logprobs, "rng_state": r.rng_state,
+                   "kv": r.kv} for r in mig.requests]  # fmt: skip
+        self.engine.import_(group_id=mig.group_id, attempt=mig.attempt, prompt=mig.prompt_ids.tolist(),
+                            requests=states, max_tokens=mig.max_tokens, temperature=mig.temperature,
+                            top_p=mig.top_p)  # fmt: skip
+
+    def cancel(self, group: int, attempt: int, now: float) -> None:
+        self.engine.cancel(group, attempt)
+
+    def advance(self, now: float) -> None:
+        if self.busy() and self.engine.version is not None:
+            self.finished += self.engine.step()
+
+    def take_finished(self) -> list[Sequence]:
+        done, self.finished = self.finished, []
+        return done
+
+    def next_event_s(self) -> float | None:
+        return 0.0 if self.busy() else None
+
+    def result(self, s: Sequence, broker_epoch: int) -> m.SampleFinished:
+        reward, _reason = self.task.score(s.group_id, s.tokens)
+        return m.SampleFinished(
+            group_id=s.group_id, attempt=s.attempt, index=s.index,
+            segments=np.array([[self.engine.version, len(s.tokens)]], dtype=np.int32),
+            token_ids=np.array(s.tokens, dtype=np.int32), logprobs=np.array(s.logprobs, dtype=np.float32),
+            reward=reward, finish=s.finish or Finish.LENGTH, broker_epoch=broker_epoch,
+        )  # fmt: skip
+
+    def load(self) -> tuple[int, float]:
+        return self.engine.load()
+
+    def clear(self) -> None:
+        for s in [*self.engine.running, *self.engine.waiting]:
+            self.engine.cancel(s.group_id, s.attempt)
+        self.finished.clear()
