@@ -128,3 +128,16 @@ def test_weights_load_in_place_are_verified_and_change_the_output(tiny_model, tm
     (after,) = run(e).values()
     assert after.tokens != before.tokens
     assert weights_file(tiny_model).name == "model.safetensors"
+
+
+def test_top_p_samples_only_from_the_nucleus(tiny_model):
+    e = engine(tiny_model)
+    e.submit(group_id=1, attempt=1, prompt=PROMPT, n=4, max_tokens=12, temperature=1.0, top_p=0.3, seed=2)
+    for s in run(e).values():
+        with torch.no_grad():
+            logits = e.model(input_ids=torch.tensor([PROMPT + s.tokens])).logits[0].float()
+        for pos, token in enumerate(s.tokens):
+            p = torch.softmax(logits[len(PROMPT) - 1 + pos], -1)
+            sorted_p, order = torch.sort(p, descending=True)
+            nucleus = order[torch.cumsum(sorted_p, 0) - sorted_p < 0.3].tolist()
+            assert token in nucleus

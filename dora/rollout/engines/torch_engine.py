@@ -55,7 +55,8 @@ class Sequence:
 
     @property
     def positions(self) -> int:
-        return 0 if self.kv is None else self.kv[0][0].shape[1]
+        """Positions in its KV cache: the prompt and every sampled token but the newest (not yet fed)."""
+        return len(self.prompt) + len(self.tokens) - 1
 
 
 def sha256_file(path: pathlib.Path) -> str:
@@ -87,6 +88,10 @@ class TorchEngine:
         self.running: list[Sequence] = []
         self.waiting: deque[Sequence] = deque()
         self.tokens_generated = 0
+        self._batch: list[Sequence] = []
+        """The sequences whose caches live, in this order, as rows of the last decode step's batch cache."""
+        self._cache: Any = None
+        self._mask: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ weights
 
@@ -158,6 +163,7 @@ class TorchEngine:
         self._take(group_id, attempt)
 
     def _take(self, group_id: int, attempt: int) -> list[Sequence]:
+        self._materialize()
         match = [s for s in [*self.running, *self.waiting] if (s.group_id, s.attempt) == (group_id, attempt)]
         self.running = [s for s in self.running if (s.group_id, s.attempt) != (group_id, attempt)]
         self.waiting = deque(s for s in self.waiting if (s.group_id, s.attempt) != (group_id, attempt))
@@ -198,14 +204,54 @@ class TorchEngine:
         if not seq.tokens:
             self._sample([seq], out.logits[:, -1])
 
+    def _materialize(self) -> None:
+        """Give each batched sequence its own copy of its rows of the batch cache (before the batch changes)."""
+        if self._cache is None:
+            return
+        width = self._mask.shape[1]
+        for b, seq in enumerate(self._batch):
+            if seq.finish is None:
+                n = seq.positions
+                seq.kv = [(layer.keys[b, :, width - n :].clone(), layer.values[b, :, width - n :].clone())
+                          for layer in self._cache.layers]  # fmt: skip
+        self._batch, self._cache, self._mask = [], None, None
+
     def _decode(self, seqs: list[Sequence]) -> None:
+        """One token for every running sequence. While the batch stays the same, its cache is reused as
+        is; sequences leaving drop their rows; a sequence joining makes the batch be rebuilt (left-padded)."""
+        ids = {id(x): i for i, x in enumerate(self._batch)}
+        if self._cache is not None and all(id(x) in ids for x in seqs):
+            rows = [ids[id(x)] for x in seqs]
+            mask = self._mask
+            if rows != list(range(len(self._batch))):
+                index = torch.tensor(rows, device=self.device)
+                self._cache.batch_select_indices(index)
+                mask = mask[index]
+            cache = self._cache
+            mask = torch.cat([mask, mask.new_ones((len(seqs), 1))], 1)
+        else:
+            self._materialize()
+            cache, mask = self._padded(seqs)
+        out = self.model(
+            input_ids=torch.tensor([[s.tokens[-1]] for s in seqs], device=self.device),
+            attention_mask=mask,
+            position_ids=torch.tensor([[s.positions] for s in seqs], device=self.device),
+            past_key_values=cache,
+            use_cache=True,
+        )
+        self._batch, self._cache, self._mask = list(seqs), out.past_key_values, mask
+        for s in seqs:
+            s.kv = None  # the batch cache holds it now
+        self._sample(seqs, out.logits[:, -1])
+
+    def _padded(self, seqs: list[Sequence]) -> tuple[Any, torch.Tensor]:
+        """A batch cache from the sequences' own caches, left-padded to the longest, and its mask."""
         from transformers import DynamicCache
 
         lengths = [s.positions for s in seqs]
         longest = max(lengths)
-        n_layers = len(seqs[0].kv)
         data = []
-        for layer in range(n_layers):
+        for layer in range(len(seqs[0].kv)):
             k0 = seqs[0].kv[layer][0]
             keys = k0.new_zeros((len(seqs), k0.shape[0], longest, k0.shape[2]))
             values = keys.clone()
@@ -217,34 +263,27 @@ class TorchEngine:
         mask = torch.ones((len(seqs), longest + 1), dtype=torch.long, device=self.device)
         for b, n in enumerate(lengths):
             mask[b, : longest - n] = 0
-        out = self.model(
-            input_ids=torch.tensor([[s.tokens[-1]] for s in seqs], device=self.device),
-            attention_mask=mask,
-            position_ids=torch.tensor([[n] for n in lengths], device=self.device),
-            past_key_values=DynamicCache(ddp_cache_data=data),
-            use_cache=True,
-        )
-        for layer_idx, layer in enumerate(out.past_key_values.layers):
-            for b, s in enumerate(seqs):
-                k, v = s.kv[layer_idx]
-                s.kv[layer_idx] = (torch.cat([k, layer.keys[b, :, -1:]], 1), torch.cat([v, layer.values[b, :, -1:]], 1))
-        self._sample(seqs, out.logits[:, -1])
+        return DynamicCache(ddp_cache_data=data), mask
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        for s, row in zip(seqs, logits.float(), strict=True):
-            scaled = row / max(s.temperature, 1e-6)
-            logp = torch.log_softmax(scaled, -1)
-            if s.temperature <= 0:
-                token = int(torch.argmax(logp))
-            else:
-                probs = logp.exp()
-                if s.top_p < 1.0:
-                    sorted_p, order = torch.sort(probs, descending=True)
-                    keep = torch.cumsum(sorted_p, 0) - sorted_p < s.top_p
-                    probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
-                token = int(torch.multinomial(probs, 1, generator=s.generator))
+        """Sample every row at once by inverse CDF; each row's uniform draw comes from its own generator."""
+        temps = torch.tensor([max(s.temperature, 1e-6) for s in seqs], device=logits.device)
+        logp = torch.log_softmax(logits.float() / temps[:, None], -1)
+        probs = logp.exp()
+        top_p = torch.tensor([s.top_p for s in seqs], device=logits.device)
+        if bool((top_p < 1.0).any()):
+            sorted_p, order = torch.sort(probs, descending=True, dim=-1)
+            keep = torch.cumsum(sorted_p, -1) - sorted_p < top_p[:, None]
+            probs = torch.zeros_like(probs).scatter(-1, order, sorted_p * keep)
+        cdf = torch.cumsum(probs, -1)
+        u = torch.stack([torch.rand((), generator=s.generator) for s in seqs]).to(logits.device)
+        drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).squeeze(1).clamp(max=probs.shape[-1] - 1)
+        greedy = torch.argmax(logp, -1)
+        chosen = torch.where(torch.tensor([s.temperature <= 0 for s in seqs], device=logits.device), greedy, drawn)
+        picked = logp.gather(1, chosen[:, None]).squeeze(1)
+        for s, token, lp in zip(seqs, chosen.tolist(), picked.tolist(), strict=True):
             s.tokens.append(token)
-            s.logprobs.append(float(logp[token]))
+            s.logprobs.append(lp)
             self.tokens_generated += 1
             if token == self.eos:
                 s.finish = Finish.STOP
