@@ -76,6 +76,9 @@ class RolloutSection:
     """An HF model folder for the torch engine (the version-0 weights)."""
     device: str = "cpu"
     dtype: str = "float32"
+    kv_cache_mib: int = 256
+    """vllm: KV cache memory, always explicit (vLLM on CPU would otherwise take most of the machine)."""
+    max_model_len: int = 4096
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -26,8 +26,8 @@ from dora.runconfig import RunConfig
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="dora rollout", description="A rollout worker: one inference-engine replica.")
     p.add_argument("--broker", required=True, help="tcp://host:port, ipc://path, or a broker.json discovery file")
-    p.add_argument("--engine", choices=["sim", "torch"], default="sim")
-    p.add_argument("--model", help="torch engine: an HF model folder (overrides rollout.model)")
+    p.add_argument("--engine", choices=["sim", "torch", "vllm"], default="sim")
+    p.add_argument("--model", help="torch/vllm engines: an HF model folder (overrides rollout.model)")
     p.add_argument("--name", default=f"{socket.gethostname()}-{os.getpid()}")
     p.add_argument("--config", metavar="FILE.toml")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
@@ -38,11 +38,16 @@ def main(argv: list[str]) -> int:
     try:
         cfg = load(RunConfig, path=args.config, env=os.environ, env_prefix="DORA_", overrides=overrides)
         resolve_endpoint(args.broker)  # a bad address is a usage error now; later sessions re-read it
-        if args.engine == "torch":
+        if args.engine != "sim":
             if not cfg.rollout.model or not (pathlib.Path(cfg.rollout.model) / "config.json").is_file():
-                raise ConfigError(f"--engine torch needs --model DIR (an HF model folder); got {cfg.rollout.model!r}")
+                raise ConfigError(f"--engine {args.engine} needs --model DIR (an HF folder); got {cfg.rollout.model}")
             if cfg.task.name == "synthetic":
-                raise ConfigError("--engine torch needs a real task: set task.name (arithmetic, countdown)")
+                raise ConfigError(f"--engine {args.engine} needs a real task: set task.name (arithmetic, countdown)")
+        if args.engine == "vllm":
+            try:
+                import vllm  # noqa: F401
+            except ImportError:
+                raise ConfigError("--engine vllm needs the vllm extra: pip install -e '.[vllm]'") from None
     except ConfigError as e:
         print(f"dora rollout: {e}", file=sys.stderr)
         return 2
@@ -51,16 +56,22 @@ def main(argv: list[str]) -> int:
 
 
 def make_engine(cfg: RunConfig, kind: str, now: float) -> WorkerEngine:
-    if kind == "torch":
-        from dora.rollout.engines.torch_engine import TorchEngine
-        from dora.rollout.engines.torch_worker import TorchWorkerEngine
+    if kind in ("torch", "vllm"):
+        from dora.rollout.engines.stepped import StepWorkerEngine
         from dora.tasks.prompts import TaskRun
 
-        t = cfg.task
-        task = TaskRun(t.name, t.seed, t.tokenizer or cfg.rollout.model, t.reward, t.reward_timeout_s)
-        slots = cfg.rollout.slots or cfg.engine.max_slots
-        engine = TorchEngine(cfg.rollout.model, max_slots=slots, device=cfg.rollout.device, dtype=cfg.rollout.dtype)
-        return TorchWorkerEngine(engine, task)
+        t, r = cfg.task, cfg.rollout
+        task = TaskRun(t.name, t.seed, t.tokenizer or r.model, t.reward, t.reward_timeout_s)
+        slots = r.slots or cfg.engine.max_slots
+        if kind == "torch":
+            from dora.rollout.engines.torch_engine import TorchEngine
+
+            return StepWorkerEngine(TorchEngine(r.model, max_slots=slots, device=r.device, dtype=r.dtype), task)
+        from dora.rollout.engines.vllm_engine import VllmEngine
+
+        engine = VllmEngine(r.model, max_slots=slots, kv_cache_bytes=r.kv_cache_mib << 20, dtype=r.dtype,
+                            max_model_len=r.max_model_len, seed=cfg.run.seed)  # fmt: skip
+        return StepWorkerEngine(engine, task)
     return SimEngine(cfg.engine, cfg.workload.build(cfg.run.seed), time_scale=cfg.run.time_scale, now=now)
 
 

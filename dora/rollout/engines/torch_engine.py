@@ -10,8 +10,9 @@
   request exported without KV is re-prefilled from prompt + prefix on import.
 - **Sampling.** Temperature and top-p, one ``torch.Generator`` per sequence seeded from the
   request's seed and the sample index, so a sample's tokens do not depend on what else runs.
-- **Behaviour log-prob** of each sampled token: ``log_softmax(logits / temperature)`` at that token,
-  i.e. under the temperature-scaled policy before top-p truncation (the learner scores the same).
+- **Behaviour log-prob** of each sampled token: its log-probability under the distribution it was
+  actually drawn from: ``softmax(logits / temperature)``, renormalised over the top-p nucleus when
+  ``top_p < 1`` (vLLM's ``processed_logprobs``; the learner must score with the same temperature).
 
 Weights: ``load_weights(version, path, sha256)`` reads a safetensors file (or an HF folder's
 ``model.safetensors``), checks its sha256 first and refuses a mismatch or a load while requests run;
@@ -169,6 +170,9 @@ class TorchEngine:
         self.waiting = deque(s for s in self.waiting if (s.group_id, s.attempt) != (group_id, attempt))
         return sorted(match, key=lambda s: s.index)
 
+    def groups(self) -> set[tuple[int, int]]:
+        return {(s.group_id, s.attempt) for s in [*self.running, *self.waiting]}
+
     def load(self) -> tuple[int, float]:
         """(running sequences, slot use 0..1)."""
         return len(self.running), len(self.running) / self.max_slots
@@ -275,6 +279,7 @@ class TorchEngine:
             sorted_p, order = torch.sort(probs, descending=True, dim=-1)
             keep = torch.cumsum(sorted_p, -1) - sorted_p < top_p[:, None]
             probs = torch.zeros_like(probs).scatter(-1, order, sorted_p * keep)
+            logp = torch.log(probs / probs.sum(-1, keepdim=True))  # the distribution actually sampled from
         cdf = torch.cumsum(probs, -1)
         u = torch.stack([torch.rand((), generator=s.generator) for s in seqs]).to(logits.device)
         drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).squeeze(1).clamp(max=probs.shape[-1] - 1)

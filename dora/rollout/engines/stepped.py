@@ -1,4 +1,4 @@
-"""The torch engine as a rollout worker's engine: the protocol's messages in, finished samples out.
+"""A step-driven engine (torch or vllm) as a rollout worker's engine: protocol messages in, samples out.
 
 The rollout actor drives every engine through the same calls (see ``dora.rollout.engines.base``).
 Here a call to ``advance`` runs one engine step (a prefill of what joined, one decode step of what
@@ -12,21 +12,22 @@ the sim learner exercises versions, migration and C1 bookkeeping on a real model
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from dora.ids import Finish
-from dora.rollout.engines.torch_engine import Sequence, TorchEngine
 from dora.tasks.prompts import TaskRun
 from dora.wire import messages as m
 
 
-class TorchWorkerEngine:
-    name = "torch"
-
-    def __init__(self, engine: TorchEngine, task: TaskRun) -> None:
+class StepWorkerEngine:
+    def __init__(self, engine: Any, task: TaskRun) -> None:
+        """``engine``: a TorchEngine or VllmEngine (submit/step/export/import_/cancel/load_weights)."""
         self.engine = engine
+        self.name = engine.name
         self.task = task
-        self.finished: list[Sequence] = []
+        self.finished: list[Any] = []
 
     @property
     def tokens_generated(self) -> int:
@@ -72,14 +73,14 @@ class TorchWorkerEngine:
         if self.busy() and self.engine.version is not None:
             self.finished += self.engine.step()
 
-    def take_finished(self) -> list[Sequence]:
+    def take_finished(self) -> list[Any]:
         done, self.finished = self.finished, []
         return done
 
     def next_event_s(self) -> float | None:
         return 0.0 if self.busy() else None
 
-    def result(self, s: Sequence, broker_epoch: int) -> m.SampleFinished:
+    def result(self, s: Any, broker_epoch: int) -> m.SampleFinished:
         reward, _reason = self.task.score(s.group_id, s.tokens)
         return m.SampleFinished(
             group_id=s.group_id, attempt=s.attempt, index=s.index,
@@ -92,6 +93,6 @@ class TorchWorkerEngine:
         return self.engine.load()
 
     def clear(self) -> None:
-        for s in [*self.engine.running, *self.engine.waiting]:
-            self.engine.cancel(s.group_id, s.attempt)
+        for group, attempt in self.engine.groups():
+            self.engine.cancel(group, attempt)
         self.finished.clear()

@@ -1,7 +1,8 @@
-"""A live multi-version run on a real model: broker + 2 `dora rollout --engine torch` + the sim learner."""
+"""A live multi-version run on a real model: broker + 2 `dora rollout --engine torch|vllm` + the sim learner."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -11,7 +12,9 @@ from tests.live.cluster import cluster
 pytestmark = pytest.mark.timeout(240)
 
 
-def test_torch_workers_serve_a_multi_version_run_with_real_tokens_and_rewards(tmp_path, tiny_model):
+@pytest.mark.parametrize("engine", ["torch", pytest.param("vllm", marks=[pytest.mark.vllm, pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="the vllm extra is not installed")])])  # fmt: skip
+def test_model_workers_serve_a_multi_version_run_with_real_tokens_and_rewards(tmp_path, tiny_model, engine):
     steps, k, b, g = 6, 1, 4, 2
     overrides = {
         "core": {"total_steps": steps, "max_staleness": k, "train_groups": b, "group_size": g},
@@ -19,11 +22,12 @@ def test_torch_workers_serve_a_multi_version_run_with_real_tokens_and_rewards(tm
         "task": {"name": "arithmetic", "tokenizer": str(tiny_model)},
         "broker": {"min_workers": 2, "heartbeat_interval_s": 0.5, "liveness": 20},
         "engine": {"max_slots": 8, "credit_slots": 8},
+        "rollout": {"kv_cache_mib": 64, "max_model_len": 1024},
     }
     with cluster(tmp_path, overrides) as c:
         c.start_broker()
         for i in range(2):
-            c.start_worker(f"w{i}", "torch", "--model", str(tiny_model))
+            c.start_worker(f"w{i}", engine, "--model", str(tiny_model))
         c.start_learner()
         assert c.wait("learner", 200) == 0, c.log("learner")[-3000:] + c.log("w0")[-3000:]
         assert c.wait("broker", 15) == 0

@@ -1,0 +1,166 @@
+"""The `vllm` engine: vLLM's continuous batching, in process, stepped by the rollout worker.
+
+The engine core runs in the worker's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the ``uni``
+executor): it starts in seconds instead of the 20–30 s of a separate engine-core process. The worker
+adds requests and calls ``step()``, exactly as it drives the torch engine; vLLM schedules, batches
+and pages the KV cache itself.
+
+- **Log-probs**: ``logprobs_mode="processed_logprobs"``: the log-probability of each sampled token
+  under the distribution it was drawn from (temperature, top-p), like the torch engine.
+- **Seeds**: each sample gets its own seed from the request's seed and its index.
+- **KV memory** is always bounded by ``kv_cache_bytes``. vLLM's CPU default would size the cache to
+  most of the machine's memory.
+- **Weights**: ``load_weights`` checks the file's sha256, then reloads the tensors in place with
+  ``reload_weights``, with no restart. A mismatch is refused, and so is a load while requests run.
+  The prefix cache is reset, because its entries were computed with the old weights.
+- **Migration**: vLLM cannot hand over a request's KV cache or sampler state. ``export`` aborts the
+  request and returns its token prefix and log-probs. ``import_`` re-prefills prompt + prefix on a
+  worker holding the same version, so the continuation is exact in distribution (C1 holds). Its
+  random draws differ from the ones the source would have made.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dora.ids import Finish
+from dora.rollout.engines.base import EngineError
+from dora.rollout.engines.torch_engine import hash_seed, sha256_file, weights_file
+
+
+@dataclass(slots=True)
+class Request:
+    group_id: int
+    attempt: int
+    index: int
+    prompt: list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    prefix: int = 0
+    """Tokens generated elsewhere before a migration (the rest comes from this engine's request)."""
+    finish: Finish | None = None
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        return self.group_id, self.attempt, self.index
+
+
+class VllmEngine:
+    name = "vllm"
+
+    def __init__(self, model_dir: str | pathlib.Path, *, max_slots: int = 64, kv_cache_bytes: int = 64 << 20,
+                 dtype: str = "float32", max_model_len: int = 4096, version: int | None = None,
+                 seed: int = 0) -> None:  # fmt: skip
+        os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")  # vLLM's own sockets stay on loopback
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from vllm import LLM
+
+        self.llm = LLM(model=str(model_dir), tokenizer=str(model_dir), dtype=dtype, max_model_len=max_model_len,
+                       enforce_eager=True, seed=seed, distributed_executor_backend="uni",
+                       kv_cache_memory_bytes=kv_cache_bytes, max_num_seqs=max_slots,
+                       logprobs_mode="processed_logprobs")  # fmt: skip
+        self.engine = self.llm.llm_engine
+        self.max_slots = max_slots
+        self.version = version
+        self.requests: dict[str, Request] = {}
+        self.tokens_generated = 0
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    # ------------------------------------------------------------------ weights
+
+    def load_weights(self, version: int, path: str | pathlib.Path, sha256: str | None) -> None:
+        if self.requests:
+            raise EngineError(f"cannot load v{version}: {len(self.requests)} requests are running")
+        file = weights_file(path)
+        if not file.is_file():
+            raise EngineError(f"no weights at {file}")
+        if sha256 is not None and (got := sha256_file(file)) != sha256:
+            raise EngineError(f"v{version} at {file}: sha256 {got[:12]}… does not match the published {sha256[:12]}…")
+        from safetensors.torch import load_file
+
+        state = load_file(str(file))
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state.items())})
+        self.llm.reset_prefix_cache()
+        self.version = version
+
+    # ------------------------------------------------------------------ requests
+
+    def _add(self, req: Request, prompt: list[int]) -> None:
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=req.max_tokens - req.prefix, temperature=req.temperature, top_p=req.top_p,
+                                seed=hash_seed(req.seed, req.index + 7919 * req.prefix), logprobs=0)  # fmt: skip
+        rid = f"{req.group_id}:{req.attempt}:{req.index}:{uuid.uuid4().hex[:8]}"
+        self.requests[rid] = req
+        self.engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+
+    def submit(self, *, group_id: int, attempt: int, prompt: list[int], n: int, max_tokens: int,
+               temperature: float = 1.0, top_p: float = 1.0, seed: int = 0) -> None:  # fmt: skip
+        if self.version is None:
+            raise EngineError("no weights loaded")
+        for i in range(n):
+            self._add(Request(group_id=group_id, attempt=attempt, index=i, prompt=list(prompt), max_tokens=max_tokens,
+                              temperature=temperature, top_p=top_p, seed=seed), list(prompt))  # fmt: skip
+
+    def export(self, group_id: int, attempt: int, *, with_kv: bool = False) -> list[dict[str, Any]]:
+        """Abort the group's requests; their prefix and log-probs travel (vLLM keeps its KV to itself)."""
+        return [{"index": r.index, "token_ids": np.array(r.tokens, dtype=np.int32),
+                 "logprobs": np.array(r.logprobs, dtype=np.float32), "rng_state": r.seed.to_bytes(8, "little"),
+                 "kv": ()} for r in self._take(group_id, attempt)]  # fmt: skip
+
+    def import_(self, *, group_id: int, attempt: int, prompt: list[int], requests: list[dict[str, Any]],
+                max_tokens: int, temperature: float = 1.0, top_p: float = 1.0) -> None:  # fmt: skip
+        for st in requests:
+            tokens = [int(x) for x in st["token_ids"]]
+            seed = int.from_bytes(st["rng_state"][:8], "little") if st.get("rng_state") else 0
+            req = Request(group_id=group_id, attempt=attempt, index=st["index"], prompt=list(prompt),
+                          max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, tokens=tokens,
+                          logprobs=[float(x) for x in st["logprobs"]], prefix=len(tokens))  # fmt: skip
+            self._add(req, list(prompt) + tokens)
+
+    def cancel(self, group_id: int, attempt: int) -> None:
+        self._take(group_id, attempt)
+
+    def _take(self, group_id: int, attempt: int) -> list[Request]:
+        ids = [rid for rid, r in self.requests.items() if (r.group_id, r.attempt) == (group_id, attempt)]
+        if ids:
+            self.engine.abort_request(ids)
+        return sorted((self.requests.pop(rid) for rid in ids), key=lambda r: r.index)
+
+    def groups(self) -> set[tuple[int, int]]:
+        return {(r.group_id, r.attempt) for r in self.requests.values()}
+
+    def load(self) -> tuple[int, float]:
+        return len(self.requests), min(1.0, len(self.requests) / self.max_slots)
+
+    # ------------------------------------------------------------------ stepping
+
+    def step(self) -> list[Request]:
+        done = []
+        for out in self.engine.step():
+            req = self.requests.get(out.request_id)
+            if req is None:
+                continue  # aborted meanwhile
+            c = out.outputs[0]
+            new = list(c.token_ids)[len(req.tokens) - req.prefix :]
+            for j, token in enumerate(new, start=len(req.tokens) - req.prefix):
+                req.tokens.append(int(token))
+                req.logprobs.append(float(c.logprobs[j][token].logprob))
+            self.tokens_generated += len(new)
+            if out.finished:
+                req.finish = Finish.STOP if c.finish_reason == "stop" else Finish.LENGTH
+                del self.requests[out.request_id]
+                done.append(req)
+        return done

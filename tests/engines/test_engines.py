@@ -1,0 +1,148 @@
+"""The engine suite every step-driven engine passes: torch always, vllm when its extra is installed.
+
+Log-probs are checked against a plain transformers forward pass of the same weights: bit-for-bit
+rounding aside for torch (1e-4), and within 2e-3 for vLLM, whose CPU kernels differ.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+
+import pytest
+import torch
+
+from dora.ids import Finish
+from dora.rollout.engines.base import EngineError
+from dora.rollout.engines.torch_engine import TorchEngine, sha256_file
+
+pytestmark = pytest.mark.timeout(300)
+PROMPT = [17, 300, 45, 9, 88, 12]
+KINDS = [
+    "torch",
+    pytest.param("vllm", marks=[pytest.mark.vllm, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                                                      reason="the vllm extra is not installed")]),
+]  # fmt: skip
+TOLERANCE = {"torch": 1e-4, "vllm": 2e-3}
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(tiny_model):
+    from dora.rollout.engines.vllm_engine import VllmEngine
+
+    return VllmEngine(tiny_model, max_slots=16, kv_cache_bytes=64 << 20, max_model_len=1024, version=0)
+
+
+@pytest.fixture(params=KINDS)
+def new_engine(request, tiny_model):
+    """A factory: a fresh torch engine per call; vLLM's one engine per session (it must be idle)."""
+    if request.param == "torch":
+        return lambda: TorchEngine(tiny_model, max_slots=16, version=0)
+    shared = request.getfixturevalue("vllm_engine")
+
+    def reuse():
+        assert not len(shared), "a previous test left requests in the shared engine"
+        return shared
+
+    return reuse
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(tiny_model)).eval()
+
+
+def run(engine, limit: int = 10_000) -> dict:
+    done = {}
+    for _ in range(limit):
+        for s in engine.step():
+            done[s.key] = s
+        if not len(engine):
+            return done
+    raise AssertionError("the engine did not finish")
+
+
+def logprobs_of(model, prompt: list[int], tokens: list[int], temperature: float) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0].float()
+    logp = torch.log_softmax(logits[len(prompt) - 1 : -1] / temperature, -1)
+    return logp[torch.arange(len(tokens)), torch.tensor(tokens)]
+
+
+def test_behaviour_log_probs_are_those_of_the_weights_at_the_sampled_tokens(new_engine, reference):
+    e = new_engine()
+    e.submit(group_id=1, attempt=1, prompt=PROMPT, n=3, max_tokens=24, temperature=0.8, seed=5)
+    done = run(e)
+    assert sorted(done) == [(1, 1, 0), (1, 1, 1), (1, 1, 2)]
+    for s in done.values():
+        assert 1 <= len(s.tokens) <= 24 and len(s.logprobs) == len(s.tokens)
+        assert s.finish in (Finish.STOP, Finish.LENGTH) and (s.finish is Finish.STOP) == (len(s.tokens) < 24)
+        ref = logprobs_of(reference, PROMPT, s.tokens, 0.8)
+        assert torch.allclose(torch.tensor(s.logprobs), ref, atol=TOLERANCE[e.name]), (s.logprobs[:3], ref[:3])
+
+
+def test_many_requests_of_different_lengths_all_finish(new_engine):
+    e = new_engine()
+    for g in range(5):
+        e.submit(group_id=g, attempt=1, prompt=PROMPT[: 2 + g], n=4, max_tokens=6 + 4 * g, seed=g)
+    done = run(e)
+    assert len(done) == 20
+    assert all(len(s.tokens) <= s.max_tokens for s in done.values())
+
+
+def test_a_migrated_request_continues_on_the_same_weights(new_engine, reference):
+    src = new_engine()
+    src.submit(group_id=3, attempt=2, prompt=PROMPT, n=2, max_tokens=30, temperature=1.0, seed=11)
+    for _ in range(8):
+        src.step()
+    state = src.export(3, 2)
+    assert not len(src) and len(state) == 2 and all(len(st["token_ids"]) >= 1 for st in state)
+    prefixes = {st["index"]: list(st["token_ids"]) for st in state}
+    dst = new_engine()
+    dst.import_(group_id=3, attempt=2, prompt=PROMPT, requests=state, max_tokens=30, temperature=1.0)
+    done = run(dst)
+    for (_, _, index), s in done.items():
+        assert s.tokens[: len(prefixes[index])] == prefixes[index] and len(s.tokens) <= 30
+        ref = logprobs_of(reference, PROMPT, s.tokens, 1.0)
+        assert torch.allclose(torch.tensor(s.logprobs), ref, atol=TOLERANCE[dst.name])
+
+
+def test_weights_reload_in_place_verified_and_outputs_follow_them(new_engine, reference, tmp_path):
+    from safetensors.torch import save_file
+
+    e = new_engine()
+    original = {k: v.clone().contiguous() for k, v in reference.state_dict().items()}
+    torch.manual_seed(0)
+    changed = {k: (v + 0.05 * torch.randn_like(v)).contiguous() for k, v in original.items()}
+    (tmp_path / "v0.safetensors").write_bytes(b"")
+    save_file(original, str(tmp_path / "v0.safetensors"))
+    save_file(changed, str(tmp_path / "v1.safetensors"))
+    good = sha256_file(tmp_path / "v1.safetensors")
+
+    def greedy() -> list[int]:
+        e.submit(group_id=9, attempt=1, prompt=PROMPT, n=1, max_tokens=12, temperature=0.0)
+        return next(iter(run(e).values())).tokens
+
+    before = greedy()
+    e.submit(group_id=9, attempt=1, prompt=PROMPT, n=1, max_tokens=12, temperature=0.0)
+    with pytest.raises(EngineError, match="running"):
+        e.load_weights(1, tmp_path / "v1.safetensors", good)
+    run(e)
+    with pytest.raises(EngineError, match="sha256"):
+        e.load_weights(1, tmp_path / "v1.safetensors", hashlib.sha256(b"other").hexdigest())
+    assert e.version == 0 and greedy() == before
+    try:
+        e.load_weights(1, tmp_path / "v1.safetensors", good)
+        assert e.version == 1
+        after = greedy()
+        assert after != before
+        reference.load_state_dict(changed)
+        with torch.no_grad():
+            want = reference.generate(torch.tensor([PROMPT]), max_new_tokens=12, do_sample=False,
+                                      eos_token_id=-1, pad_token_id=0)[0, len(PROMPT):].tolist()  # fmt: skip
+        assert after == want[: len(after)]
+    finally:
+        reference.load_state_dict(original)
+        e.load_weights(0, tmp_path / "v0.safetensors", None)  # the shared engine goes back to version 0
