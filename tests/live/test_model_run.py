@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -38,3 +41,17 @@ def test_model_workers_serve_a_multi_version_run_with_real_tokens_and_rewards(tm
         assert len(finished) == steps and all(0.0 <= r["reward_mean"] <= 1.0 for r in finished)
         workers = [json.loads(line) for w in ("w0", "w1") for line in c.log(w).splitlines() if line.startswith("{")]
         assert not [r for r in workers if r.get("level") == "error"], [r for r in workers if r.get("level") == "error"]
+
+
+def test_a_custom_engine_from_the_example_serves_a_run(tmp_path):
+    example = pathlib.Path(__file__).resolve().parents[2] / "examples" / "custom_engine.py"
+    with cluster(tmp_path, {"core": {"total_steps": 6}, "broker": {"min_workers": 2}}) as c:
+        c.start_broker()
+        for i in range(2):
+            with open(tmp_path / f"c{i}.log", "wb") as log:
+                c.procs[f"c{i}"] = subprocess.Popen(
+                    [sys.executable, str(example), "--broker", str(tmp_path / "broker.json"), "--config",
+                     str(c.config), "--name", f"c{i}"], stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        c.start_learner()
+        assert c.wait("learner", 60) == 0, c.log("learner")[-2000:] + c.log("c0")[-2000:]
+        c.check_exactly_once()
