@@ -80,6 +80,21 @@ def test_sim_bad_input_is_one_clear_error(args, fragment):
     assert r.returncode == 2 and fragment in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [(["rollout", "--broker", "tcp://127.0.0.1:9", "--engine", "torch", "--model", "/nonexistent"], "needs --model"),
+     (["rollout", "--broker", "/nonexistent/broker.json"], "no broker at"),
+     (["broker", "--set", "task.name=arithmetic", "--set", "task.tokenizer=/nonexistent"], "no tokenizer.json"),
+     (["broker", "--set", "task.name=poetry"], "task.name must be"),
+     (["broker", "--set", "task.name=countdown"], "needs task.tokenizer"),
+     (["broker", "--set", "broker.liveness=1"], "liveness"),
+     (["learner", "--trainer", "sim", "--broker", "tcp://127.0.0.1:9", "--set", "run.time_scale=0"], "time_scale")],
+)  # fmt: skip
+def test_live_commands_bad_input_is_one_clear_error(argv, fragment):
+    r = dora(*argv)
+    assert r.returncode == 2 and fragment in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_paper_configs_load():
     from dora.config import load
     from dora.sim.config import SimConfig
