@@ -283,7 +283,7 @@ class BrokerActor:
             staleness=dict(sorted(hist.items())),
             live_versions=self.core.ledger.alive(),
             workers=len(self.core.scheduler.workers),
-            **{k: round(v, 4) for k, v in msg.metrics.items()},
+            learner={k: round(v, 4) for k, v in msg.metrics.items()},  # the learner's own numbers, kept apart
         )
         self.step_started = now
 

@@ -17,6 +17,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable
+from statistics import fmean
 from typing import Any, TextIO
 
 import structlog
@@ -72,6 +73,7 @@ class StandInLearner:
         *,
         audit: TextIO | None = None,
         clock: Callable[[], float] = time.monotonic,
+        trainer: Any = None,
     ) -> None:
         self.cfg = cfg
         self.ctx = ctx
@@ -79,6 +81,8 @@ class StandInLearner:
         self.audit = audit
         self.clock = clock
         self.version = 0
+        self.trainer = trainer
+        """None: the sim trainer (sleeps the trainer model's time); else a TorchTrainer (train + publish)."""
 
     async def run(self, stop: asyncio.Event) -> int:
         sock = self.ctx.socket(zmq.DEALER)
@@ -140,6 +144,37 @@ class StandInLearner:
         finally:
             sock.close(linger=0)
 
+    async def _sim_step(self, sock: zmq.asyncio.Socket, facts: dict[str, Any],
+                        stop: asyncio.Event) -> tuple[str, str, float, dict[str, float]] | None:  # fmt: skip
+        """The trainer model's time for these tokens (scaled), heartbeating meanwhile; no weights."""
+        train_s = self.cfg.trainer.train_s(facts["tokens"], self.cfg.learner.sim_gpus) * self.cfg.run.time_scale
+        deadline = self.clock() + train_s
+        while self.clock() < deadline:
+            if stop.is_set():
+                return None
+            await asyncio.sleep(min(self.cfg.broker.heartbeat_interval_s, deadline - self.clock()))
+            await sock.send_multipart(codec.encode(m.Heartbeat()))
+        publish_s = self.cfg.trainer.publish_s * self.cfg.run.time_scale
+        await asyncio.sleep(publish_s)
+        version = self.version + 1
+        sha = hashlib.sha256(f"sim-weights-{version}".encode()).hexdigest()
+        return f"sim://v{version}", sha, publish_s, {"train_s": train_s}
+
+    def _torch_step(self, batch: m.TrainBatch) -> tuple[str, str, float, dict[str, float]]:
+        assert self.trainer is not None
+        metrics = self.trainer.train(batch)
+        uri, sha, publish_s = self.trainer.publish(self.version + 1)
+        return uri, sha, publish_s, metrics
+
+    async def _busy(self, sock: zmq.asyncio.Socket, stop: asyncio.Event, fn: Any, *args: Any) -> Any:
+        """Run blocking work in a thread while this loop keeps heartbeating; None if stopped meanwhile."""
+        task = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+        while not task.done():
+            await asyncio.wait([task], timeout=self.cfg.broker.heartbeat_interval_s)
+            await sock.send_multipart(codec.encode(m.Heartbeat()))
+        result = task.result()
+        return None if stop.is_set() else result
+
     async def train(self, sock: zmq.asyncio.Socket, batch: m.TrainBatch, stop: asyncio.Event) -> None:
         core = self.cfg.core
         facts = check_batch(
@@ -151,30 +186,20 @@ class StandInLearner:
             mixed_ok=core.in_flight_swap,
         )
         started = self.clock()
-        train_s = self.cfg.trainer.train_s(facts["tokens"], self.cfg.learner.sim_gpus) * self.cfg.run.time_scale
-        deadline = started + train_s
-        while self.clock() < deadline:  # keep heartbeating while "training"
-            if stop.is_set():
-                return  # a step cut short is not published: the broker re-delivers the batch to the next learner
-            await asyncio.sleep(min(self.cfg.broker.heartbeat_interval_s, deadline - self.clock()))
-            await sock.send_multipart(codec.encode(m.Heartbeat()))
-        await asyncio.sleep(self.cfg.trainer.publish_s * self.cfg.run.time_scale)
+        if self.trainer is None:
+            published = await self._sim_step(sock, facts, stop)
+        else:
+            published = await self._busy(sock, stop, self._torch_step, batch)
+        if published is None:
+            return  # a step cut short is not published: the broker re-delivers the batch to the next learner
+        uri, sha, publish_s, metrics = published
         self.version += 1
-        rewards = [s.reward for g in batch.groups for s in g.samples]
-        sha = hashlib.sha256(f"sim-weights-{self.version}".encode()).hexdigest()
+        metrics.setdefault("reward_mean", fmean(s.reward for g in batch.groups for s in g.samples))
+        metrics.setdefault("tokens", float(facts["tokens"]))
+        metrics["learner_step_s"] = self.clock() - started
         await sock.send_multipart(
             codec.encode(
-                m.WeightsPublished(
-                    version=self.version,
-                    uri=f"sim://v{self.version}",
-                    sha256=sha,
-                    publish_s=self.cfg.trainer.publish_s * self.cfg.run.time_scale,
-                    metrics={
-                        "reward_mean": sum(rewards) / len(rewards),
-                        "tokens": float(facts["tokens"]),
-                        "train_s": self.clock() - started,
-                    },
-                )
+                m.WeightsPublished(version=self.version, uri=uri, sha256=sha, publish_s=publish_s, metrics=metrics)
             )
         )
         if self.audit is not None:

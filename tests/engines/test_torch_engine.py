@@ -7,9 +7,10 @@ import hashlib
 import pytest
 import torch
 
+from dora.digest import sha256_file
 from dora.ids import Finish
 from dora.rollout.engines.base import EngineError
-from dora.rollout.engines.torch_engine import TorchEngine, sha256_file, weights_file
+from dora.rollout.engines.torch_engine import TorchEngine, weights_file
 
 pytestmark = pytest.mark.timeout(120)
 PROMPT = [17, 300, 45, 9, 88, 12]

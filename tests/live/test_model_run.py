@@ -38,7 +38,7 @@ def test_model_workers_serve_a_multi_version_run_with_real_tokens_and_rewards(tm
         assert {v for r in audit for v in r["versions"]} >= {0, 1, 2}, "more than one version served"
         assert any(r["staleness"].get("1") for r in audit), "no step trained on older data: not asynchronous"
         finished = c.events("broker", "train_step")
-        assert len(finished) == steps and all(0.0 <= r["reward_mean"] <= 1.0 for r in finished)
+        assert len(finished) == steps and all(0.0 <= r["learner"]["reward_mean"] <= 1.0 for r in finished)
         workers = [json.loads(line) for w in ("w0", "w1") for line in c.log(w).splitlines() if line.startswith("{")]
         assert not [r for r in workers if r.get("level") == "error"], [r for r in workers if r.get("level") == "error"]
 

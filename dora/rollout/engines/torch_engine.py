@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dora.digest import sha256_file
 from dora.ids import Finish
 from dora.rollout.engines.base import EngineError
 
@@ -58,14 +59,6 @@ class Sequence:
     def positions(self) -> int:
         """Positions in its KV cache: the prompt and every sampled token but the newest (not yet fed)."""
         return len(self.prompt) + len(self.tokens) - 1
-
-
-def sha256_file(path: pathlib.Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def weights_file(path: str | pathlib.Path) -> pathlib.Path:

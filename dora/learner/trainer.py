@@ -1,0 +1,121 @@
+"""The torch trainer: one GRPO step per train batch on a transformers model, then a published version.
+
+Per batch:
+1. Every trajectory's advantage comes from its group's rewards (``dora.learner.loss``).
+2. Trajectories are split into micro-batches: prompt + sampled tokens, right-padded.
+3. The model scores the sampled tokens at the rollout temperature. The clipped surrogate against the
+   trajectory's behaviour log-probs is back-propagated, and micro-batches are weighted so the
+   accumulated gradient equals the full batch's.
+4. One AdamW step. Then ``publish`` writes the new version to the weight store.
+
+This is the single-process trainer. The FSDP2 learner shards the same step across ranks.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dora.learner.loss import LossConfig, group_advantages, policy_loss, uniform_groups
+from dora.learner.weights import WeightStore
+from dora.wire import messages as m
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainerConfig:
+    lr: float = 1e-4
+    micro_batch: int = 16
+    """Trajectories per forward/backward (gradient accumulation over a batch)."""
+    temperature: float = 1.0
+    """The rollout temperature: the behaviour log-probs were taken at it, so the learner scores at it too."""
+    max_grad_norm: float = 1.0
+    seed: int = 0
+
+
+class TorchTrainer:
+    def __init__(self, model_dir: str | pathlib.Path, store: WeightStore, loss: LossConfig, cfg: TrainerConfig,
+                 *, device: str = "cpu") -> None:  # fmt: skip
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(cfg.seed)
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(self.device)
+        self.model.train()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
+        self.store = store
+        self.loss_cfg = loss
+        self.cfg = cfg
+
+    def train(self, batch: m.TrainBatch) -> dict[str, float]:
+        started = time.perf_counter()
+        rows = [(g.prompt_ids.tolist(), s, gi) for gi, g in enumerate(batch.groups) for s in g.samples]
+        rewards = torch.tensor([s.reward for _, s, _ in rows], dtype=torch.float64)
+        groups = torch.tensor([gi for _, _, gi in rows])
+        adv = group_advantages(rewards, groups, scale_by_std=self.loss_cfg.scale_by_std, eps=self.loss_cfg.eps)
+        flat = uniform_groups(rewards, groups)
+        keep = ~flat[groups] if self.loss_cfg.filter_uniform_groups else torch.ones(len(rows), dtype=torch.bool)
+        kept_rows = int(keep.sum())
+        kept_tokens = sum(len(s.token_ids) for (_, s, _), k in zip(rows, keep.tolist(), strict=True) if k)
+        self.opt.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {"clip_fraction": 0.0, "ratio_mean": 0.0, "loss": 0.0}
+        ratio_min, ratio_max, tokens = float("inf"), float("-inf"), 0.0
+        for start in range(0, len(rows), self.cfg.micro_batch):
+            part = range(start, min(start + self.cfg.micro_batch, len(rows)))
+            if not any(keep[i] for i in part):
+                continue
+            logp, beh, mask = self._score([rows[i] for i in part])
+            loss, met = policy_loss(logp, beh, adv[list(part)].to(self.device), mask, self.loss_cfg,
+                                    keep=keep[list(part)].to(self.device))  # fmt: skip
+            share = met["tokens"] / max(kept_tokens, 1) if self.loss_cfg.token_level else (
+                int(keep[list(part)].sum()) / max(kept_rows, 1))  # fmt: skip
+            (loss * share).backward()
+            sums["loss"] += float(loss) * share
+            for k in ("clip_fraction", "ratio_mean"):
+                sums[k] += met[k] * met["tokens"]
+            tokens += met["tokens"]
+            ratio_min, ratio_max = min(ratio_min, met["ratio_min"]), max(ratio_max, met["ratio_max"])
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm))
+        self.opt.step()
+        return {
+            "loss": sums["loss"],
+            "reward_mean": float(rewards.mean()),
+            "clip_fraction": sums["clip_fraction"] / max(tokens, 1),
+            "ratio_mean": sums["ratio_mean"] / max(tokens, 1),
+            "ratio_min": ratio_min if tokens else 1.0,
+            "ratio_max": ratio_max if tokens else 1.0,
+            "grad_norm": grad_norm,
+            "filtered_groups": float(flat.sum()) if self.loss_cfg.filter_uniform_groups else 0.0,
+            "tokens": float(sum(len(s.token_ids) for _, s, _ in rows)),
+            "train_s": time.perf_counter() - started,
+        }
+
+    def _score(self, rows: list[tuple[list[int], Any, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Log-probs of the sampled tokens under the current weights, the behaviour ones, and the mask: [B, T]."""
+        width = max(len(p) + len(s.token_ids) for p, s, _ in rows)
+        longest = max(len(s.token_ids) for _, s, _ in rows)
+        ids = torch.zeros((len(rows), width), dtype=torch.long)
+        attn = torch.zeros((len(rows), width), dtype=torch.long)
+        beh = torch.zeros((len(rows), longest), dtype=torch.float32)
+        mask = torch.zeros((len(rows), longest), dtype=torch.float32)
+        for b, (prompt, s, _) in enumerate(rows):
+            seq = prompt + s.token_ids.tolist()
+            ids[b, : len(seq)] = torch.tensor(seq)
+            attn[b, : len(seq)] = 1
+            beh[b, : len(s.token_ids)] = torch.from_numpy(s.logprobs.astype("float32"))
+            mask[b, : len(s.token_ids)] = 1
+        logits = self.model(input_ids=ids.to(self.device), attention_mask=attn.to(self.device)).logits.float()
+        logp_all = torch.log_softmax(logits / self.cfg.temperature, -1)
+        out = torch.zeros((len(rows), longest), dtype=torch.float32, device=self.device)
+        for b, (prompt, s, _) in enumerate(rows):
+            n = len(s.token_ids)
+            positions = torch.arange(len(prompt) - 1, len(prompt) - 1 + n, device=self.device)
+            targets = torch.as_tensor(s.token_ids.astype("int64"), device=self.device)
+            out[b, :n] = logp_all[b, positions, targets]
+        return out, beh.to(self.device), mask.to(self.device)
+
+    def publish(self, version: int) -> tuple[str, str, float]:
+        return self.store.publish(version, self.model.state_dict())

@@ -1,0 +1,71 @@
+"""The weight store: one directory per published version, written atomically, retired by the broker.
+
+``<root>/v<N>/model.safetensors`` plus ``manifest.json`` (version, sha256 of the safetensors file,
+size, seconds to write). A version is written into a temporary directory beside it and renamed into
+place, so a reader sees all of it or none of it. The URI handed to rollout workers is
+``file://<root>/v<N>/model.safetensors``; they check the sha256 before loading. ``retire`` removes a
+version once the broker's ledger no longer needs it (no worker serves it and all its groups are trained).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import time
+import uuid
+
+import torch
+
+from dora.digest import sha256_file
+
+
+class WeightStore:
+    def __init__(self, root: str | pathlib.Path) -> None:
+        self.root = pathlib.Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def path(self, version: int) -> pathlib.Path:
+        return self.root / f"v{version}"
+
+    def publish(self, version: int, state: dict[str, torch.Tensor]) -> tuple[str, str, float]:
+        """Write ``state`` as version ``version``; returns (uri, sha256, seconds)."""
+        from safetensors.torch import save_file
+
+        started = time.perf_counter()
+        final = self.path(version)
+        tmp = self.root / f".v{version}.{uuid.uuid4().hex[:8]}.tmp"
+        tmp.mkdir()
+        try:
+            file = tmp / "model.safetensors"
+            save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(file))
+            sha = sha256_file(file)
+            manifest = {"version": version, "sha256": sha, "bytes": file.stat().st_size,
+                        "write_s": round(time.perf_counter() - started, 4)}  # fmt: skip
+            (tmp / "manifest.json").write_text(json.dumps(manifest))
+            if final.exists():  # a re-publish of the same version (a restarted learner): replace it whole
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return f"file://{final / 'model.safetensors'}", sha, time.perf_counter() - started
+
+    def retire(self, version: int) -> bool:
+        """Delete a version's directory; False if it was not there."""
+        path = self.path(version)
+        if not path.exists():
+            return False
+        shutil.rmtree(path)
+        return True
+
+    def versions(self) -> list[int]:
+        return sorted(int(p.name[1:]) for p in self.root.glob("v*") if p.name[1:].isdigit())
+
+
+def store_path(uri: str) -> pathlib.Path | None:
+    """The version directory a ``file://`` weight URI points into (None for other schemes)."""
+    if not uri.startswith("file://"):
+        return None
+    return pathlib.Path(uri.removeprefix("file://")).parent
