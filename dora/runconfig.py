@@ -105,6 +105,18 @@ class LearnerSection:
     """JSON lines, one per trained step: the groups it trained (for exactly-once checks)."""
     sim_gpus: int = 1
     """Accelerators the sim trainer stands for (its step time is the trainer model's for this many)."""
+    model: str | None = None
+    """torch trainer: the HF model folder it starts from (the same version 0 the rollout workers load)."""
+    store: str = "weights"
+    """Weight store directory, reachable by every process (published versions, retired by the broker)."""
+    lr: float = 1e-4
+    micro_batch: int = 16
+    max_grad_norm: float = 1.0
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    token_level: bool = False
+    scale_by_std: bool = True
+    filter_uniform_groups: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -13,6 +13,8 @@ credits (the worker's slots) keep those outboxes small.
 from __future__ import annotations
 
 import asyncio
+import pathlib
+import shutil
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -42,6 +44,18 @@ class Peer:
     role: m.Role
     name: str
     outbox: deque[list[Any]] = field(default_factory=deque)
+
+
+def retire_weights(uri: str) -> pathlib.Path | None:
+    """Delete a retired version's directory in the weight store (``file://<store>/v<N>/model.safetensors``)."""
+    if not uri.startswith("file://"):
+        return None
+    path = pathlib.Path(uri.removeprefix("file://")).parent
+    if not (path.name.startswith("v") and (path / "manifest.json").is_file()):
+        log.warning("retire_not_a_store_version", uri=uri)  # never delete what the store did not write
+        return None
+    shutil.rmtree(path, ignore_errors=True)
+    return path
 
 
 class BrokerActor:
@@ -363,8 +377,9 @@ class BrokerActor:
             case ev.DeliverBatch():
                 self.deliver(a)
             case ev.Retire():
-                log.info("version_retired", version=a.version)
-                self.weights.pop(a.version, None)
+                uri, _ = self.weights.pop(a.version, ("", ""))
+                removed = retire_weights(uri)
+                log.info("version_retired", version=a.version, deleted=str(removed) if removed else None)
                 for peer in [p for p in self.peers.values() if p.role is m.Role.ROLLOUT]:
                     self.send(peer, m.RetireVersion(version=a.version))
             case ev.Refused():

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import pathlib
 import signal
 import sys
 
@@ -22,21 +23,44 @@ from dora.runconfig import RunConfig
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="dora learner", description="The learner (the FSDP2 trainer is not built yet).")
     p.add_argument("--broker", required=True, help="tcp://host:port, ipc://path, or a broker.json discovery file")
-    p.add_argument("--trainer", choices=["sim"], required=True, help="sim: a stand-in that checks and times batches")
+    p.add_argument(
+        "--trainer",
+        choices=["sim", "torch"],
+        required=True,
+        help="sim: a stand-in that checks and times batches; torch: GRPO on a transformers model",
+    )
+    p.add_argument("--model", help="torch trainer: the HF model folder to start from (overrides learner.model)")
     p.add_argument("--config", metavar="FILE.toml")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     args = p.parse_args(argv)
     try:
-        cfg = load(RunConfig, path=args.config, env=os.environ, env_prefix="DORA_", overrides=args.set)
+        overrides = [*args.set, *([f"learner.model={args.model}"] if args.model else [])]
+        cfg = load(RunConfig, path=args.config, env=os.environ, env_prefix="DORA_", overrides=overrides)
         endpoint = resolve_endpoint(args.broker)
+        model = cfg.learner.model
+        if args.trainer == "torch" and not (model and pathlib.Path(model, "config.json").is_file()):
+            raise ConfigError(f"--trainer torch needs --model DIR (an HF folder); got {cfg.learner.model}")
     except ConfigError as e:
         print(f"dora learner: {e}", file=sys.stderr)
         return 2
     configure_logging(cfg.log, process="learner", rank=0)
-    return uvloop.run(serve(cfg, endpoint))
+    return uvloop.run(serve(cfg, endpoint, args.trainer))
 
 
-async def serve(cfg: RunConfig, endpoint: str) -> int:
+def make_trainer(cfg: RunConfig):  # -> TorchTrainer
+    from dora.learner.loss import LossConfig
+    from dora.learner.trainer import TorchTrainer, TrainerConfig
+    from dora.learner.weights import WeightStore
+
+    lc = cfg.learner
+    loss = LossConfig(clip_low=lc.clip_low, clip_high=lc.clip_high, token_level=lc.token_level,
+                      scale_by_std=lc.scale_by_std, filter_uniform_groups=lc.filter_uniform_groups)  # fmt: skip
+    tc = TrainerConfig(lr=lc.lr, micro_batch=lc.micro_batch, temperature=cfg.run.temperature,
+                       max_grad_norm=lc.max_grad_norm, seed=cfg.run.seed)  # fmt: skip
+    return TorchTrainer(lc.model, WeightStore(lc.store), loss, tc)
+
+
+async def serve(cfg: RunConfig, endpoint: str, kind: str = "sim") -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -45,6 +69,7 @@ async def serve(cfg: RunConfig, endpoint: str) -> int:
     with contextlib.ExitStack() as stack:
         audit = stack.enter_context(open(cfg.learner.audit_file, "a")) if cfg.learner.audit_file else None
         try:
-            return await StandInLearner(cfg, ctx, endpoint, audit=audit, clock=loop.time).run(stop)
+            trainer = make_trainer(cfg) if kind == "torch" else None
+            return await StandInLearner(cfg, ctx, endpoint, audit=audit, clock=loop.time, trainer=trainer).run(stop)
         finally:
             ctx.destroy(linger=0)

@@ -128,6 +128,7 @@ class RolloutActor:
                     self.loading = None
                     try:
                         self.engine.loaded(version, uri, sha)
+                        log.info("weights_loaded", version=version, uri=uri)
                     except EngineError as e:  # bad weights: stay on the old version, let the broker re-plan
                         log.error("weights_refused", version=version, error=str(e))
                         raise Reconnect(f"could not load v{version}") from None

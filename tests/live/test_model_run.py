@@ -55,3 +55,38 @@ def test_a_custom_engine_from_the_example_serves_a_run(tmp_path):
         c.start_learner()
         assert c.wait("learner", 60) == 0, c.log("learner")[-2000:] + c.log("c0")[-2000:]
         c.check_exactly_once()
+
+
+def test_a_torch_learner_trains_and_workers_load_every_published_version(tmp_path, tiny_model):
+    """The whole loop on a real model: GRPO steps, weights published to the store, verified and loaded
+    by the torch workers, retired versions deleted from the store."""
+    steps = 5
+    store = tmp_path / "store"
+    overrides = {
+        "core": {"total_steps": steps, "max_staleness": 1, "train_groups": 4, "group_size": 4},
+        "run": {"max_tokens": 16},
+        "task": {"name": "arithmetic", "tokenizer": str(tiny_model), "reward": "dora.tasks.rewards:digits_shaped"},
+        "broker": {"min_workers": 2, "heartbeat_interval_s": 0.5, "liveness": 20},
+        "engine": {"max_slots": 16, "credit_slots": 16},
+        "learner": {"model": str(tiny_model), "store": str(store), "lr": 1e-3},
+    }
+    with cluster(tmp_path, overrides) as c:
+        c.start_broker()
+        for i in range(2):
+            c.start_worker(f"w{i}", "torch", "--model", str(tiny_model))
+        c.spawn("learner", "learner", "--trainer", "torch", "--broker", str(tmp_path / "broker.json"))
+        assert c.wait("learner", 200) == 0, c.log("learner")[-3000:]
+        assert c.wait("broker", 15) == 0, c.log("broker")[-3000:]
+        c.check_exactly_once()
+        published = c.events("broker", "train_step")
+        assert [r["version"] for r in published] == list(range(1, steps + 1))
+        assert all(r["learner"]["tokens"] > 0 for r in published)
+        # a step whose groups all scored alike has no advantage and moves nothing; the others do
+        assert sum(r["learner"]["grad_norm"] > 0 for r in published) >= 2, [r["learner"] for r in published]
+        loaded = [(r["version"], r["uri"]) for w in ("w0", "w1") for r in c.events(w, "weights_loaded")]
+        assert {v for v, uri in loaded if uri.startswith("file://")} >= {1, 2}, loaded
+        retired = [r for r in c.events("broker", "version_retired") if r.get("deleted")]
+        assert retired and all(not pathlib.Path(r["deleted"]).exists() for r in retired)
+        left = sorted(p.name for p in store.iterdir())
+        assert f"v{steps}" in left and len(left) <= 3, left  # only what the ledger may still need
+        assert not [r for w in ("w0", "w1") for r in c.events(w) if r.get("level") == "error"]

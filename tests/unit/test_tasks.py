@@ -70,3 +70,9 @@ def test_reward_specs_resolve_or_fail_clearly():
     for bad, msg in (("nocolon", "module:function"), ("dora.nope:f", "No module"), ("dora.tasks.rewards:nope", "nope")):
         with pytest.raises(ValueError, match=msg):
             rewards.resolve(bad)
+
+
+def test_digits_shaped_reward_by_hand():
+    item = get("arithmetic").item(0)
+    assert rewards.digits_shaped(f"= {item.answer}", item) == 2.0
+    assert rewards.digits_shaped("=12ab", item) == 0.5 and rewards.digits_shaped("no equals", item) == 0.0
