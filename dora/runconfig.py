@@ -23,10 +23,23 @@ class LiveRun:
     max_tokens: int = 30_720
     temperature: float = 1.0
     top_p: float = 1.0
+    workers: int = 2
+    """`dora run`: rollout workers to start on this machine."""
+    engine: str = "sim"
+    """`dora run`: the workers' engine (sim, torch, vllm)."""
+    trainer: str = "sim"
+    """`dora run`: the learner's trainer (sim, torch)."""
+    dir: str = "runs"
+    """`dora run`: where each run gets its own directory (logs, metrics.jsonl, plots, weight store)."""
 
     def __post_init__(self) -> None:
         if self.time_scale <= 0:
             raise ConfigError(f"run.time_scale must be > 0; got {self.time_scale}")
+        if self.workers < 1:
+            raise ConfigError(f"run.workers must be >= 1; got {self.workers}")
+        if self.engine not in ("sim", "torch", "vllm") or self.trainer not in ("sim", "torch"):
+            raise ConfigError(f"run.engine must be sim, torch or vllm and run.trainer sim or torch; "
+                              f"got {self.engine!r}, {self.trainer!r}")  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -95,8 +108,6 @@ class TaskSection:
     def __post_init__(self) -> None:
         if self.name not in ("synthetic", "arithmetic", "countdown"):
             raise ConfigError(f"task.name must be synthetic, arithmetic or countdown; got {self.name!r}")
-        if self.name != "synthetic" and not self.tokenizer:
-            raise ConfigError(f"task {self.name!r} needs task.tokenizer (the model folder with tokenizer.json)")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

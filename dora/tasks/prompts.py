@@ -43,4 +43,6 @@ def prompt_source(cfg) -> Callable[[int], np.ndarray]:  # cfg: RunConfig
         workload = cfg.workload.build(cfg.run.seed)
         return functools.lru_cache(maxsize=8192)(lambda g: prompt_ids(workload, g))
     t = cfg.task
+    if not t.tokenizer:
+        raise ValueError(f"task {t.name!r} needs task.tokenizer (the model folder with tokenizer.json)")
     return TaskRun(t.name, t.seed, t.tokenizer, t.reward, t.reward_timeout_s).prompt_ids

@@ -1,0 +1,199 @@
+"""`dora run --config FILE.toml`: broker, rollout workers and learner on this machine, one command.
+
+Each run gets its own directory under ``run.dir``, holding:
+- the resolved config every process reads, and one log per process;
+- ``metrics.jsonl``, one line per train step (from the broker's canonical ``train_step`` lines);
+- the learner's audit, the weight store and, at the end, ``reward.png`` and ``versions.png``.
+
+The broker listens on an ipc socket in that directory. The progress line shows step, reward,
+staleness and throughput. Ctrl-C (or SIGTERM) stops every process by its PID: SIGTERM first, then
+SIGKILL after the grace period. The exit status is 0 only if every process exited 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import enum
+import json
+import os
+import pathlib
+import signal
+import sys
+import time
+from typing import Any
+
+from dora.config import ConfigError, load
+from dora.local import LocalRun
+from dora.runconfig import RunConfig
+
+
+def to_data(obj: Any) -> Any:
+    """A resolved config as plain TOML-able data (None left out: it is every such field's default)."""
+    if dataclasses.is_dataclass(obj):
+        out = {}
+        for f in dataclasses.fields(obj):
+            value = to_data(getattr(obj, f.name))
+            if value is not None:
+                out[f.name] = value
+        return out
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if isinstance(obj, tuple | list):
+        return [to_data(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: to_data(v) for k, v in obj.items()}
+    return obj
+
+
+def prepare(cfg: RunConfig, rundir: pathlib.Path) -> dict[str, Any]:
+    """The config the processes get: this run's socket, discovery file, audit and weight store."""
+    data = to_data(cfg)
+    data["broker"].update(bind=f"ipc://{rundir / 'broker.sock'}", discovery_file=str(rundir / "broker.json"),
+                          min_workers=cfg.run.workers)  # fmt: skip
+    data["learner"].update(audit_file=str(rundir / "audit.jsonl"), store=str(rundir / "weights"))
+    data["log"]["format"] = "json"
+    if cfg.run.engine != "sim" or cfg.run.trainer != "sim":
+        model = cfg.rollout.model or cfg.learner.model
+        if not model:
+            raise ConfigError("run.engine/run.trainer torch|vllm need rollout.model (an HF model folder)")
+        if not (pathlib.Path(model) / "config.json").is_file():
+            from dora.tasks.model import build_model
+
+            print(f"dora run: building the tiny model into {model} (first run only)", file=sys.stderr)
+            build_model(model)
+        data["rollout"]["model"] = data["learner"]["model"] = str(model)
+        data["task"].setdefault("tokenizer", str(model))
+    return data
+
+
+def main(argv: list[str]) -> int:
+    fmt = argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(prog="dora run", description=__doc__, formatter_class=fmt)
+    p.add_argument("--config", metavar="FILE.toml")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL on stop")
+    args = p.parse_args(argv)
+    try:
+        cfg = load(RunConfig, path=args.config, env=os.environ, env_prefix="DORA_", overrides=args.set)
+        if cfg.core.total_steps is None:
+            raise ConfigError("dora run needs core.total_steps")
+        rundir = pathlib.Path(cfg.run.dir) / time.strftime("%Y%m%d-%H%M%S")
+        rundir.mkdir(parents=True, exist_ok=False)
+        data = prepare(cfg, rundir)
+    except (ConfigError, FileExistsError) as e:
+        print(f"dora run: {e}", file=sys.stderr)
+        return 2
+    run = LocalRun(rundir, data)
+    stopping = False
+
+    def on_signal(signum: int, frame: Any) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    print(f"dora run: {cfg.core.mode.value}, {cfg.run.workers} {cfg.run.engine} workers, {cfg.run.trainer} trainer, "
+          f"{cfg.core.total_steps} steps; run directory {rundir}", file=sys.stderr)  # fmt: skip
+    codes: dict[str, int | None] = {}
+    try:
+        run.start_broker()
+        extra = ["--model", str(data["rollout"]["model"])] if cfg.run.engine != "sim" else []
+        for i in range(cfg.run.workers):
+            run.start_worker(f"w{i}", cfg.run.engine, *extra)
+        run.spawn("learner", "learner", "--trainer", cfg.run.trainer, "--broker", str(rundir / "broker.json"))
+        follow(run, rundir, cfg.core.total_steps, lambda: stopping)
+    except (RuntimeError, TimeoutError) as e:
+        print(f"dora run: {e}", file=sys.stderr)
+    finally:
+        codes = run.stop(grace_s=args.grace)
+        summarize(run, rundir)
+    failed = {k: v for k, v in codes.items() if v != 0}
+    if stopping:
+        print(f"dora run: stopped; every process ended ({codes}); logs in {rundir}", file=sys.stderr)
+        return 130
+    if failed:
+        print(f"dora run: processes failed: {failed}; logs in {rundir}", file=sys.stderr)
+        return 1
+    print(f"dora run: done; metrics in {rundir / 'metrics.jsonl'}", file=sys.stderr)
+    return 0
+
+
+def follow(run: LocalRun, rundir: pathlib.Path, total: int, stopped: Any) -> None:
+    """Copy train steps to metrics.jsonl as they happen and show progress, until the run ends."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    seen = 0
+    ending = False
+    started = time.monotonic()
+    with open(rundir / "metrics.jsonl", "w") as out, Progress(
+        TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),
+        TextColumn("{task.fields[info]}"), transient=False,
+    ) as bar:  # fmt: skip
+        task = bar.add_task("run", total=total, info="")
+        while not stopped():
+            steps = run.events("broker", "train_step")
+            for r in steps[seen:]:
+                row = {"step": r["step"], "version": r["version"], "step_s": r["step_s"], "staleness": r["staleness"],
+                       "live_versions": r["live_versions"], **r.get("learner", {}),
+                       "elapsed_s": round(time.monotonic() - started, 3)}  # fmt: skip
+                out.write(json.dumps(row) + "\n")
+                out.flush()
+                tokens = sum(x.get("learner", {}).get("tokens", 0) for x in steps[: seen + 1])
+                bar.update(task, completed=r["step"] + 1, info=(
+                    f"reward {row.get('reward_mean', 0):.3f}  staleness {r['staleness']}  "
+                    f"{tokens / max(time.monotonic() - started, 1e-9):,.0f} tok/s"))  # fmt: skip
+                seen += 1
+            if ending:  # everyone was told goodbye: let them finish on their own
+                for name in run.procs:
+                    with contextlib.suppress(TimeoutError):
+                        run.wait(name, 30)
+                return
+            learner, broker = run.procs["learner"], run.procs["broker"]
+            if learner.poll() is not None or broker.poll() == 0:  # done (the broker ends a finished run)
+                ending = True  # one more pass copies the last steps
+                time.sleep(0.3)
+                continue
+            if broker.poll() is not None:
+                raise RuntimeError(f"the broker exited with {broker.returncode}; see {rundir}/broker.log")
+            time.sleep(0.5)
+
+
+def summarize(run: LocalRun, rundir: pathlib.Path) -> None:
+    """reward.png (reward per step) and versions.png (each worker's version over time), if there is data."""
+    rows = [json.loads(x) for x in (rundir / "metrics.jsonl").read_text().splitlines()] if (
+        rundir / "metrics.jsonl").exists() else []  # fmt: skip
+    if not rows:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    ax.plot([r["step"] for r in rows], [r.get("reward_mean", 0.0) for r in rows], marker=".")
+    ax.set_xlabel("train step")
+    ax.set_ylabel("mean reward")
+    fig.tight_layout()
+    fig.savefig(rundir / "reward.png", dpi=110)
+    plt.close(fig)
+    assigned = run.events("broker", "worker_assigned")
+    if assigned:
+        fig, ax = plt.subplots(figsize=(6, 3.2))
+        t0 = _ts(assigned[0])
+        for w in sorted({r["worker"] for r in assigned}):
+            pts = [(_ts(r) - t0, r["version"]) for r in assigned if r["worker"] == w]
+            ax.step([t for t, _ in pts], [v for _, v in pts], where="post", label=w.split("/")[1] if "/" in w else w)
+        ax.set_xlabel("seconds")
+        ax.set_ylabel("policy version served")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(rundir / "versions.png", dpi=110)
+        plt.close(fig)
+
+
+def _ts(rec: dict[str, Any]) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(rec["timestamp"].replace("Z", "+00:00")).timestamp()
