@@ -11,19 +11,9 @@ from dora.digest import sha256_file
 from dora.ids import Finish
 from dora.rollout.engines.base import EngineError
 from dora.rollout.engines.torch_engine import TorchEngine, weights_file
+from tests.engines.test_engines import PROMPT, run
 
 pytestmark = pytest.mark.timeout(120)
-PROMPT = [17, 300, 45, 9, 88, 12]
-
-
-def run(engine: TorchEngine, limit: int = 10_000) -> dict:
-    done = {}
-    for _ in range(limit):
-        for s in engine.step():
-            done[s.key] = s
-        if not len(engine):
-            return done
-    raise AssertionError("the engine did not finish")
 
 
 def engine(model, **kw) -> TorchEngine:
