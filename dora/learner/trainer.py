@@ -8,7 +8,8 @@ Per batch:
    accumulated gradient equals the full batch's.
 4. One AdamW step. Then ``publish`` writes the new version to the weight store.
 
-This is the single-process trainer. The FSDP2 learner shards the same step across ranks.
+Single process, or sharded with FSDP2 when a process group of several ranks is initialised (each
+rank takes every world-th trajectory; gradients are reduced by FSDP, metrics by an all-reduce).
 """
 
 from __future__ import annotations
@@ -39,11 +40,23 @@ class TrainerConfig:
 class TorchTrainer:
     def __init__(self, model_dir: str | pathlib.Path, store: WeightStore, loss: LossConfig, cfg: TrainerConfig,
                  *, device: str = "cpu") -> None:  # fmt: skip
+        """Under an initialised process group of more than one rank the model is sharded with FSDP2
+        (``fully_shard`` per decoder layer, then the root): every rank must then call ``train`` and
+        ``publish`` with the same batch, each working on its share of the trajectories."""
+        import torch.distributed as dist
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(cfg.seed)
         self.device = torch.device(device)
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(self.device)
+        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        if self.world > 1:
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = dist.device_mesh.init_device_mesh(self.device.type, (self.world,))
+            for layer in self.model.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(self.model, mesh=mesh)
         self.model.train()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
         self.store = store
@@ -63,8 +76,9 @@ class TorchTrainer:
         self.opt.zero_grad(set_to_none=True)
         sums: dict[str, float] = {"clip_fraction": 0.0, "ratio_mean": 0.0, "loss": 0.0}
         ratio_min, ratio_max, tokens = float("inf"), float("-inf"), 0.0
-        for start in range(0, len(rows), self.cfg.micro_batch):
-            part = range(start, min(start + self.cfg.micro_batch, len(rows)))
+        mine = list(range(self.rank, len(rows), self.world))  # this rank's share of the trajectories
+        for start in range(0, len(mine), self.cfg.micro_batch):
+            part = mine[start : start + self.cfg.micro_batch]
             if not any(keep[i] for i in part):
                 continue
             logp, beh, mask = self._score([rows[i] for i in part])
@@ -72,14 +86,25 @@ class TorchTrainer:
                                     keep=keep[list(part)].to(self.device))  # fmt: skip
             share = met["tokens"] / max(kept_tokens, 1) if self.loss_cfg.token_level else (
                 int(keep[list(part)].sum()) / max(kept_rows, 1))  # fmt: skip
-            (loss * share).backward()
-            sums["loss"] += float(loss) * share
+            (loss * share * self.world).backward()  # FSDP averages gradients over ranks: undo the mean
+            sums["loss"] += float(loss.detach()) * share
             for k in ("clip_fraction", "ratio_mean"):
                 sums[k] += met[k] * met["tokens"]
             tokens += met["tokens"]
             ratio_min, ratio_max = min(ratio_min, met["ratio_min"]), max(ratio_max, met["ratio_max"])
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm))
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         self.opt.step()
+        if self.world > 1:  # metrics of the whole batch, from every rank's share
+            import torch.distributed as dist
+
+            packed = torch.tensor([sums["loss"], sums["clip_fraction"], sums["ratio_mean"], tokens],
+                                  dtype=torch.float64)  # fmt: skip
+            dist.all_reduce(packed)
+            sums["loss"], sums["clip_fraction"], sums["ratio_mean"], tokens = packed.tolist()
+            extremes = torch.tensor([-ratio_min, ratio_max], dtype=torch.float64)
+            dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+            ratio_min, ratio_max = -float(extremes[0]), float(extremes[1])
         return {
             "loss": sums["loss"],
             "reward_mean": float(rewards.mean()),
@@ -117,5 +142,11 @@ class TorchTrainer:
             out[b, :n] = logp_all[b, positions, targets]
         return out, beh.to(self.device), mask.to(self.device)
 
-    def publish(self, version: int) -> tuple[str, str, float]:
-        return self.store.publish(version, self.model.state_dict())
+    def publish(self, version: int) -> tuple[str, str, float] | None:
+        """Write the version to the store. Sharded: a collective; rank 0 writes and returns, others None."""
+        if self.world == 1:
+            return self.store.publish(version, self.model.state_dict())
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return self.store.publish(version, state) if self.rank == 0 else None

@@ -1,0 +1,93 @@
+"""The torch trainer sharded with FSDP2 over 2 gloo ranks takes the same step as one process, and the
+version it publishes, loaded into a torch engine, gives the learner's log-probs."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import socket
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from dora.ids import Finish
+from dora.learner.loss import LossConfig
+from dora.learner.trainer import TorchTrainer, TrainerConfig
+from dora.learner.weights import WeightStore
+from dora.wire import messages as m
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def batch() -> m.TrainBatch:
+    rng = np.random.default_rng(0)
+    groups = []
+    for g in range(3):
+        samples = []
+        for i in range(4):
+            n = int(rng.integers(3, 9))
+            samples.append(m.TrainSample(index=i, token_ids=rng.integers(5, 900, n).astype(np.int32),
+                                         logprobs=(-7 + rng.normal(0, 0.1, n)).astype(np.float32),
+                                         reward=float(rng.random()), finish=Finish.STOP))  # fmt: skip
+        groups.append(m.TrainGroup(group_id=g, version=0, prompt_ids=np.array([11, 12, 13 + g], np.int32),
+                                   samples=tuple(samples)))  # fmt: skip
+    return m.TrainBatch(step=0, groups=tuple(groups))
+
+
+CFG = TrainerConfig(lr=1e-2, micro_batch=2)
+
+
+def rank_main(rank: int, world: int, port: int, model: str, store: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        trainer = TorchTrainer(model, WeightStore(store), LossConfig(), CFG)
+        metrics = trainer.train(batch())
+        published = trainer.publish(1)
+        if rank == 0:
+            assert published is not None
+            torch.save({"metrics": metrics, "uri": published[0]}, pathlib.Path(store) / "rank0.pt")
+        else:
+            assert published is None
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_rank_fsdp_step_equals_one_process_and_published_weights_serve(tiny_model, tmp_path):
+    mp.spawn(rank_main, args=(2, free_port(), str(tiny_model), str(tmp_path / "sharded")), nprocs=2, join=True)
+    out = torch.load(tmp_path / "sharded" / "rank0.pt")
+    single = TorchTrainer(tiny_model, WeightStore(tmp_path / "single"), LossConfig(), CFG)
+    before = {k: v.clone() for k, v in single.model.state_dict().items()}
+    want = single.train(batch())
+    from safetensors.torch import load_file
+
+    sharded = load_file(out["uri"].removeprefix("file://"))
+    after = single.model.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in after), "the step changed nothing"
+    # AdamW's first step moves each weight by about lr = 1e-2 whatever its gradient's size, so a gradient
+    # summed in another order can move a weight differently by a little: 1e-4 is 1% of one step
+    for k, v in after.items():
+        assert torch.allclose(sharded[k], v, atol=1e-4), k
+    for k in ("loss", "reward_mean", "grad_norm", "tokens", "clip_fraction"):
+        assert out["metrics"][k] == pytest.approx(want[k], rel=1e-4, abs=1e-6), k
+
+    from dora.rollout.engines.torch_engine import TorchEngine
+
+    engine = TorchEngine(tiny_model, version=0)
+    engine.load_weights(1, out["uri"].removeprefix("file://"), None)
+    seq = [11, 12, 13, 400, 401, 402]
+    with torch.no_grad():
+        got = engine.model(input_ids=torch.tensor([seq])).logits.float()
+        ref = single.model.eval()(input_ids=torch.tensor([seq])).logits.float()
+    assert torch.allclose(torch.log_softmax(got, -1), torch.log_softmax(ref, -1), atol=1e-4)
+    os.environ.pop("MASTER_ADDR", None)
