@@ -42,8 +42,12 @@ class LocalRun:
     # ---------------------------------------------------------------- processes
 
     def spawn(self, name: str, *args: str) -> subprocess.Popen[bytes]:
+        return self.spawn_command(name, ["-m", "dora", *args])
+
+    def spawn_command(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+        """``python ARGV --config <the run's config>``, logging to ``<name>.log``."""
         with open(self.dir / f"{name}.log", "wb") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "dora", *args, "--config", str(self.config)],
+            proc = subprocess.Popen([sys.executable, *argv, "--config", str(self.config)],
                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
         self.procs[name] = proc
         return proc

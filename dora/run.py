@@ -102,7 +102,12 @@ def main(argv: list[str]) -> int:
         extra = ["--model", str(data["rollout"]["model"])] if cfg.run.engine != "sim" else []
         for i in range(cfg.run.workers):
             run.start_worker(f"w{i}", cfg.run.engine, *extra)
-        run.spawn("learner", "learner", "--trainer", cfg.run.trainer, "--broker", str(rundir / "broker.json"))
+        learner = ["learner", "--trainer", cfg.run.trainer, "--broker", str(rundir / "broker.json")]
+        if cfg.run.trainer == "torch" and cfg.learner.ranks > 1:  # FSDP2 over local ranks, started by torchrun
+            run.spawn_command("learner", ["-m", "torch.distributed.run", "--standalone",
+                                          f"--nproc-per-node={cfg.learner.ranks}", "-m", "dora", *learner])  # fmt: skip
+        else:
+            run.spawn("learner", *learner)
         follow(run, rundir, cfg.core.total_steps, lambda: stopping)
     except (RuntimeError, TimeoutError) as e:
         print(f"dora run: {e}", file=sys.stderr)

@@ -118,6 +118,8 @@ class LearnerSection:
     """Accelerators the sim trainer stands for (its step time is the trainer model's for this many)."""
     model: str | None = None
     """torch trainer: the HF model folder it starts from (the same version 0 the rollout workers load)."""
+    ranks: int = 1
+    """`dora run`: learner processes (torchrun --nproc-per-node); more than one shards the model with FSDP2."""
     store: str = "weights"
     """Weight store directory, reachable by every process (published versions, retired by the broker)."""
     lr: float = 1e-4

@@ -9,6 +9,7 @@ import os
 import pathlib
 import signal
 import sys
+from typing import Any
 
 import uvloop
 import zmq.asyncio
@@ -43,8 +44,17 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"dora learner: {e}", file=sys.stderr)
         return 2
-    configure_logging(cfg.log, process="learner", rank=0)
-    return uvloop.run(serve(cfg, endpoint, args.trainer))
+    rank, world = 0, 1
+    if args.trainer == "torch":
+        from dora.learner.ranks import init_from_env
+
+        rank, world = init_from_env()
+    configure_logging(cfg.log, process="learner", rank=rank)
+    if rank > 0:  # the other ranks train in step with rank 0, which alone talks to the broker
+        from dora.learner.ranks import follow
+
+        return follow(make_trainer(cfg))
+    return uvloop.run(serve(cfg, endpoint, args.trainer, world))
 
 
 def make_trainer(cfg: RunConfig):  # -> TorchTrainer
@@ -60,7 +70,7 @@ def make_trainer(cfg: RunConfig):  # -> TorchTrainer
     return TorchTrainer(lc.model, WeightStore(lc.store), loss, tc)
 
 
-async def serve(cfg: RunConfig, endpoint: str, kind: str = "sim") -> int:
+async def serve(cfg: RunConfig, endpoint: str, kind: str = "sim", world: int = 1) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -68,8 +78,15 @@ async def serve(cfg: RunConfig, endpoint: str, kind: str = "sim") -> int:
     ctx = zmq.asyncio.Context()
     with contextlib.ExitStack() as stack:
         audit = stack.enter_context(open(cfg.learner.audit_file, "a")) if cfg.learner.audit_file else None
+        trainer: Any = make_trainer(cfg) if kind == "torch" else None
+        leader = None
+        if trainer is not None and world > 1:
+            from dora.learner.ranks import Leader
+
+            trainer = leader = Leader(trainer)
         try:
-            trainer = make_trainer(cfg) if kind == "torch" else None
             return await StandInLearner(cfg, ctx, endpoint, audit=audit, clock=loop.time, trainer=trainer).run(stop)
         finally:
+            if leader is not None:
+                leader.stop()  # release the other ranks
             ctx.destroy(linger=0)

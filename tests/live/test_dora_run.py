@@ -71,3 +71,16 @@ def test_dora_run_trains_a_real_model_end_to_end(tmp_path):
     assert len(rows) == 4 and all(r["tokens"] > 0 for r in rows)
     assert (model / "config.json").is_file()  # built on first use
     assert any((rundir / "weights").iterdir())  # published versions in the store
+
+
+def test_dora_run_with_a_two_rank_fsdp_learner(tmp_path):
+    model = tmp_path / "model"
+    proc = dora_run(tmp_path, "examples/quickstart.toml", f"rollout.model={model}", "core.total_steps=3",
+                    "core.train_groups=4", "core.group_size=4", "learner.ranks=2")  # fmt: skip
+    out, _ = proc.communicate(timeout=280)
+    assert proc.returncode == 0, out
+    rundir = the_run(tmp_path)
+    log = [json.loads(x) for x in (rundir / "learner.log").read_text().splitlines() if x.startswith("{")]
+    assert [r["steps"] for r in log if r["event"] == "rank_done" and r["rank"] == 1] == [3]
+    assert [r["world"] for r in log if r["event"] == "rank_following"] == [2]
+    assert len((rundir / "metrics.jsonl").read_text().splitlines()) == 3

@@ -1,0 +1,103 @@
+"""The learner over several ranks (torchrun or srun): rank 0 speaks to the broker, every rank trains.
+
+Rank 0 runs the learner protocol as a single-rank learner does. Its trainer is a ``Leader``, which
+first broadcasts each command to the other ranks: the train batch, encoded with the wire codec (no
+pickle), then the version to publish, then the stop. The other ranks run ``follow``: they receive
+each command and make the same collective calls, so FSDP's reduce-scatters and the full-state-dict
+gather line up across ranks.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dora.wire import codec
+from dora.wire import messages as m
+
+TRAIN, PUBLISH, STOP = 1, 2, 3
+
+
+def init_from_env() -> tuple[int, int]:
+    """(rank, world size) from torchrun's or srun's environment; a process group of more than one rank is started."""
+    world = int(os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or 1)
+    rank = int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0)
+    if world > 1 and not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=rank, world_size=world)
+    return rank, world
+
+
+def _send(kind: int, payload: bytes = b"") -> None:
+    header = torch.tensor([kind, len(payload)], dtype=torch.int64)
+    dist.broadcast(header, src=0)
+    if payload:
+        dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0)
+
+
+def _receive() -> tuple[int, bytes]:
+    header = torch.zeros(2, dtype=torch.int64)
+    dist.broadcast(header, src=0)
+    kind, size = int(header[0]), int(header[1])
+    if not size:
+        return kind, b""
+    data = torch.empty(size, dtype=torch.uint8)
+    dist.broadcast(data, src=0)
+    return kind, data.numpy().tobytes()
+
+
+def pack(frames: list[Any]) -> bytes:
+    """Frames as one byte string: a count, each length, then the bytes (decoded by ``unpack``)."""
+    raw = [bytes(f) for f in frames]
+    head = len(raw).to_bytes(4, "little") + b"".join(len(r).to_bytes(8, "little") for r in raw)
+    return head + b"".join(raw)
+
+
+def unpack(data: bytes) -> list[bytes]:
+    n = int.from_bytes(data[:4], "little")
+    sizes = [int.from_bytes(data[4 + 8 * i : 12 + 8 * i], "little") for i in range(n)]
+    out, pos = [], 4 + 8 * n
+    for size in sizes:
+        out.append(data[pos : pos + size])
+        pos += size
+    return out
+
+
+class Leader:
+    """Rank 0's trainer: each call is first announced to the other ranks, then made here too."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+
+    def train(self, batch: m.TrainBatch) -> dict[str, float]:
+        _send(TRAIN, pack(codec.encode(batch)))
+        return self.trainer.train(batch)
+
+    def publish(self, version: int) -> tuple[str, str, float] | None:
+        _send(PUBLISH, version.to_bytes(8, "little"))
+        return self.trainer.publish(version)
+
+    def stop(self) -> None:
+        _send(STOP)
+
+
+def follow(trainer: Any) -> int:
+    """A rank other than 0: do what rank 0 announces until it says stop."""
+    import structlog
+
+    log = structlog.get_logger()
+    log.info("rank_following", world=trainer.world)
+    steps = 0
+    while True:
+        kind, payload = _receive()
+        if kind == TRAIN:
+            trainer.train(codec.decode(unpack(payload)))
+            steps += 1
+        elif kind == PUBLISH:
+            trainer.publish(int.from_bytes(payload, "little"))
+        else:
+            log.info("rank_done", steps=steps)
+            return 0
