@@ -1,0 +1,95 @@
+"""Learner checkpoints: model, optimizer, RNG, version and the ids of every group trained so far.
+
+``<root>/ckpt-v<N>/``, written atomically like the weight store. It holds ``state.safetensors``
+(``model/<name>`` and ``optim/<name>/<key>`` tensors, gathered whole from every rank) and
+``meta.json``: the version, the optimizer's parameter groups, the torch RNG state and the sorted
+trained group ids. A restarted learner loads the newest checkpoint and reports the trained ids to
+the broker, so no group is trained twice across a restart (the broker's journal is the other half).
+Collective under FSDP: every rank calls ``save`` and ``load``; rank 0 alone touches the files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import uuid
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def save(model: torch.nn.Module, opt: torch.optim.Optimizer, root: str | pathlib.Path, *, version: int,
+         trained_groups: list[int], keep: int = 2) -> pathlib.Path | None:  # fmt: skip
+    """Write checkpoint ``version``; keep the newest ``keep``. Returns its path on rank 0, None elsewhere."""
+    from safetensors.torch import save_file
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_sd = get_model_state_dict(model, options=options)
+    opt_sd = get_optimizer_state_dict(model, opt, options=options)
+    if _rank() != 0:
+        return None
+    root = pathlib.Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    tensors = {f"model/{k}": v.contiguous() for k, v in model_sd.items()}
+    for name, slots in opt_sd.get("state", {}).items():
+        for key, value in slots.items():
+            tensors[f"optim/{name}/{key}"] = torch.as_tensor(value).contiguous()
+    meta = {"version": version, "trained_groups": sorted(trained_groups),
+            "param_groups": opt_sd.get("param_groups", []), "rng": torch.get_rng_state().tolist()}  # fmt: skip
+    tmp = root / f".ckpt-v{version}.{uuid.uuid4().hex[:8]}.tmp"
+    tmp.mkdir()
+    try:
+        save_file(tensors, str(tmp / "state.safetensors"))
+        (tmp / "meta.json").write_text(json.dumps(meta))
+        final = root / f"ckpt-v{version}"
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for old in checkpoints(root)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def checkpoints(root: str | pathlib.Path) -> list[pathlib.Path]:
+    """Complete checkpoints, oldest first."""
+    root = pathlib.Path(root)
+    found = [p for p in root.glob("ckpt-v*") if p.name[6:].isdigit() and (p / "meta.json").is_file()]
+    return sorted(found, key=lambda p: int(p.name[6:]))
+
+
+def load(model: torch.nn.Module, opt: torch.optim.Optimizer, path: str | pathlib.Path) -> dict[str, Any]:
+    """Restore a checkpoint into ``model`` and ``opt``; returns its meta (version, trained_groups)."""
+    from safetensors.torch import load_file
+
+    path = pathlib.Path(path)
+    meta = json.loads((path / "meta.json").read_text())
+    tensors = load_file(str(path / "state.safetensors"))
+    model_sd = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    for k, v in tensors.items():
+        if k.startswith("optim/"):
+            name, key = k.removeprefix("optim/").rsplit("/", 1)
+            state.setdefault(name, {})[key] = v
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, model_sd, options=options)
+    set_optimizer_state_dict(model, opt, {"state": state, "param_groups": meta["param_groups"]}, options=options)
+    torch.set_rng_state(torch.tensor(meta["rng"], dtype=torch.uint8))
+    return meta
