@@ -23,13 +23,35 @@ A custom engine from an embedding stack implements these methods and is passed t
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from dora.ids import Finish
 from dora.wire import messages as m
 
 
 class EngineError(RuntimeError):
     """A request the engine refuses (bad weights, a load while generating, an unknown request)."""
+
+
+@dataclass(slots=True, kw_only=True)
+class Sample:
+    """One sample of a leased group inside a step-driven engine (torch, vllm): the request and what it made."""
+
+    group_id: int
+    attempt: int
+    index: int
+    prompt: list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: Finish | None = None
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        return self.group_id, self.attempt, self.index
 
 
 class WorkerEngine(Protocol):

@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import pathlib
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -32,28 +32,14 @@ import torch
 
 from dora.digest import sha256_file
 from dora.ids import Finish
-from dora.rollout.engines.base import EngineError
+from dora.rollout.engines.base import EngineError, Sample
 
 
-@dataclass(slots=True)
-class Sequence:
-    group_id: int
-    attempt: int
-    index: int
-    prompt: list[int]
-    max_tokens: int
-    temperature: float
-    top_p: float
+@dataclass(slots=True, kw_only=True)
+class Sequence(Sample):
     generator: torch.Generator
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
     kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     """Per layer (keys, values) of shape [kv_heads, positions, head_dim]; positions = prompt + tokens - 1."""
-    finish: Finish | None = None
-
-    @property
-    def key(self) -> tuple[int, int, int]:
-        return self.group_id, self.attempt, self.index
 
     @property
     def positions(self) -> int:

@@ -24,36 +24,22 @@ from __future__ import annotations
 import os
 import pathlib
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from dora.digest import sha256_file
 from dora.ids import Finish
-from dora.rollout.engines.base import EngineError
+from dora.rollout.engines.base import EngineError, Sample
 from dora.rollout.engines.torch_engine import hash_seed, weights_file
 
 
-@dataclass(slots=True)
-class Request:
-    group_id: int
-    attempt: int
-    index: int
-    prompt: list[int]
-    max_tokens: int
-    temperature: float
-    top_p: float
+@dataclass(slots=True, kw_only=True)
+class Request(Sample):
     seed: int
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
     prefix: int = 0
     """Tokens generated elsewhere before a migration (the rest comes from this engine's request)."""
-    finish: Finish | None = None
-
-    @property
-    def key(self) -> tuple[int, int, int]:
-        return self.group_id, self.attempt, self.index
 
 
 class VllmEngine:
