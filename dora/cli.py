@@ -13,7 +13,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str | None]] = {
     "broker": ("the asyncio + ZeroMQ broker: ledger, scheduler, transfer queue, orchestrator", "dora.broker.main"),
     "rollout": ("a rollout worker (engine: sim, torch or vllm)", "dora.rollout.main"),
-    "learner": ("the learner: --trainer sim (stand-in) or torch (GRPO, one process)", "dora.learner.main"),
+    "learner": ("the learner: --trainer sim (stand-in) or torch (GRPO; FSDP2 over ranks)", "dora.learner.main"),
     "run": ("broker, rollout workers and learner on one machine (the embedded default)", "dora.run"),
     "sim": ("discrete-event simulation of all paradigms on the production core", "dora.sim.main"),
     "status": ("live versions, workers, queues and staleness of a running broker", "dora.status"),
