@@ -41,7 +41,7 @@ def config(steps: int, time_scale: float, workers: int) -> dict[str, dict]:
     cfg = tomllib.loads((ROOT / "examples" / "live" / "sim.toml").read_text())
     cfg["run"]["time_scale"] = time_scale
     cfg["core"]["total_steps"] = steps
-    cfg["broker"]["min_workers"] = workers  # the simulated fleet is there from t = 0 too
+    cfg["core"]["min_workers"] = workers  # the simulated fleet is there from t = 0 too
     cfg["log"]["format"] = "json"
     cfg["learner"].pop("audit_file", None)
     return cfg

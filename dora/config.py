@@ -52,6 +52,9 @@ class CoreConfig:
     """dora: a worker reporting KV/slot use at or above this fraction triggers a re-partition."""
     max_group_failures: int = 3
     """A group whose generation errors this many times stops the run (it can be neither trained nor dropped)."""
+    min_workers: int = 1
+    """No group is leased until this many rollout workers have joined, so that a fleet started together
+    shares the first versions instead of the fastest starter taking them all."""
 
     def __post_init__(self) -> None:
         try:
@@ -62,6 +65,7 @@ class CoreConfig:
         _at_least("train_groups", self.train_groups, 1)
         _at_least("group_size", self.group_size, 1)
         _at_least("max_group_failures", self.max_group_failures, 1)
+        _at_least("min_workers", self.min_workers, 1)
         if self.rollout_groups is not None:
             _at_least("rollout_groups", self.rollout_groups, 1)
         if self.total_steps is not None:

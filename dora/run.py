@@ -50,8 +50,8 @@ def to_data(obj: Any) -> Any:
 def prepare(cfg: RunConfig, rundir: pathlib.Path) -> dict[str, Any]:
     """The config the processes get: this run's socket, discovery file, audit and weight store."""
     data = to_data(cfg)
-    data["broker"].update(bind=f"ipc://{rundir / 'broker.sock'}", discovery_file=str(rundir / "broker.json"),
-                          min_workers=cfg.run.workers)  # fmt: skip
+    data["broker"].update(bind=f"ipc://{rundir / 'broker.sock'}", discovery_file=str(rundir / "broker.json"))
+    data["core"]["min_workers"] = cfg.run.workers
     data["learner"].update(audit_file=str(rundir / "audit.jsonl"), store=str(rundir / "weights"))
     data["log"]["format"] = "json"
     if cfg.run.engine != "sim" or cfg.run.trainer != "sim":

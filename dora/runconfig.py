@@ -61,9 +61,6 @@ class BrokerSection:
     """Orchestrator timer (re-partition of workers across versions)."""
     max_message_bytes: int = 256 << 20
     hwm: int = 100_000
-    min_workers: int = 1
-    """Hold the first leases until this many rollout workers have joined, so that a fleet started
-    together shares the first versions instead of the fastest starter taking them all."""
     exit_when_done: bool = True
     """Exit 0 once the run's total_steps are trained (after telling the peers)."""
     shutdown_s: float = 5.0
@@ -74,8 +71,6 @@ class BrokerSection:
     def __post_init__(self) -> None:
         if min(self.heartbeat_interval_s, self.stall_timeout_s, self.tick_s, self.learner_timeout_s) <= 0:
             raise ConfigError("broker: heartbeat_interval_s, stall_timeout_s, learner_timeout_s and tick_s must be > 0")
-        if self.min_workers < 1:
-            raise ConfigError(f"broker.min_workers must be >= 1; got {self.min_workers}")
         if self.liveness < 2:
             raise ConfigError(f"broker.liveness must be >= 2 (missed heartbeats before death); got {self.liveness}")
 

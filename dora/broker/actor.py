@@ -31,6 +31,7 @@ from dora.broker import events as ev
 from dora.broker.core import Core
 from dora.broker.scheduler import GroupFailed
 from dora.ids import WorkerId
+from dora.learner.weights import store_path
 from dora.runconfig import RunConfig
 from dora.wire import codec
 from dora.wire import messages as m
@@ -48,9 +49,9 @@ class Peer:
 
 def retire_weights(uri: str) -> pathlib.Path | None:
     """Delete a retired version's directory in the weight store (``file://<store>/v<N>/model.safetensors``)."""
-    if not uri.startswith("file://"):
+    path = store_path(uri)
+    if path is None:
         return None
-    path = pathlib.Path(uri.removeprefix("file://")).parent
     if not (path.name.startswith("v") and (path / "manifest.json").is_file()):
         log.warning("retire_not_a_store_version", uri=uri)  # never delete what the store did not write
         return None
@@ -94,8 +95,6 @@ class BrokerActor:
         self.step_started = clock()
         self.done = asyncio.Event()
         self._pending_out: set[bytes] = set()
-        self.waiting: list[ev.WorkerJoined] | None = [] if cfg.broker.min_workers > 1 else None
-        """Rollout workers that said hello before the fleet reached broker.min_workers."""
 
     # ------------------------------------------------------------------ loop
 
@@ -197,17 +196,10 @@ class BrokerActor:
             engine=hello.engine,
         )
         if hello.role is m.Role.ROLLOUT:
-            joined = ev.WorkerJoined(worker_id=WorkerId(identity.decode()), slots=hello.slots)
-            if self.waiting is None:
-                self.feed(joined)
-                return
-            self.waiting.append(joined)  # the run starts once broker.min_workers have said hello
-            alive = list({j.worker_id: j for j in self.waiting if j.worker_id.encode() in self.peers}.values())
-            if len(alive) >= self.cfg.broker.min_workers:
-                self.waiting = None
-                log.info("fleet_ready", workers=len(alive))
-                for j in alive:
-                    self.feed(j)
+            ready = self.core.fleet_ready
+            self.feed(ev.WorkerJoined(worker_id=WorkerId(identity.decode()), slots=hello.slots))
+            if self.core.fleet_ready and not ready:
+                log.info("fleet_ready", workers=len(self.core.scheduler.workers))
         elif hello.role is m.Role.LEARNER:
             if self.learner is not None and self.learner in self.peers:
                 self.peer_lost(self.peers[self.learner], "replaced by a new learner")
@@ -515,7 +507,7 @@ class BrokerActor:
                 for w, s in sched.workers.items()
             },
             "finished_waiting": len(core.transfer),
-            "fleet_waiting": None if self.waiting is None else self.cfg.broker.min_workers,
+            "fleet_ready": self.core.fleet_ready,
             "staleness": {str(k): n for k, n in sorted(core.transfer.staleness.items())},
             "trained_tokens": self.trained_tokens,
             "tokens_per_s": self.trained_tokens / elapsed,

@@ -73,6 +73,8 @@ class Core:
         self.now = 0.0
         self.refusals = Counter[str]()
         self.rebalances = 0
+        self.fleet_ready = cfg.min_workers <= 0
+        """True once min_workers workers have joined; leasing starts then and never stops for it again."""
 
     # ------------------------------------------------------------------ entry point
 
@@ -82,7 +84,10 @@ class Core:
         full = self._apply(event, out)
         self._deliver(out)
         self._orchestrate(out, full=full)
-        self.scheduler.dispatch(self.transfer.step, out)
+        if not self.fleet_ready and len(self.scheduler.workers) >= self.cfg.min_workers:
+            self.fleet_ready = True
+        if self.fleet_ready:
+            self.scheduler.dispatch(self.transfer.step, out)
         for version in self.ledger.collect_retired():
             out.emit(Retire(version=version))
         self._maybe_finish(out)

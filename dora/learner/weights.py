@@ -15,10 +15,12 @@ import pathlib
 import shutil
 import time
 import uuid
-
-import torch
+from typing import TYPE_CHECKING
 
 from dora.digest import sha256_file
+
+if TYPE_CHECKING:  # the broker imports this module to retire versions: no torch at run time
+    import torch
 
 
 class WeightStore:

@@ -19,7 +19,8 @@ EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "live" / "s
 BASE = tomllib.loads(EXAMPLE.read_text())  # the documented example, faster and stricter for tests
 for section, values in {
     "run": {"time_scale": 0.005},
-    "broker": {"min_workers": 1, "strict": True},
+    "core": {"min_workers": 1},
+    "broker": {"strict": True},
     "log": {"format": "json"},
 }.items():
     BASE[section].update(values)

@@ -36,9 +36,9 @@ def run_and_check(c, workers: int, steps: int) -> None:
 
 
 def test_twenty_step_dora_run_with_three_workers_keeps_every_invariant_and_migrates(tmp_path):
-    """Migration needs a same-version peer that stays. The fleet starts together (broker.min_workers), so
+    """Migration needs a same-version peer that stays. The fleet starts together (core.min_workers), so
     the first versions are spread over every worker and a re-partition has peers to hand groups to."""
-    with cluster(tmp_path, {"broker": {"min_workers": 3}}) as c:
+    with cluster(tmp_path, {"core": {"min_workers": 3}}) as c:
         run_and_check(c, workers=3, steps=20)
         assert len(c.events("broker", "fleet_ready")) == 1
         migrations = c.events("broker", "migration")

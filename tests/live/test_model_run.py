@@ -20,10 +20,10 @@ pytestmark = pytest.mark.timeout(240)
 def test_model_workers_serve_a_multi_version_run_with_real_tokens_and_rewards(tmp_path, tiny_model, engine):
     steps, k, b, g = 6, 1, 4, 2
     overrides = {
-        "core": {"total_steps": steps, "max_staleness": k, "train_groups": b, "group_size": g},
+        "core": {"total_steps": steps, "max_staleness": k, "train_groups": b, "group_size": g, "min_workers": 2},
         "run": {"time_scale": 0.001, "max_tokens": 24},
         "task": {"name": "arithmetic", "tokenizer": str(tiny_model)},
-        "broker": {"min_workers": 2, "heartbeat_interval_s": 0.5, "liveness": 20},
+        "broker": {"heartbeat_interval_s": 0.5, "liveness": 20},
         "engine": {"max_slots": 8, "credit_slots": 8},
         "rollout": {"kv_cache_mib": 64, "max_model_len": 1024},
     }
@@ -45,7 +45,7 @@ def test_model_workers_serve_a_multi_version_run_with_real_tokens_and_rewards(tm
 
 def test_a_custom_engine_from_the_example_serves_a_run(tmp_path):
     example = pathlib.Path(__file__).resolve().parents[2] / "examples" / "custom_engine.py"
-    with cluster(tmp_path, {"core": {"total_steps": 6}, "broker": {"min_workers": 2}}) as c:
+    with cluster(tmp_path, {"core": {"total_steps": 6, "min_workers": 2}}) as c:
         c.start_broker()
         for i in range(2):
             with open(tmp_path / f"c{i}.log", "wb") as log:
@@ -63,10 +63,10 @@ def test_a_torch_learner_trains_and_workers_load_every_published_version(tmp_pat
     steps = 5
     store = tmp_path / "store"
     overrides = {
-        "core": {"total_steps": steps, "max_staleness": 1, "train_groups": 4, "group_size": 4},
+        "core": {"total_steps": steps, "max_staleness": 1, "train_groups": 4, "group_size": 4, "min_workers": 2},
         "run": {"max_tokens": 16},
         "task": {"name": "arithmetic", "tokenizer": str(tiny_model), "reward": "dora.tasks.rewards:digits_shaped"},
-        "broker": {"min_workers": 2, "heartbeat_interval_s": 0.5, "liveness": 20},
+        "broker": {"heartbeat_interval_s": 0.5, "liveness": 20},
         "engine": {"max_slots": 16, "credit_slots": 16},
         "learner": {"model": str(tiny_model), "store": str(store), "lr": 1e-3},
     }

@@ -345,3 +345,11 @@ def test_drop_stale_discards_over_stale_groups_and_counts_them():
     assert [g.group_id for g in core.transfer.dropped] == [leases[1].group_id]
     assert not of(finish(core, leases[2]), DeliverBatch), "also over-stale: dropped, not trained"
     assert len(core.transfer.dropped) == 2 and core.transfer.consumed == [b0.groups[0].group_id]
+
+
+def test_nothing_is_leased_until_min_workers_have_joined():
+    core = Core(cfg(min_workers=2, rollout_groups=None))
+    assert not of(ready(core, "a"), Lease) and not core.fleet_ready
+    acts = core.handle(0, WorkerJoined(worker_id="b", slots=8))
+    acts += core.handle(0, WeightsLoaded(worker_id="b", version=of(acts, Assign)[0].version))
+    assert {x.worker_id for x in of(acts, Lease)} == {"a", "b"} and core.fleet_ready
