@@ -3,7 +3,8 @@
 Each run gets its own directory under ``run.dir``, holding:
 - the resolved config every process reads, and one log per process;
 - ``metrics.jsonl``, one line per train step (from the broker's canonical ``train_step`` lines);
-- the learner's audit, the weight store and, at the end, ``reward.png`` and ``versions.png``.
+- the learner's audit, the weight store, the learner's checkpoints and, at the end, ``reward.png`` and
+  ``versions.png``.
 
 The broker listens on an ipc socket in that directory. The progress line shows step, reward,
 staleness and throughput. Ctrl-C (or SIGTERM) stops every process by its PID: SIGTERM first, then
@@ -53,6 +54,7 @@ def prepare(cfg: RunConfig, rundir: pathlib.Path) -> dict[str, Any]:
     data["broker"].update(bind=f"ipc://{rundir / 'broker.sock'}", discovery_file=str(rundir / "broker.json"))
     data["core"]["min_workers"] = cfg.run.workers
     data["learner"].update(audit_file=str(rundir / "audit.jsonl"), store=str(rundir / "weights"))
+    data["learner"].setdefault("checkpoint_dir", str(rundir / "checkpoints"))
     data["log"]["format"] = "json"
     if cfg.run.engine != "sim" or cfg.run.trainer != "sim":
         model = cfg.rollout.model or cfg.learner.model

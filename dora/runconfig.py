@@ -125,6 +125,23 @@ class LearnerSection:
     token_level: bool = False
     scale_by_std: bool = True
     filter_uniform_groups: bool = False
+    dtype: str = "float32"
+    """torch trainer: ``bfloat16`` computes in bf16 (FSDP2 MixedPrecisionPolicy; autocast on one rank), master
+    weights, optimizer state and gradient reduction stay fp32."""
+    checkpoint_dir: str | None = None
+    """torch trainer: where checkpoints go (model, optimizer, RNG, version, trained group ids); the learner
+    resumes from the newest one there. None: no checkpoints (`dora run` puts them in the run directory)."""
+    checkpoint_every: int = 10
+    """Steps between checkpoints (the last step is always checkpointed)."""
+    keep_checkpoints: int = 2
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"learner.dtype must be float32 or bfloat16; got {self.dtype!r}")
+        if self.checkpoint_every < 1 or self.keep_checkpoints < 1:
+            raise ConfigError("learner.checkpoint_every and learner.keep_checkpoints must be >= 1")
+        if self.ranks < 1 or self.micro_batch < 1:
+            raise ConfigError("learner.ranks and learner.micro_batch must be >= 1")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

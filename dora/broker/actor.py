@@ -170,6 +170,16 @@ class BrokerActor:
             log.error("peer_rejected", peer=hello.peer_id, reason=reject.reason)
             self.send_raw(identity, reject)
             return
+        newest = self.core.ledger.newest
+        if hello.role is m.Role.LEARNER and hello.learner_version is not None and hello.learner_version > newest:
+            # Its checkpoint holds steps this broker never saw published: training on would fork the run.
+            reason = (
+                f"the learner's checkpoint is at version {hello.learner_version}, this broker's newest is {newest}: "
+                "resume the broker from its journal, or start the learner without that checkpoint"
+            )
+            log.error("peer_rejected", peer=hello.peer_id, reason=reason)
+            self.send_raw(identity, m.Reject(reason=reason, wire_version=m.WIRE_VERSION))
+            return
         old = self.peers.get(identity)
         if old is not None:
             self.peer_lost(old, "hello again")
@@ -183,7 +193,7 @@ class BrokerActor:
                 broker_epoch=self.epoch,
                 heartbeat_interval_s=self.cfg.broker.heartbeat_interval_s,
                 liveness=self.cfg.broker.liveness,
-                newest_version=self.core.ledger.newest,
+                newest_version=newest,
             ),
         )
         log.info(

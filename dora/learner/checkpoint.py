@@ -1,10 +1,14 @@
 """Learner checkpoints: model, optimizer, RNG, version and the ids of every group trained so far.
 
 ``<root>/ckpt-v<N>/``, written atomically like the weight store. It holds ``state.safetensors``
-(``model/<name>`` and ``optim/<name>/<key>`` tensors, gathered whole from every rank) and
-``meta.json``: the version, the optimizer's parameter groups, the torch RNG state and the sorted
-trained group ids. A restarted learner loads the newest checkpoint and reports the trained ids to
-the broker, so no group is trained twice across a restart (the broker's journal is the other half).
+(``model/<name>`` and ``optim/<name>/<key>`` tensors gathered whole from every rank, and
+``meta/trained_groups``: the sorted ids of every group trained so far, one int64 tensor) and
+``meta.json``: the version, the optimizer's parameter groups and the torch RNG state.
+
+A restarted learner loads the newest checkpoint and tells the broker the version it holds (``Hello``);
+it refuses any batch holding a group it trained before, so no group is trained twice across a restart.
+Weights it published after that checkpoint come back from the weight store (the broker's journal is the
+other half: it keeps the broker's own view of what was published and trained).
 Collective under FSDP: every rank calls ``save`` and ``load``; rank 0 alone touches the files.
 """
 
@@ -49,7 +53,8 @@ def save(model: torch.nn.Module, opt: torch.optim.Optimizer, root: str | pathlib
     for name, slots in opt_sd.get("state", {}).items():
         for key, value in slots.items():
             tensors[f"optim/{name}/{key}"] = torch.as_tensor(value).contiguous()
-    meta = {"version": version, "trained_groups": sorted(trained_groups),
+    tensors["meta/trained_groups"] = torch.tensor(sorted(trained_groups), dtype=torch.int64)
+    meta = {"version": version, "trained_count": len(trained_groups),
             "param_groups": opt_sd.get("param_groups", []), "rng": torch.get_rng_state().tolist()}  # fmt: skip
     tmp = root / f".ckpt-v{version}.{uuid.uuid4().hex[:8]}.tmp"
     tmp.mkdir()
@@ -92,4 +97,5 @@ def load(model: torch.nn.Module, opt: torch.optim.Optimizer, path: str | pathlib
     set_model_state_dict(model, model_sd, options=options)
     set_optimizer_state_dict(model, opt, {"state": state, "param_groups": meta["param_groups"]}, options=options)
     torch.set_rng_state(torch.tensor(meta["rng"], dtype=torch.uint8))
+    meta["trained_groups"] = tensors["meta/trained_groups"].tolist()
     return meta

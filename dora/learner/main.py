@@ -22,7 +22,8 @@ from dora.runconfig import RunConfig
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="dora learner", description="The learner (the FSDP2 trainer is not built yet).")
+    about = "The learner: GRPO/DAPO with FSDP2 over torchrun/srun ranks (torch), or a timing stand-in (sim)."
+    p = argparse.ArgumentParser(prog="dora learner", description=about)
     p.add_argument("--broker", required=True, help="tcp://host:port, ipc://path, or a broker.json discovery file")
     p.add_argument(
         "--trainer",
@@ -53,11 +54,13 @@ def main(argv: list[str]) -> int:
     if rank > 0:  # the other ranks train in step with rank 0, which alone talks to the broker
         from dora.learner.ranks import follow
 
-        return follow(make_trainer(cfg))
+        trainer, _ = make_trainer(cfg)
+        return follow(trainer)
     return uvloop.run(serve(cfg, endpoint, args.trainer, world))
 
 
-def make_trainer(cfg: RunConfig):  # -> TorchTrainer
+def make_trainer(cfg: RunConfig) -> tuple[Any, dict[str, Any] | None]:
+    """The torch trainer, restored from the newest checkpoint if there is one (on every rank), and its meta."""
     from dora.learner.loss import LossConfig
     from dora.learner.trainer import TorchTrainer, TrainerConfig
     from dora.learner.weights import WeightStore
@@ -66,8 +69,16 @@ def make_trainer(cfg: RunConfig):  # -> TorchTrainer
     loss = LossConfig(clip_low=lc.clip_low, clip_high=lc.clip_high, token_level=lc.token_level,
                       scale_by_std=lc.scale_by_std, filter_uniform_groups=lc.filter_uniform_groups)  # fmt: skip
     tc = TrainerConfig(lr=lc.lr, micro_batch=lc.micro_batch, temperature=cfg.run.temperature,
-                       max_grad_norm=lc.max_grad_norm, seed=cfg.run.seed)  # fmt: skip
-    return TorchTrainer(lc.model, WeightStore(lc.store), loss, tc)
+                       max_grad_norm=lc.max_grad_norm, seed=cfg.run.seed, dtype=lc.dtype,
+                       checkpoint_dir=lc.checkpoint_dir, keep_checkpoints=lc.keep_checkpoints)  # fmt: skip
+    trainer = TorchTrainer(lc.model, WeightStore(lc.store), loss, tc)
+    resumed = trainer.restore()
+    if resumed is not None:
+        import structlog
+
+        structlog.get_logger().info("resumed_from_checkpoint", version=resumed["version"],
+                                    groups=len(resumed["trained_groups"]), dir=lc.checkpoint_dir)  # fmt: skip
+    return trainer, resumed
 
 
 async def serve(cfg: RunConfig, endpoint: str, kind: str = "sim", world: int = 1) -> int:
@@ -78,14 +89,15 @@ async def serve(cfg: RunConfig, endpoint: str, kind: str = "sim", world: int = 1
     ctx = zmq.asyncio.Context()
     with contextlib.ExitStack() as stack:
         audit = stack.enter_context(open(cfg.learner.audit_file, "a")) if cfg.learner.audit_file else None
-        trainer: Any = make_trainer(cfg) if kind == "torch" else None
+        trainer, resumed = make_trainer(cfg) if kind == "torch" else (None, None)
         leader = None
         if trainer is not None and world > 1:
             from dora.learner.ranks import Leader
 
             trainer = leader = Leader(trainer)
         try:
-            return await StandInLearner(cfg, ctx, endpoint, audit=audit, clock=loop.time, trainer=trainer).run(stop)
+            learner = StandInLearner(cfg, ctx, endpoint, audit=audit, clock=loop.time, trainer=trainer, resumed=resumed)
+            return await learner.run(stop)
         finally:
             if leader is not None:
                 leader.stop()  # release the other ranks

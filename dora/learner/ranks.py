@@ -2,9 +2,9 @@
 
 Rank 0 runs the learner protocol as a single-rank learner does. Its trainer is a ``Leader``, which
 first broadcasts each command to the other ranks: the train batch, encoded with the wire codec (no
-pickle), then the version to publish, then the stop. The other ranks run ``follow``: they receive
-each command and make the same collective calls, so FSDP's reduce-scatters and the full-state-dict
-gather line up across ranks.
+pickle); the version to publish, to checkpoint or to take from the weight store; and the stop. The
+other ranks run ``follow``: they receive each command and make the same collective calls, so FSDP's
+reduce-scatters and the full-state-dict gather line up across ranks.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch.distributed as dist
 from dora.wire import codec
 from dora.wire import messages as m
 
-TRAIN, PUBLISH, STOP = 1, 2, 3
+TRAIN, PUBLISH, STOP, CHECKPOINT, ADOPT = 1, 2, 3, 4, 5
 
 
 def init_from_env() -> tuple[int, int]:
@@ -80,6 +80,14 @@ class Leader:
         _send(PUBLISH, version.to_bytes(8, "little"))
         return self.trainer.publish(version)
 
+    def checkpoint(self, version: int, trained_groups: list[int]) -> float:
+        _send(CHECKPOINT, version.to_bytes(8, "little"))
+        return self.trainer.checkpoint(version, trained_groups)
+
+    def adopt(self, version: int) -> None:
+        _send(ADOPT, version.to_bytes(8, "little"))
+        self.trainer.adopt(version)
+
     def stop(self) -> None:
         _send(STOP)
 
@@ -98,6 +106,10 @@ def follow(trainer: Any) -> int:
             steps += 1
         elif kind == PUBLISH:
             trainer.publish(int.from_bytes(payload, "little"))
+        elif kind == CHECKPOINT:  # rank 0 alone writes, and holds the trained ids
+            trainer.checkpoint(int.from_bytes(payload, "little"), [])
+        elif kind == ADOPT:
+            trainer.adopt(int.from_bytes(payload, "little"))
         else:
             log.info("rank_done", steps=steps)
             return 0

@@ -36,13 +36,18 @@ class InvariantBroken(RuntimeError):
 
 
 def check_batch(
-    batch: m.TrainBatch, *, step: int, groups: int, group_size: int, k: int, mixed_ok: bool
-) -> dict[str, Any]:
-    """Raise InvariantBroken unless the batch is exact, whole, fresh enough and (where promised) single-version."""
+    batch: m.TrainBatch, *, step: int, groups: int, group_size: int, k: int, mixed_ok: bool,
+    trained: set[int] | frozenset[int] = frozenset(),
+) -> dict[str, Any]:  # fmt: skip
+    """Raise InvariantBroken unless the batch is exact, whole, new (no group in ``trained``), fresh enough and
+    (where promised) single-version."""
     if batch.step != step:
         raise InvariantBroken(f"asked for batch {step}, got {batch.step}")
     if len(batch.groups) != groups or len({g.group_id for g in batch.groups}) != groups:
         raise InvariantBroken(f"batch {step}: {len(batch.groups)} groups (distinct ones needed: {groups})")
+    again = sorted(trained.intersection(g.group_id for g in batch.groups))
+    if again:
+        raise InvariantBroken(f"C2: batch {step} holds groups trained before: {again[:8]}")
     staleness: dict[int, int] = {}
     mixed = tokens = 0
     for g in batch.groups:
@@ -74,15 +79,19 @@ class StandInLearner:
         audit: TextIO | None = None,
         clock: Callable[[], float] = time.monotonic,
         trainer: Any = None,
+        resumed: dict[str, Any] | None = None,
     ) -> None:
         self.cfg = cfg
         self.ctx = ctx
         self.endpoint = endpoint
         self.audit = audit
         self.clock = clock
-        self.version = 0
         self.trainer = trainer
         """None: the sim trainer (sleeps the trainer model's time); else a TorchTrainer (train + publish)."""
+        self.version = resumed["version"] if resumed else 0
+        """The version the trainer's weights hold (a checkpoint's, when resumed)."""
+        self.trained: set[int] = set(resumed["trained_groups"]) if resumed else set()
+        """Every group trained so far, checkpointed with the weights: a group in it is never trained again."""
 
     async def run(self, stop: asyncio.Event) -> int:
         sock = self.ctx.socket(zmq.DEALER)
@@ -103,6 +112,7 @@ class StandInLearner:
                         pid=os.getpid(),
                         host=socket.gethostname(),
                         slurm_job_id=os.environ.get("SLURM_JOB_ID"),
+                        learner_version=None if self.trainer is None else self.version,
                     )
                 )
             )
@@ -112,7 +122,8 @@ class StandInLearner:
                     msg = codec.decode(await sock.recv_multipart(copy=False))
                     match msg:
                         case m.Welcome():  # a learner joining a run in progress picks it up at the newest version
-                            self.version = msg.newest_version
+                            if not await self.catch_up(sock, msg.newest_version, stop):
+                                return 1
                             log.info("registered", broker_epoch=msg.broker_epoch, version=self.version)
                             await sock.send_multipart(codec.encode(m.RequestBatch(step=self.version)))
                         case m.TrainBatch():
@@ -143,6 +154,21 @@ class StandInLearner:
             return 3
         finally:
             sock.close(linger=0)
+
+    async def catch_up(self, sock: zmq.asyncio.Socket, newest: int, stop: asyncio.Event) -> bool:
+        """Bring the weights to the broker's newest version; False if that cannot be done."""
+        if self.trainer is None or newest == self.version:
+            self.version = newest
+            return True
+        if newest < self.version:  # the broker turns such a learner away; never train on from the wrong weights
+            log.error("checkpoint_ahead_of_broker", checkpoint_version=self.version, broker_version=newest)
+            return False
+        # Versions the learner published after its last checkpoint (or all of them, for a fresh learner):
+        # the store holds the newest one whole; the optimizer moments stay those of the checkpoint.
+        await self._busy(sock, stop, self.trainer.adopt, newest)
+        log.warning("weights_from_store", version=newest, optimizer_state_version=self.version)
+        self.version = newest
+        return True
 
     async def _sim_step(self, sock: zmq.asyncio.Socket, facts: dict[str, Any],
                         stop: asyncio.Event) -> tuple[str, str, float, dict[str, float]] | None:  # fmt: skip
@@ -184,6 +210,7 @@ class StandInLearner:
             group_size=core.group_size,
             k=core.staleness,
             mixed_ok=core.in_flight_swap,
+            trained=self.trained,
         )
         started = self.clock()
         if self.trainer is None:
@@ -202,6 +229,16 @@ class StandInLearner:
                 m.WeightsPublished(version=self.version, uri=uri, sha256=sha, publish_s=publish_s, metrics=metrics)
             )
         )
+        self.trained.update(g.group_id for g in batch.groups)
+        lc = self.cfg.learner
+        if (
+            self.trainer is not None
+            and lc.checkpoint_dir
+            and (self.version % lc.checkpoint_every == 0 or self.version == core.total_steps)
+        ):
+            seconds = await self._busy(sock, stop, self.trainer.checkpoint, self.version, sorted(self.trained))
+            if seconds is not None:
+                log.info("checkpoint_saved", version=self.version, seconds=round(seconds, 3), groups=len(self.trained))
         if self.audit is not None:
             self.audit.write(
                 json.dumps(

@@ -35,6 +35,10 @@ class TrainerConfig:
     """The rollout temperature: the behaviour log-probs were taken at it, so the learner scores at it too."""
     max_grad_norm: float = 1.0
     seed: int = 0
+    dtype: str = "float32"
+    """``bfloat16``: compute in bf16 (FSDP2 MixedPrecisionPolicy, or autocast on one rank); fp32 master weights."""
+    checkpoint_dir: str | None = None
+    keep_checkpoints: int = 2
 
 
 class TorchTrainer:
@@ -50,13 +54,15 @@ class TorchTrainer:
         self.device = torch.device(device)
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(self.device)
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        self.bf16 = cfg.dtype == "bfloat16"
         if self.world > 1:
-            from torch.distributed.fsdp import fully_shard
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
             mesh = dist.device_mesh.init_device_mesh(self.device.type, (self.world,))
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if self.bf16 else None, reduce_dtype=torch.float32)
             for layer in self.model.model.layers:
-                fully_shard(layer, mesh=mesh)
-            fully_shard(self.model, mesh=mesh)
+                fully_shard(layer, mesh=mesh, mp_policy=mp)
+            fully_shard(self.model, mesh=mesh, mp_policy=mp)
         self.model.train()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
         self.store = store
@@ -132,7 +138,9 @@ class TorchTrainer:
             attn[b, : len(seq)] = 1
             beh[b, : len(s.token_ids)] = torch.from_numpy(s.logprobs.astype("float32"))
             mask[b, : len(s.token_ids)] = 1
-        logits = self.model(input_ids=ids.to(self.device), attention_mask=attn.to(self.device)).logits.float()
+        autocast = self.bf16 and self.world == 1  # sharded: the FSDP2 policy casts instead
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast):
+            logits = self.model(input_ids=ids.to(self.device), attention_mask=attn.to(self.device)).logits.float()
         logp_all = torch.log_softmax(logits / self.cfg.temperature, -1)
         out = torch.zeros((len(rows), longest), dtype=torch.float32, device=self.device)
         for b, (prompt, s, _) in enumerate(rows):
@@ -141,6 +149,29 @@ class TorchTrainer:
             targets = torch.as_tensor(s.token_ids.astype("int64"), device=self.device)
             out[b, :n] = logp_all[b, positions, targets]
         return out, beh.to(self.device), mask.to(self.device)
+
+    def checkpoint(self, version: int, trained_groups: list[int]) -> float:
+        """Save a checkpoint (a collective when sharded; rank 0 writes); returns the seconds it took."""
+        from dora.learner import checkpoint
+
+        started = time.perf_counter()
+        assert self.cfg.checkpoint_dir is not None
+        checkpoint.save(self.model, self.opt, self.cfg.checkpoint_dir, version=version, trained_groups=trained_groups,
+                        keep=self.cfg.keep_checkpoints)  # fmt: skip
+        return time.perf_counter() - started
+
+    def restore(self) -> dict[str, Any] | None:
+        """Load the newest checkpoint, if there is one (every rank reads it); its meta, else None."""
+        from dora.learner import checkpoint
+
+        found = checkpoint.checkpoints(self.cfg.checkpoint_dir) if self.cfg.checkpoint_dir else []
+        return checkpoint.load(self.model, self.opt, found[-1]) if found else None
+
+    def adopt(self, version: int) -> None:
+        """Take a published version's weights from the store (the optimizer state stays as it is)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(self.model, self.store.load(version), options=StateDictOptions(full_state_dict=True))
 
     def publish(self, version: int) -> tuple[str, str, float] | None:
         """Write the version to the store. Sharded: a collective; rank 0 writes and returns, others None."""

@@ -54,6 +54,17 @@ class WeightStore:
             raise
         return f"file://{final / 'model.safetensors'}", sha, time.perf_counter() - started
 
+    def load(self, version: int) -> dict[str, torch.Tensor]:
+        """A published version's tensors, after checking the file against its manifest's sha256."""
+        from safetensors.torch import load_file
+
+        path = self.path(version)
+        manifest = json.loads((path / "manifest.json").read_text())
+        file = path / "model.safetensors"
+        if sha256_file(file) != manifest["sha256"]:
+            raise ValueError(f"{file}: sha256 differs from its manifest")
+        return load_file(str(file))
+
     def retire(self, version: int) -> bool:
         """Delete a version's directory; False if it was not there."""
         path = self.path(version)

@@ -61,6 +61,8 @@ class Hello:
     slots: int = 0
     """Rollout: sequences the engine runs at once (its credit)."""
     engine: str = ""
+    learner_version: int | None = None
+    """Learner: the version its weights hold (0 fresh, a checkpoint's when resumed); None without weights."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

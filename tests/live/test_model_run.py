@@ -5,8 +5,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import pathlib
+import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -90,3 +93,52 @@ def test_a_torch_learner_trains_and_workers_load_every_published_version(tmp_pat
         left = sorted(p.name for p in store.iterdir())
         assert f"v{steps}" in left and len(left) <= 3, left  # only what the ledger may still need
         assert not [r for w in ("w0", "w1") for r in c.events(w) if r.get("level") == "error"]
+
+
+def test_a_killed_torch_learner_resumes_from_its_checkpoint_and_trains_no_group_twice(tmp_path, tiny_model):
+    """kill -9 the learner mid-run; a new one loads the newest checkpoint (model, optimizer, RNG, trained
+    group ids), takes the weights it published after that checkpoint from the store, and finishes the run:
+    every version published once, no group trained twice."""
+    steps = 6
+    ckpt = tmp_path / "ckpt"
+    overrides = {
+        "core": {"total_steps": steps, "max_staleness": 1, "train_groups": 4, "group_size": 4, "min_workers": 1},
+        "run": {"max_tokens": 12},
+        "task": {"name": "arithmetic", "tokenizer": str(tiny_model), "reward": "dora.tasks.rewards:digits_shaped"},
+        "broker": {"heartbeat_interval_s": 0.5, "liveness": 20},
+        "engine": {"max_slots": 16, "credit_slots": 16},
+        "learner": {
+            "model": str(tiny_model),
+            "store": str(tmp_path / "store"),
+            "lr": 1e-3,
+            "checkpoint_dir": str(ckpt),
+            "checkpoint_every": 1,
+        },
+    }
+    with cluster(tmp_path, overrides) as c:
+        c.start_broker()
+        c.start_worker("w0", "torch", "--model", str(tiny_model))
+        learner = ["learner", "--trainer", "torch", "--broker", str(tmp_path / "broker.json")]
+        c.spawn("learner", *learner)
+        deadline = time.monotonic() + 150
+        while len(c.events("broker", "train_step")) < 3:
+            assert time.monotonic() < deadline and c.procs["learner"].poll() is None, c.log("learner")[-3000:]
+            time.sleep(0.1)
+        c.signal("learner", signal.SIGKILL)
+        c.procs["learner"].wait(10)
+        newest = max(r["version"] for r in c.events("broker", "train_step"))
+        if (ckpt / f"ckpt-v{newest}").exists():  # as if the crash came between publishing and checkpointing
+            shutil.rmtree(ckpt / f"ckpt-v{newest}")
+        kept = max(int(p.name[6:]) for p in ckpt.glob("ckpt-v*"))
+        assert kept < newest
+        c.spawn("learner2", *learner)
+        assert c.wait("learner2", 200) == 0, c.log("learner2")[-3000:]
+        assert c.wait("broker", 15) == 0, c.log("broker")[-3000:]
+        [resumed] = c.events("learner2", "resumed_from_checkpoint")
+        assert resumed["version"] == kept and resumed["groups"] == 4 * kept
+        [adopted] = c.events("learner2", "weights_from_store")
+        assert (adopted["version"], adopted["optimizer_state_version"]) == (newest, kept)
+        assert [r["version"] for r in c.events("broker", "train_step")] == list(range(1, steps + 1))
+        trained = [g for r in c.audit() for g in r["groups"]]
+        assert len(trained) == len(set(trained)) >= 4 * (steps - newest)
+        assert [r["version"] for r in c.events("learner2", "checkpoint_saved")] == list(range(newest + 1, steps + 1))

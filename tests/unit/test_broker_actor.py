@@ -242,3 +242,17 @@ async def test_one_report_of_many_samples_gets_one_answer_per_sample_in_order():
         assert [(a.index, a.accepted) for a in acks] == [(0, True), (0, False), *((i, True) for i in range(1, G)),
                                                          (1, False)]  # fmt: skip
         assert acks[1].reason == "duplicate_sample" and "epoch" in acks[-1].reason
+
+
+async def test_a_learner_whose_checkpoint_is_ahead_of_the_broker_is_turned_away():
+    async with running_broker() as (actor, ep, ctx):
+        ahead = Fake(ctx, ep, "learner/ahead")
+        await ahead.send(m.Hello(wire_version=m.WIRE_VERSION, role=m.Role.LEARNER, peer_id="l", pid=1, host="h",
+                                 learner_version=3))  # fmt: skip
+        reject = await ahead.recv(m.Reject)
+        assert "version 3" in reject.reason and "newest is 0" in reject.reason
+        assert actor.learner is None
+        fresh = Fake(ctx, ep, "learner/fresh")
+        await fresh.send(m.Hello(wire_version=m.WIRE_VERSION, role=m.Role.LEARNER, peer_id="l", pid=1, host="h",
+                                 learner_version=0))  # fmt: skip
+        assert (await fresh.recv(m.Welcome)).newest_version == 0

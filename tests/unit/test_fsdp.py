@@ -39,13 +39,13 @@ def batch() -> m.TrainBatch:
 CFG = TrainerConfig(lr=1e-2, micro_batch=2)
 
 
-def rank_main(rank: int, world: int, port: int, model: str, store: str) -> None:
+def rank_main(rank: int, world: int, port: int, model: str, store: str, cfg: TrainerConfig = CFG) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        trainer = TorchTrainer(model, WeightStore(store), LossConfig(), CFG)
+        trainer = TorchTrainer(model, WeightStore(store), LossConfig(), cfg)
         metrics = trainer.train(batch())
         published = trainer.publish(1)
         if rank == 0:
@@ -90,4 +90,29 @@ def test_two_rank_fsdp_step_equals_one_process_and_published_weights_serve(tiny_
         got = engine.model(input_ids=torch.tensor([seq])).logits.float()
         ref = single.model.eval()(input_ids=torch.tensor([seq])).logits.float()
     assert torch.allclose(torch.log_softmax(got, -1), torch.log_softmax(ref, -1), atol=1e-4)
+    os.environ.pop("MASTER_ADDR", None)
+
+
+def test_bf16_mixed_precision_keeps_fp32_master_weights_and_follows_the_fp32_step(tiny_model, tmp_path):
+    """learner.dtype = bfloat16: FSDP2's MixedPrecisionPolicy over 2 ranks, autocast on one. The published
+    weights stay fp32, and each step moves the weights the way the fp32 step does (bf16 rounds the rest)."""
+    bf16 = TrainerConfig(lr=1e-2, micro_batch=2, dtype="bfloat16")
+    mp.spawn(rank_main, args=(2, free_port(), str(tiny_model), str(tmp_path / "sharded"), bf16), nprocs=2, join=True)
+    out = torch.load(tmp_path / "sharded" / "rank0.pt")
+    from safetensors.torch import load_file
+
+    sharded = load_file(out["uri"].removeprefix("file://"))
+    ref = TorchTrainer(tiny_model, WeightStore(tmp_path / "fp32"), LossConfig(), CFG)
+    before = {k: v.clone() for k, v in ref.model.state_dict().items()}
+    want = ref.train(batch())
+    one = TorchTrainer(tiny_model, WeightStore(tmp_path / "one"), LossConfig(), bf16)
+    got_one = one.train(batch())
+    for name, got, weights in (("fsdp", out["metrics"], sharded), ("autocast", got_one, one.model.state_dict())):
+        assert all(v.dtype == torch.float32 for v in weights.values()), name
+        assert got["loss"] == pytest.approx(want["loss"], rel=0.05, abs=1e-3), name
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=0.05), name
+        delta = torch.cat([(weights[k] - before[k]).flatten() for k in before])
+        delta_fp32 = torch.cat([(ref.model.state_dict()[k] - before[k]).flatten() for k in before])
+        assert torch.cosine_similarity(delta, delta_fp32, dim=0) > 0.95, name
+        assert not torch.equal(delta, delta_fp32), f"{name}: bf16 computed exactly like fp32 (not applied?)"
     os.environ.pop("MASTER_ADDR", None)

@@ -59,6 +59,15 @@ def test_fields_travel_as_a_map_keyed_by_name():
     assert msgpack.unpackb(bytes(frames[3])) == {"group_id": 3, "attempt": 9}
 
 
+def test_a_field_added_with_a_default_decodes_from_older_peers():
+    """An older peer's Hello lacks ``learner_version``: it decodes with the default."""
+    frames = codec.encode(m.Hello(wire_version=m.WIRE_VERSION, role=m.Role.LEARNER, peer_id="l", pid=1, host="h"))
+    body = msgpack.unpackb(bytes(frames[3]))
+    del body["learner_version"]
+    old = codec.decode([*frames[:3], msgpack.packb(body)])
+    assert old.learner_version is None and old.peer_id == "l"
+
+
 FUZZ = settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 

@@ -1,0 +1,70 @@
+"""The learner's own check of every batch it is handed (C1, C2, C3, exact size, nothing trained twice)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from dora.learner.standin import InvariantBroken, check_batch
+from dora.wire import messages as m
+
+G = 2  # samples per group
+TWO_VERSIONS = np.array([[5, 2], [4, 1]], np.int32)  # 2 tokens from version 5, then 1 from version 4
+
+
+def sample(index: int, *, tokens: int = 3, segments=None) -> m.TrainSample:
+    return m.TrainSample(index=index, token_ids=np.arange(tokens, dtype=np.int32),
+                         logprobs=np.full(tokens, -0.5, np.float32), reward=float(index), finish=m.Finish.STOP,
+                         segments=segments)  # fmt: skip
+
+
+def group(gid: int, version: int, samples=None) -> m.TrainGroup:
+    return m.TrainGroup(group_id=gid, version=version, prompt_ids=np.array([1, 2], np.int32),
+                        samples=tuple(samples or [sample(i) for i in range(G)]))  # fmt: skip
+
+
+def batch(*groups: m.TrainGroup, step: int = 5) -> m.TrainBatch:
+    return m.TrainBatch(step=step, groups=groups)
+
+
+def check(b: m.TrainBatch, **kw):
+    args = {"step": 5, "groups": 2, "group_size": G, "k": 2, "mixed_ok": False, **kw}
+    return check_batch(b, **args)
+
+
+def test_a_good_batch_passes_with_its_staleness_histogram_and_tokens():
+    facts = check(batch(group(1, 5), group(2, 3)))
+    assert facts == {"staleness": {0: 2, 2: 2}, "mixed_version_trajectories": 0, "tokens": 12}
+
+
+@pytest.mark.parametrize(
+    ("b", "kw", "words"),
+    [
+        (batch(group(1, 5), group(2, 5), step=4), {}, "asked for batch 5"),
+        (batch(group(1, 5)), {}, "1 groups"),
+        (batch(group(1, 5), group(1, 5)), {}, "distinct"),
+        (batch(group(1, 5), group(2, 2)), {}, "C3"),
+        (batch(group(1, 5), group(2, 6)), {}, "C3"),  # from the future
+        (batch(group(1, 5), group(2, 5, [sample(0)])), {}, "not whole"),
+        (batch(group(1, 5), group(2, 5, [sample(0), sample(0)])), {}, "not whole"),
+        (batch(group(1, 5), group(2, 5, [sample(0), sample(1, segments=TWO_VERSIONS)])), {}, "C1"),
+        (batch(group(1, 5), group(2, 5)), {"trained": {2, 9}}, "trained before: [2]"),
+    ],
+)
+def test_a_broken_batch_is_refused_with_the_reason(b, kw, words):
+    with pytest.raises(InvariantBroken, match=words.replace("[", r"\[").replace("]", r"\]")):
+        check(b, **kw)
+
+
+def test_mixed_versions_are_counted_where_the_mode_swaps_weights_in_flight():
+    mixed = sample(1, segments=np.array([[4, 2], [5, 1]], np.int32))
+    facts = check(batch(group(1, 4, [sample(0), mixed]), group(2, 5)), mixed_ok=True)
+    assert facts["mixed_version_trajectories"] == 1
+
+
+def test_log_probs_must_match_the_tokens():
+    bad = dataclasses.replace(sample(1), logprobs=np.zeros(2, np.float32))
+    with pytest.raises(InvariantBroken, match="differ in length"):
+        check(batch(group(1, 5, [sample(0), bad]), group(2, 5)))
