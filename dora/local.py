@@ -28,8 +28,12 @@ def to_toml(cfg: dict[str, dict[str, Any]]) -> str:
 
 
 class LocalRun:
-    def __init__(self, rundir: pathlib.Path, cfg: dict[str, dict[str, Any]]) -> None:
+    def __init__(self, rundir: pathlib.Path, cfg: dict[str, dict[str, Any]], *, threads: int | None = None) -> None:
+        """``threads``: OMP_NUM_THREADS for every child (unless set already in this environment)."""
         self.dir = rundir
+        self.env = dict(os.environ)
+        if threads is not None:
+            self.env.setdefault("OMP_NUM_THREADS", str(threads))
         self.dir.mkdir(parents=True, exist_ok=True)
         self.cfg = {s: dict(v) for s, v in cfg.items()}
         self.cfg.setdefault("broker", {})["discovery_file"] = str(rundir / "broker.json")
@@ -48,7 +52,8 @@ class LocalRun:
         """``python ARGV --config <the run's config>``, logging to ``<name>.log``."""
         with open(self.dir / f"{name}.log", "wb") as log:
             proc = subprocess.Popen([sys.executable, *argv, "--config", str(self.config)],
-                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                    env=self.env)  # fmt: skip
         self.procs[name] = proc
         return proc
 

@@ -87,7 +87,8 @@ def main(argv: list[str]) -> int:
     except (ConfigError, FileExistsError) as e:
         print(f"dora run: {e}", file=sys.stderr)
         return 2
-    run = LocalRun(rundir, data)
+    procs = cfg.run.workers + (cfg.learner.ranks if cfg.run.trainer == "torch" else 1)
+    run = LocalRun(rundir, data, threads=cfg.run.threads or max(1, (os.cpu_count() or 1) // procs))
     stopping = False
 
     def on_signal(signum: int, frame: Any) -> None:

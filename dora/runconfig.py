@@ -31,8 +31,13 @@ class LiveRun:
     """`dora run`: the learner's trainer (sim, torch)."""
     dir: str = "runs"
     """`dora run`: where each run gets its own directory (logs, metrics.jsonl, plots, weight store)."""
+    threads: int = 0
+    """`dora run`: CPU threads per process (OMP_NUM_THREADS); 0 = this machine's cores shared out among the
+    workers and learner ranks. Oversubscribed OpenMP threads spin against each other: CPU steps get 10-30x slower."""
 
     def __post_init__(self) -> None:
+        if self.threads < 0:
+            raise ConfigError(f"run.threads must be >= 0; got {self.threads}")
         if self.time_scale <= 0:
             raise ConfigError(f"run.time_scale must be > 0; got {self.time_scale}")
         if self.workers < 1:

@@ -32,7 +32,7 @@ class Cluster(LocalRun):
         for section, values in (overrides or {}).items():
             cfg.setdefault(section, {}).update(values)
         cfg.setdefault("learner", {})["audit_file"] = str(tmp / "audit.jsonl")
-        super().__init__(tmp, cfg)
+        super().__init__(tmp, cfg, threads=1)  # several torch processes share 2 cores
 
     def wait(self, name: str, timeout_s: float) -> int:
         try:

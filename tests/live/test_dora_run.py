@@ -71,6 +71,7 @@ def test_dora_run_trains_a_real_model_end_to_end(tmp_path):
     assert len(rows) == 4 and all(r["tokens"] > 0 for r in rows)
     assert (model / "config.json").is_file()  # built on first use
     assert any((rundir / "weights").iterdir())  # published versions in the store
+    assert [p.name for p in sorted((rundir / "checkpoints").iterdir())] == ["ckpt-v4"]  # the last step's
 
 
 def test_dora_run_with_a_two_rank_fsdp_learner(tmp_path):

@@ -80,6 +80,8 @@ def test_sim_bad_input_is_one_clear_error(args, fragment):
      (["broker", "--set", "task.name=poetry"], "task.name must be"),
      (["broker", "--set", "task.name=countdown"], "needs task.tokenizer"),
      (["broker", "--set", "broker.liveness=1"], "liveness"),
+     (["learner", "--trainer", "sim", "--broker", "tcp://127.0.0.1:9", "--set", "learner.dtype=fp8"], "learner.dtype"),
+     (["run", "--set", "run.threads=-1", "--set", "core.total_steps=1"], "run.threads"),
      (["learner", "--trainer", "sim", "--broker", "tcp://127.0.0.1:9", "--set", "run.time_scale=0"], "time_scale")],
 )  # fmt: skip
 def test_live_commands_bad_input_is_one_clear_error(argv, fragment):
@@ -102,3 +104,13 @@ def test_no_pickle_anywhere_in_the_package():
     for path in (ROOT / "dora").rglob("*.py"):
         text = path.read_text()
         assert not [b for b in banned if b in text], path
+
+
+def test_local_processes_get_a_thread_budget_unless_the_user_set_one(tmp_path, monkeypatch):
+    from dora.local import LocalRun
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert LocalRun(tmp_path / "a", {}, threads=3).env["OMP_NUM_THREADS"] == "3"
+    assert "OMP_NUM_THREADS" not in LocalRun(tmp_path / "b", {}).env
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")
+    assert LocalRun(tmp_path / "c", {}, threads=3).env["OMP_NUM_THREADS"] == "5"
