@@ -57,14 +57,14 @@ class LocalRun:
         self.procs[name] = proc
         return proc
 
-    def start_broker(self, timeout_s: float = 30.0) -> str:
+    def start_broker(self, timeout_s: float = 30.0, name: str = "broker") -> str:
         disc = self.dir / "broker.json"
         disc.unlink(missing_ok=True)
-        proc = self.spawn("broker", "broker")
+        proc = self.spawn(name, "broker")
         deadline = time.monotonic() + timeout_s
         while not disc.exists():
             if proc.poll() is not None:
-                raise RuntimeError(f"the broker exited with {proc.returncode}:\n{self.log('broker')[-3000:]}")
+                raise RuntimeError(f"the broker exited with {proc.returncode}:\n{self.log(name)[-3000:]}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the broker wrote no discovery file within {timeout_s:g} s")
             time.sleep(0.05)

@@ -55,6 +55,7 @@ def prepare(cfg: RunConfig, rundir: pathlib.Path) -> dict[str, Any]:
     data["core"]["min_workers"] = cfg.run.workers
     data["learner"].update(audit_file=str(rundir / "audit.jsonl"), store=str(rundir / "weights"))
     data["learner"].setdefault("checkpoint_dir", str(rundir / "checkpoints"))
+    data["broker"].setdefault("journal", str(rundir / "journal.jsonl"))
     data["log"]["format"] = "json"
     if cfg.run.engine != "sim" or cfg.run.trainer != "sim":
         model = cfg.rollout.model or cfg.learner.model

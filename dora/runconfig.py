@@ -72,6 +72,9 @@ class BrokerSection:
     """Budget for a graceful stop on SIGTERM (below Slurm's KillWait)."""
     strict: bool = False
     """Re-check every core invariant from scratch after every event (slow; for tests and debugging)."""
+    journal: str | None = None
+    """Append-only journal (fsync'd) of the cursor and every trained step; a broker started on an existing
+    journal resumes that run. None: no journal (a restarted broker starts the run over)."""
 
     def __post_init__(self) -> None:
         if min(self.heartbeat_interval_s, self.stall_timeout_s, self.tick_s, self.learner_timeout_s) <= 0:

@@ -29,6 +29,8 @@ import zmq.asyncio
 from dora.actor.liveness import Liveness
 from dora.broker import events as ev
 from dora.broker.core import Core
+from dora.broker.journal import Journal
+from dora.broker.ledger import InvariantViolation
 from dora.broker.scheduler import GroupFailed
 from dora.ids import WorkerId
 from dora.learner.weights import store_path
@@ -69,6 +71,8 @@ class BrokerActor:
         *,
         clock: Callable[[], float] = time.monotonic,
         epoch: int = 0,
+        journal: Journal | None = None,
+        weights: dict[int, tuple[str, str]] | None = None,
     ) -> None:
         self.cfg = cfg
         self.sock = sock
@@ -83,7 +87,8 @@ class BrokerActor:
         self.liveness = Liveness(b.heartbeat_interval_s, b.liveness, b.stall_timeout_s)
         self.peers: dict[bytes, Peer] = {}
         self.learner: bytes | None = None
-        self.weights: dict[int, tuple[str, str]] = {0: ("sim://v0", "0" * 64)}
+        self.journal = journal
+        self.weights: dict[int, tuple[str, str]] = weights or {0: ("sim://v0", "0" * 64)}
         self.counters = Counter[str]()
         self.lost: deque[dict[str, Any]] = deque(maxlen=32)
         """The latest peers declared dead or gone, with why (for `dora status`)."""
@@ -246,8 +251,7 @@ class BrokerActor:
             case m.RequestBatch() if learner:
                 self.feed(ev.BatchRequested(step=msg.step))
             case m.WeightsPublished() if learner:
-                self.weights[msg.version] = (msg.uri, msg.sha256)
-                self.on_published(msg)
+                self.on_published(peer, msg)
             case m.Goodbye():
                 log.info("peer_left", reason=msg.reason)
                 self.peer_lost(peer, f"goodbye: {msg.reason}")
@@ -284,10 +288,22 @@ class BrokerActor:
                                     reason=reason or ""))  # fmt: skip
         return tuple(acks)
 
-    def on_published(self, msg: m.WeightsPublished) -> None:
+    def on_published(self, peer: Peer, msg: m.WeightsPublished) -> None:
+        batch = self.core.transfer.in_training
+        if msg.version == self.core.ledger.newest and msg.version in self.weights:
+            self.send(peer, m.PublishAck(version=msg.version))  # a repeat (the ack was lost): idempotent
+            return
+        if batch is None or msg.version != self.core.ledger.newest + 1 or batch.step != msg.version - 1:
+            self.counters["refused publish"] += 1
+            log.warning("publish_refused", version=msg.version, newest=self.core.ledger.newest)
+            return
+        if self.journal is not None:  # durable before it takes effect, and before the learner may checkpoint it
+            self.journal.step(msg.version, msg.uri, msg.sha256, [g.group_id for g in batch.groups])
+        self.weights[msg.version] = (msg.uri, msg.sha256)
+        self.send(peer, m.PublishAck(version=msg.version))  # ahead of the run's end, which says goodbye
         actions = self.feed(ev.WeightsPublished(version=msg.version))
         if any(isinstance(a, ev.Refused) for a in actions):
-            return
+            raise InvariantViolation(f"the core refused publish {msg.version} after the broker checked it")
         now = self.clock()
         hist = self.core.transfer.staleness
         log.info(
@@ -314,6 +330,8 @@ class BrokerActor:
             raise
         finally:
             self.decision_s[type(event).__name__] += time.perf_counter() - started
+        if self.journal is not None:  # every group id about to leave is reserved on disk first
+            self.journal.reserve_through(self.core.scheduler.cursor)
         for action in actions:
             self.act(action)
         return actions

@@ -42,7 +42,7 @@ from dora.broker.ledger import InvariantViolation, Ledger
 from dora.broker.scheduler import Flight, GroupState, Scheduler
 from dora.broker.transfer import TransferQueue
 from dora.config import CoreConfig
-from dora.ids import Mode, WorkerId
+from dora.ids import GroupId, Mode, WorkerId
 
 
 class Core:
@@ -97,6 +97,14 @@ class Core:
         if self.strict:
             self.check()
         return out.actions
+
+    def restore(self, owed: list[int]) -> None:
+        """A restarted broker's debts: groups handed out before the restart and never trained (call before
+        the first event). They are dispatched again, whole, before any group past the cursor, under the same
+        admission rule as fresh groups; a group's prompt depends on its id alone."""
+        if any(g >= self.scheduler.cursor for g in owed) or len(set(owed)) != len(owed):
+            raise ValueError("restored groups must be distinct and below the cursor")
+        self.scheduler.owed.extend(GroupId(g) for g in sorted(owed))
 
     @property
     def step(self) -> int:
@@ -285,7 +293,7 @@ class Core:
         expect = {v + self.cfg.staleness: n for v, n in owed.items() if n}
         if expect != counts:
             raise InvariantViolation(f"ledger counts {counts} != groups owed {expect}")
-        created = self.scheduler.cursor - self.start_cursor
+        created = self.scheduler.cursor - self.start_cursor + self.scheduler.reissued
         held = (
             len(self.transfer.consumed) + len(self.scheduler.flights) + len(self.transfer) + len(self.transfer.dropped)
         )

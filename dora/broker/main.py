@@ -12,16 +12,20 @@ import sys
 from collections.abc import Callable
 
 import numpy as np
+import structlog
 import uvloop
 import zmq
 import zmq.asyncio
 
 from dora.broker.actor import BrokerActor
 from dora.broker.core import Core
+from dora.broker.journal import Journal, JournalError, replay
 from dora.config import ConfigError, load
 from dora.logging import configure_logging
 from dora.runconfig import RunConfig
 from dora.tasks.prompts import prompt_source
+
+log = structlog.get_logger()
 
 
 def main(argv: list[str]) -> int:
@@ -70,6 +74,12 @@ async def serve(cfg: RunConfig, prompts: Callable[[int], np.ndarray]) -> int:
     try:
         sock, endpoint = open_router(ctx, cfg)
         epoch = secrets.randbits(62)
+        try:
+            core, journal, weights = open_journal(cfg, epoch)
+        except (JournalError, ConfigError) as e:
+            log.error("journal_unusable", error=str(e))
+            print(f"dora broker: {e}", file=sys.stderr)
+            return 2
         ready = {"event": "ready", "endpoint": endpoint, "pid": os.getpid(), "broker_epoch": epoch}
         if cfg.broker.discovery_file:
             tmp = f"{cfg.broker.discovery_file}.{os.getpid()}.tmp"
@@ -77,10 +87,34 @@ async def serve(cfg: RunConfig, prompts: Callable[[int], np.ndarray]) -> int:
                 json.dump(ready, f)
             os.replace(tmp, cfg.broker.discovery_file)
         print(json.dumps(ready), flush=True)
-        actor = BrokerActor(cfg, sock, Core(cfg.core, strict=cfg.broker.strict), prompts, epoch=epoch)
-        await actor.run(stop)
+        actor = BrokerActor(cfg, sock, core, prompts, epoch=epoch, journal=journal, weights=weights)
+        try:
+            await actor.run(stop)
+        finally:
+            if journal is not None:
+                journal.close()
         actor.flush()
         await asyncio.sleep(0.05)  # let the last replies (goodbyes) leave before the socket closes
         return 0
     finally:
         ctx.destroy(linger=0)
+
+
+def open_journal(cfg: RunConfig, epoch: int) -> tuple[Core, Journal | None, dict[int, tuple[str, str]] | None]:
+    """The core, fresh or rebuilt from ``broker.journal``; the journal to append to; the newest weights."""
+    if not cfg.broker.journal:
+        return Core(cfg.core, strict=cfg.broker.strict), None, None
+    shape = {"mode": cfg.core.mode.value, "max_staleness": cfg.core.max_staleness,
+             "train_groups": cfg.core.train_groups, "group_size": cfg.core.group_size}  # fmt: skip
+    past = replay(cfg.broker.journal)
+    if past.epochs and past.shape != shape:
+        raise ConfigError(f"the journal {cfg.broker.journal} was written by a run with {past.shape}, not {shape}")
+    core = Core(cfg.core, initial_version=past.newest, start_cursor=past.reserved, strict=cfg.broker.strict)
+    owed = past.owed
+    core.restore(owed)
+    journal = Journal(cfg.broker.journal)
+    journal.start(epoch, shape, past.reserved)
+    if past.epochs:
+        log.info("resumed_from_journal", version=past.newest, trained_groups=len(past.trained), owed_groups=len(owed),
+                 earlier_epochs=len(past.epochs), journal=cfg.broker.journal)  # fmt: skip
+    return core, journal, {past.newest: past.weights} if past.weights else None

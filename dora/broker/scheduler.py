@@ -88,6 +88,9 @@ class Scheduler:
         self.workers: dict[WorkerId, Worker] = {}
         self.flights: dict[GroupId, Flight] = {}
         self.queue: deque[GroupId] = deque()
+        self.owed: deque[GroupId] = deque()
+        """Groups a restarted broker owes from before the restart: handed out again before the cursor moves."""
+        self.reissued = 0
         self._next_attempt = 1
         self._joined = 0
         self.wave_left = 0
@@ -153,7 +156,7 @@ class Scheduler:
 
     def budget_left(self) -> bool:
         budget = self.cfg.prompt_budget
-        return budget is None or self.cursor < budget
+        return bool(self.owed) or budget is None or self.cursor < budget
 
     # ------------------------------------------------------------------ workers
 
@@ -223,8 +226,12 @@ class Scheduler:
         self.queue.appendleft(flight.group_id)
 
     def new_flight(self) -> Flight:
-        gid = GroupId(self.cursor)
-        self.cursor += 1
+        if self.owed:
+            gid = self.owed.popleft()
+            self.reissued += 1
+        else:
+            gid = GroupId(self.cursor)
+            self.cursor += 1
         flight = Flight(group_id=gid, version=self.ledger.newest, state=GroupState.QUEUED)
         self.flights[gid] = flight
         if self.cfg.waves:

@@ -9,6 +9,7 @@ import os
 import pathlib
 import signal
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import uvloop
@@ -56,7 +57,7 @@ def main(argv: list[str]) -> int:
 
         trainer, _ = make_trainer(cfg)
         return follow(trainer)
-    return uvloop.run(serve(cfg, endpoint, args.trainer, world))
+    return uvloop.run(serve(cfg, endpoint, args.trainer, world, discover=lambda: resolve_endpoint(args.broker)))
 
 
 def make_trainer(cfg: RunConfig) -> tuple[Any, dict[str, Any] | None]:
@@ -81,7 +82,8 @@ def make_trainer(cfg: RunConfig) -> tuple[Any, dict[str, Any] | None]:
     return trainer, resumed
 
 
-async def serve(cfg: RunConfig, endpoint: str, kind: str = "sim", world: int = 1) -> int:
+async def serve(cfg: RunConfig, endpoint: str, kind: str = "sim", world: int = 1,
+                discover: Callable[[], str] | None = None) -> int:  # fmt: skip
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -96,7 +98,8 @@ async def serve(cfg: RunConfig, endpoint: str, kind: str = "sim", world: int = 1
 
             trainer = leader = Leader(trainer)
         try:
-            learner = StandInLearner(cfg, ctx, endpoint, audit=audit, clock=loop.time, trainer=trainer, resumed=resumed)
+            learner = StandInLearner(cfg, ctx, endpoint, audit=audit, clock=loop.time, trainer=trainer, resumed=resumed,
+                                     discover=discover)  # fmt: skip
             return await learner.run(stop)
         finally:
             if leader is not None:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from dora.wire import codec
 from dora.wire import messages as m
 
-TRAIN, PUBLISH, STOP, CHECKPOINT, ADOPT = 1, 2, 3, 4, 5
+TRAIN, PUBLISH, STOP, CHECKPOINT, ADOPT, RESTORE = 1, 2, 3, 4, 5, 6
 
 
 def init_from_env() -> tuple[int, int]:
@@ -88,6 +88,10 @@ class Leader:
         _send(ADOPT, version.to_bytes(8, "little"))
         self.trainer.adopt(version)
 
+    def restore(self) -> dict[str, Any] | None:
+        _send(RESTORE)
+        return self.trainer.restore()
+
     def stop(self) -> None:
         _send(STOP)
 
@@ -110,6 +114,8 @@ def follow(trainer: Any) -> int:
             trainer.checkpoint(int.from_bytes(payload, "little"), [])
         elif kind == ADOPT:
             trainer.adopt(int.from_bytes(payload, "little"))
+        elif kind == RESTORE:
+            trainer.restore()
         else:
             log.info("rank_done", steps=steps)
             return 0

@@ -24,6 +24,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from dora.config import ConfigError
 from dora.runconfig import RunConfig
 from dora.wire import codec
 from dora.wire import messages as m
@@ -80,10 +81,13 @@ class StandInLearner:
         clock: Callable[[], float] = time.monotonic,
         trainer: Any = None,
         resumed: dict[str, Any] | None = None,
+        discover: Callable[[], str] | None = None,
     ) -> None:
         self.cfg = cfg
         self.ctx = ctx
         self.endpoint = endpoint
+        self.discover = discover
+        """Where to look for the broker's endpoint again when it falls silent (its discovery file)."""
         self.audit = audit
         self.clock = clock
         self.trainer = trainer
@@ -92,55 +96,85 @@ class StandInLearner:
         """The version the trainer's weights hold (a checkpoint's, when resumed)."""
         self.trained: set[int] = set(resumed["trained_groups"]) if resumed else set()
         """Every group trained so far, checkpointed with the weights: a group in it is never trained again."""
+        self.committed = self.version
+        """The newest version the broker has acknowledged (recorded in its journal)."""
+        self.unacked: tuple[int, m.TrainBatch, dict[str, Any]] | None = None
+        """The step published and not yet acknowledged: (version, batch, facts)."""
+
+    def _rediscover(self) -> str:
+        if self.discover is None:
+            return self.endpoint
+        try:
+            return self.discover()
+        except ConfigError:  # the discovery file is being replaced by a starting broker: try again later
+            return self.endpoint
+
+    def _hello(self) -> m.Hello:
+        return m.Hello(
+            wire_version=m.WIRE_VERSION,
+            role=m.Role.LEARNER,
+            peer_id="learner-0",
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            slurm_job_id=os.environ.get("SLURM_JOB_ID"),
+            learner_version=None if self.trainer is None else self.committed,
+        )
 
     async def run(self, stop: asyncio.Event) -> int:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, f"learner/{socket.gethostname()}/{uuid.uuid4().hex[:8]}".encode())
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.endpoint)
-        core, b = self.cfg.core, self.cfg.broker
+        b = self.cfg.broker
         try:
             if not await sock.poll(int(1000 * b.heartbeat_interval_s * b.liveness), zmq.POLLOUT):
                 log.error("broker_unreachable", endpoint=self.endpoint)
                 return 1
-            await sock.send_multipart(
-                codec.encode(
-                    m.Hello(
-                        wire_version=m.WIRE_VERSION,
-                        role=m.Role.LEARNER,
-                        peer_id="learner-0",
-                        pid=os.getpid(),
-                        host=socket.gethostname(),
-                        slurm_job_id=os.environ.get("SLURM_JOB_ID"),
-                        learner_version=None if self.trainer is None else self.version,
-                    )
-                )
-            )
-            next_beat = self.clock()
+            await sock.send_multipart(codec.encode(self._hello()))
+            joining = True
+            next_beat = heard = self.clock()
             while not stop.is_set():
+                if self.clock() - heard > b.heartbeat_interval_s * b.liveness:  # the broker is gone: find it again
+                    heard = self.clock()
+                    endpoint = self._rediscover()
+                    if endpoint != self.endpoint:
+                        sock.disconnect(self.endpoint)
+                        sock.connect(endpoint)
+                    log.warning("broker_silent", endpoint=endpoint, version=self.version, committed=self.committed)
+                    self.endpoint, joining = endpoint, True
+                    await sock.send_multipart(codec.encode(self._hello()))
                 if await sock.poll(max(1, int(1000 * (next_beat - self.clock()))), zmq.POLLIN):
                     msg = codec.decode(await sock.recv_multipart(copy=False))
+                    heard = self.clock()
                     match msg:
                         case m.Welcome():  # a learner joining a run in progress picks it up at the newest version
+                            joining = False
                             if not await self.catch_up(sock, msg.newest_version, stop):
                                 return 1
                             log.info("registered", broker_epoch=msg.broker_epoch, version=self.version)
-                            await sock.send_multipart(codec.encode(m.RequestBatch(step=self.version)))
-                        case m.TrainBatch():
-                            await self.train(sock, msg, stop)
-                            if stop.is_set():
-                                break
-                            if core.total_steps is not None and self.version >= core.total_steps:
-                                log.info("learner_done", version=self.version)
-                                await sock.send_multipart(codec.encode(m.Goodbye(reason="done")))
-                                await asyncio.sleep(0.05)
+                            if await self.after_commit(sock, stop):
                                 return 0
-                            await sock.send_multipart(codec.encode(m.RequestBatch(step=self.version)))
+                        case m.TrainBatch() if self.unacked is None and not joining:
+                            if msg.step < self.version:  # a copy of a batch already trained (re-sent on a rejoin)
+                                log.warning("stale_batch_ignored", step=msg.step, version=self.version)
+                                continue
+                            await self.train(sock, msg, stop)
+                            heard = self.clock()  # what came meanwhile is still queued: read it before judging
+                        case m.PublishAck() if self.unacked is not None and msg.version == self.version:
+                            await self.commit(sock, stop)
+                            if await self.after_commit(sock, stop):
+                                return 0
                         case m.Goodbye():
                             return 0
-                        case m.Reject() | m.Disconnect():
+                        case m.Reject():
                             log.error("learner_turned_away", reason=msg.reason)
                             return 1
+                        case m.Disconnect() if not joining:  # e.g. a restarted broker that does not know us yet
+                            log.warning("rejoining", reason=msg.reason, version=self.version, committed=self.committed)
+                            joining = True
+                            await sock.send_multipart(codec.encode(self._hello()))
+                        case _:  # heartbeats, and anything that came for a step or a session already left
+                            pass
                 if self.clock() >= next_beat:
                     next_beat = self.clock() + b.heartbeat_interval_s
                     await sock.send_multipart(codec.encode(m.Heartbeat()))
@@ -155,20 +189,46 @@ class StandInLearner:
         finally:
             sock.close(linger=0)
 
+    async def after_commit(self, sock: zmq.asyncio.Socket, stop: asyncio.Event) -> bool:
+        """Ask for the next batch; True when the run's steps are all trained (the learner says goodbye)."""
+        total = self.cfg.core.total_steps
+        if total is not None and self.committed >= total:
+            log.info("learner_done", version=self.version)
+            await sock.send_multipart(codec.encode(m.Goodbye(reason="done")))
+            await asyncio.sleep(0.05)
+            return True
+        await sock.send_multipart(codec.encode(m.RequestBatch(step=self.version)))
+        return False
+
     async def catch_up(self, sock: zmq.asyncio.Socket, newest: int, stop: asyncio.Event) -> bool:
-        """Bring the weights to the broker's newest version; False if that cannot be done."""
+        """Bring the learner to the broker's newest version; False if that cannot be done."""
+        if self.unacked is not None:
+            if newest == self.version:  # the broker took the publish before its ack was lost
+                await self.commit(sock, stop)
+            elif newest == self.version - 1:  # the publish never reached the broker's journal: undo the step
+                await self.roll_back(sock, stop)
         if self.trainer is None or newest == self.version:
-            self.version = newest
+            self.version = self.committed = newest
             return True
         if newest < self.version:  # the broker turns such a learner away; never train on from the wrong weights
-            log.error("checkpoint_ahead_of_broker", checkpoint_version=self.version, broker_version=newest)
+            log.error("learner_ahead_of_broker", version=self.version, broker_version=newest)
             return False
         # Versions the learner published after its last checkpoint (or all of them, for a fresh learner):
         # the store holds the newest one whole; the optimizer moments stay those of the checkpoint.
         await self._busy(sock, stop, self.trainer.adopt, newest)
         log.warning("weights_from_store", version=newest, optimizer_state_version=self.version)
-        self.version = newest
+        self.version = self.committed = newest
         return True
+
+    async def roll_back(self, sock: zmq.asyncio.Socket, stop: asyncio.Event) -> None:
+        """Forget the step whose publish the broker never recorded: its groups will be trained again."""
+        _, batch, _ = self.unacked
+        self.unacked = None
+        self.version -= 1
+        if self.trainer is not None:  # the weights and optimizer of the newest checkpoint, then the store's
+            resumed = await self._busy(sock, stop, self.trainer.restore)
+            self.version = resumed["version"] if resumed else 0
+        log.warning("step_rolled_back", step=batch.step, version=self.version)
 
     async def _sim_step(self, sock: zmq.asyncio.Socket, facts: dict[str, Any],
                         stop: asyncio.Event) -> tuple[str, str, float, dict[str, float]] | None:  # fmt: skip
@@ -224,21 +284,28 @@ class StandInLearner:
         metrics.setdefault("reward_mean", fmean(s.reward for g in batch.groups for s in g.samples))
         metrics.setdefault("tokens", float(facts["tokens"]))
         metrics["learner_step_s"] = self.clock() - started
+        self.unacked = (self.version, batch, facts)
         await sock.send_multipart(
             codec.encode(
                 m.WeightsPublished(version=self.version, uri=uri, sha256=sha, publish_s=publish_s, metrics=metrics)
             )
         )
+
+    async def commit(self, sock: zmq.asyncio.Socket, stop: asyncio.Event) -> None:
+        """The broker recorded the publish: the step is final. Checkpoint (when due) and audit it."""
+        version, batch, facts = self.unacked
+        self.unacked = None
+        self.committed = version
         self.trained.update(g.group_id for g in batch.groups)
-        lc = self.cfg.learner
+        lc, core = self.cfg.learner, self.cfg.core
         if (
             self.trainer is not None
             and lc.checkpoint_dir
-            and (self.version % lc.checkpoint_every == 0 or self.version == core.total_steps)
+            and (version % lc.checkpoint_every == 0 or version == core.total_steps)
         ):
-            seconds = await self._busy(sock, stop, self.trainer.checkpoint, self.version, sorted(self.trained))
+            seconds = await self._busy(sock, stop, self.trainer.checkpoint, version, sorted(self.trained))
             if seconds is not None:
-                log.info("checkpoint_saved", version=self.version, seconds=round(seconds, 3), groups=len(self.trained))
+                log.info("checkpoint_saved", version=version, seconds=round(seconds, 3), groups=len(self.trained))
         if self.audit is not None:
             self.audit.write(
                 json.dumps(

@@ -20,7 +20,8 @@ import numpy as np
 
 from dora.ids import AttemptId, Finish, GroupId, WorkerId
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2
+"""2: PublishAck (the broker acknowledges a publish once it is journalled; the learner waits for it)."""
 
 Array = np.ndarray
 """Sent out of band as a raw frame; received as a read-only view on the frame's memory."""
@@ -308,6 +309,14 @@ class WeightsPublished:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PublishAck:
+    """The broker took ``version`` (journalled, when it keeps a journal): the learner may checkpoint it."""
+
+    KIND: ClassVar[str] = "publish_ack"
+    version: int
+
+
 # ---------------------------------------------------------------- status clients
 
 
@@ -327,7 +336,7 @@ MESSAGES: tuple[type, ...] = (
     Generate, SampleFinished, SamplesFinished, ResultAck, ResultAcks,
     Assign, WeightsLoaded, MigrateOut, MigrationExported, MigrateIn,
     Cancel, RetireVersion,
-    RequestBatch, TrainBatch, WeightsPublished,
+    RequestBatch, TrainBatch, WeightsPublished, PublishAck,
     StatusRequest, StatusReply,
 )  # fmt: skip
 """Every top-level message type, by kind."""

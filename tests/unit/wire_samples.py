@@ -135,6 +135,7 @@ def canonical() -> dict[str, Any]:
             publish_s=0.25,
             metrics={"reward_mean": 0.5, "loss": -0.125},
         ),
+        m.PublishAck(version=4),
         m.StatusRequest(),
         m.StatusReply(snapshot={"step": 3, "versions": [2, 3], "workers": {"rollout-0": {"version": 3}}}),
     ]

@@ -1,0 +1,122 @@
+"""The broker journal: what a restarted broker needs so that nothing is lost and nothing is trained twice.
+
+An append-only file of JSON lines, each written and fsync'd before the broker acts on it:
+
+- ``start``: a broker incarnation began (its ``broker_epoch`` and the batch shape it runs with);
+- ``reserve``: group ids below ``cursor`` may have been handed out. Written ahead of use in blocks, so
+  one fsync covers many dispatches;
+- ``step``: the learner published ``version`` (weights ``uri`` + ``sha256``) after training ``groups``.
+  It is written before the publish takes effect and before the learner is told it is committed.
+
+Replay gives the newest version and its weights, every group trained so far, and the reserved cursor.
+Every reserved group not trained yet is owed again: it is re-run whole on the newest version (the
+groups that were running, or finished but not yet trained, at the crash). So across broker restarts
+generation may repeat, and training of a group happens exactly once.
+
+Why a JSON-lines file and not SQLite: the broker writes about one record per train step plus one per
+block of dispatches, never updates or queries one, and reads the whole file once at start. An append
+plus fsync is the least machinery that gives that. A torn last line (a crash mid-write) is ignored; a
+bad line before it is corruption and stops the broker with the line number.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from dataclasses import dataclass, field
+from typing import Any
+
+RESERVE_BLOCK = 256
+"""Group ids reserved per ``reserve`` record."""
+
+
+class JournalError(RuntimeError):
+    pass
+
+
+@dataclass(slots=True)
+class Replay:
+    """The state a journal leaves behind."""
+
+    newest: int = 0
+    weights: tuple[str, str] | None = None
+    """(uri, sha256) of the newest version; None while only version 0 exists."""
+    trained: set[int] = field(default_factory=set)
+    reserved: int = 0
+    epochs: list[int] = field(default_factory=list)
+    shape: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def owed(self) -> list[int]:
+        """Groups handed out (or about to be) and not trained: each is re-run whole."""
+        return [g for g in range(self.reserved) if g not in self.trained]
+
+
+def replay(path: str | pathlib.Path) -> Replay:
+    """Read a journal (missing or empty: a fresh run)."""
+    state = Replay()
+    path = pathlib.Path(path)
+    if not path.exists():
+        return state
+    lines = path.read_bytes().split(b"\n")
+    for n, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        try:
+            rec = json.loads(raw)
+            kind = rec["kind"]
+        except (ValueError, KeyError, TypeError) as e:
+            if n == len(lines) or all(not x.strip() for x in lines[n:]):
+                break  # the last line, torn by a crash mid-write: it never took effect
+            raise JournalError(f"{path}:{n}: unreadable journal record ({e})") from None
+        if kind == "start":
+            state.epochs.append(int(rec["epoch"]))
+            state.shape = rec.get("shape", {})
+        elif kind == "reserve":
+            state.reserved = max(state.reserved, int(rec["cursor"]))
+        elif kind == "step":
+            if int(rec["version"]) != state.newest + 1:
+                raise JournalError(f"{path}:{n}: version {rec['version']} follows {state.newest}")
+            state.newest = int(rec["version"])
+            state.weights = (rec["uri"], rec["sha256"])
+            again = state.trained.intersection(rec["groups"])
+            if again:
+                raise JournalError(f"{path}:{n}: groups trained twice: {sorted(again)[:8]}")
+            state.trained.update(int(g) for g in rec["groups"])
+        else:
+            raise JournalError(f"{path}:{n}: unknown record kind {kind!r}")
+    return state
+
+
+class Journal:
+    """Appends records, each fsync'd before ``append`` returns."""
+
+    def __init__(self, path: str | pathlib.Path) -> None:
+        self.path = pathlib.Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self.reserved = 0
+        self.records = 0
+
+    def append(self, record: dict[str, Any]) -> None:
+        data = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+        os.write(self._fd, data)
+        os.fsync(self._fd)
+        self.records += 1
+
+    def start(self, epoch: int, shape: dict[str, Any], reserved: int) -> None:
+        self.reserved = reserved
+        self.append({"kind": "start", "epoch": epoch, "shape": shape})
+
+    def reserve_through(self, cursor: int) -> None:
+        """Make sure ids below ``cursor`` are reserved (one record per block)."""
+        if cursor > self.reserved:
+            self.reserved = cursor + RESERVE_BLOCK
+            self.append({"kind": "reserve", "cursor": self.reserved})
+
+    def step(self, version: int, uri: str, sha256: str, groups: list[int]) -> None:
+        self.append({"kind": "step", "version": version, "uri": uri, "sha256": sha256, "groups": sorted(groups)})
+
+    def close(self) -> None:
+        os.close(self._fd)

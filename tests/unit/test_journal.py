@@ -1,0 +1,91 @@
+"""The broker journal: replay after a crash, and a core rebuilt from it."""
+
+from __future__ import annotations
+
+import pytest
+
+from dora.broker import events as ev
+from dora.broker.core import Core
+from dora.broker.journal import RESERVE_BLOCK, Journal, JournalError, replay
+from dora.config import CoreConfig
+from dora.ids import Finish, WorkerId
+
+STEP1 = '{"kind":"step","version":1,"uri":"u","sha256":"s","groups":[1]}'
+SHAPE = {"mode": "dora", "max_staleness": 1, "train_groups": 2, "group_size": 2}
+
+
+def test_a_missing_journal_is_a_fresh_run(tmp_path):
+    r = replay(tmp_path / "none.jsonl")
+    assert (r.newest, r.weights, r.trained, r.reserved, r.owed) == (0, None, set(), 0, [])
+
+
+def test_replay_gives_the_newest_weights_the_trained_groups_and_what_is_owed(tmp_path):
+    j = Journal(tmp_path / "j.jsonl")
+    j.start(7, SHAPE, 0)
+    j.reserve_through(3)  # ids below 3 are about to leave: a block is reserved at once
+    assert j.reserved == 3 + RESERVE_BLOCK
+    j.reserve_through(10)  # still inside the block: no record
+    j.step(1, "file:///s/v1", "a" * 64, [2, 0])
+    j.step(2, "file:///s/v2", "b" * 64, [5, 1])
+    j.close()
+    r = replay(tmp_path / "j.jsonl")
+    assert r.newest == 2 and r.weights == ("file:///s/v2", "b" * 64) and r.epochs == [7] and r.shape == SHAPE
+    assert r.trained == {0, 1, 2, 5} and r.reserved == 3 + RESERVE_BLOCK
+    assert r.owed[:4] == [3, 4, 6, 7] and len(r.owed) == r.reserved - 4
+
+
+def test_a_torn_last_line_is_ignored_and_a_bad_line_before_it_is_an_error(tmp_path):
+    path = tmp_path / "j.jsonl"
+    j = Journal(path)
+    j.start(1, SHAPE, 0)
+    j.step(1, "u", "s", [0, 1])
+    j.close()
+    with open(path, "ab") as f:
+        f.write(b'{"kind":"step","version":2,"ur')  # the crash came mid-write
+    assert replay(path).newest == 1
+    path.write_bytes(b'{"kind":"start","epoch":1}\nnot json\n{"kind":"reserve","cursor":4}\n')
+    with pytest.raises(JournalError, match=":2: unreadable"):
+        replay(path)
+
+
+@pytest.mark.parametrize(
+    ("lines", "words"),
+    [
+        (['{"kind":"step","version":2,"uri":"u","sha256":"s","groups":[1]}'], "version 2 follows 0"),
+        ([STEP1, STEP1.replace('"version":1', '"version":2')], "trained twice"),
+        (['{"kind":"launch"}'], "unknown record kind"),
+    ],
+)
+def test_an_impossible_journal_is_refused(tmp_path, lines, words):
+    path = tmp_path / "j.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(JournalError, match=words):
+        replay(path)
+
+
+def test_a_rebuilt_core_hands_out_what_it_owes_first_then_fresh_groups():
+    cfg = CoreConfig(mode="dora", max_staleness=1, train_groups=2, group_size=2, total_steps=5)
+    core = Core(cfg, initial_version=3, start_cursor=10, strict=True)  # strict: every invariant after every event
+    core.restore([4, 7, 9])
+    w = WorkerId("w")
+    out = core.handle(0.0, ev.WorkerJoined(worker_id=w, slots=64))
+    out += core.handle(0.1, ev.WeightsLoaded(worker_id=w, version=3))
+    leased = [a for a in out if isinstance(a, ev.Lease)]
+    # the owed groups first, on the newest version; fresh ids (from the cursor on) only after them
+    assert [(a.group_id, a.version) for a in leased][:3] == [(4, 3), (7, 3), (9, 3)]
+    assert [a.group_id for a in leased[3:]] == list(range(10, 10 + len(leased) - 3))
+    for a in leased:
+        for i in range(2):
+            core.handle(1.0, ev.SampleFinished(worker_id=w, group_id=a.group_id, attempt=a.attempt, index=i,
+                                               segments=((3, 3),), finish=Finish.STOP))  # fmt: skip
+    [batch] = [a for a in core.handle(2.0, ev.BatchRequested(step=3)) if isinstance(a, ev.DeliverBatch)]
+    assert batch.step == 3 and len(batch.groups) == 2
+    out = core.handle(3.0, ev.WeightsPublished(version=4))
+    assert core.ledger.newest == 4 and not any(isinstance(a, ev.Refused) for a in out)
+
+
+@pytest.mark.parametrize("owed", [[10], [3, 3]])
+def test_only_distinct_groups_below_the_cursor_can_be_owed(owed):
+    core = Core(CoreConfig(mode="dora", max_staleness=1, train_groups=2, group_size=2), start_cursor=10)
+    with pytest.raises(ValueError, match="distinct and below the cursor"):
+        core.restore(owed)

@@ -1,0 +1,120 @@
+"""The learner against a fake broker (a raw ROUTER): a publish counts once the broker acknowledges it, and
+a broker that comes back without it makes the learner undo that step and train the batch it is given."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+
+import numpy as np
+import pytest
+import zmq
+import zmq.asyncio
+
+from dora.config import load
+from dora.ids import Finish
+from dora.learner.standin import StandInLearner
+from dora.runconfig import RunConfig
+from dora.wire import codec
+from dora.wire import messages as m
+
+pytestmark = pytest.mark.timeout(30)
+B, G = 2, 2
+
+
+def batch(step: int, first_group: int) -> m.TrainBatch:
+    def sample(i: int) -> m.TrainSample:
+        return m.TrainSample(index=i, token_ids=np.arange(3, dtype=np.int32), logprobs=np.zeros(3, np.float32),
+                             reward=float(i), finish=Finish.STOP)  # fmt: skip
+
+    groups = tuple(m.TrainGroup(group_id=first_group + k, version=step, prompt_ids=np.array([1], np.int32),
+                                samples=(sample(0), sample(1))) for k in range(B))  # fmt: skip
+    return m.TrainBatch(step=step, groups=groups)
+
+
+class FakeBroker:
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str) -> None:
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(endpoint)
+        self.peer = b""
+
+    async def expect(self, kind: type) -> object:
+        async with asyncio.timeout(10):
+            while True:
+                frames = await self.sock.recv_multipart()
+                self.peer, msg = frames[0], codec.decode(frames[1:])
+                if isinstance(msg, kind):
+                    return msg
+
+    async def send(self, msg: object) -> None:
+        await self.sock.send_multipart([self.peer, *codec.encode(msg)])
+
+    async def welcome(self, newest: int) -> None:
+        await self.send(m.Welcome(broker_epoch=1, heartbeat_interval_s=0.05, liveness=100, newest_version=newest))
+
+
+@pytest.fixture
+async def setup(tmp_path):
+    endpoint = f"inproc://broker-{uuid.uuid4().hex}"
+    cfg = load(RunConfig, overrides=[f"core.train_groups={B}", f"core.group_size={G}", "core.total_steps=2",
+                                     "core.max_staleness=1", "run.time_scale=0.0001",
+                                     "broker.heartbeat_interval_s=0.05", "broker.liveness=100"])  # fmt: skip
+    ctx = zmq.asyncio.Context()
+    broker = FakeBroker(ctx, endpoint)
+    audit_path = tmp_path / "audit.jsonl"
+    with open(audit_path, "a") as audit:
+        learner = StandInLearner(cfg, ctx, endpoint, audit=audit)
+        stop = asyncio.Event()
+        task = asyncio.create_task(learner.run(stop))
+        try:
+            yield broker, task, audit_path
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 10)
+            ctx.destroy(linger=0)
+
+
+def audited(path) -> list[tuple[int, list[int]]]:
+    return [(r["step"], r["groups"]) for r in map(json.loads, path.read_text().splitlines())]
+
+
+async def test_a_step_the_broker_never_recorded_is_undone_and_trained_again_from_what_it_sends(setup):
+    broker, _task, audit = setup
+    await broker.expect(m.Hello)
+    await broker.welcome(0)
+    assert (await broker.expect(m.RequestBatch)).step == 0
+    await broker.send(batch(0, first_group=10))
+    assert (await broker.expect(m.WeightsPublished)).version == 1
+    # the broker "restarts" without having journalled version 1: it does not know the learner, and says so
+    await broker.send(m.Disconnect(reason="unknown peer: say hello first"))
+    await broker.expect(m.Hello)
+    await broker.welcome(0)
+    assert (await broker.expect(m.RequestBatch)).step == 0  # step 0 again: the learner undid it
+    await broker.send(batch(0, first_group=20))  # a different batch: the groups of 10, 11 were re-queued
+    assert (await broker.expect(m.WeightsPublished)).version == 1
+    await broker.send(m.PublishAck(version=1))
+    assert (await broker.expect(m.RequestBatch)).step == 1
+    assert audited(audit) == [(0, [20, 21])]  # only the committed step; groups 10 and 11 were never counted
+
+
+async def test_a_publish_the_broker_recorded_before_losing_its_ack_is_committed_on_rejoin(setup):
+    broker, task, audit = setup
+    await broker.expect(m.Hello)
+    await broker.welcome(0)
+    await broker.expect(m.RequestBatch)
+    await broker.send(batch(0, first_group=10))
+    await broker.expect(m.WeightsPublished)
+    await broker.send(m.Disconnect(reason="unknown peer: say hello first"))
+    await broker.expect(m.Hello)
+    await broker.welcome(1)  # the journal has version 1
+    assert (await broker.expect(m.RequestBatch)).step == 1
+    assert audited(audit) == [(0, [10, 11])]
+    await broker.send(batch(1, first_group=12))
+    await broker.expect(m.WeightsPublished)
+    await broker.send(m.PublishAck(version=1))  # an ack for another version changes nothing
+    await broker.send(m.PublishAck(version=2))
+    await broker.expect(m.Goodbye)  # total_steps = 2: done
+    assert await asyncio.wait_for(task, 5) == 0
+    assert audited(audit) == [(0, [10, 11]), (1, [12, 13])]
