@@ -115,5 +115,21 @@ def score(fn: RewardFn, completion: str, item: Item, *, timeout_s: float = 5.0) 
     return float(value), ""
 
 
+class Sandboxed(Exception):
+    """A code reward's program did not end normally (a limit, a signal): reward 0, with this reason."""
+
+
+def python_stdout(completion: str, item: Item) -> float:
+    """A code-execution reward: run the completion as a Python program in the sandbox
+    (``dora.tasks.sandbox``); 1.0 if what it prints is the answer, 0.0 if not. A program stopped by a
+    limit raises ``Sandboxed`` with the reason, which ``score`` turns into 0.0 with that reason."""
+    from dora.tasks import sandbox
+
+    outcome = sandbox.run_python(completion)
+    if outcome.reason:
+        raise Sandboxed(outcome.reason)
+    return 1.0 if outcome.stdout.strip() == item.answer else 0.0
+
+
 def stuck_reward_calls() -> int:
     return _stuck

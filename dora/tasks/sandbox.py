@@ -1,0 +1,181 @@
+"""Run untrusted code (a code-execution reward) so that it can neither harm nor stall the rollout worker.
+
+Every run gets a fresh temporary directory and:
+- **rlimits, always**: CPU seconds, address space, file size (which also caps what it prints: its
+  output goes to files), open files, no core dumps, and a process cap a little above what this user
+  already runs;
+- **namespaces, where the kernel allows them unprivileged** (``unshare``, probed once): no network
+  (an empty network namespace), a read-only view of every mount except its own directory, and its own
+  PID namespace, so that when the run ends, every process it started dies with it, even ones that left
+  its process group;
+- **a wall-clock limit**, after which the whole process group (and the namespace) is killed.
+
+The result is an ``Outcome``: exit status, the first ``output_kib`` of stdout and stderr, the wall time,
+and, when the run did not end normally, the reason in words (time, CPU, memory, output, signal).
+Without unprivileged namespaces, ``Outcome.isolation`` says "rlimits" and the network and filesystem
+rules are not enforced: use a machine or container that allows them for code from a policy. Run as
+root, the process cap does not bind (CAP_SYS_RESOURCE); the PID namespace and the wall-clock limit
+still end a fork bomb.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import pathlib
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+JAIL = r"""
+set -e
+dir="$1"; shift
+mount --bind "$dir" "$dir"
+awk '{print $5}' /proc/self/mountinfo | while read -r mp; do
+  [ "$mp" = "$dir" ] || mount -o remount,bind,ro "$mp" 2>/dev/null || true
+done
+cd "$dir"
+"$@"
+"""
+"""PID 1 of the new namespaces: every mount read-only but the run's own directory, then the program as its
+child (its exit status is the program's, 128 + N for signal N). When PID 1 ends, the kernel ends the rest."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Limits:
+    wall_s: float = 3.0
+    cpu_s: int = 2
+    memory_mib: int = 512
+    """Address space (RLIMIT_AS) of each process."""
+    processes: int = 32
+    """Processes it may start, over what this user already runs (RLIMIT_NPROC counts per user)."""
+    file_mib: int = 1
+    """Largest file it may write, its stdout and stderr included."""
+    output_kib: int = 64
+    """Of stdout and stderr, kept in the Outcome."""
+    open_files: int = 64
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Outcome:
+    returncode: int | None
+    stdout: str
+    stderr: str
+    wall_s: float
+    reason: str
+    """Empty when the program exited on its own; else why it did not (a limit, a signal)."""
+    isolation: str
+    """'namespaces' (no network, read-only filesystem, own PID namespace) or 'rlimits'."""
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and not self.reason
+
+
+@functools.cache
+def namespaces_available() -> bool:
+    """True if unprivileged user, network, mount and PID namespaces work here (probed once)."""
+    if shutil.which("unshare") is None:
+        return False
+    work = tempfile.mkdtemp(prefix="dora-sandbox-probe-")
+    try:
+        probe = subprocess.run(["unshare", "-rnmpf", "--kill-child", "sh", "-c", JAIL, "jail", work, "true"],
+                               capture_output=True, timeout=10)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return probe.returncode == 0
+
+
+def _user_processes() -> int:
+    uid, n = os.getuid(), 0
+    for p in pathlib.Path("/proc").iterdir():
+        if p.name.isdigit():
+            with contextlib.suppress(OSError):  # it ended meanwhile
+                n += p.stat().st_uid == uid
+    return n
+
+
+def _limit(limits: Limits, nproc: int) -> None:
+    """In the child, before exec: its rlimits (inherited by everything it starts)."""
+    mib = 1 << 20
+    for res, soft, hard in (
+        (resource.RLIMIT_CPU, limits.cpu_s, limits.cpu_s + 1),  # SIGXCPU first, SIGKILL a second later
+        (resource.RLIMIT_AS, limits.memory_mib * mib, limits.memory_mib * mib),
+        (resource.RLIMIT_FSIZE, limits.file_mib * mib, limits.file_mib * mib),
+        (resource.RLIMIT_NOFILE, limits.open_files, limits.open_files),
+        (resource.RLIMIT_CORE, 0, 0),
+        (resource.RLIMIT_NPROC, nproc, nproc),
+    ):
+        resource.setrlimit(res, (soft, hard))
+
+
+def run_python(code: str, *, stdin: str = "", limits: Limits = Limits()) -> Outcome:
+    """Run ``code`` with this Python (isolated mode: no site packages of the user, no PYTHON* variables)."""
+    return run([sys.executable, "-I", "main.py"], files={"main.py": code}, stdin=stdin, limits=limits)
+
+
+def run(argv: list[str], *, files: dict[str, str], stdin: str = "", limits: Limits = Limits()) -> Outcome:
+    work = pathlib.Path(tempfile.mkdtemp(prefix="dora-sandbox-"))
+    out_dir = pathlib.Path(tempfile.mkdtemp(prefix="dora-sandbox-out-"))  # outside the jail's writable dir
+    try:
+        for name, text in files.items():
+            (work / name).write_text(text)
+        isolation = "namespaces" if namespaces_available() else "rlimits"
+        if isolation == "namespaces":
+            argv = ["unshare", "-rnmpf", "--kill-child", "sh", "-c", JAIL, "jail", str(work), *argv]
+        nproc = _user_processes() + limits.processes
+        started = time.monotonic()
+        with open(out_dir / "stdout", "wb") as out, open(out_dir / "stderr", "wb") as err:
+            proc = subprocess.Popen(argv, cwd=work, stdin=subprocess.PIPE, stdout=out, stderr=err,
+                                    start_new_session=True, preexec_fn=lambda: _limit(limits, nproc),
+                                    env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"})  # fmt: skip
+            reason = ""
+            try:
+                proc.communicate(stdin.encode(), timeout=limits.wall_s)
+            except subprocess.TimeoutExpired:
+                reason = f"killed: over the wall-clock limit of {limits.wall_s:g} s"
+            finally:
+                with contextlib.suppress(ProcessLookupError):  # whatever it left in its group (and namespace)
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        wall = time.monotonic() - started
+        rc = proc.returncode
+        stdout, stderr = (_head(out_dir / n, limits.output_kib) for n in ("stdout", "stderr"))
+        if not reason and rc != 0:
+            reason = _why(rc, stderr, limits)
+        return Outcome(returncode=None if reason.startswith("killed: over the wall") else rc, stdout=stdout,
+                       stderr=stderr, wall_s=wall, reason=reason, isolation=isolation)  # fmt: skip
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(out_dir, ignore_errors=True)
+
+
+def _head(path: pathlib.Path, kib: int) -> str:
+    with open(path, "rb") as f:
+        return f.read(kib * 1024).decode("utf-8", "replace")
+
+
+def _why(rc: int, stderr: str, limits: Limits) -> str:
+    """Words for an abnormal exit: a signal, or an error that one of the limits explains."""
+    sig = -rc if rc < 0 else rc - 128 if rc > 128 else 0
+    if sig in (signal.SIGXCPU, signal.SIGKILL):
+        return f"killed: over the CPU limit of {limits.cpu_s} s"
+    if sig == signal.SIGXFSZ or "File too large" in stderr:
+        return f"stopped: wrote more than {limits.file_mib} MiB (output included)"
+    if "MemoryError" in stderr or "Cannot allocate memory" in stderr:
+        return f"stopped: out of memory (limit {limits.memory_mib} MiB)"
+    if "Network is unreachable" in stderr:
+        return "stopped: network access is not allowed"
+    if "Read-only file system" in stderr:
+        return "stopped: writing outside its own directory is not allowed"
+    if sig:
+        return f"killed by {signal.Signals(sig).name}"
+    return f"exited with status {rc}"

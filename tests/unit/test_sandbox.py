@@ -1,0 +1,88 @@
+"""T15: hostile code-execution rewards each score 0 with a reason, leave no process behind and never stall."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import time
+
+import pytest
+
+from dora.tasks import rewards, sandbox
+from dora.tasks.tasks import Item
+
+pytestmark = pytest.mark.timeout(60)
+ITEM = Item(task="arithmetic", index=0, prompt="6*7=", answer="42")
+JAILED = pytest.mark.skipif(not sandbox.namespaces_available(),
+                            reason="unprivileged user namespaces are not available here (rlimits only)")  # fmt: skip
+
+
+def sandboxed() -> set[int]:
+    """Processes still working in a sandbox directory (those directories exist only while a run lasts)."""
+    found = set()
+    for p in pathlib.Path("/proc").iterdir():
+        try:
+            if p.name.isdigit() and "dora-sandbox-" in os.readlink(p / "cwd"):
+                found.add(int(p.name))
+        except OSError:
+            pass
+    return found
+
+
+def score(code: str) -> tuple[float, str, float]:
+    started = time.monotonic()
+    value, reason = rewards.score(rewards.python_stdout, code, ITEM, timeout_s=10.0)
+    return value, reason, time.monotonic() - started
+
+
+def test_a_correct_program_scores_1_and_a_wrong_one_0_without_a_reason():
+    assert score("print(6 * 7)")[:2] == (1.0, "")
+    assert score("print(41)")[:2] == (0.0, "")
+
+
+CASES = {
+    "infinite loop": ("while True:\n    pass", "CPU limit"),
+    "sleeps forever": ("import time\ntime.sleep(600)", "wall-clock limit"),
+    "fork bomb": ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", "limit"),
+    "2 GB allocation": ("x = bytearray(2 * 1024 ** 3)", "out of memory"),
+    "huge stdout": ("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)", "wrote more than"),
+    "crash": ("raise SystemExit(3)", "exited with status 3"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_hostile_programs_score_0_with_the_reason_and_leave_nothing_running(case):
+    code, words = CASES[case]
+    value, reason, took = score(code)
+    assert value == 0.0 and words in reason, reason
+    assert took < sandbox.Limits().wall_s + 3.0  # the worker is never stalled past the wall-clock limit
+    time.sleep(0.2)
+    assert not sandboxed(), "left running"
+
+
+@JAILED
+@pytest.mark.parametrize(
+    ("code", "words"),
+    [
+        ("import socket\nsocket.create_connection(('127.0.0.1', 22), timeout=1)", "network access is not allowed"),
+        ("open('/tmp/dora-sandbox-escape.txt', 'w').write('x')", "outside its own directory"),
+    ],
+)
+def test_in_the_namespaces_there_is_no_network_and_nothing_to_write_but_its_own_directory(code, words):
+    value, reason, _ = score(code)
+    assert value == 0.0 and words in reason, reason
+    assert not pathlib.Path("/tmp/dora-sandbox-escape.txt").exists()
+
+
+@JAILED
+def test_a_process_that_leaves_its_group_dies_with_the_run():
+    code = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\nprint(42)"
+    assert score(code)[:2] == (1.0, "")
+    time.sleep(0.2)
+    assert not sandboxed()
+
+
+def test_its_own_directory_is_writable_and_removed_afterwards():
+    out = sandbox.run_python("import os\nopen('scratch.txt', 'w').write('x')\nprint(os.getcwd())")
+    assert out.ok, out
+    assert not pathlib.Path(out.stdout.strip()).exists()
