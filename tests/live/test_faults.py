@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pathlib
 import signal
+import subprocess
+import sys
 import time
 from datetime import datetime
 
@@ -185,3 +188,40 @@ def test_broker_killed_and_restarted_resumes_from_its_journal(tmp_path):
 
 def overrides_b(c: Cluster) -> int:
     return c.cfg["core"]["train_groups"]
+
+
+def test_a_hung_engine_behind_a_live_heartbeat_is_declared_stalled_and_its_groups_re_leased(tmp_path):
+    """T3: the worker keeps heartbeating but its engine makes no progress; the broker's stall watchdog
+    ends its leases after stall_timeout_s and the groups are trained exactly once elsewhere."""
+    script = pathlib.Path(__file__).with_name("hung_worker.py")
+    overrides = {"core": {"total_steps": 8, "min_workers": 2}, "broker": {"stall_timeout_s": 1.5}}
+    with cluster(tmp_path, overrides) as c:
+        c.start_broker()
+        c.start_worker("w0")
+        with open(tmp_path / "hung.log", "wb") as log:
+            c.procs["hung"] = subprocess.Popen(
+                [sys.executable, str(script), "--broker", str(tmp_path / "broker.json"), "--config", str(c.config),
+                 "--name", "hung", "--after", "3"], stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        c.start_learner()
+        assert c.wait("learner", 90) == 0, c.log("learner")[-3000:] + c.log("broker")[-3000:]
+        stalled = [r for r in c.events("broker", "peer_lost") if r["reason"] == "stalled"]
+        assert stalled and all(r["peer"] == "hung" for r in stalled), c.events("broker", "peer_lost")
+        assert all(r["groups"] for r in stalled)  # it held work when it was declared stalled
+        c.check_exactly_once()
+        assert c.wait("hung", 15) == 0  # alive to the end (its loop ran on): only the watchdog could tell
+
+
+def test_sigterm_twice_in_10ms_still_exits_cleanly(tmp_path):
+    """T11: a second SIGTERM 10 ms after the first (an impatient operator, or Slurm plus a wrapper) changes
+    nothing: every process drains and exits 0, with no traceback."""
+    with cluster(tmp_path, {"core": {"total_steps": 1000}}) as c:
+        c.start(workers=2)
+        wait_until(lambda: fetch(c.endpoint)["step"] >= 2, 30, "step 2")
+        for name in ("w0", "learner", "w1", "broker"):
+            started = time.monotonic()
+            c.signal(name, signal.SIGTERM)
+            time.sleep(0.01)
+            c.signal(name, signal.SIGTERM)
+            assert c.wait(name, 10) == 0, c.log(name)[-2000:]
+            assert time.monotonic() - started < 10
+            assert "Traceback" not in c.log(name), c.log(name)[-2000:]
