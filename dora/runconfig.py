@@ -153,6 +153,15 @@ class LearnerSection:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class SecuritySection:
+    keys: str | None = None
+    """Directory from `dora keys generate`: CURVE on every connection; only its keys connect, each as its role."""
+    auth_timeout_s: float = 30.0
+    """A client that has no answer from the broker this long after starting stops with an error (CURVE
+    handshakes fail silently)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RunConfig:
     run: LiveRun = field(default_factory=LiveRun)
     core: CoreConfig = field(default_factory=CoreConfig)
@@ -164,3 +173,4 @@ class RunConfig:
     trainer: TrainerSection = field(default_factory=TrainerSection)
     workload: WorkloadSection = field(default_factory=WorkloadSection)
     log: LogConfig = field(default_factory=LogConfig)
+    security: SecuritySection = field(default_factory=SecuritySection)

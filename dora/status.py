@@ -19,12 +19,16 @@ from dora.wire import codec
 from dora.wire import messages as m
 
 
-def fetch(endpoint: str, timeout_s: float = 5.0) -> dict[str, Any]:
+def fetch(endpoint: str, timeout_s: float = 5.0, keys_dir: str | None = None) -> dict[str, Any]:
     ctx = zmq.Context()
     try:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, f"client/status/{uuid.uuid4().hex[:8]}".encode())
         sock.setsockopt(zmq.LINGER, 0)
+        if keys_dir:
+            from dora.security import Keys
+
+            Keys.load(keys_dir).connect_as(sock, "client")
         sock.connect(endpoint)
         sock.send_multipart(codec.encode(m.StatusRequest()))
         if not sock.poll(int(timeout_s * 1000)):
@@ -80,12 +84,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--broker", default="broker.json", help="tcp://host:port, ipc://path, or a discovery file")
     p.add_argument("--watch", nargs="?", type=float, const=2.0, metavar="SECONDS")
     p.add_argument("--json", action="store_true", help="print the raw snapshot as JSON")
+    p.add_argument("--keys", metavar="DIR", help="the run's CURVE keys directory (security.keys), if it has one")
     args = p.parse_args(argv)
     console = Console()
     try:
         endpoint = resolve_endpoint(args.broker)
         while True:
-            snap = fetch(endpoint)
+            snap = fetch(endpoint, keys_dir=args.keys)
             if args.json:
                 print(json.dumps(snap))
             else:
@@ -95,7 +100,7 @@ def main(argv: list[str]) -> int:
             if not args.watch:
                 return 0
             time.sleep(args.watch)
-    except (ConfigError, TimeoutError) as e:
+    except (ConfigError, TimeoutError, ValueError) as e:
         print(f"dora status: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -35,6 +35,7 @@ from dora.broker.scheduler import GroupFailed
 from dora.ids import WorkerId
 from dora.learner.weights import store_path
 from dora.runconfig import RunConfig
+from dora.security import Keys
 from dora.wire import codec
 from dora.wire import messages as m
 
@@ -47,6 +48,15 @@ class Peer:
     role: m.Role
     name: str
     outbox: deque[list[Any]] = field(default_factory=deque)
+
+
+def _user_id(frames: list[Any]) -> str | None:
+    """The User-Id ZAP attached to a message (the peer's z85 public key under CURVE)."""
+    frame = frames[1] if len(frames) > 1 else None
+    try:
+        return frame.get("User-Id") if isinstance(frame, zmq.Frame) else None
+    except zmq.ZMQError:
+        return None
 
 
 def retire_weights(uri: str) -> pathlib.Path | None:
@@ -73,6 +83,7 @@ class BrokerActor:
         epoch: int = 0,
         journal: Journal | None = None,
         weights: dict[int, tuple[str, str]] | None = None,
+        keys: Keys | None = None,
     ) -> None:
         self.cfg = cfg
         self.sock = sock
@@ -88,6 +99,8 @@ class BrokerActor:
         self.peers: dict[bytes, Peer] = {}
         self.learner: bytes | None = None
         self.journal = journal
+        self.keys = keys
+        """CURVE is on: every peer is authenticated, and may only say hello as its key's role."""
         self.weights: dict[int, tuple[str, str]] = weights or {0: ("sim://v0", "0" * 64)}
         self.counters = Counter[str]()
         self.lost: deque[dict[str, Any]] = deque(maxlen=32)
@@ -145,12 +158,22 @@ class BrokerActor:
         peer = self.peers.get(identity)
         if isinstance(msg, m.Hello):
             try:
-                identity.decode()
-            except UnicodeDecodeError:  # peer names are its socket identity; ours are always text
+                text = identity.decode()
+            except UnicodeDecodeError:
+                text = ""
+            if not text.isprintable() or not text:  # peer names are socket identities: ours are printable text
                 self.malformed["bad identity"] += 1
-                self.send_raw(identity, m.Reject(reason="the socket identity must be UTF-8 text (set zmq.IDENTITY)",
+                self.send_raw(identity, m.Reject(reason="the socket identity must be printable text (set zmq.IDENTITY)",
                                                  wire_version=m.WIRE_VERSION))  # fmt: skip
                 return
+            if self.keys is not None:  # ZAP let the key in; the key decides which role it may take
+                role = self.keys.role_of(_user_id(frames))
+                if role != msg.role.value:
+                    self.malformed["role not allowed for key"] += 1
+                    reason = f"this CURVE key may connect as {role or 'nothing'}, not as {msg.role.value}"
+                    log.error("peer_rejected", peer=msg.peer_id, reason=reason)
+                    self.send_raw(identity, m.Reject(reason=reason, wire_version=m.WIRE_VERSION))
+                    return
             self.on_hello(identity, msg)
             return
         if isinstance(msg, m.StatusRequest):

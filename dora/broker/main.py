@@ -16,6 +16,7 @@ import structlog
 import uvloop
 import zmq
 import zmq.asyncio
+from zmq.auth.asyncio import AsyncioAuthenticator
 
 from dora.broker.actor import BrokerActor
 from dora.broker.core import Core
@@ -23,6 +24,7 @@ from dora.broker.journal import Journal, JournalError, replay
 from dora.config import ConfigError, load
 from dora.logging import configure_logging
 from dora.runconfig import RunConfig
+from dora.security import Keys
 from dora.tasks.prompts import prompt_source
 
 log = structlog.get_logger()
@@ -49,10 +51,13 @@ def main(argv: list[str]) -> int:
     return uvloop.run(serve(cfg, prompts))
 
 
-def open_router(ctx: zmq.asyncio.Context, cfg: RunConfig) -> tuple[zmq.asyncio.Socket, str]:
+def open_router(ctx: zmq.asyncio.Context, cfg: RunConfig, keys: Keys | None = None) -> tuple[zmq.asyncio.Socket, str]:
     """The broker's ROUTER: unroutable sends raise (never dropped silently), explicit HWMs, no linger,
-    a cap on message size; bound to ``broker.bind``. Returns the socket and the endpoint it got."""
+    a cap on message size, CURVE when ``keys`` are given; bound to ``broker.bind``. Returns the socket
+    and the endpoint it got."""
     sock = ctx.socket(zmq.ROUTER)
+    if keys is not None:
+        keys.serve(sock)
     for opt, value in (
         (zmq.ROUTER_MANDATORY, 1),
         (zmq.LINGER, 0),
@@ -71,8 +76,20 @@ async def serve(cfg: RunConfig, prompts: Callable[[int], np.ndarray]) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     ctx = zmq.asyncio.Context()
+    auth = None
     try:
-        sock, endpoint = open_router(ctx, cfg)
+        keys = None
+        if cfg.security.keys:
+            try:
+                keys = Keys.load(cfg.security.keys)
+            except ValueError as e:
+                print(f"dora broker: {e}", file=sys.stderr)
+                return 2
+            auth = AsyncioAuthenticator(ctx)
+            auth.start()
+            auth.configure_curve_callback("*", keys)
+            log.info("curve_on", keys=cfg.security.keys, allowed=len(keys.roles))
+        sock, endpoint = open_router(ctx, cfg, keys)
         epoch = secrets.randbits(62)
         try:
             core, journal, weights = open_journal(cfg, epoch)
@@ -87,7 +104,7 @@ async def serve(cfg: RunConfig, prompts: Callable[[int], np.ndarray]) -> int:
                 json.dump(ready, f)
             os.replace(tmp, cfg.broker.discovery_file)
         print(json.dumps(ready), flush=True)
-        actor = BrokerActor(cfg, sock, core, prompts, epoch=epoch, journal=journal, weights=weights)
+        actor = BrokerActor(cfg, sock, core, prompts, epoch=epoch, journal=journal, weights=weights, keys=keys)
         try:
             await actor.run(stop)
         finally:
@@ -97,6 +114,8 @@ async def serve(cfg: RunConfig, prompts: Callable[[int], np.ndarray]) -> int:
         await asyncio.sleep(0.05)  # let the last replies (goodbyes) leave before the socket closes
         return 0
     finally:
+        if auth is not None:
+            auth.stop()
         ctx.destroy(linger=0)
 
 

@@ -20,6 +20,7 @@ from dora.discovery import resolve_endpoint
 from dora.learner.standin import StandInLearner
 from dora.logging import configure_logging
 from dora.runconfig import RunConfig
+from dora.security import check_keys
 
 
 def main(argv: list[str]) -> int:
@@ -43,6 +44,7 @@ def main(argv: list[str]) -> int:
         model = cfg.learner.model
         if args.trainer == "torch" and not (model and pathlib.Path(model, "config.json").is_file()):
             raise ConfigError(f"--trainer torch needs --model DIR (an HF folder); got {cfg.learner.model}")
+        check_keys(cfg, "learner")
     except ConfigError as e:
         print(f"dora learner: {e}", file=sys.stderr)
         return 2

@@ -10,6 +10,7 @@ can prove that every group was trained exactly once. A broken invariant stops it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -26,6 +27,7 @@ import zmq.asyncio
 
 from dora.config import ConfigError
 from dora.runconfig import RunConfig
+from dora.security import HINT, Keys
 from dora.wire import codec
 from dora.wire import messages as m
 
@@ -101,6 +103,13 @@ class StandInLearner:
         self.unacked: tuple[int, m.TrainBatch, dict[str, Any]] | None = None
         """The step published and not yet acknowledged: (version, batch, facts)."""
 
+    async def _beat(self, sock: zmq.asyncio.Socket, msg: Any = None) -> None:
+        """A heartbeat (or a hello), skipped if it cannot leave now: with no connection up (a broker gone, a
+        refused handshake) a send would wait, and the loop must keep its deadlines. Both are sent again."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.cfg.broker.heartbeat_interval_s):
+                await sock.send_multipart(codec.encode(m.Heartbeat() if msg is None else msg))
+
     def _rediscover(self) -> str:
         if self.discover is None:
             return self.endpoint
@@ -124,16 +133,25 @@ class StandInLearner:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, f"learner/{socket.gethostname()}/{uuid.uuid4().hex[:8]}".encode())
         sock.setsockopt(zmq.LINGER, 0)
+        keys = Keys.load(self.cfg.security.keys) if self.cfg.security.keys else None
+        if keys is not None:
+            keys.connect_as(sock, "learner")
         sock.connect(self.endpoint)
         b = self.cfg.broker
+        started, welcomed = self.clock(), False
         try:
-            if not await sock.poll(int(1000 * b.heartbeat_interval_s * b.liveness), zmq.POLLOUT):
-                log.error("broker_unreachable", endpoint=self.endpoint)
+            try:  # a send waits until a connection is up, which a refused CURVE handshake never lets happen
+                async with asyncio.timeout(self.cfg.security.auth_timeout_s):
+                    await self._beat(sock, self._hello())
+            except TimeoutError:
+                log.error("broker_never_answered", endpoint=self.endpoint, hint=HINT if keys else "")
                 return 1
-            await sock.send_multipart(codec.encode(self._hello()))
             joining = True
             next_beat = heard = self.clock()
             while not stop.is_set():
+                if not welcomed and self.clock() - started > self.cfg.security.auth_timeout_s:
+                    log.error("broker_never_answered", endpoint=self.endpoint, hint=HINT if keys else "")
+                    return 1
                 if self.clock() - heard > b.heartbeat_interval_s * b.liveness:  # the broker is gone: find it again
                     heard = self.clock()
                     endpoint = self._rediscover()
@@ -142,13 +160,13 @@ class StandInLearner:
                         sock.connect(endpoint)
                     log.warning("broker_silent", endpoint=endpoint, version=self.version, committed=self.committed)
                     self.endpoint, joining = endpoint, True
-                    await sock.send_multipart(codec.encode(self._hello()))
+                    await self._beat(sock, self._hello())
                 if await sock.poll(max(1, int(1000 * (next_beat - self.clock()))), zmq.POLLIN):
                     msg = codec.decode(await sock.recv_multipart(copy=False))
                     heard = self.clock()
                     match msg:
                         case m.Welcome():  # a learner joining a run in progress picks it up at the newest version
-                            joining = False
+                            joining, welcomed = False, True
                             if not await self.catch_up(sock, msg.newest_version, stop):
                                 return 1
                             log.info("registered", broker_epoch=msg.broker_epoch, version=self.version)
@@ -172,12 +190,12 @@ class StandInLearner:
                         case m.Disconnect() if not joining:  # e.g. a restarted broker that does not know us yet
                             log.warning("rejoining", reason=msg.reason, version=self.version, committed=self.committed)
                             joining = True
-                            await sock.send_multipart(codec.encode(self._hello()))
+                            await self._beat(sock, self._hello())
                         case _:  # heartbeats, and anything that came for a step or a session already left
                             pass
                 if self.clock() >= next_beat:
                     next_beat = self.clock() + b.heartbeat_interval_s
-                    await sock.send_multipart(codec.encode(m.Heartbeat()))
+                    await self._beat(sock)
             # stopped (SIGTERM): tell the broker now, so it holds the batch for the next learner at once
             await sock.send_multipart(codec.encode(m.Goodbye(reason="stopping")))
             await asyncio.sleep(0.05)
@@ -239,7 +257,7 @@ class StandInLearner:
             if stop.is_set():
                 return None
             await asyncio.sleep(min(self.cfg.broker.heartbeat_interval_s, deadline - self.clock()))
-            await sock.send_multipart(codec.encode(m.Heartbeat()))
+            await self._beat(sock)
         publish_s = self.cfg.trainer.publish_s * self.cfg.run.time_scale
         await asyncio.sleep(publish_s)
         version = self.version + 1
@@ -257,7 +275,7 @@ class StandInLearner:
         task = asyncio.ensure_future(asyncio.to_thread(fn, *args))
         while not task.done():
             await asyncio.wait([task], timeout=self.cfg.broker.heartbeat_interval_s)
-            await sock.send_multipart(codec.encode(m.Heartbeat()))
+            await self._beat(sock)
         result = task.result()
         return None if stop.is_set() else result
 

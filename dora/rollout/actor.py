@@ -26,6 +26,7 @@ import zmq.asyncio
 from dora.config import ConfigError
 from dora.rollout.engines.base import EngineError, WorkerEngine
 from dora.runconfig import RunConfig
+from dora.security import HINT, Keys
 from dora.wire import codec
 from dora.wire import messages as m
 
@@ -60,14 +61,20 @@ class RolloutActor:
         self.sock: zmq.Socket | None = None
         self.loading: tuple[int, float, str, str] | None = None
         self.sent = 0
+        self.keys = Keys.load(cfg.security.keys) if cfg.security.keys else None
+        self.welcomed = False
 
     async def run(self, stop: asyncio.Event) -> int:
         backoff = 1.0
+        started = self.clock()
         while not stop.is_set():
             try:
                 await self.session(stop)
                 return 0
             except Reconnect as e:
+                if not self.welcomed and self.keys and self.clock() - started > self.cfg.security.auth_timeout_s:
+                    log.error("broker_never_answered", reason=str(e), hint=HINT)
+                    return 2
                 log.warning("reconnecting", reason=str(e), backoff_s=backoff)
                 self.engine.clear()
                 self.loading = None
@@ -81,6 +88,8 @@ class RolloutActor:
         sock.setsockopt(zmq.IDENTITY, f"rollout/{self.name}/{uuid.uuid4().hex[:8]}".encode())
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IMMEDIATE, 1)
+        if self.keys is not None:
+            self.keys.connect_as(sock, "rollout")
         try:  # a discovery file is read again on every session: a restarted broker may listen elsewhere
             sock.connect(self.endpoint() if callable(self.endpoint) else self.endpoint)
         except (ConfigError, zmq.ZMQError) as e:
@@ -155,6 +164,7 @@ class RolloutActor:
         now = self.clock()
         match msg:
             case m.Welcome():
+                self.welcomed = True
                 self.epoch = msg.broker_epoch
                 log.info("registered", broker_epoch=msg.broker_epoch, newest_version=msg.newest_version)
             case m.Assign():

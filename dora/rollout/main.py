@@ -21,6 +21,7 @@ from dora.rollout.actor import RolloutActor
 from dora.rollout.engines.base import WorkerEngine
 from dora.rollout.engines.sim import SimEngine
 from dora.runconfig import RunConfig
+from dora.security import check_keys
 
 
 def main(argv: list[str]) -> int:
@@ -48,6 +49,7 @@ def main(argv: list[str]) -> int:
                 import vllm  # noqa: F401
             except ImportError:
                 raise ConfigError("--engine vllm needs the vllm extra: pip install -e '.[vllm]'") from None
+        check_keys(cfg)
     except ConfigError as e:
         print(f"dora rollout: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,73 @@
+"""CURVE on every connection: a run with keys, a key that is not allowed, a key used for the wrong role."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from dora.status import fetch
+from tests.live.cluster import cluster
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def keys(path) -> str:
+    r = subprocess.run([sys.executable, "-m", "dora", "keys", "generate", str(path)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return str(path)
+
+
+def test_keys_are_generated_once_and_never_overwritten(tmp_path):
+    keys(tmp_path / "k")
+    names = sorted(p.name for p in (tmp_path / "k").iterdir())
+    assert names == sorted(f"{n}.key{s}" for n in ("broker", "rollout", "learner", "client") for s in ("", "_secret"))
+    assert ((tmp_path / "k" / "broker.key_secret").stat().st_mode & 0o777) == 0o600
+    again = subprocess.run([sys.executable, "-m", "dora", "keys", "generate", str(tmp_path / "k")],
+                           capture_output=True, text=True)  # fmt: skip
+    assert again.returncode == 2 and "not overwriting" in again.stderr and "Traceback" not in again.stderr
+
+
+def test_a_run_with_curve_keys_keeps_every_invariant_and_status_needs_a_key(tmp_path):
+    k = keys(tmp_path / "k")
+    with cluster(tmp_path, {"core": {"total_steps": 6, "min_workers": 2}, "security": {"keys": k}}) as c:
+        c.start(workers=2)
+        assert fetch(c.endpoint, keys_dir=k)["mode"] == "dora"
+        with pytest.raises(TimeoutError):  # without a key the broker never answers
+            fetch(c.endpoint, timeout_s=1.0)
+        assert c.wait("learner", 90) == 0, c.log("learner")[-3000:]
+        assert c.wait("broker", 15) == 0
+        c.check_exactly_once()
+        [on] = c.events("broker", "curve_on")
+        assert on["allowed"] == 3
+
+
+def test_a_learner_whose_key_is_not_allowed_stops_with_a_clear_error(tmp_path):
+    k = keys(tmp_path / "k")
+    stranger = keys(tmp_path / "stranger")
+    shutil.copy(tmp_path / "k" / "broker.key", tmp_path / "stranger" / "broker.key")  # right broker, unknown key
+    with cluster(tmp_path, {"security": {"keys": k, "auth_timeout_s": 2.0}}) as c:
+        c.start_broker()
+        c.cfg["security"]["keys"] = stranger
+        c.config.write_text(c.config.read_text().replace(k, stranger))
+        c.start_learner()
+        assert c.wait("learner", 30) == 1
+        [err] = c.events("learner", "broker_never_answered")
+        assert "allow-list" in err["hint"]
+        assert not c.events("broker", "peer_joined")  # it never got past the handshake
+
+
+def test_a_key_may_only_act_as_its_role(tmp_path):
+    k = keys(tmp_path / "k")
+    shutil.copytree(tmp_path / "k", tmp_path / "mine")  # the learner's copy, where its keypair is a worker's
+    for suffix in ("", "_secret"):
+        (tmp_path / "mine" / f"rollout.key{suffix}").rename(tmp_path / "mine" / f"learner.key{suffix}")
+    with cluster(tmp_path, {"security": {"keys": k}}) as c:
+        c.start_broker()
+        c.config.write_text(c.config.read_text().replace(k, str(tmp_path / "mine")))
+        c.start_learner()
+        assert c.wait("learner", 30) == 1
+        [turned] = c.events("learner", "learner_turned_away")
+        assert "may connect as rollout, not as learner" in turned["reason"]
