@@ -225,3 +225,30 @@ def test_sigterm_twice_in_10ms_still_exits_cleanly(tmp_path):
             assert c.wait(name, 10) == 0, c.log(name)[-2000:]
             assert time.monotonic() - started < 10
             assert "Traceback" not in c.log(name), c.log(name)[-2000:]
+
+
+def test_random_sigkills_of_workers_lose_nothing_and_train_nothing_twice(tmp_path):
+    """T1: four SIGKILLs of randomly chosen workers (seeded), each restarted a moment later under the same
+    name; the run finishes with every group trained exactly once within K, and each kill is noticed."""
+    import random
+
+    rng = random.Random(7)
+    with cluster(tmp_path, {"core": {"total_steps": 30}}) as c:
+        c.start(workers=3)
+        kills = []
+        for n in range(4):
+            wait_until(lambda n=n: fetch(c.endpoint)["step"] >= 3 + 5 * n, 60, f"step {3 + 5 * n}")
+            victim = f"w{rng.randrange(3)}"
+            identity_of(c, victim, min_groups=0)  # registered and loaded (a restarted one may still be starting)
+            c.signal(victim, signal.SIGKILL)
+            c.procs[victim].wait(10)
+            kills.append((victim, time.time()))
+            time.sleep(rng.uniform(0.1, 0.8))
+            c.start_worker(victim)
+        assert c.wait("learner", 120) == 0, c.log("learner")[-3000:]
+        c.check_exactly_once()
+        lost = [r for r in c.events("broker", "peer_lost") if r["reason"] in ("silent", "unreachable")]
+        assert len(lost) >= len(kills), (kills, lost)
+        latencies = sorted(round(ts(r) - t, 2) for (_, t), r in zip(kills, sorted(lost, key=ts), strict=False))
+        assert max(latencies) <= INTERVAL * LIVENESS + 1.0, latencies
+        print(f"T1: {len(kills)} kills, declared dead after {latencies} s")
