@@ -15,7 +15,7 @@ and, when the run did not end normally, the reason in words (time, CPU, memory, 
 Without unprivileged namespaces, ``Outcome.isolation`` says "rlimits" and the network and filesystem
 rules are not enforced: use a machine or container that allows them for code from a policy. Run as
 root, the process cap does not bind (CAP_SYS_RESOURCE); the PID namespace and the wall-clock limit
-still end a fork bomb.
+still end a fork bomb. As root without namespaces, nothing is run at all (the reason says so).
 """
 
 from __future__ import annotations
@@ -129,6 +129,9 @@ def run(argv: list[str], *, files: dict[str, str], stdin: str = "", limits: Limi
         for name, text in files.items():
             (work / name).write_text(text)
         isolation = "namespaces" if namespaces_available() else "rlimits"
+        if isolation == "rlimits" and os.geteuid() == 0:  # it could signal any process, init included
+            return Outcome(returncode=None, stdout="", stderr="", wall_s=0.0, isolation=isolation,
+                           reason="refused: untrusted code does not run as root without namespaces")  # fmt: skip
         if isolation == "namespaces":
             argv = ["unshare", "-rnmpf", "--kill-child", "sh", "-c", JAIL, "jail", str(work), *argv]
         nproc = _user_processes() + limits.processes

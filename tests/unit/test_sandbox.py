@@ -35,6 +35,11 @@ def score(code: str) -> tuple[float, str, float]:
     return value, reason, time.monotonic() - started
 
 
+ROOT_UNJAILED = pytest.mark.skipif(not sandbox.namespaces_available() and os.geteuid() == 0,
+                                   reason="as root without namespaces the sandbox refuses to run code")  # fmt: skip
+
+
+@ROOT_UNJAILED
 def test_a_correct_program_scores_1_and_a_wrong_one_0_without_a_reason():
     assert score("print(6 * 7)")[:2] == (1.0, "")
     assert score("print(41)")[:2] == (0.0, "")
@@ -50,6 +55,7 @@ CASES = {
 }
 
 
+@ROOT_UNJAILED
 @pytest.mark.parametrize("case", list(CASES))
 def test_hostile_programs_score_0_with_the_reason_and_leave_nothing_running(case):
     code, words = CASES[case]
@@ -82,7 +88,22 @@ def test_a_process_that_leaves_its_group_dies_with_the_run():
     assert not sandboxed()
 
 
+@ROOT_UNJAILED
 def test_its_own_directory_is_writable_and_removed_afterwards():
     out = sandbox.run_python("import os\nopen('scratch.txt', 'w').write('x')\nprint(os.getcwd())")
     assert out.ok, out
     assert not pathlib.Path(out.stdout.strip()).exists()
+
+
+@JAILED
+def test_signalling_pid_1_reaches_only_its_own_namespace():
+    value, reason, took = score("import os, signal\nos.kill(1, signal.SIGKILL)\nprint(42)")
+    assert (value, reason) == (1.0, "") and took < sandbox.Limits().wall_s  # the host's init was not its PID 1
+
+
+def test_as_root_without_namespaces_nothing_is_run(monkeypatch):
+    monkeypatch.setattr(sandbox, "namespaces_available", lambda: False)
+    monkeypatch.setattr(sandbox.os, "geteuid", lambda: 0)
+    out = sandbox.run_python("open('/tmp/dora-sandbox-ran.txt', 'w').write('x')")
+    assert out.reason.startswith("refused") and out.isolation == "rlimits"
+    assert not pathlib.Path("/tmp/dora-sandbox-ran.txt").exists()
