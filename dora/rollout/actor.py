@@ -63,6 +63,7 @@ class RolloutActor:
         self.sent = 0
         self.keys = Keys.load(cfg.security.keys) if cfg.security.keys else None
         self.welcomed = False
+        self.session_welcomed = False
 
     async def run(self, stop: asyncio.Event) -> int:
         backoff = 1.0
@@ -75,6 +76,8 @@ class RolloutActor:
                 if not self.welcomed and self.keys and self.clock() - started > self.cfg.security.auth_timeout_s:
                     log.error("broker_never_answered", reason=str(e), hint=HINT)
                     return 2
+                if self.session_welcomed:  # that session worked: the broker is new, not flapping, so retry soon
+                    backoff = 1.0
                 log.warning("reconnecting", reason=str(e), backoff_s=backoff)
                 self.engine.clear()
                 self.loading = None
@@ -88,6 +91,7 @@ class RolloutActor:
         sock.setsockopt(zmq.IDENTITY, f"rollout/{self.name}/{uuid.uuid4().hex[:8]}".encode())
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IMMEDIATE, 1)
+        self.session_welcomed = False
         if self.keys is not None:
             self.keys.connect_as(sock, "rollout")
         try:  # a discovery file is read again on every session: a restarted broker may listen elsewhere
@@ -164,7 +168,7 @@ class RolloutActor:
         now = self.clock()
         match msg:
             case m.Welcome():
-                self.welcomed = True
+                self.welcomed = self.session_welcomed = True
                 self.epoch = msg.broker_epoch
                 log.info("registered", broker_epoch=msg.broker_epoch, newest_version=msg.newest_version)
             case m.Assign():
