@@ -66,12 +66,15 @@ class Keys:
             raise ValueError(f"security.keys: {self.directory}/broker.key_secret holds no secret key")
         sock.curve_secretkey, sock.curve_publickey, sock.curve_server = secret, public, True
 
-    def connect_as(self, sock: zmq.Socket, role: str) -> None:
-        """Make ``sock`` a CURVE client with this role's keypair (before it connects)."""
+    def secret_file(self, role: str) -> pathlib.Path:
         path = self.directory / f"{role}.key_secret"
         if not path.is_file():
             raise ValueError(f"security.keys: no {role}.key_secret in {self.directory}")
-        public, secret = zmq.auth.load_certificate(path)
+        return path
+
+    def connect_as(self, sock: zmq.Socket, role: str) -> None:
+        """Make ``sock`` a CURVE client with this role's keypair (before it connects)."""
+        public, secret = zmq.auth.load_certificate(self.secret_file(role))
         sock.curve_secretkey, sock.curve_publickey, sock.curve_serverkey = secret, public, self.broker_public
 
     def role_of(self, user_id: str | None) -> str | None:
@@ -89,9 +92,7 @@ def check_keys(cfg, role: str = "rollout") -> None:  # cfg: RunConfig
 
     if cfg.security.keys:
         try:
-            keys = Keys.load(cfg.security.keys)
-            if not (keys.directory / f"{role}.key_secret").is_file():
-                raise ValueError(f"security.keys: no {role}.key_secret in {keys.directory}")
+            Keys.load(cfg.security.keys).secret_file(role)
         except (ValueError, OSError) as e:
             raise ConfigError(str(e)) from None
 

@@ -312,11 +312,11 @@ class BrokerActor:
         return tuple(acks)
 
     def on_published(self, peer: Peer, msg: m.WeightsPublished) -> None:
-        batch = self.core.transfer.in_training
         if msg.version == self.core.ledger.newest and msg.version in self.weights:
             self.send(peer, m.PublishAck(version=msg.version))  # a repeat (the ack was lost): idempotent
             return
-        if batch is None or msg.version != self.core.ledger.newest + 1 or batch.step != msg.version - 1:
+        batch = self.core.publishable(msg.version)
+        if batch is None:
             self.counters["refused publish"] += 1
             log.warning("publish_refused", version=msg.version, newest=self.core.ledger.newest)
             return

@@ -106,6 +106,14 @@ class Core:
             raise ValueError("restored groups must be distinct and below the cursor")
         self.scheduler.owed.extend(GroupId(g) for g in sorted(owed))
 
+    def publishable(self, version: int) -> DeliverBatch | None:
+        """The batch a publish of ``version`` completes, if the core takes that publish; None if it refuses it.
+        (The broker journals the batch's groups before the publish takes effect.)"""
+        batch = self.transfer.in_training
+        if version != self.ledger.newest + 1 or batch is None or batch.step + 1 != version:
+            return None
+        return batch
+
     @property
     def step(self) -> int:
         """s: the next train step whose batch will be taken."""
@@ -157,7 +165,7 @@ class Core:
             case Tick():
                 return self.cfg.mode is Mode.DORA
             case WeightsPublished(version=v):
-                if v != self.ledger.newest + 1 or not self.transfer.trained(v):
+                if self.publishable(v) is None or not self.transfer.trained(v):
                     out.emit(Refused(reason=f"unexpected_publish v{v}"))
                     return False
                 self.ledger.publish(v)

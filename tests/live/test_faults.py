@@ -11,6 +11,7 @@ from datetime import datetime
 
 import pytest
 
+from dora.broker.journal import replay
 from dora.status import fetch
 from tests.live.cluster import Cluster, cluster
 
@@ -184,8 +185,6 @@ def test_broker_killed_and_restarted_resumes_from_its_journal(tmp_path):
         assert [r["step"] for r in audit] == list(range(steps))  # committed steps only, each once, in order
         trained = [g for r in audit for g in r["groups"]]
         assert len(trained) == len(set(trained)) == steps * c.cfg["core"]["train_groups"]
-        from dora.broker.journal import replay
-
         assert replay(journal).trained == set(trained) and replay(journal).newest == steps
         print(
             f"T4: restart {restarted - killed:.2f} s after the kill; first step of the new broker "
