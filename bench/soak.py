@@ -4,6 +4,8 @@
     python bench/soak.py --scenario broker --minutes 10      # T4: SIGKILL the broker every 2 min, restart 1 s later
     python bench/soak.py --scenario learner --minutes 10     # T5: SIGKILL the learner every U(30, 90) s, restart it
     python bench/soak.py --scenario quiet --minutes 10       # T12: no faults (false deaths, broker memory)
+    python bench/soak.py --scenario chaos --minutes 5        # T6: every link through `dora chaos`
+                                                             #     (5% dropped, 5% duplicated, 10% delayed <= 200 ms)
 
 Broker, 3 rollout workers (sim engine) and the sim learner, as real processes on loopback, from
 examples/live/sim.toml with a broker journal. Killed processes are restarted after the scenario's
@@ -13,7 +15,9 @@ checked from the learner's audit (committed steps only) and the journal:
   trajectory;
 - the journal's trained groups equal the audit's.
 Printed: kills, how long each took to be noticed (dead worker declared, or the new broker's first
-step), steps per minute, false dead-worker declarations, and the broker's RSS at start and end.
+step), steps per minute, false dead-worker declarations, the broker's RSS and open file descriptors
+at start and end, its event-loop lag (how late its heartbeat timer ran: p50, p99, max), and for the
+chaos scenario the proxy's counts and the leases the broker found lost and re-queued.
 The seed is printed; the same seed gives the same fault schedule. Exit status 1 if a check fails.
 """
 
@@ -35,14 +39,18 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dora.broker.journal import replay  # noqa: E402
+from dora.discovery import resolve_endpoint  # noqa: E402
 from dora.local import LocalRun  # noqa: E402
+from dora.status import fetch  # noqa: E402
 
 SCHEDULES = {  # (seconds between faults, seconds before the restart)
     "workers": ((5.0, 20.0), (0.0, 5.0)),
     "broker": ((120.0, 120.0), (1.0, 1.0)),
     "learner": ((30.0, 90.0), (0.5, 3.0)),
     "quiet": (None, None),
+    "chaos": (None, None),
 }
+CHAOS = ("--drop", "0.05", "--dup", "0.05", "--delay", "0.10", "--max-delay-ms", "200")
 
 
 def ts(rec: dict) -> float:
@@ -52,6 +60,10 @@ def ts(rec: dict) -> float:
 def rss_kib(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def fds(pid: int) -> int:
+    return len(list(pathlib.Path(f"/proc/{pid}/fd").iterdir()))
 
 
 def config(rundir: pathlib.Path, time_scale: float) -> dict:
@@ -80,8 +92,17 @@ def main(argv: list[str]) -> int:
     kills: list[tuple[str, float]] = []
     restarts: list[float] = []
     print(f"soak: {args.scenario}, {args.minutes:g} min, seed {args.seed}, run directory {rundir}", flush=True)
-    run.start(workers=3)
+    if args.scenario == "chaos":
+        run.start_broker()
+        run.start_chaos(*CHAOS, "--seed", str(args.seed))
+        for i in range(3):
+            run.start_worker(f"w{i}")
+        run.start_learner()
+    else:
+        run.start(workers=3)
     rss = [rss_kib(run.procs["broker"].pid)]
+    open_fds = [fds(run.procs["broker"].pid)]
+    lag: dict = {}
     end = time.monotonic() + 60 * args.minutes
     every, delay = SCHEDULES[args.scenario]
     if args.every and every:
@@ -108,12 +129,14 @@ def main(argv: list[str]) -> int:
             print(f"[{time.monotonic() - end + 60 * args.minutes:6.0f} s] killed and restarted {victim}", flush=True)
             next_fault = time.monotonic() + rng.uniform(*every)
         rss.append(rss_kib(run.procs[brokers[-1]].pid))
+        open_fds.append(fds(run.procs[brokers[-1]].pid))
+        lag = fetch(resolve_endpoint(str(rundir / "broker.json")))["loop_lag_ms"]
     finally:
         codes = run.stop(grace_s=10.0)
-    return report(run, rundir, brokers, kills, restarts, rss, codes, args)
+    return report(run, rundir, brokers, kills, restarts, rss, codes, args, open_fds, lag)
 
 
-def report(run, rundir, brokers, kills, restarts, rss, codes, args) -> int:
+def report(run, rundir, brokers, kills, restarts, rss, codes, args, open_fds, lag) -> int:
     audit = [json.loads(x) for x in (rundir / "audit.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in audit]
     groups = Counter(g for r in audit for g in r["groups"])
@@ -149,7 +172,12 @@ def report(run, rundir, brokers, kills, restarts, rss, codes, args) -> int:
         print(f"recovery (dead worker declared / new broker's first step), s: max {max(shown, default=0):.2f}, "
               f"all {noticed}")  # fmt: skip
     print(f"dead-worker declarations without a kill: {max(0, false_deaths)}; broker RSS {rss[0] / 1024:.0f} -> "
-          f"{rss[-1] / 1024:.0f} MiB; exit codes {codes}")  # fmt: skip
+          f"{rss[-1] / 1024:.0f} MiB; open fds {open_fds[0]} -> {open_fds[-1]}; exit codes {codes}")  # fmt: skip
+    print(f"broker event-loop lag, ms: {lag}")
+    if args.scenario == "chaos":
+        counts = {k: v for r in run.events("chaos", "chaos_counts") for k, v in r.items() if k != "event"}
+        lost = sum(1 for b in brokers for _ in run.events(b, "lease_lost"))
+        print(f"chaos proxy: {counts}; leases found lost by heartbeats and re-queued: {lost}")
     for problem in problems:
         print(f"FAILED: {problem}")
     if not problems:

@@ -42,6 +42,8 @@ class LocalRun:
         self.config.write_text(to_toml(self.cfg))
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.endpoint = ""
+        self.discovery = rundir / "broker.json"
+        """Where workers and the learner look for the broker (a chaos proxy's file when one stands between)."""
 
     # ---------------------------------------------------------------- processes
 
@@ -71,12 +73,27 @@ class LocalRun:
         self.endpoint = json.loads(disc.read_text())["endpoint"]
         return self.endpoint
 
+    def start_chaos(self, *args: str, timeout_s: float = 30.0) -> str:
+        """A ``dora chaos`` proxy in front of the broker (``args``: its fault options); peers started after
+        this reach the broker through it. Returns the proxy's endpoint."""
+        disc = self.dir / "chaos.json"
+        disc.unlink(missing_ok=True)
+        proc = self.spawn("chaos", "chaos", "--upstream", str(self.dir / "broker.json"), "--discovery-file",
+                          str(disc), *args)  # fmt: skip
+        deadline = time.monotonic() + timeout_s
+        while not disc.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the chaos proxy did not start:\n{self.log('chaos')[-3000:]}")
+            time.sleep(0.05)
+        self.discovery = disc
+        return json.loads(disc.read_text())["endpoint"]
+
     def start_worker(self, name: str, engine: str = "sim", *extra: str) -> subprocess.Popen[bytes]:
-        disc = str(self.dir / "broker.json")
+        disc = str(self.discovery)
         return self.spawn(name, "rollout", "--engine", engine, "--broker", disc, "--name", name, *extra)
 
     def start_learner(self, trainer: str = "sim") -> subprocess.Popen[bytes]:
-        return self.spawn("learner", "learner", "--trainer", trainer, "--broker", str(self.dir / "broker.json"))
+        return self.spawn("learner", "learner", "--trainer", trainer, "--broker", str(self.discovery))
 
     def start(self, workers: int) -> None:
         self.start_broker()

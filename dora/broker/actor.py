@@ -8,11 +8,20 @@ Sending: the ROUTER has ROUTER_MANDATORY on and every send is non-blocking. A me
 full pipe (EAGAIN) waits in that peer's outbox and is retried; nothing is dropped silently. A peer
 that cannot be routed to (EHOSTUNREACH) is gone: its leases are re-queued by the core. Application
 credits (the worker's slots) keep those outboxes small.
+
+Lossy links: every command to a worker carries a number (``seq``, per session) and a worker applies
+commands in order or not at all, so a copy or a late arrival is a loss. Each worker heartbeat says
+the highest number it saw, the leases it holds and the version it serves; the actor compares that
+with the core's view. A lease whose command the worker saw go by but does not hold was lost: the
+core re-queues the group whole (``LeaseLost``). A lease the worker holds that is void gets its
+``Cancel`` again; a lost ``Assign`` or ``MigrateOut`` is sent again; a lost ``WeightsLoaded`` is
+taken from the heartbeat. Results are re-sent by the worker until acknowledged and taken once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import pathlib
 import shutil
 import time
@@ -25,6 +34,7 @@ import numpy as np
 import structlog
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import recv_monitor_message
 
 from dora.actor.liveness import Liveness
 from dora.broker import events as ev
@@ -41,6 +51,13 @@ from dora.wire import messages as m
 
 log = structlog.get_logger()
 
+HANDSHAKE_FAILED_NAMES = {
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "auth",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol",
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "no detail",
+}
+HANDSHAKE_FAILED = sum(HANDSHAKE_FAILED_NAMES)
+
 
 @dataclass(slots=True)
 class Peer:
@@ -48,6 +65,14 @@ class Peer:
     role: m.Role
     name: str
     outbox: deque[list[Any]] = field(default_factory=deque)
+    seq: int = 0
+    """The number of the last command sent to it."""
+    lease_seq: dict[tuple[int, int], int] = field(default_factory=dict)
+    """(group, attempt) -> number of the command that gave it that lease's work (Generate or MigrateIn)."""
+    assign: m.Assign | None = None
+    """The last Assign sent to it."""
+    migrate_out: dict[tuple[int, int], m.MigrateOut] = field(default_factory=dict)
+    """MigrateOut sent to it and not yet answered."""
 
 
 def _user_id(frames: list[Any]) -> str | None:
@@ -69,6 +94,18 @@ def retire_weights(uri: str) -> pathlib.Path | None:
         return None
     shutil.rmtree(path, ignore_errors=True)
     return path
+
+
+def lag_ms(lags: deque[float]) -> dict[str, float]:
+    """p50, p99 and max of the timer's lateness, in ms."""
+    if not lags:
+        return {}
+    ordered = sorted(lags)
+
+    def pick(q: float) -> float:
+        return round(1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))], 2)
+
+    return {"p50": pick(0.5), "p99": pick(0.99), "max": pick(1.0)}
 
 
 class BrokerActor:
@@ -101,6 +138,9 @@ class BrokerActor:
         self.journal = journal
         self.keys = keys
         """CURVE is on: every peer is authenticated, and may only say hello as its key's role."""
+        self._monitor_sock = sock.get_monitor_socket(HANDSHAKE_FAILED) if keys is not None else None
+        self._monitor = zmq.Socket.shadow(self._monitor_sock.underlying) if self._monitor_sock else None
+        """Under CURVE a refused handshake is silent to both sides: the socket monitor is how it is counted."""
         self.weights: dict[int, tuple[str, str]] = weights or {0: ("sim://v0", "0" * 64)}
         self.counters = Counter[str]()
         self.lost: deque[dict[str, Any]] = deque(maxlen=32)
@@ -113,6 +153,8 @@ class BrokerActor:
         self.step_started = clock()
         self.done = asyncio.Event()
         self._pending_out: set[bytes] = set()
+        self.lag_s: deque[float] = deque(maxlen=4096)
+        """How late the heartbeat timer ran, per beat: the event loop's lag (the latest 4,096 beats)."""
 
     # ------------------------------------------------------------------ loop
 
@@ -134,12 +176,32 @@ class BrokerActor:
                     self.on_frames(frames)
             now = self.clock()
             if now >= next_beat:
+                self.lag_s.append(now - next_beat)
                 next_beat = now + self.cfg.broker.heartbeat_interval_s
                 self.check_liveness(now)
             if now >= next_tick:
                 next_tick = now + self.cfg.broker.tick_s
                 self.feed(ev.Tick())
             retry_ms = 1 if self.flush() else min(2 * retry_ms, 50)
+            self.count_handshake_failures()
+        if self._monitor_sock is not None:
+            self.sock.disable_monitor()
+            self._monitor_sock.close(linger=0)
+
+    def count_handshake_failures(self) -> None:
+        if self._monitor is None:
+            return
+        while True:
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            name = HANDSHAKE_FAILED_NAMES.get(event["event"], "other")
+            self.counters[f"handshake failed ({name})"] += 1
+            if self.counters[f"handshake failed ({name})"] % 100 == 1:
+                log.warning(
+                    "handshake_failed", reason=name, endpoint=str(event.get("endpoint", b""), "utf-8", "replace")
+                )
 
     def on_frames(self, frames: list[Any]) -> None:
         identity = bytes(frames[0])
@@ -209,21 +271,17 @@ class BrokerActor:
             self.send_raw(identity, m.Reject(reason=reason, wire_version=m.WIRE_VERSION))
             return
         old = self.peers.get(identity)
+        if old is not None and old.role is hello.role and old.name == hello.peer_id:
+            self.counters["hello repeated"] += 1  # identities are per session: a copy, or its Welcome was lost
+            self.send(old, self.welcome())
+            return
         if old is not None:
             self.peer_lost(old, "hello again")
         peer = Peer(identity=identity, role=hello.role, name=hello.peer_id)
         self.peers[identity] = peer
         timeout = self.cfg.broker.learner_timeout_s if hello.role is m.Role.LEARNER else None
         self.liveness.joined(identity.decode(), self.clock(), timeout_s=timeout)
-        self.send(
-            peer,
-            m.Welcome(
-                broker_epoch=self.epoch,
-                heartbeat_interval_s=self.cfg.broker.heartbeat_interval_s,
-                liveness=self.cfg.broker.liveness,
-                newest_version=newest,
-            ),
-        )
+        self.send(peer, self.welcome())
         log.info(
             "peer_joined",
             peer=hello.peer_id,
@@ -243,13 +301,20 @@ class BrokerActor:
                 self.peer_lost(self.peers[self.learner], "replaced by a new learner")
             self.learner = identity
 
+    def welcome(self) -> m.Welcome:
+        b = self.cfg.broker
+        return m.Welcome(broker_epoch=self.epoch, heartbeat_interval_s=b.heartbeat_interval_s, liveness=b.liveness,
+                         newest_version=self.core.ledger.newest)  # fmt: skip
+
     def on_message(self, peer: Peer, msg: Any) -> None:
         w = WorkerId(peer.identity.decode())
         rollout, learner = peer.role is m.Role.ROLLOUT, peer.role is m.Role.LEARNER
         match msg:
             case m.Heartbeat() if rollout:
-                self.send(peer, m.Heartbeat())  # so the worker can tell a dead broker from an idle one
+                # so the worker can tell a dead broker from an idle one, and knows the last command sent to it
+                self.send(peer, m.Heartbeat(seen=peer.seq))
                 self.liveness.progressed(w, self.clock(), msg.tokens_generated, busy=msg.running > 0)
+                self.reconcile(peer, msg)
                 if msg.kv_use >= self.core.cfg.kv_rebalance_threshold:
                     self.feed(ev.LoadReported(worker_id=w, kv_use=msg.kv_use))
             case m.Heartbeat():
@@ -262,6 +327,7 @@ class BrokerActor:
             case m.WeightsLoaded() if rollout:
                 self.feed(ev.WeightsLoaded(worker_id=w, version=msg.version))
             case m.MigrationExported() if rollout:
+                peer.migrate_out.pop((msg.group_id, msg.attempt), None)
                 self.feed(
                     ev.MigrationExported(
                         worker_id=w,
@@ -280,6 +346,41 @@ class BrokerActor:
                 self.peer_lost(peer, f"goodbye: {msg.reason}")
             case _:
                 self.malformed[f"unexpected {type(msg).__name__} from {peer.role.value}"] += 1
+
+    def reconcile(self, peer: Peer, hb: m.Heartbeat) -> None:
+        """Compare what a worker says it holds with the core's view, and mend what a lost message broke."""
+        w = WorkerId(peer.identity.decode())
+        worker = self.core.scheduler.workers.get(w)
+        if worker is None:
+            return
+        flights, held = self.core.scheduler.flights, hb.held()
+        current = {(g, int(flights[g].attempt)) for g in worker.groups}
+        for key in sorted(current - held):  # it saw the command go by, and holds nothing of it
+            if peer.lease_seq.get(key, hb.seen + 1) <= hb.seen:
+                self.counters["lease lost on the way"] += 1
+                log.warning("lease_lost", group_id=key[0], attempt=key[1], seen=hb.seen)
+                self.feed(ev.LeaseLost(worker_id=w, group_id=key[0], attempt=key[1]))
+        current = {(g, int(flights[g].attempt)) for g in worker.groups}
+        peer.lease_seq = {k: v for k, v in peer.lease_seq.items() if k in current}
+        for group, attempt in sorted(held - current):  # void leases it still works on: its Cancel was lost
+            self.counters["cancel sent again"] += 1
+            self.command(w, m.Cancel(group_id=group, attempt=attempt))
+        for key, out in list(peer.migrate_out.items()):
+            f = flights.get(key[0])
+            if f is None or f.worker != w or f.target is None or f.attempt != key[1]:
+                del peer.migrate_out[key]  # answered (or the group moved on) in some other way
+            elif key in held and out.seq <= hb.seen:
+                self.counters["migrate_out sent again"] += 1
+                self.command(w, out)
+        pinned = self.core.ledger.version_of(w)
+        if pinned is None or worker.ready or peer.assign is None or peer.assign.version != pinned:
+            return
+        if hb.version == pinned and hb.loading < 0:  # it loaded them, and the WeightsLoaded was lost
+            self.counters["weights_loaded taken from a heartbeat"] += 1
+            self.feed(ev.WeightsLoaded(worker_id=w, version=pinned))
+        elif pinned not in (hb.version, hb.loading) and peer.assign.seq <= hb.seen:
+            self.counters["assign sent again"] += 1
+            self.command(w, peer.assign)
 
     def on_samples(self, peer: Peer, msgs: tuple[m.SampleFinished, ...]) -> tuple[m.ResultAck, ...]:
         """Hand finished samples to the core as one event; the answer for each, in order."""
@@ -364,7 +465,7 @@ class BrokerActor:
             case ev.Lease():
                 log.debug("group_leased", group_id=a.group_id, attempt=a.attempt, worker=a.worker_id, version=a.version)
                 c = self.cfg.run
-                self.to_worker(
+                self.command(
                     a.worker_id,
                     m.Generate(
                         group_id=a.group_id,
@@ -382,9 +483,9 @@ class BrokerActor:
             case ev.Assign():
                 log.info("worker_assigned", worker=a.worker_id, version=a.version, interrupt=a.interrupt)
                 uri, sha = self.weights.get(a.version, (f"sim://v{a.version}", "0" * 64))
-                self.to_worker(a.worker_id, m.Assign(version=a.version, uri=uri, sha256=sha, interrupt=a.interrupt))
+                self.command(a.worker_id, m.Assign(version=a.version, uri=uri, sha256=sha, interrupt=a.interrupt))
             case ev.MigrateOut():
-                self.to_worker(
+                self.command(
                     a.worker_id,
                     m.MigrateOut(group_id=a.group_id, attempt=a.attempt, version=a.version, target=a.target),
                 )
@@ -400,7 +501,7 @@ class BrokerActor:
                     tokens_moved=sum(len(r.token_ids) for r in requests),
                 )
                 c = self.cfg.run
-                self.to_worker(
+                self.command(
                     a.worker_id,
                     m.MigrateIn(
                         group_id=a.group_id,
@@ -416,7 +517,7 @@ class BrokerActor:
                     ),
                 )
             case ev.Cancel():
-                self.to_worker(a.worker_id, m.Cancel(group_id=a.group_id, attempt=a.attempt))
+                self.command(a.worker_id, m.Cancel(group_id=a.group_id, attempt=a.attempt))
             case ev.DeliverBatch():
                 self.deliver(a)
             case ev.Retire():
@@ -489,10 +590,21 @@ class BrokerActor:
             self.learner = None
             self.feed(ev.LearnerLost(reason=reason))
 
-    def to_worker(self, worker: WorkerId, msg: Any) -> None:
+    def command(self, worker: WorkerId, msg: Any) -> None:
+        """Number a command to a worker and send it; remember what reconciliation may need again."""
         peer = self.peers.get(worker.encode())
-        if peer is not None:
-            self.send(peer, msg)
+        if peer is None:
+            return
+        peer.seq += 1
+        msg = dataclasses.replace(msg, seq=peer.seq)
+        match msg:
+            case m.Generate() | m.MigrateIn():
+                peer.lease_seq[(msg.group_id, msg.attempt)] = msg.seq
+            case m.Assign():
+                peer.assign = msg
+            case m.MigrateOut():
+                peer.migrate_out[(msg.group_id, msg.attempt)] = msg
+        self.send(peer, msg)
 
     def send(self, peer: Peer, msg: Any) -> None:
         peer.outbox.append([peer.identity, *codec.encode(msg)])
@@ -568,5 +680,6 @@ class BrokerActor:
             "decision_s": dict(self.decision_s),
             "lost_peers": list(self.lost),
             "malformed": dict(self.malformed),
+            "loop_lag_ms": lag_ms(self.lag_s),
             "uptime_s": elapsed,
         }

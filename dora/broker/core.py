@@ -23,6 +23,7 @@ from dora.broker.events import (
     DeliverBatch,
     Event,
     LearnerLost,
+    LeaseLost,
     LoadReported,
     MigrationExported,
     Outbox,
@@ -138,10 +139,19 @@ class Core:
                     return False
                 self._lose(w, out)
                 return self.cfg.mode is Mode.DORA
+            case LeaseLost(worker_id=w, group_id=g, attempt=a):
+                found = sched.check_result(w, g, a)
+                if isinstance(found, str):  # re-leased or finished meanwhile: nothing is owed to this lease
+                    out.emit(Refused(reason=f"lease_lost_{found}", worker_id=w, group_id=g, attempt=a))
+                    return False
+                sched.requeue(found, out, notify=False)  # whole, like a lost worker's (C2)
+                return False
             case WeightsLoaded(worker_id=w, version=v):
                 worker = sched.workers.get(w)
                 if worker is None or self.ledger.version_of(w) != v:
                     out.emit(Refused(reason="stale_load", worker_id=w))
+                    return False
+                if worker.ready:  # a repeat: the report came twice
                     return False
                 worker.ready = True
                 self.ledger.mark_loaded(v)

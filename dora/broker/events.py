@@ -33,6 +33,16 @@ class WorkerLost:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class LeaseLost:
+    """The worker saw the command that gave it this lease's work (a Generate or MigrateIn) go by without
+    it arriving, or it handed the work on and its answer was lost: it does not hold the group."""
+
+    worker_id: WorkerId
+    group_id: GroupId
+    attempt: AttemptId
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class WeightsLoaded:
     worker_id: WorkerId
     version: int
@@ -101,6 +111,7 @@ class LearnerLost:
 Event = (
     WorkerJoined
     | WorkerLost
+    | LeaseLost
     | WeightsLoaded
     | SampleFinished
     | SamplesFinished

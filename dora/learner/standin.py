@@ -102,6 +102,9 @@ class StandInLearner:
         """The newest version the broker has acknowledged (recorded in its journal)."""
         self.unacked: tuple[int, m.TrainBatch, dict[str, Any]] | None = None
         """The step published and not yet acknowledged: (version, batch, facts)."""
+        self.awaiting: tuple[float, Any] | None = None
+        """The request whose answer is awaited (Hello, RequestBatch or WeightsPublished) and when it was sent:
+        sent again every two heartbeat intervals until answered, since either message may be lost."""
 
     async def _beat(self, sock: zmq.asyncio.Socket, msg: Any = None) -> None:
         """A heartbeat (or a hello), skipped if it cannot leave now: with no connection up (a broker gone, a
@@ -117,6 +120,11 @@ class StandInLearner:
             return self.discover()
         except ConfigError:  # the discovery file is being replaced by a starting broker: try again later
             return self.endpoint
+
+    async def _request(self, sock: zmq.asyncio.Socket, msg: Any) -> None:
+        """Send a request that expects an answer, and keep it for sending again."""
+        self.awaiting = (self.clock(), msg)
+        await self._beat(sock, msg)
 
     def _hello(self) -> m.Hello:
         return m.Hello(
@@ -142,7 +150,7 @@ class StandInLearner:
         try:
             try:  # a send waits until a connection is up, which a refused CURVE handshake never lets happen
                 async with asyncio.timeout(self.cfg.security.auth_timeout_s):
-                    await self._beat(sock, self._hello())
+                    await self._request(sock, self._hello())
             except TimeoutError:
                 log.error("broker_never_answered", endpoint=self.endpoint, hint=HINT if keys else "")
                 return 1
@@ -160,13 +168,13 @@ class StandInLearner:
                         sock.connect(endpoint)
                     log.warning("broker_silent", endpoint=endpoint, version=self.version, committed=self.committed)
                     self.endpoint, joining = endpoint, True
-                    await self._beat(sock, self._hello())
+                    await self._request(sock, self._hello())
                 if await sock.poll(max(1, int(1000 * (next_beat - self.clock()))), zmq.POLLIN):
                     msg = codec.decode(await sock.recv_multipart(copy=False))
                     heard = self.clock()
                     match msg:
-                        case m.Welcome():  # a learner joining a run in progress picks it up at the newest version
-                            joining, welcomed = False, True
+                        case m.Welcome() if joining:  # joining a run in progress: pick it up at the newest version
+                            joining, welcomed, self.awaiting = False, True, None
                             if not await self.catch_up(sock, msg.newest_version, stop):
                                 return 1
                             log.info("registered", broker_epoch=msg.broker_epoch, version=self.version)
@@ -176,6 +184,7 @@ class StandInLearner:
                             if msg.step < self.version:  # a copy of a batch already trained (re-sent on a rejoin)
                                 log.warning("stale_batch_ignored", step=msg.step, version=self.version)
                                 continue
+                            self.awaiting = None
                             await self.train(sock, msg, stop)
                             heard = self.clock()  # what came meanwhile is still queued: read it before judging
                         case m.PublishAck() if self.unacked is not None and msg.version == self.version:
@@ -183,6 +192,8 @@ class StandInLearner:
                             if await self.after_commit(sock, stop):
                                 return 0
                         case m.Goodbye():
+                            if self.unacked is not None and self.unacked[0] == self.cfg.core.total_steps:
+                                await self.commit(sock, stop)  # the run ends only once the last publish is in
                             return 0
                         case m.Reject():
                             log.error("learner_turned_away", reason=msg.reason)
@@ -190,12 +201,14 @@ class StandInLearner:
                         case m.Disconnect() if not joining:  # e.g. a restarted broker that does not know us yet
                             log.warning("rejoining", reason=msg.reason, version=self.version, committed=self.committed)
                             joining = True
-                            await self._beat(sock, self._hello())
+                            await self._request(sock, self._hello())
                         case _:  # heartbeats, and anything that came for a step or a session already left
                             pass
                 if self.clock() >= next_beat:
                     next_beat = self.clock() + b.heartbeat_interval_s
                     await self._beat(sock)
+                    if self.awaiting is not None and self.clock() - self.awaiting[0] >= 2 * b.heartbeat_interval_s:
+                        await self._request(sock, self.awaiting[1])  # no answer yet: the request or it was lost
             # stopped (SIGTERM): tell the broker now, so it holds the batch for the next learner at once
             await sock.send_multipart(codec.encode(m.Goodbye(reason="stopping")))
             await asyncio.sleep(0.05)
@@ -215,7 +228,7 @@ class StandInLearner:
             await sock.send_multipart(codec.encode(m.Goodbye(reason="done")))
             await asyncio.sleep(0.05)
             return True
-        await sock.send_multipart(codec.encode(m.RequestBatch(step=self.version)))
+        await self._request(sock, m.RequestBatch(step=self.version))
         return False
 
     async def catch_up(self, sock: zmq.asyncio.Socket, newest: int, stop: asyncio.Event) -> bool:
@@ -303,10 +316,8 @@ class StandInLearner:
         metrics.setdefault("tokens", float(facts["tokens"]))
         metrics["learner_step_s"] = self.clock() - started
         self.unacked = (self.version, batch, facts)
-        await sock.send_multipart(
-            codec.encode(
-                m.WeightsPublished(version=self.version, uri=uri, sha256=sha, publish_s=publish_s, metrics=metrics)
-            )
+        await self._request(
+            sock, m.WeightsPublished(version=self.version, uri=uri, sha256=sha, publish_s=publish_s, metrics=metrics)
         )
 
     async def commit(self, sock: zmq.asyncio.Socket, stop: asyncio.Event) -> None:

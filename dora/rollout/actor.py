@@ -6,6 +6,12 @@ history, reward and finish reason. Heartbeats carry a progress counter (tokens g
 broker can tell a hung engine from a busy one. If the broker goes silent, refuses it, or says
 Disconnect, the worker drops its work (those leases are void) and says hello again on a new socket
 with a new identity, backing off 1 -> 32 s.
+
+Lossy links: the broker numbers its commands; a command numbered at or below the highest seen is a
+copy or arrived late, and is dropped unapplied (the broker's reconciliation treats it as lost). The
+worker keeps every lease until all its results are acknowledged, sends unacknowledged results again
+every two heartbeat intervals, and says in each heartbeat the highest number seen, the leases it
+holds and its version, so the broker can mend whatever a lost message left behind.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import structlog
 import zmq
 import zmq.asyncio
@@ -64,6 +71,18 @@ class RolloutActor:
         self.keys = Keys.load(cfg.security.keys) if cfg.security.keys else None
         self.welcomed = False
         self.session_welcomed = False
+        self.resend_s = 2 * cfg.broker.heartbeat_interval_s
+        self.version = -1
+        """The version whose weights the engine holds (-1: none yet)."""
+        self.seen = 0
+        """The highest command number received from the broker this session."""
+        self.leases: dict[tuple[int, int], int] = {}
+        """(group, attempt) -> samples of that lease not yet acknowledged by the broker."""
+        self.unacked: dict[tuple[int, int, int], tuple[m.SampleFinished, float]] = {}
+        """Results sent and not acknowledged, with when they were last sent."""
+        self.dropped_commands = 0
+        self.behind: tuple[int, float] | None = None
+        """(the broker's last command number, when first heard) while that command has not arrived."""
 
     async def run(self, stop: asyncio.Event) -> int:
         backoff = 1.0
@@ -81,6 +100,8 @@ class RolloutActor:
                 log.warning("reconnecting", reason=str(e), backoff_s=backoff)
                 self.engine.clear()
                 self.loading = None
+                self.leases.clear()
+                self.unacked.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), timeout=backoff)
                 backoff = min(backoff * 2, self.cfg.rollout.reconnect_max_s)
@@ -92,6 +113,8 @@ class RolloutActor:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IMMEDIATE, 1)
         self.session_welcomed = False
+        self.seen = 0
+        self.behind = None
         if self.keys is not None:
             self.keys.connect_as(sock, "rollout")
         try:  # a discovery file is read again on every session: a restarted broker may listen elsewhere
@@ -141,6 +164,7 @@ class RolloutActor:
                     self.loading = None
                     try:
                         self.engine.loaded(version, uri, sha)
+                        self.version = version
                         log.info("weights_loaded", version=version, uri=uri)
                     except EngineError as e:  # bad weights: stay on the old version, let the broker re-plan
                         log.error("weights_refused", version=version, error=str(e))
@@ -150,8 +174,9 @@ class RolloutActor:
                 self.report_finished()
                 if now >= next_beat:
                     next_beat = now + self.interval
-                    running, kv = self.engine.load()
-                    self.send(m.Heartbeat(tokens_generated=self.engine.tokens_generated, running=running, kv_use=kv))
+                    self.give_up_on_missing_commands(now)
+                    self.resend_unacked(now)
+                    self.send(self.heartbeat())
             if not self.finished:
                 self.send(m.Goodbye(reason="stopping"))
                 await asyncio.sleep(0.05)
@@ -166,11 +191,22 @@ class RolloutActor:
             log.warning("bad_frame_from_broker", error=str(e)[:200])
             return
         now = self.clock()
+        seq = getattr(msg, "seq", 0)
+        if seq:
+            if seq <= self.seen:  # a copy, or overtaken by a later command: as good as lost
+                self.dropped_commands += 1
+                log.debug("command_out_of_order", kind=type(msg).__name__, seq=seq, seen=self.seen)
+                return
+            self.seen = seq
         match msg:
             case m.Welcome():
                 self.welcomed = self.session_welcomed = True
                 self.epoch = msg.broker_epoch
                 log.info("registered", broker_epoch=msg.broker_epoch, newest_version=msg.newest_version)
+            case m.Assign() if self.loading is not None and self.loading[0] == msg.version:
+                pass  # a repeat while loading it
+            case m.Assign() if msg.version == self.version and self.loading is None and not msg.interrupt:
+                self.send(m.WeightsLoaded(version=msg.version, load_s=0.0))  # a repeat: its answer was lost
             case m.Assign():
                 if self.engine.busy() and not msg.interrupt:
                     log.error("assign_refused_requests_running", version=msg.version)
@@ -178,16 +214,27 @@ class RolloutActor:
                 self.engine.advance(now)
                 self.loading = (msg.version, now + self.engine.load_seconds(), msg.uri, msg.sha256)
                 structlog.contextvars.bind_contextvars(version=msg.version)
+            case m.Generate() | m.MigrateIn() if not self.takes(msg):
+                pass
             case m.Generate():
+                self.epoch = msg.broker_epoch  # the lease's epoch (a lost Welcome does not leave results untagged)
+                self.leases[(msg.group_id, msg.attempt)] = msg.n_samples
                 self.engine.submit(msg, now)
-            case m.MigrateOut():
+            case m.MigrateIn():
+                self.leases[(msg.group_id, msg.attempt)] = len(msg.requests)
+                self.engine.import_(msg, now)
+            case m.MigrateOut() if (msg.group_id, msg.attempt) in self.leases:
                 requests = self.engine.export(msg.group_id, msg.attempt, now)
                 self.report_finished()  # samples that finished before the export are reported first
+                self.settle((msg.group_id, msg.attempt), len(requests))
                 self.send(m.MigrationExported(group_id=msg.group_id, attempt=msg.attempt, requests=tuple(requests)))
-            case m.MigrateIn():
-                self.engine.import_(msg, now)
+            case m.MigrateOut():
+                pass  # not held (its lease was lost): the broker learns that from the next heartbeat
             case m.Cancel():
                 self.engine.cancel(msg.group_id, msg.attempt, now)
+                self.leases.pop((msg.group_id, msg.attempt), None)
+                for key in [k for k in self.unacked if k[:2] == (msg.group_id, msg.attempt)]:
+                    del self.unacked[key]
             case m.Reject():
                 log.error("rejected_by_broker", reason=msg.reason)
                 raise Reconnect(f"rejected: {msg.reason}")
@@ -196,14 +243,74 @@ class RolloutActor:
             case m.Goodbye():
                 log.info("broker_finished", reason=msg.reason)
                 self.finished = True
-            case m.ResultAck() | m.ResultAcks() | m.RetireVersion() | m.Heartbeat():
+            case m.ResultAck():
+                self.acked(msg)
+            case m.ResultAcks():
+                for ack in msg.acks:
+                    self.acked(ack)
+            case m.Heartbeat() if msg.seen > self.seen and self.behind is None:
+                self.behind = (msg.seen, now)
+            case m.RetireVersion() | m.Heartbeat():
                 pass
             case _:
                 log.warning("unexpected_message", kind=type(msg).__name__)
 
+    def takes(self, msg: m.Generate | m.MigrateIn) -> bool:
+        """Whether to run a lease's work: never on weights other than its version's (C1), never twice."""
+        if msg.version != self.version:
+            log.warning("lease_for_another_version", group_id=msg.group_id, version=msg.version, serving=self.version)
+            return False
+        return (msg.group_id, msg.attempt) not in self.leases
+
+    def give_up_on_missing_commands(self, now: float) -> None:
+        """The broker sent commands that have not come within ``resend_s``: count them as lost, so the next
+        heartbeat says so and the broker mends what they carried (a late copy is then dropped unapplied)."""
+        if self.behind is None:
+            return
+        last, since = self.behind
+        if self.seen >= last:
+            self.behind = None
+        elif now - since >= self.resend_s:
+            log.warning("commands_lost", seen=self.seen, broker_sent=last)
+            self.seen, self.behind = last, None
+
+    def settle(self, lease: tuple[int, int], n: int) -> None:
+        """``n`` samples of a lease are off this worker's hands; the lease ends with its last one."""
+        if lease in self.leases:
+            self.leases[lease] -= n
+            if self.leases[lease] <= 0:
+                del self.leases[lease]
+
+    def acked(self, ack: m.ResultAck) -> None:
+        if self.unacked.pop((ack.group_id, ack.attempt, ack.index), None) is not None:
+            self.settle((ack.group_id, ack.attempt), 1)
+
+    def heartbeat(self) -> m.Heartbeat:
+        running, kv = self.engine.load()
+        return m.Heartbeat(
+            tokens_generated=self.engine.tokens_generated, running=running, kv_use=kv, seen=self.seen,
+            holding=np.array(sorted(self.leases), dtype=np.int64).reshape(-1, 2), version=self.version,
+            loading=self.loading[0] if self.loading is not None else -1,
+        )  # fmt: skip
+
     def report_finished(self) -> None:
         """Stream what finished since the last report: one message, however many samples."""
-        results = [self.engine.result(r, self.epoch) for r in self.engine.take_finished()]
+        now = self.clock()
+        results = []
+        for r in self.engine.take_finished():
+            result = self.engine.result(r, self.epoch)
+            self.unacked[(result.group_id, result.attempt, result.index)] = (result, now)
+            results.append(result)
+        self.send_results(results)
+
+    def resend_unacked(self, now: float) -> None:
+        """Results whose acknowledgement has not come within ``resend_s``: one of the two was lost."""
+        due = [key for key, (_, at) in self.unacked.items() if now - at >= self.resend_s][:256]
+        for key in due:
+            self.unacked[key] = (self.unacked[key][0], now)
+        self.send_results([self.unacked[key][0] for key in due])
+
+    def send_results(self, results: list[m.SampleFinished]) -> None:
         if len(results) == 1:
             self.send(results[0])
         elif results:

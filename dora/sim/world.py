@@ -24,6 +24,7 @@ from dora.broker.events import (
     DeliverBatch,
     LearnerLost,
     Lease,
+    LeaseLost,
     MigrateIn,
     MigrateOut,
     MigrationExported,
@@ -36,7 +37,7 @@ from dora.broker.events import (
     WorkerJoined,
     WorkerLost,
 )
-from dora.ids import GroupId, WorkerId
+from dora.ids import AttemptId, GroupId, WorkerId
 from dora.sim.engine import Engine, Request
 from dora.sim.workload import Workload
 
@@ -230,6 +231,14 @@ class World:
         w.engine.clear()
         w.exporting.clear()
         return WorkerLost(worker_id=worker, reason="killed")
+
+    def lose_lease(self, worker: WorkerId, group: GroupId, attempt: AttemptId) -> LeaseLost:
+        """The lease's command never reached the worker (or its export's answer was lost): it holds nothing of it."""
+        w = self.workers[worker]
+        w.engine.remove(group, attempt)
+        if w.exporting.get(group, (None,))[0] == attempt:
+            del w.exporting[group]
+        return LeaseLost(worker_id=worker, group_id=group, attempt=attempt)
 
     def finish_load(self, worker: WorkerId) -> WeightsLoaded:
         w = self.workers[worker]

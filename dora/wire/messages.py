@@ -20,8 +20,10 @@ import numpy as np
 
 from dora.ids import AttemptId, Finish, GroupId, WorkerId
 
-WIRE_VERSION = 2
-"""2: PublishAck (the broker acknowledges a publish once it is journalled; the learner waits for it)."""
+WIRE_VERSION = 3
+"""2: PublishAck (the broker acknowledges a publish once it is journalled; the learner waits for it).
+3: lease reconciliation: the broker numbers its commands to a worker (``seq``); a worker applies them in
+order or not at all and its heartbeats say the highest number seen, the leases it holds and its version."""
 
 Array = np.ndarray
 """Sent out of band as a raw frame; received as a read-only view on the frame's memory."""
@@ -90,12 +92,29 @@ class Heartbeat:
     """Monotonic progress counter; heartbeats without progress while work is held mean a stall."""
     running: int = 0
     kv_use: float = 0.0
+    seen: int = 0
+    """Rollout: the highest command ``seq`` received from the broker this session (0: none yet). Broker (its
+    answer to a rollout heartbeat): the ``seq`` of the last command it sent, so a lost last command shows."""
+    holding: Array | None = None
+    """Rollout: int64 (n, 2) rows (group_id, attempt) of every lease it holds: samples running, or results
+    sent and not yet acknowledged. A command it saw whose lease is not here was lost on the way."""
+    version: int = -1
+    """Rollout: the version whose weights are loaded (-1: none)."""
+    loading: int = -1
+    """Rollout: the version being loaded now (-1: none)."""
 
     def __post_init__(self) -> None:
         _non_negative("tokens_generated", self.tokens_generated)
         _non_negative("running", self.running)
+        _non_negative("seen", self.seen)
         if not 0.0 <= self.kv_use <= 1.0:
             raise ValueError(f"kv_use must be in [0, 1], got {self.kv_use}")
+        if self.holding is not None and (self.holding.ndim != 2 or self.holding.shape[1:] != (2,)):
+            raise ValueError(f"holding must have shape (n, 2), got {self.holding.shape}")
+
+    def held(self) -> set[tuple[int, int]]:
+        """The (group_id, attempt) leases reported held."""
+        return set() if self.holding is None else {(int(g), int(a)) for g, a in self.holding.tolist()}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -130,6 +149,8 @@ class Generate:
     top_p: float = 1.0
     seed: int = 0
     broker_epoch: int = 0
+    seq: int = 0
+    """The broker's number for this command to this worker (1, 2, ... per session; 0: unnumbered)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -195,6 +216,7 @@ class Assign:
     uri: str
     sha256: str
     interrupt: bool = False
+    seq: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -223,6 +245,7 @@ class MigrateOut:
     attempt: AttemptId
     version: int
     target: WorkerId
+    seq: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -246,6 +269,7 @@ class MigrateIn:
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int = 0
+    seq: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -253,6 +277,7 @@ class Cancel:
     KIND: ClassVar[str] = "cancel"
     group_id: GroupId
     attempt: AttemptId
+    seq: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

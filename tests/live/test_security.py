@@ -71,3 +71,57 @@ def test_a_key_may_only_act_as_its_role(tmp_path):
         assert c.wait("learner", 30) == 1
         [turned] = c.events("learner", "learner_turned_away")
         assert "may connect as rollout, not as learner" in turned["reason"]
+
+
+def test_plaintext_and_unknown_key_clients_get_nothing_through_and_their_handshakes_are_counted(tmp_path):
+    """T14: 500 frames from a plaintext client and 500 from a client whose key is not on the allow-list:
+    none reaches the broker (no peer, no bad frame counted), and the refused handshakes are counted."""
+    import zmq
+
+    from dora.security import Keys
+    from dora.wire import codec
+    from dora.wire import messages as m
+
+    k = keys(tmp_path / "k")
+    stranger = keys(tmp_path / "stranger")
+    shutil.copy(tmp_path / "k" / "broker.key", tmp_path / "stranger" / "broker.key")
+    with cluster(tmp_path, {"security": {"keys": k}}) as c:
+        c.start_broker()
+        ctx = zmq.Context()
+        try:
+            plain = ctx.socket(zmq.DEALER)
+            unknown = ctx.socket(zmq.DEALER)
+            Keys.load(stranger).connect_as(unknown, "learner")
+            hello = codec.encode(m.Hello(wire_version=m.WIRE_VERSION, role=m.Role.LEARNER, peer_id="intruder",
+                                         pid=1, host="elsewhere"))  # fmt: skip
+            for sock in (plain, unknown):
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.SNDHWM, 1000)
+                sock.connect(c.endpoint)
+                sent = 0
+                for _ in range(500):
+                    try:
+                        sock.send_multipart(hello if sent % 2 == 0 else [b"\xc1"], flags=zmq.NOBLOCK)
+                    except zmq.Again:  # never connected: the frames wait for a handshake that never succeeds
+                        pass
+                    sent += 1
+            snap = wait_for_failures(c.endpoint, k)
+        finally:
+            ctx.destroy(linger=0)
+        failed = {key: n for key, n in snap["counters"].items() if key.startswith("handshake failed")}
+        assert sum(failed.values()) >= 2, snap["counters"]  # both clients, at least once each
+        assert not snap["malformed"] and not snap["workers"] and not c.events("broker", "peer_joined")
+        print(f"T14: 0 of 1,000 frames delivered; refused handshakes counted {failed}")
+
+
+def wait_for_failures(endpoint: str, k: str) -> dict:
+    import time
+
+    deadline = time.monotonic() + 10
+    while True:
+        snap = fetch(endpoint, keys_dir=k)
+        if sum(n for key, n in snap["counters"].items() if key.startswith("handshake failed")) >= 2:
+            return snap
+        if time.monotonic() > deadline:
+            return snap
+        time.sleep(0.2)

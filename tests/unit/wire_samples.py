@@ -48,7 +48,15 @@ def canonical() -> dict[str, Any]:
         ),
         m.Reject(reason="wire version mismatch", wire_version=m.WIRE_VERSION),
         m.Welcome(broker_epoch=77, heartbeat_interval_s=0.5, liveness=4, newest_version=3),
-        m.Heartbeat(tokens_generated=1000, running=3, kv_use=0.25),
+        m.Heartbeat(
+            tokens_generated=1000,
+            running=3,
+            kv_use=0.25,
+            seen=9,
+            holding=np.array([[12, 5], [13, 6]], dtype=np.int64),
+            version=3,
+            loading=4,
+        ),
         m.Goodbye(reason="sigterm"),
         m.Disconnect(reason="expired"),
         m.Generate(
@@ -62,6 +70,7 @@ def canonical() -> dict[str, Any]:
             top_p=0.9,
             seed=123,
             broker_epoch=77,
+            seq=3,
         ),
         m.SampleFinished(
             group_id=12,
@@ -108,9 +117,9 @@ def canonical() -> dict[str, Any]:
                 m.ResultAck(group_id=13, attempt=6, index=1, accepted=False, reason="stale_attempt"),
             )
         ),
-        m.Assign(version=4, uri="file:///weights/v4", sha256="ab" * 32, interrupt=False),
+        m.Assign(version=4, uri="file:///weights/v4", sha256="ab" * 32, interrupt=False, seq=2),
         m.WeightsLoaded(version=4, load_s=0.125),
-        m.MigrateOut(group_id=12, attempt=5, version=3, target="rollout-1"),
+        m.MigrateOut(group_id=12, attempt=5, version=3, target="rollout-1", seq=4),
         m.MigrationExported(group_id=12, attempt=5, requests=(req,)),
         m.MigrateIn(
             group_id=12,
@@ -123,8 +132,9 @@ def canonical() -> dict[str, Any]:
             temperature=0.7,
             top_p=0.9,
             seed=123,
+            seq=5,
         ),
-        m.Cancel(group_id=12, attempt=5),
+        m.Cancel(group_id=12, attempt=5, seq=6),
         m.RetireVersion(version=1),
         m.RequestBatch(step=3),
         m.TrainBatch(step=3, groups=(m.TrainGroup(group_id=12, version=3, prompt_ids=i32(1, 2), samples=(sample,)),)),
@@ -217,7 +227,13 @@ def for_message(cls: type) -> st.SearchStrategy[Any]:
             lambda t: cls(**{**t[0], "token_ids": t[1][0], "logprobs": t[1][1]})
         )
     if cls is m.Heartbeat:
-        fields.update(tokens_generated=st.integers(0, 2**40), running=st.integers(0, 4096), kv_use=st.floats(0, 1))
+        fields.update(
+            tokens_generated=st.integers(0, 2**40),
+            running=st.integers(0, 4096),
+            kv_use=st.floats(0, 1),
+            seen=st.integers(0, 2**40),
+            holding=st.none() | _array("<i8", st.integers(0, 4).map(lambda k: (k, 2))),
+        )
     return st.fixed_dictionaries(fields).map(lambda kw: cls(**kw))
 
 

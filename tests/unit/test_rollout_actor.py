@@ -1,0 +1,91 @@
+"""The rollout worker against a fake broker (a raw ROUTER) on a lossy link: commands apply in order or
+not at all, heartbeats report what it saw and holds, results come again until acknowledged, a
+repeated Assign is answered again, and commands that never come are counted lost after a while."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import numpy as np
+import pytest
+import zmq.asyncio
+
+from dora.config import load
+from dora.rollout.actor import RolloutActor
+from dora.rollout.main import make_engine
+from dora.runconfig import RunConfig
+from dora.wire import messages as m
+from tests.unit.test_learner_actor import FakeBroker
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def generate(group: int, attempt: int, seq: int) -> m.Generate:
+    return m.Generate(group_id=group, attempt=attempt, version=0, prompt_ids=np.arange(4, dtype=np.int32),
+                      n_samples=2, max_tokens=64, broker_epoch=1, seq=seq)  # fmt: skip
+
+
+async def beat_until(broker: FakeBroker, pred) -> m.Heartbeat:
+    while True:
+        hb = await broker.expect(m.Heartbeat)
+        if pred(hb):
+            return hb
+
+
+async def test_commands_in_order_or_not_at_all_and_results_until_acknowledged():
+    endpoint = f"inproc://broker-{uuid.uuid4().hex}"
+    cfg = load(RunConfig, overrides=["broker.heartbeat_interval_s=0.05", "broker.liveness=100",
+                                     "run.time_scale=0.0001", "engine.load_s=0"])  # fmt: skip
+    ctx = zmq.asyncio.Context()
+    broker = FakeBroker(ctx, endpoint)
+    loop = asyncio.get_running_loop()
+    worker = RolloutActor(cfg, ctx, endpoint, "w", make_engine(cfg, "sim", loop.time()), clock=loop.time)
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    try:
+        await broker.expect(m.Hello)
+        await broker.welcome(newest=0)
+        await broker.send(m.Assign(version=0, uri="sim://v0", sha256="0" * 64, seq=1))
+        await broker.expect(m.WeightsLoaded)
+        await broker.send(generate(5, 2, seq=3))
+        await broker.send(generate(6, 3, seq=2))  # overtaken by seq 3: as good as lost, never run
+        hb = await beat_until(broker, lambda hb: hb.seen == 3)
+        assert hb.held() <= {(5, 2)} and hb.version == 0 and hb.loading == -1
+        assert worker.dropped_commands == 1
+
+        first = await broker.expect(m.SampleFinished | m.SamplesFinished)
+        results = first.samples if isinstance(first, m.SamplesFinished) else (first,)
+        assert {(r.group_id, r.attempt) for r in results} == {(5, 2)}
+        # no acknowledgement: the results are sent again, and the lease is still reported held
+        hb = await beat_until(broker, lambda hb: True)
+        assert (5, 2) in hb.held()
+        again: set[int] = set()
+        while len(again) < 2:
+            msg = await broker.expect(m.SampleFinished | m.SamplesFinished)
+            again |= {r.index for r in (msg.samples if isinstance(msg, m.SamplesFinished) else (msg,))}
+        acks = tuple(m.ResultAck(group_id=5, attempt=2, index=i, accepted=True) for i in (0, 1))
+        await broker.send(m.ResultAcks(acks=acks))
+        hb = await beat_until(broker, lambda hb: not hb.held())  # acknowledged: the lease is over
+        assert hb.seen == 3
+
+        await broker.send(m.Assign(version=0, uri="sim://v0", sha256="0" * 64, seq=4))  # its answer was lost
+        assert (await broker.expect(m.WeightsLoaded)).version == 0
+        await broker.send(m.Generate(group_id=7, attempt=4, version=1, prompt_ids=np.arange(4, dtype=np.int32),
+                                     n_samples=2, max_tokens=64, broker_epoch=1, seq=5))  # fmt: skip
+        hb = await beat_until(broker, lambda hb: hb.seen == 5)
+        assert not hb.held(), "a lease for a version it does not serve must not run (C1)"
+
+        # the broker's heartbeat says it sent up to 9: commands 6-9 never come, and after two heartbeat
+        # intervals the worker counts them as lost, so its heartbeats let the broker mend them
+        await broker.send(m.Heartbeat(seen=9))
+        started = loop.time()
+        hb = await beat_until(broker, lambda hb: hb.seen == 9)
+        assert loop.time() - started >= worker.resend_s
+        await broker.send(generate(8, 9, seq=8))  # a late copy of one of them: dropped unapplied
+        hb = await beat_until(broker, lambda hb: True)
+        assert not hb.held() and worker.dropped_commands == 2
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+        ctx.destroy(linger=0)
