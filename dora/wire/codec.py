@@ -31,6 +31,11 @@ from dora.wire.messages import MESSAGES, WIRE_VERSION
 MAGIC = b"dora"
 ARRAY_EXT = 1
 MAX_ARRAY_DIMS = 8
+MAX_ARRAY_FRAMES = 1 << 17
+"""Arrays in one message (a train batch of 8,192 samples carries about 25,000)."""
+MAX_BODY_BYTES = 32 << 20
+"""The msgpack map of fields; arrays travel beside it. The socket's MAXMSGSIZE caps the whole message."""
+MAX_STR_BYTES = 1 << 20
 DTYPES = frozenset({"|b1", "|u1", "|i1", "<i2", "<u2", "<i4", "<u4", "<i8", "<u8", "<f2", "<f4", "<f8"})
 KINDS: dict[str, type] = {cls.KIND: cls for cls in MESSAGES}
 _DTYPE_OBJECTS = {d: np.dtype(d) for d in DTYPES}
@@ -237,8 +242,8 @@ def decode(frames: Sequence[Buffer]) -> Any:
 
 
 def _decode(frames: Sequence[Buffer]) -> Any:
-    if len(frames) < 4:
-        raise DecodeError(f"{len(frames)} frames, a message has at least 4")
+    if not 4 <= len(frames) <= 4 + MAX_ARRAY_FRAMES:
+        raise DecodeError(f"{len(frames)} frames, a message has 4 to {4 + MAX_ARRAY_FRAMES}")
     if bytes(frames[0]) != MAGIC:
         raise DecodeError("not a dora message (bad magic frame)")
     version_frame = bytes(frames[1])
@@ -251,7 +256,10 @@ def _decode(frames: Sequence[Buffer]) -> Any:
     cls = KINDS.get(kind)
     if cls is None:
         raise DecodeError(f"unknown message kind {kind!r}")
-    body = msgpack.unpackb(bytes(frames[3]), raw=False, strict_map_key=True, ext_hook=_ext_hook)
+    if memoryview(frames[3]).nbytes > MAX_BODY_BYTES:
+        raise DecodeError(f"a body of {memoryview(frames[3]).nbytes} bytes, more than {MAX_BODY_BYTES}")
+    body = msgpack.unpackb(bytes(frames[3]), raw=False, strict_map_key=True, ext_hook=_ext_hook,
+                           max_str_len=MAX_STR_BYTES, max_bin_len=MAX_STR_BYTES)  # fmt: skip
     blobs = [memoryview(f) for f in frames[4:]]
     used: set[int] = set()
     msg = _dec_struct(body, cls, cls.KIND, blobs, used)

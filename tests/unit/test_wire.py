@@ -231,3 +231,20 @@ def write_golden() -> None:
 if __name__ == "__main__":  # python -m tests.unit.test_wire --write-golden (only when the format changes on purpose)
     if sys.argv[1:] == ["--write-golden"]:
         write_golden()
+
+
+@pytest.mark.parametrize(
+    ("frames", "fragment"),
+    [
+        ([codec.MAGIC, struct.pack(">H", m.WIRE_VERSION), b"goodbye", msgpack.packb({"reason": "x"}),
+          *[b""] * (codec.MAX_ARRAY_FRAMES + 1)], "frames"),
+        ([codec.MAGIC, struct.pack(">H", m.WIRE_VERSION), b"goodbye", b"\x90" * (codec.MAX_BODY_BYTES + 1)], "body"),
+        ([codec.MAGIC, struct.pack(">H", m.WIRE_VERSION), b"goodbye",
+          msgpack.packb({"reason": "x" * (codec.MAX_STR_BYTES + 1)})], "max_str_len"),
+        ([codec.MAGIC, struct.pack(">H", m.WIRE_VERSION), b"goodbye", b"\x81\xa6reason\xdd\xff\xff\xff\xff"], ""),
+    ],
+    ids=["too-many-frames", "huge-body", "huge-string", "length-bomb"],
+)  # fmt: skip
+def test_size_caps_refuse_oversized_input_before_any_big_allocation(frames, fragment):
+    with pytest.raises(codec.DecodeError, match=fragment):
+        codec.decode(frames)
