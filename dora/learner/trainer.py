@@ -52,7 +52,10 @@ class TorchTrainer:
 
         torch.manual_seed(cfg.seed)
         self.device = torch.device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(self.device)
+        self.model_dir = str(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).to(self.device)
+        self.trained_steps = 0
+        """Steps taken since the weights were last loaded (from the model folder or a checkpoint)."""
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         self.bf16 = cfg.dtype == "bfloat16"
         if self.world > 1:
@@ -101,6 +104,7 @@ class TorchTrainer:
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         self.opt.step()
+        self.trained_steps += 1
         if self.world > 1:  # metrics of the whole batch, from every rank's share
             import torch.distributed as dist
 
@@ -161,11 +165,23 @@ class TorchTrainer:
         return time.perf_counter() - started
 
     def restore(self) -> dict[str, Any] | None:
-        """Load the newest checkpoint, if there is one (every rank reads it); its meta, else None."""
+        """Load the newest checkpoint, if there is one (every rank reads it); its meta, else None. With none,
+        steps taken are undone by going back to the model folder's weights and a fresh optimizer."""
         from dora.learner import checkpoint
 
         found = checkpoint.checkpoints(self.cfg.checkpoint_dir) if self.cfg.checkpoint_dir else []
-        return checkpoint.load(self.model, self.opt, found[-1]) if found else None
+        if found:
+            self.trained_steps = 0
+            return checkpoint.load(self.model, self.opt, found[-1])
+        if self.trained_steps:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+            from transformers import AutoModelForCausalLM
+
+            initial = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).state_dict()
+            set_model_state_dict(self.model, initial, options=StateDictOptions(full_state_dict=True))
+            self.opt.state.clear()
+            self.trained_steps = 0
+        return None
 
     def adopt(self, version: int) -> None:
         """Take a published version's weights from the store (the optimizer state stays as it is)."""

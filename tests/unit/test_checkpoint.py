@@ -36,3 +36,14 @@ def test_only_the_newest_checkpoints_are_kept_and_partial_ones_are_ignored(tiny_
         checkpoint.save(t.model, t.opt, tmp_path / "ckpt", version=v, trained_groups=[], keep=2)
     (tmp_path / "ckpt" / "ckpt-v9").mkdir()  # a crash before meta.json: not a checkpoint
     assert [p.name for p in checkpoint.checkpoints(tmp_path / "ckpt")] == ["ckpt-v2", "ckpt-v3"]
+
+
+def test_without_a_checkpoint_an_undone_step_goes_back_to_the_model_folders_weights(tiny_model, tmp_path):
+    trainer = TorchTrainer(tiny_model, WeightStore(tmp_path / "store"), LossConfig(), TrainerConfig(lr=1e-2))
+    initial = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    assert trainer.restore() is None  # nothing trained yet: nothing to undo
+    trainer.train(batch())
+    assert any(not torch.equal(initial[k], v) for k, v in trainer.model.state_dict().items())
+    assert trainer.restore() is None
+    assert all(torch.equal(initial[k], v) for k, v in trainer.model.state_dict().items())
+    assert not trainer.opt.state  # the undone step's moments are gone too
