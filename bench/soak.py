@@ -166,7 +166,8 @@ def report(run, rundir, brokers, kills, restarts, rss, codes, args, open_fds, la
     false_deaths = len(dead) - sum(1 for n, _ in kills if n.startswith("w"))
     minutes = args.minutes
     print(f"\n{args.scenario}: {len(steps)} steps committed in {minutes:g} min ({len(steps) / minutes:.1f}/min), "
-          f"{len(groups)} groups, {len(kills)} kills")  # fmt: skip
+          f"{len(groups)} groups, {len(kills)} kills, max staleness "
+          f"{max((r['step'] - v for r in audit for v in r['versions']), default=0)} (K = {k})")  # fmt: skip
     if noticed:
         shown = [x for x in noticed if x is not None]
         print(f"recovery (dead worker declared / new broker's first step), s: max {max(shown, default=0):.2f}, "
