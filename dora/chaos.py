@@ -28,7 +28,7 @@ import zmq
 import zmq.asyncio
 
 from dora.config import ConfigError
-from dora.discovery import resolve_endpoint
+from dora.discovery import announce, resolve_endpoint
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,12 +170,7 @@ async def run(args: argparse.Namespace, faults: Faults) -> int:
             print(f"dora chaos: cannot bind {args.bind}: {e}", file=sys.stderr)
             return 2
         ready = {"event": "ready", "endpoint": endpoint, "pid": os.getpid()}
-        if args.discovery_file:
-            tmp = f"{args.discovery_file}.{os.getpid()}.tmp"
-            with open(tmp, "w") as f:
-                json.dump(ready, f)
-            os.replace(tmp, args.discovery_file)
-        print(json.dumps(ready), flush=True)
+        announce(ready, args.discovery_file)
         await proxy.serve(stop)
         print(json.dumps({"event": "chaos_counts", **dict(sorted(proxy.counts.items()))}), flush=True)
         return 0

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+from typing import Any
 
 from dora.config import ConfigError
 
@@ -22,3 +24,14 @@ def resolve_endpoint(target: str) -> str:
     if not isinstance(endpoint, str):
         raise ConfigError(f"{target}: no endpoint in the discovery file")
     return endpoint
+
+
+def announce(ready: dict[str, Any], discovery_file: str | None) -> None:
+    """Print the ``ready`` line and, if asked, write it as the discovery file (atomically: a reader sees the
+    old file or the new one, never half of one)."""
+    if discovery_file:
+        tmp = f"{discovery_file}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(ready, f)
+        os.replace(tmp, discovery_file)
+    print(json.dumps(ready), flush=True)

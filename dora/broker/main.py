@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import secrets
 import signal
@@ -22,6 +21,7 @@ from dora.broker.actor import BrokerActor
 from dora.broker.core import Core
 from dora.broker.journal import Journal, JournalError, replay
 from dora.config import ConfigError, load
+from dora.discovery import announce
 from dora.logging import configure_logging
 from dora.runconfig import RunConfig
 from dora.security import Keys
@@ -98,12 +98,7 @@ async def serve(cfg: RunConfig, prompts: Callable[[int], np.ndarray]) -> int:
             print(f"dora broker: {e}", file=sys.stderr)
             return 2
         ready = {"event": "ready", "endpoint": endpoint, "pid": os.getpid(), "broker_epoch": epoch}
-        if cfg.broker.discovery_file:
-            tmp = f"{cfg.broker.discovery_file}.{os.getpid()}.tmp"
-            with open(tmp, "w") as f:
-                json.dump(ready, f)
-            os.replace(tmp, cfg.broker.discovery_file)
-        print(json.dumps(ready), flush=True)
+        announce(ready, cfg.broker.discovery_file)
         actor = BrokerActor(cfg, sock, core, prompts, epoch=epoch, journal=journal, weights=weights, keys=keys)
         try:
             await actor.run(stop)
