@@ -42,4 +42,5 @@ def configure_logging(cfg: LogConfig, *, process: str, stream: Any = None, **bou
         cache_logger_on_first_use=False,
     )
     structlog.contextvars.clear_contextvars()
-    structlog.contextvars.bind_contextvars(process=process, host=socket.gethostname(), pid=os.getpid(), **bound)
+    structlog.contextvars.bind_contextvars(**{"process": process, "host": socket.gethostname(), "pid": os.getpid(),
+                                              **bound})  # fmt: skip

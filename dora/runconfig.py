@@ -53,6 +53,12 @@ class BrokerSection:
     """ROUTER endpoint (tcp://host:port, port 0 = any free port, or ipc://path)."""
     discovery_file: str | None = "broker.json"
     """Where the bound endpoint is published (written atomically); None = only the ready line."""
+    advertise: str | None = None
+    """Host written into the discovery file when ``bind`` is a wildcard (tcp://0.0.0.0:PORT or tcp://*:PORT):
+    None = this node's name (``SLURMD_NODENAME`` under Slurm). Set it when peers reach the broker by another name."""
+    discovery_wait_s: float = 60.0
+    """Rollout workers and the learner wait this long at start for the discovery file to appear (processes of one
+    job start together). A discovery file in a directory that does not exist is an error at once."""
     heartbeat_interval_s: float = 0.5
     liveness: int = 4
     """Missed heartbeat intervals before a peer is declared dead."""
@@ -79,6 +85,8 @@ class BrokerSection:
     def __post_init__(self) -> None:
         if min(self.heartbeat_interval_s, self.stall_timeout_s, self.tick_s, self.learner_timeout_s) <= 0:
             raise ConfigError("broker: heartbeat_interval_s, stall_timeout_s, learner_timeout_s and tick_s must be > 0")
+        if self.discovery_wait_s < 0:
+            raise ConfigError(f"broker.discovery_wait_s must be >= 0; got {self.discovery_wait_s}")
         if self.liveness < 2:
             raise ConfigError(f"broker.liveness must be >= 2 (missed heartbeats before death); got {self.liveness}")
 
@@ -142,6 +150,12 @@ class LearnerSection:
     checkpoint_every: int = 10
     """Steps between checkpoints (the last step is always checkpointed)."""
     keep_checkpoints: int = 2
+    checkpoint_on_stop: bool = True
+    """On SIGTERM, checkpoint the newest committed version before exiting if it is not checkpointed yet (SIGUSR1
+    always does, at the next step boundary). Checkpoints are written atomically: a SIGKILL during one loses only it."""
+    device: str = "auto"
+    """torch trainer: ``auto`` (this rank's GPU, ``cuda:<local rank>``, when there is one, else the CPU), ``cpu``,
+    ``cuda`` (``cuda:<local rank>``) or a torch device string. GPUs use NCCL between ranks, CPUs gloo."""
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):

@@ -7,6 +7,7 @@ import asyncio
 import os
 import secrets
 import signal
+import socket
 import sys
 from collections.abc import Callable
 
@@ -20,8 +21,9 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 from dora.broker.actor import BrokerActor
 from dora.broker.core import Core
 from dora.broker.journal import Journal, JournalError, replay
+from dora.cluster import ClusterInfo
 from dora.config import ConfigError, load
-from dora.discovery import announce
+from dora.discovery import advertised, announce
 from dora.logging import configure_logging
 from dora.runconfig import RunConfig
 from dora.security import Keys
@@ -39,7 +41,8 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     try:
         cfg = load(RunConfig, path=args.config, env=os.environ, env_prefix="DORA_", overrides=args.set)
-    except ConfigError as e:
+        cluster = ClusterInfo.from_env(os.environ)
+    except (ConfigError, ValueError) as e:
         print(f"dora broker: {e}", file=sys.stderr)
         return 2
     try:
@@ -47,8 +50,8 @@ def main(argv: list[str]) -> int:
     except ValueError as e:
         print(f"dora broker: {e}", file=sys.stderr)
         return 2
-    configure_logging(cfg.log, process="broker")
-    return uvloop.run(serve(cfg, prompts))
+    configure_logging(cfg.log, process="broker", **cluster.log_fields())
+    return uvloop.run(serve(cfg, prompts, cluster))
 
 
 def open_router(ctx: zmq.asyncio.Context, cfg: RunConfig, keys: Keys | None = None) -> tuple[zmq.asyncio.Socket, str]:
@@ -70,11 +73,15 @@ def open_router(ctx: zmq.asyncio.Context, cfg: RunConfig, keys: Keys | None = No
     return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
-async def serve(cfg: RunConfig, prompts: Callable[[int], np.ndarray]) -> int:
+async def serve(cfg: RunConfig, prompts: Callable[[int], np.ndarray], cluster: ClusterInfo | None = None) -> int:
+    cluster = cluster or ClusterInfo(host=socket.gethostname())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    # SIGUSR1 (Slurm's early warning, if sent to every step): the journal is already durable, nothing to do
+    # but not die of it, its default action
+    loop.add_signal_handler(signal.SIGUSR1, lambda: log.info("signal_ignored", signal="SIGUSR1"))
     ctx = zmq.asyncio.Context()
     auth = None
     try:
@@ -97,7 +104,10 @@ async def serve(cfg: RunConfig, prompts: Callable[[int], np.ndarray]) -> int:
             log.error("journal_unusable", error=str(e))
             print(f"dora broker: {e}", file=sys.stderr)
             return 2
-        ready = {"event": "ready", "endpoint": endpoint, "pid": os.getpid(), "broker_epoch": epoch}
+        ready = {"event": "ready", "endpoint": advertised(endpoint, cfg.broker.advertise or cluster.host),
+                 "bound": endpoint, "pid": os.getpid(), "broker_epoch": epoch, "host": cluster.host}  # fmt: skip
+        if cluster.job_id is not None:  # a later attempt of this job ignores a file an earlier one left
+            ready.update(slurm_job_id=cluster.job_id, slurm_restart=cluster.restart_count)
         announce(ready, cfg.broker.discovery_file)
         actor = BrokerActor(cfg, sock, core, prompts, epoch=epoch, journal=journal, weights=weights, keys=keys)
         try:

@@ -12,15 +12,19 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import structlog
 import uvloop
 import zmq.asyncio
 
+from dora.cluster import ClusterInfo
 from dora.config import ConfigError, load
-from dora.discovery import resolve_endpoint
+from dora.discovery import resolve_endpoint, wait_for_endpoint
 from dora.learner.standin import StandInLearner
 from dora.logging import configure_logging
 from dora.runconfig import RunConfig
 from dora.security import check_keys
+
+log = structlog.get_logger()
 
 
 def main(argv: list[str]) -> int:
@@ -40,29 +44,34 @@ def main(argv: list[str]) -> int:
     try:
         overrides = [*args.set, *([f"learner.model={args.model}"] if args.model else [])]
         cfg = load(RunConfig, path=args.config, env=os.environ, env_prefix="DORA_", overrides=overrides)
-        endpoint = resolve_endpoint(args.broker)
+        cluster = ClusterInfo.from_env(os.environ)
         model = cfg.learner.model
         if args.trainer == "torch" and not (model and pathlib.Path(model, "config.json").is_file()):
             raise ConfigError(f"--trainer torch needs --model DIR (an HF folder); got {cfg.learner.model}")
         check_keys(cfg, "learner")
-    except ConfigError as e:
+        endpoint = wait_for_endpoint(args.broker, cfg.broker.discovery_wait_s, cluster)
+    except (ConfigError, ValueError) as e:
         print(f"dora learner: {e}", file=sys.stderr)
         return 2
-    rank, world = 0, 1
+    rank, world, device = 0, 1, "cpu"
     if args.trainer == "torch":
-        from dora.learner.ranks import init_from_env
+        from dora.learner.ranks import init_from_env, learner_device
 
-        rank, world = init_from_env()
-    configure_logging(cfg.log, process="learner", rank=rank)
+        device = learner_device(cfg.learner.device, cluster)
+        rank, world = init_from_env(cluster, device)
+    configure_logging(cfg.log, process="learner", rank=rank, **cluster.log_fields())
     if rank > 0:  # the other ranks train in step with rank 0, which alone talks to the broker
         from dora.learner.ranks import follow
 
-        trainer, _ = make_trainer(cfg)
+        for sig in (signal.SIGTERM, signal.SIGUSR1):  # rank 0 decides when to stop, and tells them
+            signal.signal(sig, signal.SIG_IGN)
+        trainer, _ = make_trainer(cfg, str(device))
         return follow(trainer)
-    return uvloop.run(serve(cfg, endpoint, args.trainer, world, discover=lambda: resolve_endpoint(args.broker)))
+    discover = lambda: resolve_endpoint(args.broker, cluster)  # noqa: E731
+    return uvloop.run(serve(cfg, endpoint, args.trainer, world, discover=discover, cluster=cluster, device=str(device)))
 
 
-def make_trainer(cfg: RunConfig) -> tuple[Any, dict[str, Any] | None]:
+def make_trainer(cfg: RunConfig, device: str = "cpu") -> tuple[Any, dict[str, Any] | None]:
     """The torch trainer, restored from the newest checkpoint if there is one (on every rank), and its meta."""
     from dora.learner.loss import LossConfig
     from dora.learner.trainer import TorchTrainer, TrainerConfig
@@ -74,7 +83,7 @@ def make_trainer(cfg: RunConfig) -> tuple[Any, dict[str, Any] | None]:
     tc = TrainerConfig(lr=lc.lr, micro_batch=lc.micro_batch, temperature=cfg.run.temperature,
                        max_grad_norm=lc.max_grad_norm, seed=cfg.run.seed, dtype=lc.dtype,
                        checkpoint_dir=lc.checkpoint_dir, keep_checkpoints=lc.keep_checkpoints)  # fmt: skip
-    trainer = TorchTrainer(lc.model, WeightStore(lc.store), loss, tc)
+    trainer = TorchTrainer(lc.model, WeightStore(lc.store), loss, tc, device=device)
     resumed = trainer.restore()
     if resumed is not None:
         import structlog
@@ -85,15 +94,17 @@ def make_trainer(cfg: RunConfig) -> tuple[Any, dict[str, Any] | None]:
 
 
 async def serve(cfg: RunConfig, endpoint: str, kind: str = "sim", world: int = 1,
-                discover: Callable[[], str] | None = None) -> int:  # fmt: skip
-    stop = asyncio.Event()
+                discover: Callable[[], str] | None = None, cluster: ClusterInfo | None = None,
+                device: str = "cpu") -> int:  # fmt: skip
+    stop, drain = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGUSR1, lambda: (log.warning("drain_requested", signal="SIGUSR1"), drain.set()))
     ctx = zmq.asyncio.Context()
     with contextlib.ExitStack() as stack:
         audit = stack.enter_context(open(cfg.learner.audit_file, "a")) if cfg.learner.audit_file else None
-        trainer, resumed = make_trainer(cfg) if kind == "torch" else (None, None)
+        trainer, resumed = make_trainer(cfg, device) if kind == "torch" else (None, None)
         leader = None
         if trainer is not None and world > 1:
             from dora.learner.ranks import Leader
@@ -101,8 +112,8 @@ async def serve(cfg: RunConfig, endpoint: str, kind: str = "sim", world: int = 1
             trainer = leader = Leader(trainer)
         try:
             learner = StandInLearner(cfg, ctx, endpoint, audit=audit, clock=loop.time, trainer=trainer, resumed=resumed,
-                                     discover=discover)  # fmt: skip
-            return await learner.run(stop)
+                                     discover=discover, cluster=cluster)  # fmt: skip
+            return await learner.run(stop, drain)
         finally:
             if leader is not None:
                 leader.stop()  # release the other ranks

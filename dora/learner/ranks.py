@@ -9,44 +9,66 @@ reduce-scatters and the full-state-dict gather line up across ranks.
 
 from __future__ import annotations
 
-import os
+import datetime
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from dora.cluster import ClusterInfo
 from dora.wire import codec
 from dora.wire import messages as m
 
 TRAIN, PUBLISH, STOP, CHECKPOINT, ADOPT, RESTORE = 1, 2, 3, 4, 5, 6
 
 
-def init_from_env() -> tuple[int, int]:
-    """(rank, world size) from torchrun's or srun's environment; a process group of more than one rank is started."""
-    world = int(os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or 1)
-    rank = int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0)
+def learner_device(setting: str, cluster: ClusterInfo) -> torch.device:
+    """``learner.device``: ``auto`` is this rank's GPU (``cuda:<local rank>``) when there is one, else the CPU."""
+    if setting == "auto":
+        setting = "cuda" if torch.cuda.is_available() else "cpu"
+    if setting == "cuda":
+        return torch.device("cuda", cluster.local_rank)
+    return torch.device(setting)
+
+
+def init_from_env(cluster: ClusterInfo, device: torch.device, timeout_s: float = 600.0) -> tuple[int, int]:
+    """(rank, world size) from torchrun's or srun's variables (``ClusterInfo``); with more than one rank, the
+    process group is started: NCCL on GPUs, gloo on CPUs, meeting at the cluster's rendezvous address."""
+    rank, world = cluster.rank, cluster.world
     if world > 1 and not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=rank, world_size=world)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            init_method=f"tcp://{cluster.master_addr}:{cluster.master_port}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
     return rank, world
 
 
+def _comm_device() -> torch.device:
+    """Where broadcast buffers live: NCCL moves only GPU tensors, gloo CPU ones."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
 def _send(kind: int, payload: bytes = b"") -> None:
-    header = torch.tensor([kind, len(payload)], dtype=torch.int64)
+    header = torch.tensor([kind, len(payload)], dtype=torch.int64, device=_comm_device())
     dist.broadcast(header, src=0)
     if payload:
-        dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0)
+        dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(_comm_device()), src=0)
 
 
 def _receive() -> tuple[int, bytes]:
-    header = torch.zeros(2, dtype=torch.int64)
+    header = torch.zeros(2, dtype=torch.int64, device=_comm_device())
     dist.broadcast(header, src=0)
     kind, size = int(header[0]), int(header[1])
     if not size:
         return kind, b""
-    data = torch.empty(size, dtype=torch.uint8)
+    data = torch.empty(size, dtype=torch.uint8, device=_comm_device())
     dist.broadcast(data, src=0)
-    return kind, data.numpy().tobytes()
+    return kind, data.cpu().numpy().tobytes()
 
 
 def pack(frames: list[Any]) -> bytes:

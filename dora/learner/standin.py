@@ -5,6 +5,13 @@ of group_size samples, one version per trajectory unless the mode swaps weights 
 staleness ``u - v <= K``), waits the trainer model's time for those tokens (scaled), and publishes
 version ``u + 1``. An audit file gets one JSON line per step with the groups it trained, so a test
 can prove that every group was trained exactly once. A broken invariant stops it with exit 3.
+
+Stopping (the torch trainer checkpoints on the way out; correctness never depends on it):
+- ``drain`` (SIGUSR1, e.g. Slurm's ``--signal=B:USR1@120`` forwarded by the batch script): finish the step
+  in flight, wait for the broker to record it, checkpoint, say goodbye and exit 0.
+- ``stop`` (SIGTERM): leave now; a step in flight is not published (the broker holds its batch for the
+  next learner). Before exiting, the newest committed version is checkpointed if it is not yet and the
+  weights are still that version's (``learner.checkpoint_on_stop``).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from dora.cluster import ClusterInfo
 from dora.config import ConfigError
 from dora.runconfig import RunConfig
 from dora.security import HINT, Keys
@@ -84,8 +92,10 @@ class StandInLearner:
         trainer: Any = None,
         resumed: dict[str, Any] | None = None,
         discover: Callable[[], str] | None = None,
+        cluster: ClusterInfo | None = None,
     ) -> None:
         self.cfg = cfg
+        self.cluster = cluster or ClusterInfo(host=socket.gethostname())
         self.ctx = ctx
         self.endpoint = endpoint
         self.discover = discover
@@ -100,6 +110,10 @@ class StandInLearner:
         """Every group trained so far, checkpointed with the weights: a group in it is never trained again."""
         self.committed = self.version
         """The newest version the broker has acknowledged (recorded in its journal)."""
+        self.checkpointed = self.version
+        """The version of the newest checkpoint (the one resumed from; 0 stands for the model folder)."""
+        self.weights_ahead = False
+        """A step was trained and not published (cut short by a stop): the weights are past ``version``."""
         self.unacked: tuple[int, m.TrainBatch, dict[str, Any]] | None = None
         """The step published and not yet acknowledged: (version, batch, facts)."""
         self.awaiting: tuple[float, Any] | None = None
@@ -132,14 +146,16 @@ class StandInLearner:
             role=m.Role.LEARNER,
             peer_id="learner-0",
             pid=os.getpid(),
-            host=socket.gethostname(),
-            slurm_job_id=os.environ.get("SLURM_JOB_ID"),
+            host=self.cluster.host,
+            slurm_job_id=self.cluster.job_id,
             learner_version=None if self.trainer is None else self.committed,
         )
 
-    async def run(self, stop: asyncio.Event) -> int:
+    async def run(self, stop: asyncio.Event, drain: asyncio.Event | None = None) -> int:
+        """Serve until the run ends, ``stop`` is set (leave now) or ``drain`` is (leave at the next step boundary)."""
+        self.drain = drain or asyncio.Event()
         sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, f"learner/{socket.gethostname()}/{uuid.uuid4().hex[:8]}".encode())
+        sock.setsockopt(zmq.IDENTITY, f"learner/{self.cluster.host}/{uuid.uuid4().hex[:8]}".encode())
         sock.setsockopt(zmq.LINGER, 0)
         keys = Keys.load(self.cfg.security.keys) if self.cfg.security.keys else None
         if keys is not None:
@@ -157,6 +173,9 @@ class StandInLearner:
             joining = True
             next_beat = heard = self.clock()
             while not stop.is_set():
+                if self.drain.is_set() and self.unacked is None and welcomed:  # no step in flight: leave now
+                    await self.leave(sock, stop, "drained")
+                    return 0
                 if not welcomed and self.clock() - started > self.cfg.security.auth_timeout_s:
                     log.error("broker_never_answered", endpoint=self.endpoint, hint=HINT if keys else "")
                     return 1
@@ -209,10 +228,8 @@ class StandInLearner:
                     await self._beat(sock)
                     if self.awaiting is not None and self.clock() - self.awaiting[0] >= 2 * b.heartbeat_interval_s:
                         await self._request(sock, self.awaiting[1])  # no answer yet: the request or it was lost
-            # stopped (SIGTERM): tell the broker now, so it holds the batch for the next learner at once
-            await sock.send_multipart(codec.encode(m.Goodbye(reason="stopping")))
-            await asyncio.sleep(0.05)
-            log.info("learner_stopped", version=self.version)
+            # stopped (SIGTERM): tell the broker, which holds the batch for the next learner
+            await self.leave(sock, stop, "stopping")
             return 0
         except InvariantBroken as e:
             log.error("invariant_broken", error=str(e))
@@ -221,15 +238,40 @@ class StandInLearner:
             sock.close(linger=0)
 
     async def after_commit(self, sock: zmq.asyncio.Socket, stop: asyncio.Event) -> bool:
-        """Ask for the next batch; True when the run's steps are all trained (the learner says goodbye)."""
+        """Ask for the next batch; True when the learner leaves: the run's steps are all trained, or a drain
+        was asked for (this is the step boundary it waits for)."""
         total = self.cfg.core.total_steps
         if total is not None and self.committed >= total:
             log.info("learner_done", version=self.version)
             await sock.send_multipart(codec.encode(m.Goodbye(reason="done")))
             await asyncio.sleep(0.05)
             return True
+        if self.drain.is_set():
+            await self.leave(sock, stop, "drained")
+            return True
         await self._request(sock, m.RequestBatch(step=self.version))
         return False
+
+    async def leave(self, sock: zmq.asyncio.Socket, stop: asyncio.Event, reason: str) -> None:
+        """Checkpoint the newest committed version if it is not yet (and the weights are still it), then
+        say goodbye: the broker holds any batch for the next learner."""
+        lc = self.cfg.learner
+        clean = not self.weights_ahead and self.unacked is None and self.committed == self.version
+        wanted = reason == "drained" or lc.checkpoint_on_stop
+        if self.trainer is not None and lc.checkpoint_dir and wanted and clean and self.committed > self.checkpointed:
+            await self.save_checkpoint(sock, stop, reason)
+        await sock.send_multipart(codec.encode(m.Goodbye(reason=reason)))
+        await asyncio.sleep(0.05)
+        log.info("learner_stopped", reason=reason, version=self.version, checkpointed=self.checkpointed)
+
+    async def save_checkpoint(self, sock: zmq.asyncio.Socket, stop: asyncio.Event, reason: str) -> None:
+        """Checkpoint the committed version (weights, optimizer, RNG, trained groups), heartbeating meanwhile."""
+        assert self.trainer is not None
+        started = self.clock()
+        await self._busy(sock, stop, self.trainer.checkpoint, self.committed, sorted(self.trained))
+        self.checkpointed = self.committed
+        log.info("checkpoint_saved", version=self.committed, reason=reason, groups=len(self.trained),
+                 seconds=round(self.clock() - started, 3))  # fmt: skip
 
     async def catch_up(self, sock: zmq.asyncio.Socket, newest: int, stop: asyncio.Event) -> bool:
         """Bring the learner to the broker's newest version; False if that cannot be done."""
@@ -308,8 +350,9 @@ class StandInLearner:
             published = await self._sim_step(sock, facts, stop)
         else:
             published = await self._busy(sock, stop, self._torch_step, batch)
-        if published is None:
-            return  # a step cut short is not published: the broker re-delivers the batch to the next learner
+        if published is None:  # a step cut short is not published: the broker re-delivers the batch to the next learner
+            self.weights_ahead = self.trainer is not None
+            return
         uri, sha, publish_s, metrics = published
         self.version += 1
         metrics.setdefault("reward_mean", fmean(s.reward for g in batch.groups for s in g.samples))
@@ -332,9 +375,7 @@ class StandInLearner:
             and lc.checkpoint_dir
             and (version % lc.checkpoint_every == 0 or version == core.total_steps)
         ):
-            seconds = await self._busy(sock, stop, self.trainer.checkpoint, version, sorted(self.trained))
-            if seconds is not None:
-                log.info("checkpoint_saved", version=version, seconds=round(seconds, 3), groups=len(self.trained))
+            await self.save_checkpoint(sock, stop, "final" if version == core.total_steps else "periodic")
         if self.audit is not None:
             self.audit.write(
                 json.dumps(

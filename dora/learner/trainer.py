@@ -109,10 +109,10 @@ class TorchTrainer:
             import torch.distributed as dist
 
             packed = torch.tensor([sums["loss"], sums["clip_fraction"], sums["ratio_mean"], tokens],
-                                  dtype=torch.float64)  # fmt: skip
+                                  dtype=torch.float64, device=self.device)  # fmt: skip
             dist.all_reduce(packed)
             sums["loss"], sums["clip_fraction"], sums["ratio_mean"], tokens = packed.tolist()
-            extremes = torch.tensor([-ratio_min, ratio_max], dtype=torch.float64)
+            extremes = torch.tensor([-ratio_min, ratio_max], dtype=torch.float64, device=self.device)
             dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
             ratio_min, ratio_max = -float(extremes[0]), float(extremes[1])
         return {

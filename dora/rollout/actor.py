@@ -30,6 +30,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from dora.cluster import ClusterInfo
 from dora.config import ConfigError
 from dora.rollout.engines.base import EngineError, WorkerEngine
 from dora.runconfig import RunConfig
@@ -54,8 +55,10 @@ class RolloutActor:
         engine: WorkerEngine,
         *,
         clock: Callable[[], float] = time.monotonic,
+        cluster: ClusterInfo | None = None,
     ) -> None:
         self.cfg = cfg
+        self.cluster = cluster or ClusterInfo(host=socket.gethostname())
         self.ctx = ctx
         self.endpoint = endpoint
         self.name = name
@@ -133,8 +136,8 @@ class RolloutActor:
                     role=m.Role.ROLLOUT,
                     peer_id=self.name,
                     pid=os.getpid(),
-                    host=socket.gethostname(),
-                    slurm_job_id=os.environ.get("SLURM_JOB_ID"),
+                    host=self.cluster.host,
+                    slurm_job_id=self.cluster.job_id,
                     slots=self.slots,
                     engine=self.engine.name,
                 )

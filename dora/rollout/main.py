@@ -11,11 +11,13 @@ import socket
 import sys
 from collections.abc import Callable
 
+import structlog
 import uvloop
 import zmq.asyncio
 
+from dora.cluster import ClusterInfo
 from dora.config import ConfigError, load
-from dora.discovery import resolve_endpoint
+from dora.discovery import resolve_endpoint, wait_for_endpoint
 from dora.logging import configure_logging
 from dora.rollout.actor import RolloutActor
 from dora.rollout.engines.base import WorkerEngine
@@ -38,7 +40,7 @@ def main(argv: list[str]) -> int:
     overrides += [f"rollout.model={args.model}"] if args.model else []
     try:
         cfg = load(RunConfig, path=args.config, env=os.environ, env_prefix="DORA_", overrides=overrides)
-        resolve_endpoint(args.broker)  # a bad address is a usage error now; later sessions re-read it
+        cluster = ClusterInfo.from_env(os.environ)
         if args.engine != "sim":
             if not cfg.rollout.model or not (pathlib.Path(cfg.rollout.model) / "config.json").is_file():
                 raise ConfigError(f"--engine {args.engine} needs --model DIR (an HF folder); got {cfg.rollout.model}")
@@ -50,11 +52,13 @@ def main(argv: list[str]) -> int:
             except ImportError:
                 raise ConfigError("--engine vllm needs the vllm extra: pip install -e '.[vllm]'") from None
         check_keys(cfg)
-    except ConfigError as e:
+        # a bad address is a usage error now (a file not written yet is waited for); every session re-reads it
+        wait_for_endpoint(args.broker, cfg.broker.discovery_wait_s, cluster)
+    except (ConfigError, ValueError) as e:
         print(f"dora rollout: {e}", file=sys.stderr)
         return 2
-    configure_logging(cfg.log, process="rollout", worker_id=args.name)
-    return uvloop.run(serve(cfg, lambda: resolve_endpoint(args.broker), args.name, args.engine))
+    configure_logging(cfg.log, process="rollout", worker_id=args.name, **cluster.log_fields())
+    return uvloop.run(serve(cfg, lambda: resolve_endpoint(args.broker, cluster), args.name, args.engine, cluster))
 
 
 def make_engine(cfg: RunConfig, kind: str, now: float) -> WorkerEngine:
@@ -77,14 +81,18 @@ def make_engine(cfg: RunConfig, kind: str, now: float) -> WorkerEngine:
     return SimEngine(cfg.engine, cfg.workload.build(cfg.run.seed), time_scale=cfg.run.time_scale, now=now)
 
 
-async def serve(cfg: RunConfig, endpoint: Callable[[], str], name: str, kind: str = "sim") -> int:
+async def serve(cfg: RunConfig, endpoint: Callable[[], str], name: str, kind: str = "sim",
+                cluster: ClusterInfo | None = None) -> int:  # fmt: skip
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    # SIGUSR1 (Slurm's early warning, if sent to every step) is the learner's cue to checkpoint; here it only
+    # must not kill the process, which is its default action
+    loop.add_signal_handler(signal.SIGUSR1, lambda: structlog.get_logger().info("signal_ignored", signal="SIGUSR1"))
     ctx = zmq.asyncio.Context()
     try:
         engine = make_engine(cfg, kind, loop.time())
-        return await RolloutActor(cfg, ctx, endpoint, name, engine, clock=loop.time).run(stop)
+        return await RolloutActor(cfg, ctx, endpoint, name, engine, clock=loop.time, cluster=cluster).run(stop)
     finally:
         ctx.destroy(linger=0)
