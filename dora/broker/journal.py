@@ -2,7 +2,8 @@
 
 An append-only file of JSON lines, each written and fsync'd before the broker acts on it:
 
-- ``start``: a broker incarnation began (its ``broker_epoch`` and the batch shape it runs with);
+- ``start``: a broker incarnation began (its ``broker_epoch``, the batch shape it runs with and, under
+  Slurm, the job and attempt it belongs to);
 - ``reserve``: group ids below ``cursor`` may have been handed out. Written ahead of use in blocks, so
   one fsync covers many dispatches;
 - ``step``: the learner published ``version`` (weights ``uri`` + ``sha256``) after training ``groups``.
@@ -45,6 +46,8 @@ class Replay:
     trained: set[int] = field(default_factory=set)
     reserved: int = 0
     epochs: list[int] = field(default_factory=list)
+    starts: list[dict[str, Any]] = field(default_factory=list)
+    """Every ``start`` record, oldest first: one per broker incarnation."""
     shape: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -72,6 +75,7 @@ def replay(path: str | pathlib.Path) -> Replay:
             raise JournalError(f"{path}:{n}: unreadable journal record ({e})") from None
         if kind == "start":
             state.epochs.append(int(rec["epoch"]))
+            state.starts.append(rec)
             state.shape = rec.get("shape", {})
         elif kind == "reserve":
             state.reserved = max(state.reserved, int(rec["cursor"]))
@@ -105,9 +109,10 @@ class Journal:
         os.fsync(self._fd)
         self.records += 1
 
-    def start(self, epoch: int, shape: dict[str, Any], reserved: int) -> None:
+    def start(self, epoch: int, shape: dict[str, Any], reserved: int, about: dict[str, Any] | None = None) -> None:
+        """Record a broker start; ``about``: where it runs (e.g. the Slurm job and attempt)."""
         self.reserved = reserved
-        self.append({"kind": "start", "epoch": epoch, "shape": shape})
+        self.append({"kind": "start", "epoch": epoch, "shape": shape, **(about or {})})
 
     def reserve_through(self, cursor: int) -> None:
         """Make sure ids below ``cursor`` are reserved (one record per block)."""

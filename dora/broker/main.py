@@ -99,7 +99,7 @@ async def serve(cfg: RunConfig, prompts: Callable[[int], np.ndarray], cluster: C
         sock, endpoint = open_router(ctx, cfg, keys)
         epoch = secrets.randbits(62)
         try:
-            core, journal, weights = open_journal(cfg, epoch)
+            core, journal, weights = open_journal(cfg, epoch, cluster)
         except (JournalError, ConfigError) as e:
             log.error("journal_unusable", error=str(e))
             print(f"dora broker: {e}", file=sys.stderr)
@@ -124,7 +124,8 @@ async def serve(cfg: RunConfig, prompts: Callable[[int], np.ndarray], cluster: C
         ctx.destroy(linger=0)
 
 
-def open_journal(cfg: RunConfig, epoch: int) -> tuple[Core, Journal | None, dict[int, tuple[str, str]] | None]:
+def open_journal(cfg: RunConfig, epoch: int, cluster: ClusterInfo | None = None
+                 ) -> tuple[Core, Journal | None, dict[int, tuple[str, str]] | None]:  # fmt: skip
     """The core, fresh or rebuilt from ``broker.journal``; the journal to append to; the newest weights."""
     if not cfg.broker.journal:
         return Core(cfg.core, strict=cfg.broker.strict), None, None
@@ -137,7 +138,10 @@ def open_journal(cfg: RunConfig, epoch: int) -> tuple[Core, Journal | None, dict
     owed = past.owed
     core.restore(owed)
     journal = Journal(cfg.broker.journal)
-    journal.start(epoch, shape, past.reserved)
+    about = {}
+    if cluster is not None and cluster.job_id is not None:
+        about = {"slurm_job_id": cluster.job_id, "slurm_restart": cluster.restart_count}
+    journal.start(epoch, shape, past.reserved, about)
     if past.epochs:
         log.info("resumed_from_journal", version=past.newest, trained_groups=len(past.trained), owed_groups=len(owed),
                  earlier_epochs=len(past.epochs), journal=cfg.broker.journal)  # fmt: skip

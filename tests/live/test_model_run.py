@@ -142,3 +142,68 @@ def test_a_killed_torch_learner_resumes_from_its_checkpoint_and_trains_no_group_
         trained = [g for r in c.audit() for g in r["groups"]]
         assert len(trained) == len(set(trained)) >= 4 * (steps - newest)
         assert [r["version"] for r in c.events("learner2", "checkpoint_saved")] == list(range(newest + 1, steps + 1))
+
+
+def test_sigusr1_drains_the_learner_to_a_checkpoint_and_sigterm_checkpoints_on_the_way_out(tmp_path, tiny_model):
+    """SIGUSR1 (Slurm's early warning): the learner finishes the step in flight, checkpoints and leaves with
+    exit 0. SIGTERM to an idle learner: it checkpoints the version it holds and leaves. Each time a new
+    learner resumes from exactly that checkpoint, and the run ends with every group trained once."""
+    from dora.audit import audit_run
+
+    steps = 9
+    ckpt = tmp_path / "ckpt"
+    overrides = {
+        "core": {"total_steps": steps, "max_staleness": 1, "train_groups": 4, "group_size": 4, "min_workers": 1},
+        "run": {"max_tokens": 12},
+        "task": {"name": "arithmetic", "tokenizer": str(tiny_model), "reward": "dora.tasks.rewards:digits_shaped"},
+        "broker": {"heartbeat_interval_s": 0.5, "liveness": 40, "journal": str(tmp_path / "journal.jsonl")},
+        "engine": {"max_slots": 16, "credit_slots": 16},
+        "learner": {"model": str(tiny_model), "store": str(tmp_path / "store"), "lr": 1e-3,
+                    "checkpoint_dir": str(ckpt), "checkpoint_every": 1000},  # only signals and the last step
+    }  # fmt: skip
+
+    def wait_steps(c, n: int, learner: str) -> None:
+        deadline = time.monotonic() + 150
+        while len(c.events("broker", "train_step")) < n:
+            assert time.monotonic() < deadline and c.procs[learner].poll() is None, c.log(learner)[-3000:]
+            time.sleep(0.1)
+
+    with cluster(tmp_path, overrides) as c:
+        c.start_broker()
+        c.start_worker("w0", "torch", "--model", str(tiny_model))
+        learner = ["learner", "--trainer", "torch", "--broker", str(tmp_path / "broker.json")]
+        c.spawn("learner", *learner)
+        wait_steps(c, 2, "learner")
+        c.signal("learner", signal.SIGUSR1)
+        assert c.wait("learner", 60) == 0, c.log("learner")[-3000:]
+        [stopped] = c.events("learner", "learner_stopped")
+        drained = stopped["version"]
+        assert stopped["reason"] == "drained" and stopped["checkpointed"] == drained >= 2
+        assert [(r["version"], r["reason"]) for r in c.events("learner", "checkpoint_saved")] == [(drained, "drained")]
+        assert (ckpt / f"ckpt-v{drained}").is_dir()
+        assert max(r["version"] for r in c.events("broker", "train_step")) == drained  # nothing published after
+
+        c.spawn("learner2", *learner)
+        wait_steps(c, drained + 2, "learner2")
+        [resumed] = c.events("learner2", "resumed_from_checkpoint")
+        assert resumed["version"] == drained and not c.events("learner2", "weights_from_store")
+        c.signal("w0", signal.SIGSTOP)  # no more batches: the learner goes idle between steps
+        settled, last = time.monotonic(), len(c.events("broker", "train_step"))
+        while time.monotonic() - settled < 3:
+            time.sleep(0.2)
+            if len(c.events("broker", "train_step")) != last:
+                settled, last = time.monotonic(), len(c.events("broker", "train_step"))
+        c.signal("learner2", signal.SIGTERM)
+        assert c.wait("learner2", 30) == 0, c.log("learner2")[-3000:]
+        c.signal("w0", signal.SIGCONT)
+        [stopped] = c.events("learner2", "learner_stopped")
+        assert stopped["reason"] == "stopping" and stopped["checkpointed"] == stopped["version"] == last
+        assert c.events("learner2", "checkpoint_saved")[-1]["reason"] == "stopping"
+
+        c.spawn("learner3", *learner)
+        assert c.wait("learner3", 200) == 0, c.log("learner3")[-3000:]
+        assert c.wait("broker", 15) == 0, c.log("broker")[-3000:]
+        assert c.events("learner3", "resumed_from_checkpoint")[0]["version"] == last
+        c.check_exactly_once()
+        report = audit_run(tmp_path / "journal.jsonl", tmp_path / "audit.jsonl", total_steps=steps)
+        assert report.ok and report.finished, report.problems

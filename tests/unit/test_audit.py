@@ -1,0 +1,105 @@
+"""`dora audit`: the invariant report, on journals written by the broker's Journal and learner audit lines."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+from dora.audit import audit_run, main
+from dora.broker.journal import Journal
+
+B = 2  # groups per step
+
+
+def write_run(root: pathlib.Path, steps: list[list[tuple[int, int]]], *, mode: str = "dora", k: int = 1,
+              journal_steps: int | None = None, mixed: int = 0, restarts: int = 0) -> None:  # fmt: skip
+    """A run whose step ``s`` trained ``steps[s]``: (group id, dispatch version) pairs, 4 samples each."""
+    shape = {"mode": mode, "max_staleness": k, "train_groups": B, "group_size": 4}
+    journal = Journal(root / "journal.jsonl")
+    for attempt in range(restarts + 1):
+        journal.start(100 + attempt, shape, 0, {"slurm_job_id": "7", "slurm_restart": attempt})
+    journal.reserve_through(sum(len(s) for s in steps))
+    recorded: set[int] = set()
+    for s, groups in enumerate(steps[: len(steps) if journal_steps is None else journal_steps]):
+        fresh = [g for g, _ in groups if g not in recorded]  # the broker records a group once; a learner may not
+        recorded.update(fresh)
+        journal.step(s + 1, f"file:///w/v{s + 1}", "0" * 64, fresh)
+    journal.close()
+    with open(root / "audit.jsonl", "w") as f:
+        for s, groups in enumerate(steps):
+            staleness: dict[int, int] = {}
+            for _, v in groups:
+                staleness[s - v] = staleness.get(s - v, 0) + 4
+            f.write(json.dumps({"step": s, "groups": sorted(g for g, _ in groups), "staleness": staleness,
+                                "versions": sorted({v for _, v in groups}), "mixed": mixed if s == 0 else 0}) + "\n")
+
+
+GOOD = [[(0, 0), (1, 0)], [(2, 0), (3, 1)], [(4, 1), (5, 2)]]
+
+
+def test_a_clean_finished_run_passes_every_check(tmp_path: pathlib.Path) -> None:
+    write_run(tmp_path, GOOD, restarts=1)
+    r = audit_run(tmp_path / "journal.jsonl", tmp_path / "audit.jsonl", total_steps=3)
+    assert r.ok, r.problems
+    assert (r.steps_committed, r.journal_version, r.groups_trained, r.finished) == (3, 3, 6, True)
+    assert r.staleness == {0: 16, 1: 8}  # step - dispatch version, 4 samples a group
+    assert [s["slurm_restart"] for s in r.broker_starts] == [0, 1]
+
+
+@pytest.mark.parametrize(
+    ("steps", "kwargs", "total", "problem"),
+    [
+        ([[(0, 0), (1, 0)], [(1, 0), (3, 1)]], {}, None, "C2: groups trained twice: [1]"),
+        ([[(0, 0), (1, 0)], [(3, 1), (4, 1)]], {}, 2, "did not train exactly groups 0..3: missing [2]"),
+        ([[(0, 0), (1, 0)], [(2, 0), (3, 1)], [(4, 0), (5, 2)]], {}, None, "C3: staleness 2 trained, K = 1"),
+        (GOOD, {"mixed": 3}, None, "C1: 3 trajectories mix policy versions"),
+        ([[(0, 0)], [(1, 0), (2, 1)]], {}, None, "a batch without exactly 2 groups"),
+        (GOOD, {"journal_steps": 1}, None, "the learner committed 3 steps, the broker recorded 1"),
+    ],
+)
+def test_each_broken_invariant_is_reported(tmp_path: pathlib.Path, steps, kwargs, total, problem) -> None:
+    write_run(tmp_path, steps, **kwargs)
+    r = audit_run(tmp_path / "journal.jsonl", tmp_path / "audit.jsonl", total_steps=total)
+    assert not r.ok
+    assert any(problem in p for p in r.problems), r.problems
+
+
+def test_partial_mode_reports_its_mixed_trajectories_without_failing(tmp_path: pathlib.Path) -> None:
+    write_run(tmp_path, GOOD, mode="partial", mixed=5)
+    r = audit_run(tmp_path / "journal.jsonl", tmp_path / "audit.jsonl")
+    assert r.ok and any("5 mixed-version trajectories" in n for n in r.notes)
+
+
+def test_a_journal_one_step_ahead_of_the_learner_is_a_note(tmp_path: pathlib.Path) -> None:
+    write_run(tmp_path, GOOD)
+    lines = (tmp_path / "audit.jsonl").read_text().splitlines()
+    (tmp_path / "audit.jsonl").write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:20])  # torn last line
+    r = audit_run(tmp_path / "journal.jsonl", tmp_path / "audit.jsonl", total_steps=3)
+    assert r.ok, r.problems
+    assert r.steps_committed == 2 and any("1 step(s) past the learner's audit" in n for n in r.notes)
+
+
+def test_the_command_reads_the_run_config_and_exits_by_the_verdict(tmp_path: pathlib.Path, capsys) -> None:
+    write_run(tmp_path, GOOD)
+    (tmp_path / "run.toml").write_text("[core]\ntotal_steps = 3\nmax_staleness = 1\n")
+    (tmp_path / "checkpoints" / "ckpt-v3").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "ckpt-v3" / "meta.json").write_text(json.dumps({"version": 3}))
+    assert main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "run finished" in out and "nothing dispatched left untrained" in out and "[3]" in out
+    assert main([str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"] is True
+    (tmp_path / "twice").mkdir()
+    write_run(tmp_path / "twice", [[(0, 0), (1, 0)], [(1, 0), (2, 1)]])
+    assert main([str(tmp_path / "twice")]) == 1
+    assert "FAILED C2" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("what", ["missing", "empty"])
+def test_a_directory_without_a_run_is_one_clear_line(tmp_path: pathlib.Path, capsys, what: str) -> None:
+    target = tmp_path / "nope" if what == "missing" else tmp_path
+    assert main([str(target)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dora audit: ") and err.count("\n") == 1
