@@ -32,8 +32,18 @@ def write_run(root: pathlib.Path, steps: list[list[tuple[int, int]]], *, mode: s
             staleness: dict[int, int] = {}
             for _, v in groups:
                 staleness[s - v] = staleness.get(s - v, 0) + 4
-            f.write(json.dumps({"step": s, "groups": sorted(g for g, _ in groups), "staleness": staleness,
-                                "versions": sorted({v for _, v in groups}), "mixed": mixed if s == 0 else 0}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "step": s,
+                        "groups": sorted(g for g, _ in groups),
+                        "staleness": staleness,
+                        "versions": sorted({v for _, v in groups}),
+                        "mixed": mixed if s == 0 else 0,
+                    }
+                )
+                + "\n"
+            )
 
 
 GOOD = [[(0, 0), (1, 0)], [(2, 0), (3, 1)], [(4, 1), (5, 2)]]
