@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str | None]] = {
     "status": ("live versions, workers, queues and staleness of a running broker", "dora.status"),
     "chaos": ("a proxy in front of a broker that drops, copies and delays messages (fault testing)", "dora.chaos"),
     "keys": ("`dora keys generate DIR`: CURVE keypairs for the broker and each role", "dora.keys"),
+    "slurm": ("`dora slurm config`: a Slurm job's shared run config (see examples/slurm/dora.sbatch)", "dora.slurm"),
     "audit": (
         "the invariant report of a run directory (steps, C1, C2, C3) from its journal and learner audit",
         "dora.audit",

@@ -159,6 +159,8 @@ class RolloutActor:
                             break
                         heard = self.clock()
                         self.on_frames(frames)
+                if self.finished:  # the run is over and the broker is leaving: nothing more to load or send
+                    break
                 now = self.clock()
                 if now - heard > self.silence_s:
                     raise Reconnect("broker silent")

@@ -89,3 +89,37 @@ async def test_commands_in_order_or_not_at_all_and_results_until_acknowledged():
         stop.set()
         await asyncio.wait_for(task, 10)
         ctx.destroy(linger=0)
+
+
+async def test_the_run_finished_goodbye_ends_the_worker_even_with_a_weights_load_pending():
+    """The broker's last words can come with an Assign still loading: the worker leaves (exit 0) and sends
+    nothing more, instead of taking the closed broker for a lost one and reconnecting until killed."""
+    endpoint = f"inproc://broker-{uuid.uuid4().hex}"
+    cfg = load(
+        RunConfig,
+        overrides=[
+            "broker.heartbeat_interval_s=0.05",
+            "broker.liveness=100",
+            "run.time_scale=0.001",
+            "engine.load_s=100",
+        ],
+    )  # fmt: skip  (a 0.1 s load)
+    ctx = zmq.asyncio.Context()
+    broker = FakeBroker(ctx, endpoint)
+    loop = asyncio.get_running_loop()
+    worker = RolloutActor(cfg, ctx, endpoint, "w", make_engine(cfg, "sim", loop.time()), clock=loop.time)
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    try:
+        await broker.expect(m.Hello)
+        await broker.welcome(newest=0)
+        await broker.send(m.Assign(version=3, uri="sim://v3", sha256="0" * 64, seq=1))
+        await broker.send(m.Goodbye(reason="run finished"))
+        broker.sock.close(linger=0)
+        assert await asyncio.wait_for(task, 5) == 0
+        assert worker.version != 3  # the pending load was dropped with the session
+    finally:
+        stop.set()
+        if not task.done():
+            task.cancel()
+        ctx.destroy(linger=0)
