@@ -20,6 +20,7 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 from dora.broker.actor import BrokerActor
 from dora.broker.core import Core
 from dora.broker.journal import Journal, JournalError, replay
+from dora.broker.metrics import serve_http
 from dora.config import ConfigError, load
 from dora.discovery import announce
 from dora.logging import configure_logging
@@ -77,6 +78,7 @@ async def serve(cfg: RunConfig, prompts: Callable[[int], np.ndarray]) -> int:
         loop.add_signal_handler(sig, stop.set)
     ctx = zmq.asyncio.Context()
     auth = None
+    http: asyncio.Server | None = None
     try:
         keys = None
         if cfg.security.keys:
@@ -98,11 +100,21 @@ async def serve(cfg: RunConfig, prompts: Callable[[int], np.ndarray]) -> int:
             print(f"dora broker: {e}", file=sys.stderr)
             return 2
         ready = {"event": "ready", "endpoint": endpoint, "pid": os.getpid(), "broker_epoch": epoch}
+        try:
+            actor = BrokerActor(cfg, sock, core, prompts, epoch=epoch, journal=journal, weights=weights, keys=keys)
+            if cfg.broker.metrics_bind:
+                http, ready["metrics_url"] = await serve_http(actor.metrics.registry, cfg.broker.metrics_bind)
+        except OSError as e:  # a record file's folder missing, the metrics port taken
+            log.error("broker_unusable", error=str(e))
+            print(f"dora broker: {e}", file=sys.stderr)
+            return 2
         announce(ready, cfg.broker.discovery_file)
-        actor = BrokerActor(cfg, sock, core, prompts, epoch=epoch, journal=journal, weights=weights, keys=keys)
         try:
             await actor.run(stop)
         finally:
+            if http is not None:
+                http.close()
+            actor.metrics.close()
             if journal is not None:
                 journal.close()
         actor.flush()
