@@ -100,13 +100,15 @@ async def serve(cfg: RunConfig, prompts: Callable[[int], np.ndarray]) -> int:
             print(f"dora broker: {e}", file=sys.stderr)
             return 2
         ready = {"event": "ready", "endpoint": endpoint, "pid": os.getpid(), "broker_epoch": epoch}
+        what = "cannot open broker.metrics_file or broker.timeline_file"
         try:
             actor = BrokerActor(cfg, sock, core, prompts, epoch=epoch, journal=journal, weights=weights, keys=keys)
             if cfg.broker.metrics_bind:
+                what = f"cannot serve metrics on broker.metrics_bind={cfg.broker.metrics_bind}"
                 http, ready["metrics_url"] = await serve_http(actor.metrics.registry, cfg.broker.metrics_bind)
-        except OSError as e:  # a record file's folder missing, the metrics port taken
-            log.error("broker_unusable", error=str(e))
-            print(f"dora broker: {e}", file=sys.stderr)
+        except OSError as e:
+            log.error("broker_unusable", error=f"{what}: {e}")
+            print(f"dora broker: {what}: {e}", file=sys.stderr)
             return 2
         announce(ready, cfg.broker.discovery_file)
         try:

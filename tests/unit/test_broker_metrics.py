@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 from collections import Counter
@@ -172,3 +175,22 @@ def test_a_bad_metrics_bind_is_a_config_error(bind):
 
 def test_a_good_metrics_bind_is_taken():
     assert load(RunConfig, overrides=["broker.metrics_bind=[::1]:0"]).broker.metrics_bind == "[::1]:0"
+
+
+def test_a_broker_that_cannot_serve_its_metrics_or_write_its_files_says_so_in_one_line(tmp_path):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    base = ["--set", "broker.bind=tcp://127.0.0.1:0", "--set", f"broker.discovery_file={tmp_path / 'b.json'}"]
+    try:
+        for sets, fragment in (
+            ([f"broker.metrics_bind=127.0.0.1:{taken.getsockname()[1]}"], "address already in use"),
+            ([f"broker.timeline_file={tmp_path / 'no' / 'timeline.jsonl'}"], "No such file or directory"),
+            (["broker.metrics_bind=nonsense"], "broker.metrics_bind must be host:port"),
+        ):
+            argv = [sys.executable, "-m", "dora", "broker", *base, *[x for s in sets for x in ("--set", s)]]
+            r = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+            assert r.returncode == 2 and fragment in r.stderr and "Traceback" not in r.stderr, r.stderr
+            assert not (tmp_path / "b.json").exists()  # nothing announced
+    finally:
+        taken.close()
