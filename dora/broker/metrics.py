@@ -15,11 +15,11 @@ published version, each with the wall-clock time ``t``. `dora plot` draws a run 
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import json
 import socket
 import time
-from collections import Counter as Tally
 from collections.abc import Callable, Iterator, Mapping
 from typing import IO, TYPE_CHECKING, Any
 
@@ -172,7 +172,7 @@ class BrokerMetrics:
             ("queued", "dora_version_queued_groups", "Groups of the version waiting for a (re-)lease"),
         ):
             yield _by(GaugeMetricFamily, name, doc, "version", {str(v): r[key] for v, r in rows.items()})
-        states = Tally[str]({"loading": 0, "serving": 0, "leaving": 0})
+        states = collections.Counter[str]({"loading": 0, "serving": 0, "leaving": 0})
         for w in sched.workers.values():
             states["leaving" if w.leaving else "serving" if w.ready else "loading"] += 1
         yield _by(GaugeMetricFamily, "dora_workers", "Rollout workers by state", "state", states)
