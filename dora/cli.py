@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str | None]] = {
     "run": ("broker, rollout workers and learner on one machine (the embedded default)", "dora.run"),
     "sim": ("discrete-event simulation of all paradigms on the production core", "dora.sim.main"),
     "status": ("live versions, workers, queues and staleness of a running broker", "dora.status"),
+    "plot": ("`dora plot RUN_DIR`: reward, staleness and worker-timeline PNGs of a run", "dora.plot"),
     "chaos": ("a proxy in front of a broker that drops, copies and delays messages (fault testing)", "dora.chaos"),
     "keys": ("`dora keys generate DIR`: CURVE keypairs for the broker and each role", "dora.keys"),
     "slurm": ("`dora slurm config`: a Slurm job's shared run config (see examples/slurm/dora.sbatch)", "dora.slurm"),

@@ -2,13 +2,15 @@
 
 Each run gets its own directory under ``run.dir``, holding:
 - the resolved config every process reads, and one log per process;
-- ``metrics.jsonl``, one line per train step (from the broker's canonical ``train_step`` lines);
-- the learner's audit, the weight store, the learner's checkpoints and, at the end, ``reward.png`` and
-  ``versions.png``.
+- the broker's ``metrics.jsonl`` (one line per train step) and ``timeline.jsonl`` (one line per worker
+  event and published version);
+- the learner's audit, the weight store, the learner's checkpoints and, at the end, the figures of
+  `dora plot`: ``reward.png``, ``staleness.png`` and ``timeline.png``.
 
-The broker listens on an ipc socket in that directory. The progress line shows step, reward,
-staleness and throughput. Ctrl-C (or SIGTERM) stops every process by its PID: SIGTERM first, then
-SIGKILL after the grace period. The exit status is 0 only if every process exited 0.
+The broker listens on an ipc socket in that directory and serves Prometheus metrics on a free local
+port (``metrics_url`` in ``broker.json``). The progress line, read from ``metrics.jsonl``, shows step,
+reward, staleness and throughput. Ctrl-C (or SIGTERM) stops every process by its PID: SIGTERM first,
+then SIGKILL after the grace period. The exit status is 0 only if every process exited 0.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 
 from dora.config import ConfigError, load
 from dora.local import LocalRun
+from dora.plot import METRICS, TIMELINE, PlotError, render
 from dora.runconfig import RunConfig
 
 
@@ -51,7 +54,9 @@ def to_data(obj: Any) -> Any:
 def prepare(cfg: RunConfig, rundir: pathlib.Path) -> dict[str, Any]:
     """The config the processes get: this run's socket, discovery file, audit and weight store."""
     data = to_data(cfg)
-    data["broker"].update(bind=f"ipc://{rundir / 'broker.sock'}", discovery_file=str(rundir / "broker.json"))
+    data["broker"].update(bind=f"ipc://{rundir / 'broker.sock'}", discovery_file=str(rundir / "broker.json"),
+                          metrics_file=str(rundir / METRICS), timeline_file=str(rundir / TIMELINE))  # fmt: skip
+    data["broker"].setdefault("metrics_bind", "127.0.0.1:0")
     data["core"]["min_workers"] = cfg.run.workers
     data["learner"].update(audit_file=str(rundir / "audit.jsonl"), store=str(rundir / "weights"))
     data["learner"].setdefault("checkpoint_dir", str(rundir / "checkpoints"))
@@ -103,6 +108,9 @@ def main(argv: list[str]) -> int:
     codes: dict[str, int | None] = {}
     try:
         run.start_broker()
+        url = json.loads((rundir / "broker.json").read_text()).get("metrics_url")
+        if url:
+            print(f"dora run: Prometheus metrics at {url}", file=sys.stderr)
         extra = ["--model", str(data["rollout"]["model"])] if cfg.run.engine != "sim" else []
         for i in range(cfg.run.workers):
             run.start_worker(f"w{i}", cfg.run.engine, *extra)
@@ -117,7 +125,10 @@ def main(argv: list[str]) -> int:
         print(f"dora run: {e}", file=sys.stderr)
     finally:
         codes = run.stop(grace_s=args.grace)
-        summarize(run, rundir)
+        try:
+            render(rundir)
+        except PlotError as e:
+            print(f"dora run: no figures: {e}", file=sys.stderr)
     failed = {k: v for k, v in codes.items() if v != 0}
     if stopping:
         print(f"dora run: stopped; every process ended ({codes}); logs in {rundir}", file=sys.stderr)
@@ -130,30 +141,23 @@ def main(argv: list[str]) -> int:
 
 
 def follow(run: LocalRun, rundir: pathlib.Path, total: int, stopped: Any) -> None:
-    """Copy train steps to metrics.jsonl as they happen and show progress, until the run ends."""
+    """Show progress from the broker's metrics.jsonl as steps are trained, until the run ends."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    seen = 0
+    offset, tokens = 0, 0.0
     ending = False
-    started = time.monotonic()
-    with open(rundir / "metrics.jsonl", "w") as out, Progress(
+    with Progress(
         TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),
         TextColumn("{task.fields[info]}"), transient=False,
     ) as bar:  # fmt: skip
         task = bar.add_task("run", total=total, info="")
         while not stopped():
-            steps = run.events("broker", "train_step")
-            for r in steps[seen:]:
-                row = {"step": r["step"], "version": r["version"], "step_s": r["step_s"], "staleness": r["staleness"],
-                       "live_versions": r["live_versions"], **r.get("learner", {}),
-                       "elapsed_s": round(time.monotonic() - started, 3)}  # fmt: skip
-                out.write(json.dumps(row) + "\n")
-                out.flush()
-                tokens = sum(x.get("learner", {}).get("tokens", 0) for x in steps[: seen + 1])
+            rows, offset = new_lines(rundir / METRICS, offset)
+            for r in rows:
+                tokens += r.get("tokens", 0)
                 bar.update(task, completed=r["step"] + 1, info=(
-                    f"reward {row.get('reward_mean', 0):.3f}  staleness {r['staleness']}  "
-                    f"{tokens / max(time.monotonic() - started, 1e-9):,.0f} tok/s"))  # fmt: skip
-                seen += 1
+                    f"reward {r.get('reward_mean', 0):.3f}  staleness {r['staleness']}  "
+                    f"{tokens / max(r['elapsed_s'], 1e-9):,.0f} tok/s"))  # fmt: skip
             if ending:  # everyone was told goodbye: let them finish on their own
                 for name in run.procs:
                     with contextlib.suppress(TimeoutError):
@@ -161,7 +165,7 @@ def follow(run: LocalRun, rundir: pathlib.Path, total: int, stopped: Any) -> Non
                 return
             learner, broker = run.procs["learner"], run.procs["broker"]
             if learner.poll() is not None or broker.poll() == 0:  # done (the broker ends a finished run)
-                ending = True  # one more pass copies the last steps
+                ending = True  # one more pass reads the last steps
                 time.sleep(0.3)
                 continue
             if broker.poll() is not None:
@@ -169,40 +173,13 @@ def follow(run: LocalRun, rundir: pathlib.Path, total: int, stopped: Any) -> Non
             time.sleep(0.5)
 
 
-def summarize(run: LocalRun, rundir: pathlib.Path) -> None:
-    """reward.png (reward per step) and versions.png (each worker's version over time), if there is data."""
-    rows = [json.loads(x) for x in (rundir / "metrics.jsonl").read_text().splitlines()] if (
-        rundir / "metrics.jsonl").exists() else []  # fmt: skip
-    if not rows:
-        return
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.2))
-    ax.plot([r["step"] for r in rows], [r.get("reward_mean", 0.0) for r in rows], marker=".")
-    ax.set_xlabel("train step")
-    ax.set_ylabel("mean reward")
-    fig.tight_layout()
-    fig.savefig(rundir / "reward.png", dpi=110)
-    plt.close(fig)
-    assigned = run.events("broker", "worker_assigned")
-    if assigned:
-        fig, ax = plt.subplots(figsize=(6, 3.2))
-        t0 = _ts(assigned[0])
-        for w in sorted({r["worker"] for r in assigned}):
-            pts = [(_ts(r) - t0, r["version"]) for r in assigned if r["worker"] == w]
-            ax.step([t for t, _ in pts], [v for _, v in pts], where="post", label=w.split("/")[1] if "/" in w else w)
-        ax.set_xlabel("seconds")
-        ax.set_ylabel("policy version served")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(rundir / "versions.png", dpi=110)
-        plt.close(fig)
-
-
-def _ts(rec: dict[str, Any]) -> float:
-    from datetime import datetime
-
-    return datetime.fromisoformat(rec["timestamp"].replace("Z", "+00:00")).timestamp()
+def new_lines(path: pathlib.Path, offset: int) -> tuple[list[dict[str, Any]], int]:
+    """The whole JSON lines written to ``path`` past byte ``offset``, and the offset after them."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except FileNotFoundError:
+        return [], offset
+    whole = data[: data.rfind(b"\n") + 1]
+    return [json.loads(x) for x in whole.splitlines() if x.strip()], offset + len(whole)

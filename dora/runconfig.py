@@ -81,6 +81,18 @@ class BrokerSection:
     journal: str | None = None
     """Append-only journal (fsync'd) of the cursor and every trained step; a broker started on an existing
     journal resumes that run. None: no journal (a restarted broker starts the run over)."""
+    metrics_bind: str | None = None
+    """``host:port`` where the broker serves Prometheus metrics over HTTP (``GET /metrics``); port 0 = any free
+    port. The URL it got is in the ready line and the discovery file (``metrics_url``). None: no endpoint.
+    `dora run` sets ``127.0.0.1:0``."""
+    metrics_file: str | None = None
+    """JSON lines, one per train step: step, version, step_s, staleness (cumulative histogram), live_versions,
+    max_staleness, the learner's metrics, elapsed_s and the wall-clock time ``t``. Appended to, so a broker
+    resumed from its journal goes on in the same file. None: not written (`dora run`: its run directory)."""
+    timeline_file: str | None = None
+    """JSON lines, one per worker event (joined, assigned a version, weights loaded, lost) and per published
+    version, each with the wall-clock time ``t``: what `dora plot` draws the worker timeline from. Appended to.
+    None: not written (`dora run`: its run directory)."""
 
     def __post_init__(self) -> None:
         if min(self.heartbeat_interval_s, self.stall_timeout_s, self.tick_s, self.learner_timeout_s) <= 0:
@@ -89,6 +101,17 @@ class BrokerSection:
             raise ConfigError(f"broker.discovery_wait_s must be >= 0; got {self.discovery_wait_s}")
         if self.liveness < 2:
             raise ConfigError(f"broker.liveness must be >= 2 (missed heartbeats before death); got {self.liveness}")
+        if self.metrics_bind is not None:
+            split_host_port(self.metrics_bind)
+
+
+def split_host_port(bind: str) -> tuple[str, int]:
+    """``host:port`` (``[::1]:port`` for IPv6) as (host, port); a ConfigError naming broker.metrics_bind if not."""
+    host, sep, port = bind.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f"broker.metrics_bind must be host:port (port 0 = any free port), got {bind!r}")
+    return host, int(port)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -41,7 +41,9 @@ from dora.broker import events as ev
 from dora.broker.core import Core
 from dora.broker.journal import Journal
 from dora.broker.ledger import InvariantViolation
+from dora.broker.metrics import BrokerMetrics
 from dora.broker.scheduler import GroupFailed
+from dora.broker.snapshot import snapshot
 from dora.ids import WorkerId
 from dora.learner.weights import store_path
 from dora.runconfig import RunConfig
@@ -96,18 +98,6 @@ def retire_weights(uri: str) -> pathlib.Path | None:
     return path
 
 
-def lag_ms(lags: deque[float]) -> dict[str, float]:
-    """p50, p99 and max of the timer's lateness, in ms."""
-    if not lags:
-        return {}
-    ordered = sorted(lags)
-
-    def pick(q: float) -> float:
-        return round(1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))], 2)
-
-    return {"p50": pick(0.5), "p99": pick(0.99), "max": pick(1.0)}
-
-
 class BrokerActor:
     def __init__(
         self,
@@ -155,6 +145,8 @@ class BrokerActor:
         self._pending_out: set[bytes] = set()
         self.lag_s: deque[float] = deque(maxlen=4096)
         """How late the heartbeat timer ran, per beat: the event loop's lag (the latest 4,096 beats)."""
+        self.metrics = BrokerMetrics(self)
+        """Prometheus registry and the run's record files (metrics, timeline); close() it when done."""
 
     # ------------------------------------------------------------------ loop
 
@@ -177,6 +169,7 @@ class BrokerActor:
             now = self.clock()
             if now >= next_beat:
                 self.lag_s.append(now - next_beat)
+                self.metrics.loop_lag.observe(now - next_beat)
                 next_beat = now + self.cfg.broker.heartbeat_interval_s
                 self.check_liveness(now)
             if now >= next_tick:
@@ -424,31 +417,32 @@ class BrokerActor:
         if self.journal is not None:  # durable before it takes effect, and before the learner may checkpoint it
             self.journal.step(msg.version, msg.uri, msg.sha256, [g.group_id for g in batch.groups])
         self.weights[msg.version] = (msg.uri, msg.sha256)
+        self.trained_tokens += sum(len(s.payload.token_ids) for g in batch.groups for s in g.samples)
         self.send(peer, m.PublishAck(version=msg.version))  # ahead of the run's end, which says goodbye
         actions = self.feed(ev.WeightsPublished(version=msg.version))
         if any(isinstance(a, ev.Refused) for a in actions):
             raise InvariantViolation(f"the core refused publish {msg.version} after the broker checked it")
         now = self.clock()
-        hist = self.core.transfer.staleness
-        log.info(
-            "train_step",
-            step=msg.version - 1,
-            version=msg.version,
-            step_s=round(now - self.step_started, 3),
-            publish_s=msg.publish_s,
-            staleness=dict(sorted(hist.items())),
-            live_versions=self.core.ledger.alive(),
-            workers=len(self.core.scheduler.workers),
-            learner={k: round(v, 4) for k, v in msg.metrics.items()},  # the learner's own numbers, kept apart
-        )
+        row = {
+            "step": msg.version - 1,
+            "version": msg.version,
+            "step_s": round(now - self.step_started, 3),
+            "publish_s": msg.publish_s,
+            "staleness": {str(k): n for k, n in sorted(self.core.transfer.staleness.items())},
+            "live_versions": self.core.ledger.alive(),
+            "workers": len(self.core.scheduler.workers),
+        }
+        learner = {k: round(v, 4) for k, v in msg.metrics.items()}
+        log.info("train_step", **row, learner=learner)  # the learner's own numbers, kept apart
+        self.metrics.train_step(row, learner, elapsed_s=now - self.started)
         self.step_started = now
 
     # ------------------------------------------------------------------ the core
 
     def feed(self, event: ev.Event) -> list[ev.Action]:
-        started = time.perf_counter()
+        started, now = time.perf_counter(), self.clock()
         try:
-            actions = self.core.handle(self.clock(), event)
+            actions = self.core.handle(now, event)
         except GroupFailed as e:
             log.error("group_failed", error=str(e))
             raise
@@ -456,6 +450,7 @@ class BrokerActor:
             self.decision_s[type(event).__name__] += time.perf_counter() - started
         if self.journal is not None:  # every group id about to leave is reserved on disk first
             self.journal.reserve_through(self.core.scheduler.cursor)
+        self.metrics.fed(now, event, actions)
         for action in actions:
             self.act(action)
         return actions
@@ -553,7 +548,6 @@ class BrokerActor:
                         segments=p.segments,
                     )
                 )
-                self.trained_tokens += len(p.token_ids)
             groups.append(
                 m.TrainGroup(
                     group_id=g.group_id, version=g.version, prompt_ids=self.prompts(g.group_id), samples=tuple(samples)
@@ -584,6 +578,7 @@ class BrokerActor:
         self.peers.pop(peer.identity, None)
         self.liveness.forget(peer.identity.decode())
         self.counters[f"lost {peer.role.value}"] += 1
+        self.metrics.peer_lost(peer.role.value, reason)
         if peer.role is m.Role.ROLLOUT and WorkerId(peer.identity.decode()) in self.core.scheduler.workers:
             self.feed(ev.WorkerLost(worker_id=WorkerId(peer.identity.decode()), reason=reason))
         elif peer.role is m.Role.LEARNER and self.learner == peer.identity:
@@ -644,42 +639,4 @@ class BrokerActor:
     # ------------------------------------------------------------------ status
 
     def snapshot(self) -> dict[str, Any]:
-        core, sched, led = self.core, self.core.scheduler, self.core.ledger
-        per_version: dict[int, dict[str, int]] = {}
-        for v in led.alive():
-            per_version[v] = {"workers": len(led.workers_of(v)), "running": 0, "queued": 0, "state": led.state(v).value}
-        for f in sched.flights.values():
-            row = per_version.setdefault(f.version, {"workers": 0, "running": 0, "queued": 0, "state": "retired"})
-            row["queued" if f.worker is None else "running"] += 1
-        elapsed = max(self.clock() - self.started, 1e-9)
-        return {
-            "mode": core.cfg.mode.value,
-            "step": core.step,
-            "newest_version": led.newest,
-            "broker_epoch": self.epoch,
-            "versions": {str(v): row for v, row in sorted(per_version.items())},
-            "workers": {
-                w: {
-                    "version": led.version_of(w),
-                    "ready": s.ready,
-                    "leaving": s.leaving,
-                    "used": s.used,
-                    "slots": s.slots,
-                    "groups": len(s.groups),
-                }
-                for w, s in sched.workers.items()
-            },
-            "finished_waiting": len(core.transfer),
-            "fleet_ready": self.core.fleet_ready,
-            "staleness": {str(k): n for k, n in sorted(core.transfer.staleness.items())},
-            "trained_tokens": self.trained_tokens,
-            "tokens_per_s": self.trained_tokens / elapsed,
-            "migrated_groups": sched.stats_migrated_groups,
-            "requeued_groups": sched.stats_requeued,
-            "counters": dict(self.counters),
-            "decision_s": dict(self.decision_s),
-            "lost_peers": list(self.lost),
-            "malformed": dict(self.malformed),
-            "loop_lag_ms": lag_ms(self.lag_s),
-            "uptime_s": elapsed,
-        }
+        return snapshot(self)

@@ -21,6 +21,7 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 from dora.broker.actor import BrokerActor
 from dora.broker.core import Core
 from dora.broker.journal import Journal, JournalError, replay
+from dora.broker.metrics import serve_http
 from dora.cluster import ClusterInfo
 from dora.config import ConfigError, load
 from dora.discovery import advertised, announce
@@ -84,6 +85,7 @@ async def serve(cfg: RunConfig, prompts: Callable[[int], np.ndarray], cluster: C
     loop.add_signal_handler(signal.SIGUSR1, lambda: log.info("signal_ignored", signal="SIGUSR1"))
     ctx = zmq.asyncio.Context()
     auth = None
+    http: asyncio.Server | None = None
     try:
         keys = None
         if cfg.security.keys:
@@ -108,11 +110,25 @@ async def serve(cfg: RunConfig, prompts: Callable[[int], np.ndarray], cluster: C
                  "bound": endpoint, "pid": os.getpid(), "broker_epoch": epoch, "host": cluster.host}  # fmt: skip
         if cluster.job_id is not None:  # a later attempt of this job ignores a file an earlier one left
             ready.update(slurm_job_id=cluster.job_id, slurm_restart=cluster.restart_count)
+        what = "cannot open broker.metrics_file or broker.timeline_file"
+        try:
+            actor = BrokerActor(cfg, sock, core, prompts, epoch=epoch, journal=journal, weights=weights, keys=keys)
+            if cfg.broker.metrics_bind:
+                what = f"cannot serve metrics on broker.metrics_bind={cfg.broker.metrics_bind}"
+                http, ready["metrics_url"] = await serve_http(
+                    actor.metrics.registry, cfg.broker.metrics_bind, cfg.broker.advertise or cluster.host
+                )
+        except OSError as e:
+            log.error("broker_unusable", error=f"{what}: {e}")
+            print(f"dora broker: {what}: {e}", file=sys.stderr)
+            return 2
         announce(ready, cfg.broker.discovery_file)
-        actor = BrokerActor(cfg, sock, core, prompts, epoch=epoch, journal=journal, weights=weights, keys=keys)
         try:
             await actor.run(stop)
         finally:
+            if http is not None:
+                http.close()
+            actor.metrics.close()
             if journal is not None:
                 journal.close()
         actor.flush()

@@ -36,7 +36,19 @@ def test_dora_run_sim_completes_with_metrics_and_plots(tmp_path):
     rows = [json.loads(x) for x in (rundir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(12))
     assert all("reward_mean" in r and r["staleness"] for r in rows)
-    assert (rundir / "reward.png").stat().st_size > 0 and (rundir / "versions.png").stat().st_size > 0
+    assert all(r["elapsed_s"] > 0 and r["max_staleness"] == 2 for r in rows)
+    figures = ("reward.png", "staleness.png", "timeline.png")
+    assert all((rundir / f).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for f in figures)
+    assert json.loads((rundir / "broker.json").read_text())["metrics_url"].startswith("http://127.0.0.1:")
+    events = [json.loads(x) for x in (rundir / "timeline.jsonl").read_text().splitlines()]
+    assert sorted(e["worker"].split("/")[1] for e in events if e["event"] == "joined") == ["w0", "w1", "w2"]
+    assert [e["version"] for e in events if e["event"] == "published"] == list(range(1, 13))
+    # `dora plot` draws the same run again, elsewhere
+    plots = tmp_path / "plots"
+    r = subprocess.run([sys.executable, "-m", "dora", "plot", str(rundir), "--out", str(plots)], capture_output=True,
+                       text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in plots.iterdir()) == sorted(figures)
     audit = [json.loads(x) for x in (rundir / "audit.jsonl").read_text().splitlines()]
     groups = [g for r in audit for g in r["groups"]]
     assert len(groups) == len(set(groups)) == 12 * 8

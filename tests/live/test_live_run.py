@@ -7,10 +7,12 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
+from collections import Counter
 
 import pytest
 
-from tests.live.cluster import cluster
+from tests.live.cluster import BASE, cluster
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -73,3 +75,48 @@ def test_status_shows_the_run(tmp_path):
         assert table.returncode == 0 and "version" in table.stdout.lower(), table.stdout + table.stderr
         c.signal("learner", signal.SIGTERM)
         assert c.wait("learner", 10) == 0
+
+
+def test_prometheus_metrics_agree_with_status_and_the_learner_audit(tmp_path):
+    """The broker stays up after the run (exit_when_done off): its scrape, its status and the learner's audit of
+    the same finished run must tell one story."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    steps, groups = 6, BASE["core"]["train_groups"]
+    overrides = {"core": {"total_steps": steps}, "broker": {"metrics_bind": "127.0.0.1:0", "exit_when_done": False}}
+    with cluster(tmp_path, overrides) as c:
+        c.start(workers=2)
+        assert c.wait("learner", 90) == 0, c.log("learner")[-3000:]
+        url = json.loads((tmp_path / "broker.json").read_text())["metrics_url"]
+        with urllib.request.urlopen(url, timeout=10) as r:
+            families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+        out = subprocess.run([sys.executable, "-m", "dora", "status", "--broker", c.endpoint, "--json"],
+                             capture_output=True, text=True, timeout=20)  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        snap = json.loads(out.stdout)
+        audit = c.check_exactly_once()
+
+    def one(family: str, sample: str, **labels: str) -> float:
+        (v,) = [s.value for s in families[family].samples if s.name == sample and s.labels == labels]
+        return v
+
+    assert one("dora_train_steps", "dora_train_steps_total") == steps == len(audit) == snap["newest_version"]
+    assert one("dora_trained_groups", "dora_trained_groups_total") == steps * groups
+    assert one("dora_trained_tokens", "dora_trained_tokens_total") == snap["trained_tokens"] > 0
+    audited = Counter[str]()
+    for r in audit:
+        audited.update(r["staleness"])
+    assert snap["staleness"] == dict(audited)
+    hist = families["dora_consumed_staleness_versions"].samples
+    count = [s.value for s in hist if s.name.endswith("_count")]
+    assert count == [sum(audited.values())] == [one("dora_consumed_samples", "dora_consumed_samples_total")]
+    for s in hist:
+        if s.name.endswith("_bucket") and s.labels["le"] != "+Inf":
+            assert s.value == sum(n for k, n in audited.items() if int(k) <= float(s.labels["le"])), s
+    assert one("dora_peers_lost", "dora_peers_lost_total", role="learner", reason="goodbye") == 1
+    assert one("dora_groups_leased", "dora_groups_leased_total") >= steps * groups
+    assert one("dora_lease_latency_seconds", "dora_lease_latency_seconds_count") >= steps * groups
+    assert one("dora_migrated_groups", "dora_migrated_groups_total") == snap["migrated_groups"]
+    for v, row in snap["versions"].items():
+        assert one("dora_version_workers", "dora_version_workers", version=v) == row["workers"]
+    assert one("dora_learner_step_metric", "dora_learner_step_metric", name="reward_mean") >= 0

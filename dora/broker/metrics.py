@@ -1,0 +1,281 @@
+"""The broker's numbers for operators: Prometheus metrics, and the run's record files.
+
+Prometheus: one ``CollectorRegistry`` per broker. Most numbers already live in the actor and its core
+(workers per version, queues, the staleness histogram, migrations, malformed frames); the collector
+reads them when scraped instead of keeping a second copy. What leaves no trace in that state is
+counted as it happens: leases, lease latency, train steps, lost peers, event-loop lag. The endpoint
+(`serve_http`) is an asyncio server in the broker's own event loop, so a scrape runs between two
+events and sees one consistent state.
+
+Record files (JSON lines, appended to, one ``write`` per line): ``broker.metrics_file`` gets one line
+per train step, ``broker.timeline_file`` one per worker event (joined, assigned, ready, lost) and per
+published version, each with the wall-clock time ``t``. `dora plot` draws a run from them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import functools
+import json
+import socket
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import IO, TYPE_CHECKING, Any
+
+import structlog
+from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
+
+from dora.broker import events as ev
+from dora.broker.snapshot import per_version
+from dora.ids import GroupId, WorkerId
+from dora.runconfig import split_host_port
+
+if TYPE_CHECKING:
+    from dora.broker.actor import BrokerActor
+
+log = structlog.get_logger()
+
+LEASE_BUCKETS_S = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
+STEP_BUCKETS_S = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+LAG_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+REQUEST_TIMEOUT_S = 5.0
+"""A scrape must send its request within this long."""
+
+
+class JsonLines:
+    """An append-only JSON-lines file; each line is written whole and flushed."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._file: IO[str] = open(path, "a", buffering=1)  # noqa: SIM115 (closed by close())
+
+    def write(self, row: dict[str, Any]) -> None:
+        self._file.write(json.dumps(row) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class BrokerMetrics:
+    """The broker's Prometheus registry and record files, fed by the actor."""
+
+    def __init__(self, actor: BrokerActor, *, wall: Callable[[], float] = time.time) -> None:
+        self.actor = actor
+        self.wall = wall
+        b = actor.cfg.broker
+        self.steps = JsonLines(b.metrics_file) if b.metrics_file else None
+        self.timeline = JsonLines(b.timeline_file) if b.timeline_file else None
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.groups_leased = Counter("dora_groups_leased", "Groups leased to a worker (re-runs included)", registry=r)
+        self.lease_latency = Histogram(
+            "dora_lease_latency_seconds",
+            "Seconds from a group's lease to its last sample accepted (a migrated group keeps its lease)",
+            buckets=LEASE_BUCKETS_S,
+            registry=r,
+        )
+        self.train_steps = Counter("dora_train_steps", "Train steps published by the learner", registry=r)
+        self.step_time = Histogram(
+            "dora_train_step_seconds", "Seconds between two published versions", buckets=STEP_BUCKETS_S, registry=r
+        )
+        self.peers_lost = Counter(
+            "dora_peers_lost",
+            "Peers declared dead (silent), stalled, or gone (goodbye, unreachable, ...), by role and reason",
+            ["role", "reason"],
+            registry=r,
+        )
+        self.loop_lag = Histogram(
+            "dora_event_loop_lag_seconds",
+            "How late the broker's heartbeat timer ran (event-loop lag), per beat",
+            buckets=LAG_BUCKETS_S,
+            registry=r,
+        )
+        r.register(self)
+        self.learner: dict[str, float] = {}
+        """The learner's metrics of the latest step."""
+        self._leased_at: dict[GroupId, tuple[int, float]] = {}
+        """group -> (attempt, when leased) for every group leased and not finished."""
+        self._ready: dict[WorkerId, int] = {}
+        """The version each worker has loaded, as last recorded on the timeline."""
+        core = actor.core
+        self.record("started", mode=core.cfg.mode.value, max_staleness=core.cfg.staleness,
+                    train_groups=core.cfg.train_groups, group_size=core.cfg.group_size,
+                    newest_version=core.ledger.newest, broker_epoch=actor.epoch)  # fmt: skip
+
+    def close(self) -> None:
+        for f in (self.steps, self.timeline):
+            if f is not None:
+                f.close()
+
+    # ------------------------------------------------------------------ what the actor reports
+
+    def record(self, event: str, **fields: Any) -> None:
+        if self.timeline is not None:
+            self.timeline.write({"t": round(self.wall(), 4), "event": event, **fields})
+
+    def fed(self, now: float, event: ev.Event, actions: list[ev.Action]) -> None:
+        """One core event and the actions it gave: count leases, time finished groups, record worker events."""
+        sched = self.actor.core.scheduler
+        match event:
+            case ev.WorkerJoined(worker_id=w) if w in sched.workers:
+                self.record("joined", worker=w, slots=sched.workers[w].slots)
+            case ev.WorkerLost(worker_id=w, reason=reason):
+                self._ready.pop(w, None)
+                self.record("lost", worker=w, reason=reason)
+            case ev.WeightsLoaded(worker_id=w, version=v) if w in sched.workers and sched.workers[w].ready:
+                if self._ready.get(w) != v:
+                    self._ready[w] = v
+                    self.record("ready", worker=w, version=v)
+            case ev.WeightsPublished(version=v):
+                self.record("published", version=v)
+            case ev.SampleFinished() | ev.SamplesFinished():
+                samples = event.samples if isinstance(event, ev.SamplesFinished) else (event,)
+                for s in samples:
+                    leased = self._leased_at.get(s.group_id)
+                    if leased is not None and leased[0] == s.attempt and s.group_id not in sched.flights:
+                        del self._leased_at[s.group_id]  # its last sample was taken: the group is finished
+                        self.lease_latency.observe(now - leased[1])
+        for a in actions:
+            match a:
+                case ev.Lease():
+                    self.groups_leased.inc()
+                    self._leased_at[a.group_id] = (a.attempt, now)
+                case ev.Assign():
+                    self._ready.pop(a.worker_id, None)
+                    self.record("assigned", worker=a.worker_id, version=a.version, interrupt=a.interrupt)
+
+    def train_step(self, row: dict[str, Any], learner: dict[str, float], elapsed_s: float) -> None:
+        """A published step: ``row`` as logged in ``train_step``, the learner's own metrics."""
+        self.train_steps.inc()
+        self.step_time.observe(row["step_s"])
+        self.learner = dict(learner)
+        if self.steps is not None:
+            line = dict(row, max_staleness=self.actor.core.cfg.staleness)
+            line.update((k, v) for k, v in learner.items() if k not in line)
+            self.steps.write({**line, "elapsed_s": round(elapsed_s, 3), "t": round(self.wall(), 4)})
+
+    def peer_lost(self, role: str, reason: str) -> None:
+        self.peers_lost.labels(role=role, reason=reason.partition(":")[0]).inc()
+
+    # ------------------------------------------------------------------ read at scrape time
+
+    def collect(self) -> Iterator[Metric]:
+        a = self.actor
+        core, sched = a.core, a.core.scheduler
+        rows = per_version(core)
+        for key, name, doc in (
+            ("workers", "dora_version_workers", "Rollout workers pinned to the version (loading or serving it)"),
+            ("running", "dora_version_running_groups", "Groups of the version running on a worker"),
+            ("queued", "dora_version_queued_groups", "Groups of the version waiting for a (re-)lease"),
+        ):
+            yield _by(GaugeMetricFamily, name, doc, "version", {str(v): r[key] for v, r in rows.items()})
+        states = collections.Counter[str]({"loading": 0, "serving": 0, "leaving": 0})
+        for w in sched.workers.values():
+            states["leaving" if w.leaving else "serving" if w.ready else "loading"] += 1
+        yield _by(GaugeMetricFamily, "dora_workers", "Rollout workers by state", "state", states)
+        yield _gauge("dora_newest_version", "Newest published policy version", core.ledger.newest)
+        yield _gauge("dora_live_versions", "Versions alive (served or draining)", len(core.ledger.alive()))
+        yield _gauge("dora_finished_groups_waiting", "Finished groups waiting for a train batch", len(core.transfer))
+        yield _gauge("dora_uptime_seconds", "Seconds since the broker started", a.clock() - a.started)
+        hist = core.transfer.staleness
+        yield _staleness(hist, core.cfg.staleness)
+        training = core.transfer.in_training
+        consumed = len(core.transfer.consumed)
+        yield _gauge("dora_batch_in_training", "1 while a delivered batch awaits its publish", training is not None)
+        yield _counter("dora_consumed_groups", "Groups taken into train batches (the one in training too)", consumed)
+        yield _counter("dora_consumed_samples", "Trajectories taken into train batches", sum(hist.values()))
+        trained = consumed - (len(training.groups) if training is not None else 0)
+        yield _counter("dora_trained_groups", "Groups of published train steps", trained)
+        yield _counter("dora_trained_tokens", "Completion tokens of published train steps", a.trained_tokens)
+        yield _counter("dora_migrated_groups", "Groups handed to a same-version worker", sched.stats_migrated_groups)
+        yield _counter("dora_migrated_requests", "Running samples handed over", sched.stats_migrated_requests)
+        yield _counter("dora_requeued_groups", "Voided leases whose group runs again, whole", sched.stats_requeued)
+        yield _by(CounterMetricFamily, "dora_malformed_frames", "Messages dropped as malformed", "reason", a.malformed)
+        prefix = "handshake failed ("
+        refused = {k[len(prefix) : -1]: n for k, n in a.counters.items() if k.startswith(prefix)}
+        yield _by(CounterMetricFamily, "dora_handshakes_failed", "CURVE handshakes refused", "reason", refused)
+        yield _by(CounterMetricFamily, "dora_core_decision_seconds", "Seconds in the core", "event", a.decision_s)
+        yield _by(GaugeMetricFamily, "dora_learner_step_metric", "The learner's latest step", "name", self.learner)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+def _by(kind: type[Any], name: str, doc: str, label: str, values: Mapping[str, float]) -> Any:
+    """A gauge or counter family with one sample per ``label`` value."""
+    family = kind(name, f"{doc}, by {label}", labels=[label])
+    for key, value in sorted(values.items()):
+        family.add_metric([str(key)], value)
+    return family
+
+
+def _staleness(hist: Mapping[int, int], k: int) -> HistogramMetricFamily:
+    """Trajectories consumed by staleness (learner version - dispatch version): buckets 0..max(K, worst seen)."""
+    top, total = max([k, *hist]), sum(hist.values())
+    buckets, below = [], 0
+    for le in range(top):
+        below += hist.get(le, 0)
+        buckets.append((floatToGoString(le), below))
+    buckets += [(floatToGoString(top), total), ("+Inf", total)]
+    doc = "Staleness of trajectories taken into train batches (learner version - dispatch version)"
+    return HistogramMetricFamily("dora_consumed_staleness_versions", doc, buckets=buckets,
+                                 sum_value=sum(lag * n for lag, n in hist.items()))  # fmt: skip
+
+
+# ---------------------------------------------------------------------- HTTP endpoint
+
+
+async def serve_http(registry: CollectorRegistry, bind: str, public_host: str | None = None
+                     ) -> tuple[asyncio.Server, str]:  # fmt: skip
+    """Serve ``GET /metrics`` on ``bind`` (host:port) in this event loop. Returns the server and its URL, named
+    by ``public_host`` (default: the host name) when ``bind`` is a wildcard address."""
+    host, port = split_host_port(bind)
+    server = await asyncio.start_server(functools.partial(_answer, registry), host, port)
+    got = server.sockets[0].getsockname()
+    shown = (public_host or socket.gethostname()) if host in ("0.0.0.0", "::") else host
+    return server, f"http://{f'[{shown}]' if ':' in shown else shown}:{got[1]}/metrics"
+
+
+async def _answer(registry: CollectorRegistry, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """One HTTP/1.0 exchange: read the request line and headers, answer, close."""
+    try:
+        async with asyncio.timeout(REQUEST_TIMEOUT_S):
+            request = (await reader.readline()).decode("latin-1").split()
+            for _ in range(100 if request else 0):  # headers, up to the blank line; their content does not matter
+                if (await reader.readline()).strip() in (b"", b"\r\n"):
+                    break
+        if len(request) < 2:
+            status, body, ctype = "400 Bad Request", b"bad request\n", "text/plain"
+        elif request[0] not in ("GET", "HEAD"):
+            status, body, ctype = "405 Method Not Allowed", b"GET /metrics\n", "text/plain"
+        elif request[1].partition("?")[0] != "/metrics":
+            status, body, ctype = "404 Not Found", b"dora broker: metrics are at /metrics\n", "text/plain"
+        else:
+            status, ctype, body = "200 OK", CONTENT_TYPE_PLAIN_0_0_4, _scrape(registry)
+            if body is None:
+                status, ctype, body = "500 Internal Server Error", "text/plain", b"the scrape failed: see the log\n"
+        head = f"HTTP/1.0 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        writer.write(head.encode() + (b"" if request[:1] == ["HEAD"] else body))
+        async with asyncio.timeout(REQUEST_TIMEOUT_S):
+            await writer.drain()
+    except (TimeoutError, ConnectionError, ValueError):
+        pass  # a client that is slow, gone, or sent a line over the stream limit: nothing to answer
+    finally:
+        writer.close()
+
+
+def _scrape(registry: CollectorRegistry) -> bytes | None:
+    """The exposition text; None if a collector failed (logged: a scrape must never take the broker down)."""
+    try:
+        return generate_latest(registry)
+    except Exception:
+        log.exception("metrics_scrape_failed")
+        return None

@@ -1,0 +1,76 @@
+"""What a running broker is doing, read off the actor and its core: the `dora status` snapshot.
+
+Read-only: nothing here changes the broker's state, so it may run between any two events (a status
+request, a metrics scrape).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from dora.broker.core import Core
+
+if TYPE_CHECKING:
+    from dora.broker.actor import BrokerActor
+
+
+def per_version(core: Core) -> dict[int, dict[str, Any]]:
+    """Workers, running and queued groups and ledger state of every live version (and of retired versions
+    that still own a queued re-run)."""
+    led = core.ledger
+    rows: dict[int, dict[str, Any]] = {}
+    for v in led.alive():
+        rows[v] = {"workers": len(led.workers_of(v)), "running": 0, "queued": 0, "state": led.state(v).value}
+    for f in core.scheduler.flights.values():
+        row = rows.setdefault(f.version, {"workers": 0, "running": 0, "queued": 0, "state": "retired"})
+        row["queued" if f.worker is None else "running"] += 1
+    return dict(sorted(rows.items()))
+
+
+def lag_ms(lags: deque[float]) -> dict[str, float]:
+    """p50, p99 and max of the timer's lateness, in ms."""
+    if not lags:
+        return {}
+    ordered = sorted(lags)
+
+    def pick(q: float) -> float:
+        return round(1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))], 2)
+
+    return {"p50": pick(0.5), "p99": pick(0.99), "max": pick(1.0)}
+
+
+def snapshot(actor: BrokerActor) -> dict[str, Any]:
+    core, sched, led = actor.core, actor.core.scheduler, actor.core.ledger
+    elapsed = max(actor.clock() - actor.started, 1e-9)
+    return {
+        "mode": core.cfg.mode.value,
+        "step": core.step,
+        "newest_version": led.newest,
+        "broker_epoch": actor.epoch,
+        "versions": {str(v): row for v, row in per_version(core).items()},
+        "workers": {
+            w: {
+                "version": led.version_of(w),
+                "ready": s.ready,
+                "leaving": s.leaving,
+                "used": s.used,
+                "slots": s.slots,
+                "groups": len(s.groups),
+            }
+            for w, s in sched.workers.items()
+        },
+        "finished_waiting": len(core.transfer),
+        "fleet_ready": core.fleet_ready,
+        "staleness": {str(k): n for k, n in sorted(core.transfer.staleness.items())},
+        "trained_tokens": actor.trained_tokens,
+        "tokens_per_s": actor.trained_tokens / elapsed,
+        "migrated_groups": sched.stats_migrated_groups,
+        "requeued_groups": sched.stats_requeued,
+        "counters": dict(actor.counters),
+        "decision_s": dict(actor.decision_s),
+        "lost_peers": list(actor.lost),
+        "malformed": dict(actor.malformed),
+        "loop_lag_ms": lag_ms(actor.lag_s),
+        "uptime_s": elapsed,
+    }

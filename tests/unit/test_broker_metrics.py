@@ -1,0 +1,201 @@
+"""The broker's Prometheus endpoint and record files: a real BrokerActor over inproc with fake peers runs a few
+train steps; `/metrics` is scraped over HTTP and parsed, and its numbers are checked against what the peers saw,
+the `dora status` snapshot, and the metrics and timeline files."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from collections import Counter
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from dora.broker.metrics import serve_http
+from dora.config import ConfigError, load
+from dora.runconfig import RunConfig
+from dora.wire import messages as m
+from tests.unit.test_broker_actor import B, Fake, G, finished, running_broker
+
+pytestmark = pytest.mark.timeout(30)
+STEPS = 3
+
+
+def get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+async def scrape(url: str) -> dict[str, list[Any]]:
+    """name -> samples (name, labels, value) of every family, read by a real HTTP client off the loop."""
+    status, text = await asyncio.to_thread(get, url)
+    assert status == 200, text
+    return {f.name: f.samples for f in text_string_to_metric_families(text)}
+
+
+def value(families: dict[str, list[Any]], family: str, sample: str | None = None, **labels: str) -> float:
+    found = [s.value for s in families[family] if s.name == (sample or family) and s.labels == labels]
+    assert len(found) == 1, (family, sample, labels, families[family])
+    return found[0]
+
+
+async def fake_worker(w: Fake, slots: int, seen: Counter[str]) -> None:
+    """Load what it is assigned (and say so twice, as a lossy link may) and finish every group at once."""
+    await w.hello(m.Role.ROLLOUT, slots)
+    while True:
+        msg = await w.recv(timeout_s=60)
+        match msg:
+            case m.Assign():
+                for _ in range(2):
+                    await w.send(m.WeightsLoaded(version=msg.version, load_s=0.0))
+            case m.Generate():
+                seen["generate"] += 1
+                await w.send(m.SamplesFinished(samples=tuple(finished(msg, i, epoch=7) for i in range(G))))
+
+
+async def test_scrape_agrees_with_the_peers_the_snapshot_and_the_record_files(tmp_path):
+    metrics_file, timeline_file = tmp_path / "metrics.jsonl", tmp_path / "timeline.jsonl"
+    files = f"broker.metrics_file={metrics_file}", f"broker.timeline_file={timeline_file}"
+    async with running_broker(*files, "broker.exit_when_done=false", f"core.total_steps={STEPS}") as (actor, ep, ctx):
+        server, url = await serve_http(actor.metrics.registry, "127.0.0.1:0")
+        try:
+            seen = Counter[str]()
+            workers = [Fake(ctx, ep, f"rollout/{n}/1") for n in "ab"]
+            tasks = [asyncio.create_task(fake_worker(w, 2 * G, seen)) for w in workers]
+            learner = Fake(ctx, ep, "learner/x")
+            await learner.hello(m.Role.LEARNER)
+            trained: list[m.TrainBatch] = []
+            for step in range(STEPS):
+                await learner.send(m.RequestBatch(step=step))
+                batch = await learner.recv(m.TrainBatch)
+                trained.append(batch)
+                if step == 1:  # a batch in training is consumed, not trained yet
+                    mid = await scrape(url)
+                    assert value(mid, "dora_batch_in_training") == 1
+                    assert value(mid, "dora_consumed_groups", "dora_consumed_groups_total") == 2 * B
+                    assert value(mid, "dora_trained_groups", "dora_trained_groups_total") == B
+                numbers = {"reward_mean": 0.25 * (step + 1), "loss": -1.0}
+                await learner.send(m.WeightsPublished(version=step + 1, uri="sim://v", sha256="0" * 8, metrics=numbers))
+                await learner.recv(m.PublishAck)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await workers[0].send(m.Goodbye(reason="done"))
+            await workers[1].sock.send_multipart([b"\x00garbage"])
+            await asyncio.sleep(0.2)  # nothing is sent any more: the broker's state stands still
+
+            got = await scrape(url)
+            snap = actor.snapshot()
+        finally:
+            server.close()
+
+    # what the peers saw
+    samples = sum(len(g.samples) for b in trained for g in b.groups)
+    tokens = sum(len(s.token_ids) for b in trained for g in b.groups for s in g.samples)
+    assert value(got, "dora_train_steps", "dora_train_steps_total") == STEPS
+    assert value(got, "dora_trained_groups", "dora_trained_groups_total") == STEPS * B
+    assert value(got, "dora_trained_tokens", "dora_trained_tokens_total") == tokens == snap["trained_tokens"]
+    assert value(got, "dora_groups_leased", "dora_groups_leased_total") == seen["generate"]
+    assert value(got, "dora_newest_version") == STEPS == snap["newest_version"]
+    assert value(got, "dora_learner_step_metric", name="reward_mean") == 0.25 * STEPS
+    assert value(got, "dora_malformed_frames", "dora_malformed_frames_total", reason="decode") == 1
+    assert value(got, "dora_peers_lost", "dora_peers_lost_total", role="rollout", reason="goodbye") == 1
+    # every finished group had a lease latency observed; the finished ones are those trained or waiting
+    finished_groups = STEPS * B + snap["finished_waiting"] + value(got, "dora_batch_in_training") * B
+    assert value(got, "dora_lease_latency_seconds", "dora_lease_latency_seconds_count") == finished_groups
+    # the staleness histogram is the snapshot's, and counts every consumed trajectory
+    hist = {int(k): n for k, n in snap["staleness"].items()}
+    assert value(got, "dora_consumed_staleness_versions", "dora_consumed_staleness_versions_count") == sum(
+        hist.values()) == value(got, "dora_consumed_samples", "dora_consumed_samples_total")  # fmt: skip
+    assert sum(hist.values()) >= samples
+    for le in range(2):  # K = 1
+        below = sum(n for lag, n in hist.items() if lag <= le)
+        assert value(got, "dora_consumed_staleness_versions", "dora_consumed_staleness_versions_bucket",
+                     le=f"{le}.0") == below  # fmt: skip
+    # per-version gauges are the snapshot's table
+    for v, row in snap["versions"].items():
+        assert value(got, "dora_version_workers", version=v) == row["workers"]
+        assert value(got, "dora_version_running_groups", version=v) == row["running"]
+        assert value(got, "dora_version_queued_groups", version=v) == row["queued"]
+    assert {s.labels["version"] for s in got["dora_version_workers"]} == set(snap["versions"])
+    assert sum(s.value for s in got["dora_workers"]) == len(snap["workers"]) == 1
+    assert value(got, "dora_event_loop_lag_seconds", "dora_event_loop_lag_seconds_count") > 0
+
+    # metrics.jsonl: one line per step, with the learner's numbers and the histogram at that step
+    rows = [json.loads(x) for x in metrics_file.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(STEPS)) and [r["version"] for r in rows] == [1, 2, 3]
+    assert [r["reward_mean"] for r in rows] == [0.25, 0.5, 0.75] and all(r["max_staleness"] == 1 for r in rows)
+    assert sum(rows[-1]["staleness"].values()) == samples
+    assert all(r["elapsed_s"] >= 0 and r["t"] > 1e9 and r["live_versions"] for r in rows)
+    # timeline.jsonl: both workers joined, were assigned and loaded; publishes; the one that left is lost
+    events = [json.loads(x) for x in timeline_file.read_text().splitlines()]
+    assert events[0]["event"] == "started" and events[0]["max_staleness"] == 1
+    assert [e["version"] for e in events if e["event"] == "published"] == [1, 2, 3]
+    for w in ("rollout/a/1", "rollout/b/1"):
+        mine = [e["event"] for e in events if e.get("worker") == w]
+        assert mine[:3] == ["joined", "assigned", "ready"], mine
+        assigned = [e["version"] for e in events if e.get("worker") == w and e["event"] == "assigned"]
+        ready = [e["version"] for e in events if e.get("worker") == w and e["event"] == "ready"]
+        assert ready == assigned[: len(ready)] and len(ready) >= len(assigned) - 1, (assigned, ready)
+    assert [e["worker"] for e in events if e["event"] == "lost"] == ["rollout/a/1"]
+    assert [e["t"] for e in events] == sorted(e["t"] for e in events)
+
+
+async def test_the_endpoint_answers_only_get_metrics():
+    async with running_broker() as (actor, _ep, _ctx):
+        server, url = await serve_http(actor.metrics.registry, "127.0.0.1:0")
+        try:
+            assert url.startswith("http://127.0.0.1:") and url.endswith("/metrics")
+            status, body = await asyncio.to_thread(get, url.removesuffix("/metrics") + "/nothing")
+            assert status == 404 and "/metrics" in body
+            request = urllib.request.Request(url, data=b"x", method="POST")
+            with pytest.raises(urllib.error.HTTPError) as e:
+                await asyncio.to_thread(urllib.request.urlopen, request, timeout=5)
+            assert e.value.code == 405
+            host, port = url.removeprefix("http://").split("/")[0].split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"\r\n")  # no request line at all
+            assert (await reader.read()).startswith(b"HTTP/1.0 400")
+            writer.close()
+            got = await scrape(url)  # and it still serves
+            assert value(got, "dora_newest_version") == 0
+        finally:
+            server.close()
+
+
+@pytest.mark.parametrize("bind", ["8000", "localhost", "host:port", ":9000", "127.0.0.1:70000"])
+def test_a_bad_metrics_bind_is_a_config_error(bind):
+    with pytest.raises(ConfigError, match="metrics_bind"):
+        load(RunConfig, overrides=[f"broker.metrics_bind={bind}"])
+
+
+def test_a_good_metrics_bind_is_taken():
+    assert load(RunConfig, overrides=["broker.metrics_bind=[::1]:0"]).broker.metrics_bind == "[::1]:0"
+
+
+def test_a_broker_that_cannot_serve_its_metrics_or_write_its_files_says_so_in_one_line(tmp_path):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    base = ["--set", "broker.bind=tcp://127.0.0.1:0", "--set", f"broker.discovery_file={tmp_path / 'b.json'}"]
+    try:
+        for sets, fragment in (
+            ([f"broker.metrics_bind=127.0.0.1:{taken.getsockname()[1]}"], "address already in use"),
+            ([f"broker.timeline_file={tmp_path / 'no' / 'timeline.jsonl'}"], "No such file or directory"),
+            (["broker.metrics_bind=nonsense"], "broker.metrics_bind must be host:port"),
+        ):
+            argv = [sys.executable, "-m", "dora", "broker", *base, *[x for s in sets for x in ("--set", s)]]
+            r = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+            assert r.returncode == 2 and fragment in r.stderr and "Traceback" not in r.stderr, r.stderr
+            assert not (tmp_path / "b.json").exists()  # nothing announced
+    finally:
+        taken.close()
