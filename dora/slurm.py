@@ -8,10 +8,12 @@ with everything that must be shared, and survive a requeue, placed in the run di
 - ``broker.json``: the discovery file (the broker writes it; workers and the learner wait for it);
 - ``journal.jsonl``: the broker journal (a requeued job's broker resumes the run from it);
 - ``audit.jsonl``: the learner's record of every committed step (``dora audit`` checks it);
+- ``metrics.jsonl`` and ``timeline.jsonl``: one line per train step and per worker event (``dora plot``);
 - ``weights/`` and ``checkpoints/``: the weight store and the learner's checkpoints, unless the config
   names other places;
 - the broker binds every interface on a free port (``tcp://0.0.0.0:0``) unless the config says where,
-  and publishes this node's name in the discovery file.
+  and publishes this node's name in the discovery file; it serves Prometheus metrics on a free port
+  (its URL is in the discovery file) unless ``broker.metrics_bind`` says where.
 
 Running it again (a requeued job starts its script from the top) writes the same file. It prints the
 path. ``examples/slurm/dora.sbatch`` calls it, then starts each process with ``--config <that file>``.
@@ -38,9 +40,11 @@ def job_config(cfg: RunConfig, run_dir: pathlib.Path) -> dict[str, dict[str, Any
     run_dir = run_dir.resolve()
     data = to_data(cfg)
     broker, learner = data["broker"], data["learner"]
-    broker.update(discovery_file=str(run_dir / "broker.json"), journal=str(run_dir / "journal.jsonl"))
+    broker.update(discovery_file=str(run_dir / "broker.json"), journal=str(run_dir / "journal.jsonl"),
+                  metrics_file=str(run_dir / "metrics.jsonl"), timeline_file=str(run_dir / "timeline.jsonl"))
     if cfg.broker.bind == DEFAULTS_BROKER.bind:  # the loopback default serves no other node
         broker["bind"] = "tcp://0.0.0.0:0"
+    broker.setdefault("metrics_bind", "0.0.0.0:0")
     learner["audit_file"] = str(run_dir / "audit.jsonl")
     if cfg.learner.store == DEFAULTS_LEARNER.store:
         learner["store"] = str(run_dir / "weights")
