@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str | None]] = {
     "status": ("live versions, workers, queues and staleness of a running broker", "dora.status"),
     "chaos": ("a proxy in front of a broker that drops, copies and delays messages (fault testing)", "dora.chaos"),
     "keys": ("`dora keys generate DIR`: CURVE keypairs for the broker and each role", "dora.keys"),
+    "config": ("`dora config reference|show`: the configuration reference, or a resolved config", "dora.reference"),
 }
 
 

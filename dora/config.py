@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
+import json
 import tomllib
 import types
 import typing
@@ -30,7 +31,8 @@ class CoreConfig:
     """Scheduling knobs of the pure core, shared by the broker and the simulator."""
 
     mode: Mode = Mode.DORA
-    """sync | one_step | partial | dora."""
+    """The paradigm: sync, one_step, partial or dora; drop_stale is a peer baseline (in-flight weight swaps,
+    over-stale groups dropped) kept to be measured against."""
     max_staleness: int = 1
     """K: a trajectory dispatched on version v is trained at learner version u with u - v <= K.
     Applies to `partial` and `dora`; `sync` is K = 0 and `one_step` is K = 1 by definition."""
@@ -165,6 +167,34 @@ def load(
             raise ConfigError(f"override {item!r} must look like section.key=value")
         _set(data, key.strip().split("."), value)
     return build(cls, data)
+
+
+def toml_value(value: Any) -> str:
+    """A plain value (str, bool, int, float, list, mapping) as TOML; mappings become inline tables."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)  # a JSON string is a TOML basic string
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{_toml_key(k)} = {toml_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    raise TypeError(f"no TOML form for {value!r}")
+
+
+def dumps_toml(data: Mapping[str, Mapping[str, Any]]) -> str:
+    """Tables of plain values as a TOML document (``None`` values are left out: TOML has no null)."""
+    lines = []
+    for section, values in data.items():
+        lines.append(f"[{_toml_key(section)}]")
+        lines.extend(f"{_toml_key(k)} = {toml_value(v)}" for k, v in values.items() if v is not None)
+    return "\n".join(lines) + "\n"
+
+
+def _toml_key(key: str) -> str:
+    return key if key and all(c.isascii() and (c.isalnum() or c in "_-") for c in key) else json.dumps(key)
 
 
 def _merge(into: dict[str, Any], data: Mapping[str, Any]) -> None:

@@ -17,14 +17,12 @@ import sys
 import time
 from typing import Any
 
+from dora.config import dumps_toml
+
 
 def to_toml(cfg: dict[str, dict[str, Any]]) -> str:
-    """A two-level mapping as TOML (sections of scalars and lists; what a run config holds)."""
-    lines = []
-    for section, values in cfg.items():
-        lines.append(f"[{section}]")
-        lines.extend(f"{k} = {json.dumps(v)}" for k, v in values.items())
-    return "\n".join(lines) + "\n"
+    """A two-level mapping as TOML (sections of scalars, lists and tables; what a run config holds)."""
+    return dumps_toml(cfg)
 
 
 class LocalRun:
