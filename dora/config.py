@@ -9,11 +9,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
+import importlib
 import json
 import tomllib
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -110,6 +111,28 @@ class CoreConfig:
         if self.total_steps is None or self.drops_stale:
             return None
         return self.total_steps * self.train_groups
+
+
+def resolve_callable(spec: str, what: str) -> Callable[..., Any]:
+    """``module:function`` -> the function, imported; a ConfigError that starts with ``what`` for a bad spec
+    (no colon, a module that does not import, no such attribute, not callable)."""
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise ConfigError(f"{what} {spec!r}: expected 'module:function'")
+    try:
+        imported = importlib.import_module(module)
+    except ImportError as e:
+        raise ConfigError(f"{what} {spec!r}: {e}") from None
+    except Exception as e:  # the user's module failed while importing: one line, not a traceback
+        raise ConfigError(f"{what} {spec!r}: importing {module} raised {type(e).__name__}: {e}") from None
+    fn = imported
+    for part in name.split("."):
+        fn = getattr(fn, part, None)
+        if fn is None:
+            raise ConfigError(f"{what} {spec!r}: module {module!r} has no attribute {name!r}")
+    if not callable(fn):
+        raise ConfigError(f"{what} {spec!r} is not callable")
+    return fn
 
 
 def _at_least(name: str, value: object, low: int) -> None:

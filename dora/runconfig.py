@@ -170,6 +170,9 @@ class LearnerSection:
     filter_uniform_groups: bool = False
     """Mask out groups whose rewards are all equal (zero advantage) and report how many (DAPO dynamic sampling);
     the batch still holds train_groups groups."""
+    loss: str | None = None
+    """torch trainer: `module:function` called instead of `dora.learner.loss:policy_loss`, with the same
+    arguments, returning the same (loss, metrics); the contract is in dora/learner/loss.py. None: policy_loss."""
     dtype: str = "float32"
     """torch trainer: ``bfloat16`` computes in bf16 (FSDP2 MixedPrecisionPolicy; autocast on one rank), master
     weights, optimizer state and gradient reduction stay fp32."""

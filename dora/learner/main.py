@@ -45,6 +45,11 @@ def main(argv: list[str]) -> int:
         if args.trainer == "torch" and not (model and pathlib.Path(model, "config.json").is_file()):
             raise ConfigError(f"--trainer torch needs --model DIR (an HF folder); got {cfg.learner.model}")
         check_keys(cfg, "learner")
+        loss_fn = None
+        if args.trainer == "torch":
+            from dora.learner.loss import resolve_loss
+
+            loss_fn = resolve_loss(cfg.learner.loss)  # once, before any rank starts: a bad spec is one line
     except ConfigError as e:
         print(f"dora learner: {e}", file=sys.stderr)
         return 2
@@ -57,14 +62,16 @@ def main(argv: list[str]) -> int:
     if rank > 0:  # the other ranks train in step with rank 0, which alone talks to the broker
         from dora.learner.ranks import follow
 
-        trainer, _ = make_trainer(cfg)
+        trainer, _ = make_trainer(cfg, loss_fn)
         return follow(trainer)
-    return uvloop.run(serve(cfg, endpoint, args.trainer, world, discover=lambda: resolve_endpoint(args.broker)))
+    return uvloop.run(serve(cfg, endpoint, args.trainer, world, discover=lambda: resolve_endpoint(args.broker),
+                            loss_fn=loss_fn))  # fmt: skip
 
 
-def make_trainer(cfg: RunConfig) -> tuple[Any, dict[str, Any] | None]:
-    """The torch trainer, restored from the newest checkpoint if there is one (on every rank), and its meta."""
-    from dora.learner.loss import LossConfig
+def make_trainer(cfg: RunConfig, loss_fn: Callable[..., Any] | None = None) -> tuple[Any, dict[str, Any] | None]:
+    """The torch trainer, restored from the newest checkpoint if there is one (on every rank), and its meta.
+    ``loss_fn``: the resolved ``learner.loss`` (resolved here when not given)."""
+    from dora.learner.loss import LossConfig, resolve_loss
     from dora.learner.trainer import TorchTrainer, TrainerConfig
     from dora.learner.weights import WeightStore
 
@@ -74,7 +81,7 @@ def make_trainer(cfg: RunConfig) -> tuple[Any, dict[str, Any] | None]:
     tc = TrainerConfig(lr=lc.lr, micro_batch=lc.micro_batch, temperature=cfg.run.temperature,
                        max_grad_norm=lc.max_grad_norm, seed=cfg.run.seed, dtype=lc.dtype,
                        checkpoint_dir=lc.checkpoint_dir, keep_checkpoints=lc.keep_checkpoints)  # fmt: skip
-    trainer = TorchTrainer(lc.model, WeightStore(lc.store), loss, tc)
+    trainer = TorchTrainer(lc.model, WeightStore(lc.store), loss, tc, loss_fn=loss_fn or resolve_loss(lc.loss))
     resumed = trainer.restore()
     if resumed is not None:
         import structlog
@@ -85,7 +92,8 @@ def make_trainer(cfg: RunConfig) -> tuple[Any, dict[str, Any] | None]:
 
 
 async def serve(cfg: RunConfig, endpoint: str, kind: str = "sim", world: int = 1,
-                discover: Callable[[], str] | None = None) -> int:  # fmt: skip
+                discover: Callable[[], str] | None = None,
+                loss_fn: Callable[..., Any] | None = None) -> int:  # fmt: skip
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -93,7 +101,7 @@ async def serve(cfg: RunConfig, endpoint: str, kind: str = "sim", world: int = 1
     ctx = zmq.asyncio.Context()
     with contextlib.ExitStack() as stack:
         audit = stack.enter_context(open(cfg.learner.audit_file, "a")) if cfg.learner.audit_file else None
-        trainer, resumed = make_trainer(cfg) if kind == "torch" else (None, None)
+        trainer, resumed = make_trainer(cfg, loss_fn) if kind == "torch" else (None, None)
         leader = None
         if trainer is not None and world > 1:
             from dora.learner.ranks import Leader
