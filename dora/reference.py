@@ -21,6 +21,7 @@ import os
 import pathlib
 import re
 import sys
+import textwrap
 import types
 import typing
 from typing import Any
@@ -152,7 +153,12 @@ def about(cls: type) -> str:
     doc = cls.__doc__ or ""
     if doc.startswith(f"{cls.__name__}("):  # the signature dataclasses puts where no docstring was written
         return ""
-    return cell(inspect.cleandoc(doc).split("\n\n")[0])
+    return paragraph(inspect.cleandoc(doc).split("\n\n")[0])
+
+
+def paragraph(text: str) -> str:
+    text = re.sub(r"``([^`]+)``", r"`\1`", " ".join(text.split()))
+    return textwrap.fill(text, width=100, break_long_words=False, break_on_hyphens=False)
 
 
 def render() -> str:
@@ -164,13 +170,15 @@ def render() -> str:
     out = [
         "### `dora broker`, `dora rollout`, `dora learner`, `dora run`",
         "",
-        "Every process of a run reads the same file and uses the sections it needs. Precedence, lowest to "
-        "highest: the defaults below < `--config FILE.toml` < environment variables `DORA_<SECTION>__<KEY>` "
-        "(for example `DORA_BROKER__LIVENESS=5`) < `--set section.key=value` (repeatable; `--model` and "
-        "`--time-scale` are shorthands applied as `--set`). Environment and `--set` values are parsed into the "
-        "key's type; `none` (or `null`, or empty) unsets an optional key, and a list is written as in TOML. "
-        "An unknown key or a bad value is one error line. `dora config show --config FILE.toml` prints the "
-        "resolved config.",
+        paragraph(
+            "Every process of a run reads the same file and uses the sections it needs. Precedence, lowest to "
+            "highest: the defaults below < `--config FILE.toml` < environment variables `DORA_<SECTION>__<KEY>` "
+            "(for example `DORA_BROKER__LIVENESS=5`) < `--set section.key=value` (repeatable; `--model` and "
+            "`--time-scale` are shorthands applied as `--set`). Environment and `--set` values are parsed into the "
+            "key's type; `none` (or `null`, or empty) unsets an optional key, and a list is written as in TOML. "
+            "An unknown key or a bad value is one error line. `dora config show --config FILE.toml` prints the "
+            "resolved config."
+        ),
         "",
     ]
     for name, cls in run_sections.items():
@@ -183,10 +191,12 @@ def render() -> str:
     out += [
         "### `dora sim`",
         "",
-        "Precedence: the defaults (or, without `--config`, a small built-in demo cluster) < `--config FILE.toml` "
-        "< `DORA_SIM__<SECTION>__<KEY>` < `--set section.key=value` (`--steps`, `--faults` and `--seed` are "
-        "shorthands). `dora config show --sim` prints the resolved config. "
-        f"Sections {', '.join(f'`[{n}]`' for n in shared)} are the same as above; these are its own:",
+        paragraph(
+            "Precedence: the defaults (or, without `--config`, a small built-in demo cluster) < `--config FILE.toml` "
+            "< `DORA_SIM__<SECTION>__<KEY>` < `--set section.key=value` (`--steps`, `--faults` and `--seed` are "
+            "shorthands). `dora config show --sim` prints the resolved config. "
+            f"Sections {', '.join(f'`[{n}]`' for n in shared)} are the same as above; these are its own:"
+        ),
         "",
     ]
     for name, cls in own:
