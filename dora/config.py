@@ -9,10 +9,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
+import importlib
+import json
 import tomllib
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -30,7 +32,8 @@ class CoreConfig:
     """Scheduling knobs of the pure core, shared by the broker and the simulator."""
 
     mode: Mode = Mode.DORA
-    """sync | one_step | partial | dora."""
+    """The paradigm: sync, one_step, partial or dora; drop_stale is a peer baseline (in-flight weight swaps,
+    over-stale groups dropped) kept to be measured against."""
     max_staleness: int = 1
     """K: a trajectory dispatched on version v is trained at learner version u with u - v <= K.
     Applies to `partial` and `dora`; `sync` is K = 0 and `one_step` is K = 1 by definition."""
@@ -110,6 +113,28 @@ class CoreConfig:
         return self.total_steps * self.train_groups
 
 
+def resolve_callable(spec: str, what: str) -> Callable[..., Any]:
+    """``module:function`` -> the function, imported; a ConfigError that starts with ``what`` for a bad spec
+    (no colon, a module that does not import, no such attribute, not callable)."""
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise ConfigError(f"{what} {spec!r}: expected 'module:function'")
+    try:
+        imported = importlib.import_module(module)
+    except ImportError as e:
+        raise ConfigError(f"{what} {spec!r}: {e}") from None
+    except Exception as e:  # the user's module failed while importing: one line, not a traceback
+        raise ConfigError(f"{what} {spec!r}: importing {module} raised {type(e).__name__}: {e}") from None
+    fn = imported
+    for part in name.split("."):
+        fn = getattr(fn, part, None)
+        if fn is None:
+            raise ConfigError(f"{what} {spec!r}: module {module!r} has no attribute {name!r}")
+    if not callable(fn):
+        raise ConfigError(f"{what} {spec!r} is not callable")
+    return fn
+
+
 def _at_least(name: str, value: object, low: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
         raise ConfigError(f"{name} must be an integer >= {low}; got {value!r}")
@@ -165,6 +190,52 @@ def load(
             raise ConfigError(f"override {item!r} must look like section.key=value")
         _set(data, key.strip().split("."), value)
     return build(cls, data)
+
+
+def to_data(obj: Any) -> Any:
+    """A resolved config as plain TOML-able data (None left out: it is every such field's default)."""
+    if dataclasses.is_dataclass(obj):
+        out = {}
+        for f in dataclasses.fields(obj):
+            value = to_data(getattr(obj, f.name))
+            if value is not None:
+                out[f.name] = value
+        return out
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if isinstance(obj, tuple | list):
+        return [to_data(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: to_data(v) for k, v in obj.items()}
+    return obj
+
+
+def toml_value(value: Any) -> str:
+    """A plain value (str, bool, int, float, list, mapping) as TOML; mappings become inline tables."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)  # a JSON string is a TOML basic string
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{_toml_key(k)} = {toml_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    raise TypeError(f"no TOML form for {value!r}")
+
+
+def dumps_toml(data: Mapping[str, Mapping[str, Any]]) -> str:
+    """Tables of plain values as a TOML document (``None`` values are left out: TOML has no null)."""
+    lines = []
+    for section, values in data.items():
+        lines.append(f"[{_toml_key(section)}]")
+        lines.extend(f"{_toml_key(k)} = {toml_value(v)}" for k, v in values.items() if v is not None)
+    return "\n".join(lines) + "\n"
+
+
+def _toml_key(key: str) -> str:
+    return key if key and all(c.isascii() and (c.isalnum() or c in "_-") for c in key) else json.dumps(key)
 
 
 def _merge(into: dict[str, Any], data: Mapping[str, Any]) -> None:

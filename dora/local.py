@@ -9,7 +9,6 @@ file in the run directory, which ``events`` parses.
 from __future__ import annotations
 
 import json
-import math
 import os
 import pathlib
 import signal
@@ -18,24 +17,12 @@ import sys
 import time
 from typing import Any
 
+from dora.config import dumps_toml
+
 
 def to_toml(cfg: dict[str, dict[str, Any]]) -> str:
-    """A two-level mapping as TOML: sections of scalars, lists and inline tables (what a run config holds)."""
-    lines = []
-    for section, values in cfg.items():
-        lines.append(f"[{section}]")
-        lines.extend(f"{k} = {_toml_value(v)}" for k, v in values.items())
-    return "\n".join(lines) + "\n"
-
-
-def _toml_value(v: Any) -> str:
-    if isinstance(v, dict):
-        return "{ " + ", ".join(f"{json.dumps(str(k))} = {_toml_value(x)}" for k, x in v.items()) + " }"
-    if isinstance(v, list | tuple):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    if isinstance(v, float) and not math.isfinite(v):
-        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
-    return json.dumps(v)
+    """A two-level mapping as TOML (sections of scalars, lists and tables; what a run config holds)."""
+    return dumps_toml(cfg)
 
 
 class LocalRun:

@@ -16,7 +16,10 @@ from dora.config import ConfigError
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LogConfig:
+    """Structured logs (structlog): one JSON object per line, or console rendering."""
+
     level: Literal["debug", "info", "warning", "error"] = "info"
+    """Lowest level written."""
     format: Literal["auto", "json", "console"] = "auto"
     """auto: console on a terminal, JSON lines otherwise."""
 

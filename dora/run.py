@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
-import enum
 import json
 import os
 import pathlib
@@ -27,28 +25,10 @@ import sys
 import time
 from typing import Any
 
-from dora.config import ConfigError, load
+from dora.config import ConfigError, load, to_data
 from dora.local import LocalRun
 from dora.plot import METRICS, TIMELINE, PlotError, render
 from dora.runconfig import RunConfig
-
-
-def to_data(obj: Any) -> Any:
-    """A resolved config as plain TOML-able data (None left out: it is every such field's default)."""
-    if dataclasses.is_dataclass(obj):
-        out = {}
-        for f in dataclasses.fields(obj):
-            value = to_data(getattr(obj, f.name))
-            if value is not None:
-                out[f.name] = value
-        return out
-    if isinstance(obj, enum.Enum):
-        return obj.value
-    if isinstance(obj, tuple | list):
-        return [to_data(x) for x in obj]
-    if isinstance(obj, dict):
-        return {k: to_data(v) for k, v in obj.items()}
-    return obj
 
 
 def prepare(cfg: RunConfig, rundir: pathlib.Path) -> dict[str, Any]:

@@ -17,12 +17,19 @@ from dora.sim.config import EngineSection, TrainerSection, WorkloadSection
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LiveRun:
+    """The run as a whole: sampling settings every worker gets from the broker, and what `dora run` starts."""
+
     seed: int = 0
+    """Seeds each group's sampling (with its attempt), the sim engine's lengths, and the learner's torch RNG."""
     time_scale: float = 0.01
     """Real seconds per simulated second for the sim engine and trainer (0.01: 100x faster than real)."""
     max_tokens: int = 30_720
+    """Most tokens generated per sample (torch, vllm and custom engines; the sim engine's lengths are capped by
+    workload.cap instead)."""
     temperature: float = 1.0
+    """Sampling temperature; the learner scores at it too, since the behaviour log-probs were taken at it."""
     top_p: float = 1.0
+    """Nucleus sampling: draw from the smallest set of tokens whose probability reaches top_p (1.0 = off)."""
     workers: int = 2
     """`dora run`: rollout workers to start on this machine."""
     engine: str = "sim"
@@ -49,6 +56,8 @@ class LiveRun:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BrokerSection:
+    """The broker's socket and timings; workers and the learner read the liveness settings from here too."""
+
     bind: str = "tcp://127.0.0.1:5555"
     """ROUTER endpoint (tcp://host:port, port 0 = any free port, or ipc://path)."""
     discovery_file: str | None = "broker.json"
@@ -60,6 +69,7 @@ class BrokerSection:
     """Rollout workers and the learner wait this long at start for the discovery file to appear (processes of one
     job start together). A discovery file in a directory that does not exist is an error at once."""
     heartbeat_interval_s: float = 0.5
+    """Seconds between heartbeats, both ways (the broker tells every peer in its Welcome)."""
     liveness: int = 4
     """Missed heartbeat intervals before a peer is declared dead."""
     stall_timeout_s: float = 30.0
@@ -71,7 +81,10 @@ class BrokerSection:
     tick_s: float = 2.0
     """Orchestrator timer (re-partition of workers across versions)."""
     max_message_bytes: int = 256 << 20
+    """ZeroMQ MAXMSGSIZE of the broker's socket: a larger incoming message closes that peer's connection."""
     hwm: int = 100_000
+    """ZeroMQ send and receive high-water marks of the broker's socket, in messages per peer (a send that
+    finds the pipe full is kept and retried, never dropped)."""
     exit_when_done: bool = True
     """Exit 0 once the run's total_steps are trained (after telling the peers)."""
     shutdown_s: float = 5.0
@@ -116,28 +129,40 @@ def split_host_port(bind: str) -> tuple[str, int]:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RolloutSection:
+    """A rollout worker (`dora rollout`) and its engine."""
+
     slots: int = 0
-    """Sequences this worker accepts at once (its credit); 0 = engine.credit."""
+    """Sequences this worker accepts at once (its credit), and for torch and vllm also the most decoded at
+    once; 0 = engine.credit_slots (or 2 x engine.max_slots) accepted, engine.max_slots decoded."""
     reconnect_max_s: float = 32.0
+    """Cap of the reconnect backoff (1 s, doubling) after the broker is lost; it starts over after a welcome."""
     model: str | None = None
-    """An HF model folder for the torch engine (the version-0 weights)."""
+    """An HF model folder for the torch and vllm engines (the version-0 weights)."""
     device: str = "cpu"
+    """torch engine: the torch device it runs on (cpu, cuda, cuda:1). vLLM runs on its own platform's device."""
     dtype: str = "float32"
+    """torch and vllm engines: the model's dtype (float32, bfloat16, float16)."""
     kv_cache_mib: int = 256
     """vllm: KV cache memory, always explicit (vLLM on CPU would otherwise take most of the machine)."""
     max_model_len: int = 4096
+    """vllm: the longest prompt + completion it accepts, in tokens."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TaskSection:
+    """The prompts (the broker encodes them) and the reward (the workers score with it)."""
+
     name: str = "synthetic"
     """synthetic (token arrays for the sim engine), arithmetic or countdown."""
     seed: int = 0
+    """The task's seed: item i is a pure function of (seed, i)."""
     tokenizer: str | None = None
     """Folder holding tokenizer.json (the model folder); the broker encodes prompts with it."""
     reward: str | None = None
-    """module:function scoring (completion, item); default: the task's own."""
+    """`module:function` scoring `(completion: str, item) -> float` on the workers (the broker imports it too, so
+    keep its module free of heavy imports); default: the task's own."""
     reward_timeout_s: float = 5.0
+    """A reward call taking longer scores 0 (with the reason); the worker goes on."""
 
     def __post_init__(self) -> None:
         if self.name not in ("synthetic", "arithmetic", "countdown"):
@@ -146,6 +171,8 @@ class TaskSection:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LearnerSection:
+    """The learner (`dora learner`): its trainer, loss, weight store and checkpoints."""
+
     audit_file: str | None = None
     """JSON lines, one per trained step: the groups it trained (for exactly-once checks)."""
     sim_gpus: int = 1
@@ -157,13 +184,26 @@ class LearnerSection:
     store: str = "weights"
     """Weight store directory, reachable by every process (published versions, retired by the broker)."""
     lr: float = 1e-4
+    """torch trainer: AdamW learning rate (betas 0.9, 0.99; no weight decay)."""
     micro_batch: int = 16
+    """torch trainer: trajectories per forward/backward; gradients accumulate over the batch."""
     max_grad_norm: float = 1.0
+    """torch trainer: gradients are clipped to this global norm before each step."""
     clip_low: float = 0.2
+    """PPO clip: the ratio is clipped below at 1 - clip_low."""
     clip_high: float = 0.2
+    """PPO clip: the ratio is clipped above at 1 + clip_high (DAPO's clip-higher raises it, e.g. 0.28)."""
     token_level: bool = False
+    """Loss reduction: false = mean per trajectory, then over trajectories (GRPO); true = mean over every token
+    of the batch (DAPO), so long answers weigh per token."""
     scale_by_std: bool = True
+    """Advantages divided by the group's reward std (GRPO); false = reward minus group mean (Dr. GRPO)."""
     filter_uniform_groups: bool = False
+    """Mask out groups whose rewards are all equal (zero advantage) and report how many (DAPO dynamic sampling);
+    the batch still holds train_groups groups."""
+    loss: str | None = None
+    """torch trainer: `module:function` called instead of `dora.learner.loss:policy_loss`, with the same
+    arguments, returning the same (loss, metrics); the contract is in dora/learner/loss.py. None: policy_loss."""
     dtype: str = "float32"
     """torch trainer: ``bfloat16`` computes in bf16 (FSDP2 MixedPrecisionPolicy; autocast on one rank), master
     weights, optimizer state and gradient reduction stay fp32."""
@@ -173,6 +213,7 @@ class LearnerSection:
     checkpoint_every: int = 10
     """Steps between checkpoints (the last step is always checkpointed)."""
     keep_checkpoints: int = 2
+    """Checkpoints kept; older ones are deleted after a new one is written."""
     checkpoint_on_stop: bool = True
     """On SIGTERM, checkpoint the newest committed version before exiting if it is not checkpointed yet (SIGUSR1
     always does, at the next step boundary). Checkpoints are written atomically: a SIGKILL during one loses only it."""
@@ -191,6 +232,8 @@ class LearnerSection:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SecuritySection:
+    """CURVE encryption and authentication of every connection."""
+
     keys: str | None = None
     """Directory from `dora keys generate`: CURVE on every connection; only its keys connect, each as its role."""
     auth_timeout_s: float = 30.0

@@ -27,9 +27,8 @@ import pathlib
 import sys
 from typing import Any
 
-from dora.config import ConfigError, load
+from dora.config import ConfigError, load, to_data
 from dora.local import to_toml
-from dora.run import to_data
 from dora.runconfig import BrokerSection, LearnerSection, RunConfig
 
 DEFAULTS_BROKER, DEFAULTS_LEARNER = BrokerSection(), LearnerSection()
@@ -40,8 +39,12 @@ def job_config(cfg: RunConfig, run_dir: pathlib.Path) -> dict[str, dict[str, Any
     run_dir = run_dir.resolve()
     data = to_data(cfg)
     broker, learner = data["broker"], data["learner"]
-    broker.update(discovery_file=str(run_dir / "broker.json"), journal=str(run_dir / "journal.jsonl"),
-                  metrics_file=str(run_dir / "metrics.jsonl"), timeline_file=str(run_dir / "timeline.jsonl"))
+    broker.update(
+        discovery_file=str(run_dir / "broker.json"),
+        journal=str(run_dir / "journal.jsonl"),
+        metrics_file=str(run_dir / "metrics.jsonl"),
+        timeline_file=str(run_dir / "timeline.jsonl"),
+    )
     if cfg.broker.bind == DEFAULTS_BROKER.bind:  # the loopback default serves no other node
         broker["bind"] = "tcp://0.0.0.0:0"
     broker.setdefault("metrics_bind", "0.0.0.0:0")

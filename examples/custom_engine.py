@@ -8,6 +8,10 @@ policy over a small vocabulary, with its log-probs). The contract is in
 ``submit``, and is polled with ``advance``. It reports each finished sample through ``result``, with
 its token ids, behaviour log-probs and ``(version, tokens)`` segments. Migration hands over the token
 prefix. This engine re-generates the rest from the prefix, as any engine without KV transfer would.
+
+Three methods are the stack's own: ``generate`` (inference), ``reward`` (scoring) and ``loaded`` (taking a
+version's weights). ``examples/embed/worker.py`` overrides them with a real model, the run's task and its
+reward, and starts the same worker through ``main``.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import asyncio
 import os
 import signal
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import uvloop
@@ -43,14 +49,46 @@ def my_generate(prefix: list[int], max_tokens: int, seed: int) -> tuple[list[int
     return tokens, [float(logp[t]) for t in tokens]
 
 
+@dataclass(slots=True)
+class Request:
+    """One sample of a leased group; ``tokens`` holds a prefix made elsewhere when it migrated in."""
+
+    group: int
+    attempt: int
+    index: int
+    prompt: list[int]
+    max_tokens: int
+    seed: int
+    temperature: float
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+
 class MyEngine:
     name = "custom"
 
     def __init__(self) -> None:
         self.version: int | None = None
         self.tokens_generated = 0
-        self.pending: list[tuple[int, int, int, list[int], int, int, list[int], list[float]]] = []
+        self.pending: list[Request] = []
         self.finished: list[tuple[int, int, int, list[int], list[float], int]] = []
+
+    # ---------------------------------------------------------------- the stack's own
+
+    def generate(self, batch: list[Request]) -> list[tuple[list[int], list[float]]]:
+        """Continue each request (its prompt, then any tokens it brought when it migrated in), with its seed and
+        temperature: per request, the new token ids and their behaviour log-probs. A batch is one group's
+        samples that share their prefix."""
+        return [my_generate(r.prompt + r.tokens, r.max_tokens - len(r.tokens), r.seed) for r in batch]
+
+    def reward(self, group: int, tokens: list[int]) -> float:
+        """Score a finished sample of ``group``."""
+        return float(len(tokens) % 2)
+
+    def loaded(self, version: int, uri: str = "", sha256: str = "") -> None:
+        self.version = version  # a real stack would load the weights at `uri` and check `sha256`
+
+    # ---------------------------------------------------------------- the worker's calls
 
     def busy(self) -> bool:
         return bool(self.pending)
@@ -58,34 +96,36 @@ class MyEngine:
     def load_seconds(self) -> float:
         return 0.0
 
-    def loaded(self, version: int, uri: str = "", sha256: str = "") -> None:
-        self.version = version  # a real stack would load the weights at `uri` and check `sha256`
-
     def submit(self, gen: m.Generate, now: float) -> None:
         for i in range(gen.n_samples):
-            self.pending.append((gen.group_id, gen.attempt, i, gen.prompt_ids.tolist(), gen.max_tokens,
-                                 gen.seed + i, [], []))  # fmt: skip
+            self.pending.append(Request(gen.group_id, gen.attempt, i, gen.prompt_ids.tolist(), gen.max_tokens,
+                                        gen.seed + i, gen.temperature))  # fmt: skip
 
     def export(self, group: int, attempt: int, now: float) -> list[m.RequestState]:
-        mine = [p for p in self.pending if p[:2] == (group, attempt)]
-        self.pending = [p for p in self.pending if p[:2] != (group, attempt)]
-        return [m.RequestState(index=p[2], token_ids=np.array(p[6], np.int32), logprobs=np.array(p[7], np.float32))
-                for p in mine]  # fmt: skip
+        mine = [p for p in self.pending if (p.group, p.attempt) == (group, attempt)]
+        self.cancel(group, attempt, now)
+        return [m.RequestState(index=p.index, token_ids=np.array(p.tokens, np.int32),
+                               logprobs=np.array(p.logprobs, np.float32)) for p in mine]  # fmt: skip
 
     def import_(self, mig: m.MigrateIn, now: float) -> None:
         for r in mig.requests:
-            self.pending.append((mig.group_id, mig.attempt, r.index, mig.prompt_ids.tolist(), mig.max_tokens,
-                                 mig.seed + r.index, r.token_ids.tolist(), r.logprobs.tolist()))  # fmt: skip
+            self.pending.append(Request(mig.group_id, mig.attempt, r.index, mig.prompt_ids.tolist(), mig.max_tokens,
+                                        mig.seed + r.index, mig.temperature, r.token_ids.tolist(),
+                                        r.logprobs.tolist()))  # fmt: skip
 
     def cancel(self, group: int, attempt: int, now: float) -> None:
-        self.pending = [p for p in self.pending if p[:2] != (group, attempt)]
+        self.pending = [p for p in self.pending if (p.group, p.attempt) != (group, attempt)]
 
-    def advance(self, now: float) -> None:  # one request per call: the worker's loop stays responsive
+    def advance(self, now: float) -> None:  # one group's samples per call: the worker's loop stays responsive
         if self.pending and self.version is not None:
-            group, attempt, index, prompt, max_tokens, seed, done, lps = self.pending.pop(0)
-            more, more_lps = my_generate(prompt + done, max_tokens - len(done), seed)
-            self.tokens_generated += len(more)
-            self.finished.append((group, attempt, index, done + more, lps + more_lps, self.version))
+            head = self.pending[0]
+            same = (head.group, head.attempt, head.tokens)
+            batch = [r for r in self.pending if (r.group, r.attempt, r.tokens) == same]
+            self.pending = [r for r in self.pending if (r.group, r.attempt, r.tokens) != same]
+            for r, (more, more_lps) in zip(batch, self.generate(batch), strict=True):
+                self.tokens_generated += len(more)
+                self.finished.append((r.group, r.attempt, r.index, r.tokens + more, r.logprobs + more_lps,
+                                      self.version))  # fmt: skip
 
     def take_finished(self) -> list:
         out, self.finished = self.finished, []
@@ -99,7 +139,7 @@ class MyEngine:
         return m.SampleFinished(group_id=group, attempt=attempt, index=index,
                                 segments=np.array([[version, len(tokens)]], np.int32),
                                 token_ids=np.array(tokens, np.int32), logprobs=np.array(lps, np.float32),
-                                reward=float(len(tokens) % 2), finish=Finish.STOP,
+                                reward=self.reward(group, tokens), finish=Finish.STOP,
                                 broker_epoch=broker_epoch)  # fmt: skip
 
     def load(self) -> tuple[int, float]:
@@ -110,32 +150,34 @@ class MyEngine:
         self.finished.clear()
 
 
-async def serve(cfg: RunConfig, broker: str, name: str) -> int:
+async def serve(cfg: RunConfig, broker: str, name: str, engine: MyEngine) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     ctx = zmq.asyncio.Context()
     try:
-        actor = RolloutActor(cfg, ctx, lambda: resolve_endpoint(broker), name, MyEngine(), clock=loop.time)
+        actor = RolloutActor(cfg, ctx, lambda: resolve_endpoint(broker), name, engine, clock=loop.time)
         return await actor.run(stop)
     finally:
         ctx.destroy(linger=0)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(make_engine: Callable[[RunConfig], MyEngine] = lambda cfg: MyEngine(), doc: str | None = __doc__) -> int:
+    """A rollout worker process: ``--broker``, ``--config`` and ``--name``, then ``make_engine(cfg)`` serves."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--broker", required=True)
     p.add_argument("--config")
     p.add_argument("--name", default=f"custom-{os.getpid()}")
     args = p.parse_args()
     try:
         cfg = load(RunConfig, path=args.config, env=os.environ)
+        engine = make_engine(cfg)
     except ConfigError as e:
-        print(f"custom_engine: {e}", file=sys.stderr)
+        print(f"{p.prog}: {e}", file=sys.stderr)
         return 2
     configure_logging(cfg.log, process="rollout", worker_id=args.name)
-    return uvloop.run(serve(cfg, args.broker, args.name))
+    return uvloop.run(serve(cfg, args.broker, args.name, engine))
 
 
 if __name__ == "__main__":

@@ -21,13 +21,33 @@ Notation, per sampled token t of trajectory i in group g:
   and contributes nothing. With ``filter_uniform_groups`` such groups are masked out of the
   reduction, and their number is reported. A batch still holds exactly ``train_groups`` groups: the
   filtering is visible, never a silently smaller batch.
+
+A custom loss (``learner.loss = "module:function"``) replaces ``policy_loss`` in the torch trainer.
+It is called exactly as ``policy_loss`` is, once per micro-batch:
+``fn(logp, logp_behaviour, advantages, mask, cfg, *, keep)``, with the tensors described there and
+this module's ``LossConfig`` (the run's ``learner.clip_low``, ``clip_high``, ... ). It returns
+``(loss, metrics)``: a scalar tensor to back-propagate, the micro-batch's mean (per trajectory, or
+per token with ``token_level``; the trainer weights micro-batches by their share), and a dict holding
+at least the keys of ``METRICS``. Other keys are ignored. The simplest custom loss calls
+``policy_loss`` and adds a term to its result.
 """
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from dora.config import ConfigError, resolve_callable
+
+METRICS = ("tokens", "clip_fraction", "ratio_mean", "ratio_min", "ratio_max")
+"""What the trainer reads from a loss's metrics: sampled tokens counted (after ``keep``), the share of
+tokens whose ratio was clipped, and the ratio's mean, min and max over those tokens."""
+
+LossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -113,4 +133,36 @@ def policy_loss(
             "ratio_min": float(r.min()) if r.numel() else 1.0,
             "ratio_max": float(r.max()) if r.numel() else 1.0,
         }
+    return loss, metrics
+
+
+def resolve_loss(spec: str | None) -> LossFn:
+    """``learner.loss``: the function named by ``module:function``, or ``policy_loss`` when None. A spec that
+    does not import, names nothing callable, or names a function that cannot take ``policy_loss``'s
+    arguments is a ConfigError."""
+    if spec is None:
+        return policy_loss
+    fn = resolve_callable(spec, "learner.loss")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # some callables carry no signature: their first call will tell
+        return fn
+    try:
+        signature.bind("logp", "logp_behaviour", "advantages", "mask", "cfg", keep="keep")
+    except TypeError as e:
+        raise ConfigError(f"learner.loss {spec!r} cannot be called as policy_loss is "
+                          f"(logp, logp_behaviour, advantages, mask, cfg, *, keep): {e}") from None  # fmt: skip
+    return fn
+
+
+def checked(result: Any, fn: LossFn) -> tuple[torch.Tensor, dict[str, float]]:
+    """A loss function's result, checked against the contract (a TypeError naming the function if not)."""
+    ok = isinstance(result, tuple) and len(result) == 2
+    loss, metrics = result if ok else (None, None)
+    if not (ok and isinstance(loss, torch.Tensor) and loss.dim() == 0 and isinstance(metrics, dict)):
+        raise TypeError(f"loss {fn.__module__}:{fn.__qualname__} must return (a scalar tensor, a dict of metrics); "
+                        f"got {type(result).__name__}")  # fmt: skip
+    missing = [k for k in METRICS if k not in metrics]
+    if missing:
+        raise TypeError(f"loss {fn.__module__}:{fn.__qualname__}: its metrics lack {', '.join(missing)}")
     return loss, metrics

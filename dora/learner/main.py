@@ -50,6 +50,11 @@ def main(argv: list[str]) -> int:
             raise ConfigError(f"--trainer torch needs --model DIR (an HF folder); got {cfg.learner.model}")
         check_keys(cfg, "learner")
         endpoint = wait_for_endpoint(args.broker, cfg.broker.discovery_wait_s, cluster)
+        loss_fn = None
+        if args.trainer == "torch":
+            from dora.learner.loss import resolve_loss
+
+            loss_fn = resolve_loss(cfg.learner.loss)  # once, before any rank starts: a bad spec is one line
     except (ConfigError, ValueError) as e:
         print(f"dora learner: {e}", file=sys.stderr)
         return 2
@@ -65,15 +70,18 @@ def main(argv: list[str]) -> int:
 
         for sig in (signal.SIGTERM, signal.SIGUSR1):  # rank 0 decides when to stop, and tells them
             signal.signal(sig, signal.SIG_IGN)
-        trainer, _ = make_trainer(cfg, str(device))
+        trainer, _ = make_trainer(cfg, loss_fn, str(device))
         return follow(trainer)
     discover = lambda: resolve_endpoint(args.broker, cluster)  # noqa: E731
-    return uvloop.run(serve(cfg, endpoint, args.trainer, world, discover=discover, cluster=cluster, device=str(device)))
+    return uvloop.run(serve(cfg, endpoint, args.trainer, world, discover=discover, cluster=cluster,
+                            device=str(device), loss_fn=loss_fn))  # fmt: skip
 
 
-def make_trainer(cfg: RunConfig, device: str = "cpu") -> tuple[Any, dict[str, Any] | None]:
-    """The torch trainer, restored from the newest checkpoint if there is one (on every rank), and its meta."""
-    from dora.learner.loss import LossConfig
+def make_trainer(cfg: RunConfig, loss_fn: Callable[..., Any] | None = None,
+                 device: str = "cpu") -> tuple[Any, dict[str, Any] | None]:  # fmt: skip
+    """The torch trainer, restored from the newest checkpoint if there is one (on every rank), and its meta.
+    ``loss_fn``: the resolved ``learner.loss`` (resolved here when not given)."""
+    from dora.learner.loss import LossConfig, resolve_loss
     from dora.learner.trainer import TorchTrainer, TrainerConfig
     from dora.learner.weights import WeightStore
 
@@ -83,7 +91,8 @@ def make_trainer(cfg: RunConfig, device: str = "cpu") -> tuple[Any, dict[str, An
     tc = TrainerConfig(lr=lc.lr, micro_batch=lc.micro_batch, temperature=cfg.run.temperature,
                        max_grad_norm=lc.max_grad_norm, seed=cfg.run.seed, dtype=lc.dtype,
                        checkpoint_dir=lc.checkpoint_dir, keep_checkpoints=lc.keep_checkpoints)  # fmt: skip
-    trainer = TorchTrainer(lc.model, WeightStore(lc.store), loss, tc, device=device)
+    trainer = TorchTrainer(lc.model, WeightStore(lc.store), loss, tc, loss_fn=loss_fn or resolve_loss(lc.loss),
+                           device=device)  # fmt: skip
     resumed = trainer.restore()
     if resumed is not None:
         import structlog
@@ -95,7 +104,7 @@ def make_trainer(cfg: RunConfig, device: str = "cpu") -> tuple[Any, dict[str, An
 
 async def serve(cfg: RunConfig, endpoint: str, kind: str = "sim", world: int = 1,
                 discover: Callable[[], str] | None = None, cluster: ClusterInfo | None = None,
-                device: str = "cpu") -> int:  # fmt: skip
+                device: str = "cpu", loss_fn: Callable[..., Any] | None = None) -> int:  # fmt: skip
     stop, drain = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -104,7 +113,7 @@ async def serve(cfg: RunConfig, endpoint: str, kind: str = "sim", world: int = 1
     ctx = zmq.asyncio.Context()
     with contextlib.ExitStack() as stack:
         audit = stack.enter_context(open(cfg.learner.audit_file, "a")) if cfg.learner.audit_file else None
-        trainer, resumed = make_trainer(cfg, device) if kind == "torch" else (None, None)
+        trainer, resumed = make_trainer(cfg, loss_fn, device) if kind == "torch" else (None, None)
         leader = None
         if trainer is not None and world > 1:
             from dora.learner.ranks import Leader

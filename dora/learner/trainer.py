@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from dora.learner.loss import LossConfig, group_advantages, policy_loss, uniform_groups
+from dora.learner.loss import LossConfig, LossFn, checked, group_advantages, policy_loss, uniform_groups
 from dora.learner.weights import WeightStore
 from dora.wire import messages as m
 
@@ -43,10 +43,11 @@ class TrainerConfig:
 
 class TorchTrainer:
     def __init__(self, model_dir: str | pathlib.Path, store: WeightStore, loss: LossConfig, cfg: TrainerConfig,
-                 *, device: str = "cpu") -> None:  # fmt: skip
+                 *, device: str = "cpu", loss_fn: LossFn = policy_loss) -> None:  # fmt: skip
         """Under an initialised process group of more than one rank the model is sharded with FSDP2
         (``fully_shard`` per decoder layer, then the root): every rank must then call ``train`` and
-        ``publish`` with the same batch, each working on its share of the trajectories."""
+        ``publish`` with the same batch, each working on its share of the trajectories. ``loss_fn`` is
+        called as ``policy_loss`` is, per micro-batch (the contract is in ``dora.learner.loss``)."""
         import torch.distributed as dist
         from transformers import AutoModelForCausalLM
 
@@ -70,6 +71,7 @@ class TorchTrainer:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
         self.store = store
         self.loss_cfg = loss
+        self.loss_fn = loss_fn
         self.cfg = cfg
 
     def train(self, batch: m.TrainBatch) -> dict[str, float]:
@@ -91,8 +93,9 @@ class TorchTrainer:
             if not any(keep[i] for i in part):
                 continue
             logp, beh, mask = self._score([rows[i] for i in part])
-            loss, met = policy_loss(logp, beh, adv[list(part)].to(self.device), mask, self.loss_cfg,
-                                    keep=keep[list(part)].to(self.device))  # fmt: skip
+            out = self.loss_fn(logp, beh, adv[list(part)].to(self.device), mask, self.loss_cfg,
+                               keep=keep[list(part)].to(self.device))  # fmt: skip
+            loss, met = checked(out, self.loss_fn)
             share = met["tokens"] / max(kept_tokens, 1) if self.loss_cfg.token_level else (
                 int(keep[list(part)].sum()) / max(kept_rows, 1))  # fmt: skip
             (loss * share * self.world).backward()  # FSDP averages gradients over ranks: undo the mean

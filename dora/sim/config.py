@@ -19,15 +19,20 @@ Placement = Literal["colocated", "disaggregated"]
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RunSection:
+    """One simulated run per mode, on a virtual clock."""
+
     steps: int = 12
+    """Train steps per simulated run."""
     warmup_steps: int = 2
     """Steps left out of the steady-state metrics (the paper averages iterations after warm-up)."""
     seed: int = 0
+    """Seeds the workload's lengths and the fault schedule (the same for every mode)."""
     tick_s: float = 30.0
     """Orchestrator timer (virtual seconds)."""
     faults: int = 0
     """Random worker kills per run (same times and victims for every mode)."""
     restart_s: float = 60.0
+    """Virtual seconds before a killed worker joins again."""
 
     def __post_init__(self) -> None:
         if self.steps < 1 or not 0 <= self.warmup_steps < self.steps:
@@ -38,7 +43,10 @@ class RunSection:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ClusterSection:
+    """The accelerators and how they are split between rollout and training."""
+
     total_gpus: int = 32
+    """Accelerators in the cluster (rollout workers and trainer together)."""
     gpus_per_worker: int = 4
     """Accelerators per inference-engine replica (one rollout worker = one DP group)."""
     rollout_gpus: int | None = None
@@ -48,6 +56,8 @@ class ClusterSection:
         default_factory=lambda: {"sync": "colocated", "one_step": "disaggregated", "partial": "colocated",
                                  "dora": "disaggregated", "drop_stale": "disaggregated"}
     )  # fmt: skip
+    """Per mode: colocated (every accelerator alternates rollout and training) or disaggregated (a rollout pool
+    and a trainer pool); a mode not listed is disaggregated."""
 
     def __post_init__(self) -> None:
         if self.gpus_per_worker < 1 or self.total_gpus < 2 * self.gpus_per_worker:
@@ -67,19 +77,25 @@ class ClusterSection:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EngineSection:
-    """One inference-engine replica. Decode step = tpot_base_s + tpot_per_seq_s x running sequences."""
+    """One inference-engine replica, as the sim engine and `dora sim` model it: a decode step takes
+    tpot_scale x (tpot_base_s + tpot_per_seq_s x running sequences). max_slots and credit_slots also size
+    torch and vllm workers unless rollout.slots is set."""
 
     tpot_base_s: float = 0.02
+    """Seconds per decode step, fixed part."""
     tpot_per_seq_s: float = 0.0001
+    """Seconds per decode step added by each running sequence."""
     tpot_scale: float = 1.0
     """Multiplies both decode terms: hardware-derived terms, one fitted scale."""
     max_slots: int = 256
-    """Sequences decoded at once (vLLM max_num_seqs)."""
+    """Sequences decoded at once (vLLM max_num_seqs); also the batch of torch and vllm workers when
+    rollout.slots is 0."""
     kv_budget_tokens: int = 1 << 40
     """KV cache capacity in tokens (prompt + generated of every running sequence)."""
     prefill_s_per_token: float = 0.0
     """Prefill cost; also the re-prefill cost of partial after a weight swap and of migration without KV."""
     kv_bytes_per_token: float = 0.0
+    """KV cache bytes per token, shipped by a migration with kv_transfer."""
     transfer_bytes_per_s: float = 1e11
     """Worker-to-worker bandwidth for KV migration."""
     kv_transfer: bool = True
@@ -87,7 +103,8 @@ class EngineSection:
     load_s: float = 1.0
     """Time for a replica to receive and load a new version's weights."""
     credit_slots: int = 0
-    """Sequences leased to a replica at once (its credit); 0 = 2 x max_slots, so a queue waits in the engine."""
+    """Sequences leased to a replica at once (its credit; every engine's, unless rollout.slots is set); 0 =
+    2 x max_slots, so a queue waits in the engine."""
 
     def __post_init__(self) -> None:
         if (
@@ -113,11 +130,15 @@ class EngineSection:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TrainerSection:
-    """Train step = step_fixed_s + tokens x gpu_s_per_token / trainer GPUs, then publish_s."""
+    """The sim trainer's timing model: a train step takes step_fixed_s + tokens x gpu_s_per_token / trainer
+    GPUs, then publish_s."""
 
     gpu_s_per_token: float = 0.001
+    """Accelerator-seconds of training per token of the batch."""
     step_fixed_s: float = 5.0
+    """Seconds of each train step that do not depend on the batch's tokens."""
     publish_s: float = 1.0
+    """Seconds to publish a version after its step (weight transfer to the store)."""
 
     def __post_init__(self) -> None:
         if min(self.gpu_s_per_token, self.step_fixed_s, self.publish_s) < 0:
@@ -129,22 +150,36 @@ class TrainerSection:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ComponentSection:
+    """One component of a mixture workload."""
+
     weight: float = 1.0
+    """Relative share of prompts drawn from this component."""
     median: float = 1200.0
+    """Median output length in tokens."""
     sigma: float = 1.18
+    """Lognormal sigma of output lengths (larger: a longer tail)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WorkloadSection:
+    """Synthetic prompts and output lengths: the sim engine's and `dora sim`'s workload."""
+
     distribution: Literal["lognormal", "mixture"] = "lognormal"
+    """Output lengths: one lognormal (median, sigma), or a mixture of components."""
     median: float = 1200.0
+    """lognormal: median output length in tokens."""
     sigma: float = 1.18
+    """lognormal: sigma of output lengths (larger: a longer tail)."""
     components: tuple[ComponentSection, ...] = ()
     """mixture only: [[workload.components]] tables of weight, median, sigma."""
     cap: int = 30_720
+    """Longest output in tokens; a sample reaching it finishes by length."""
     difficulty_sigma: float = 0.5
+    """Spread of a per-prompt length factor shared by a group's samples (0 = independent samples)."""
     prompt_tokens: float = 150.0
+    """Median prompt length in tokens."""
     prompt_sigma: float = 0.3
+    """Lognormal sigma of prompt lengths."""
 
     def __post_init__(self) -> None:
         if self.distribution == "mixture" and not self.components:

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import ast
 import concurrent.futures
-import importlib
 import math
 import operator
 import threading
 from collections.abc import Callable
 from fractions import Fraction
 
+from dora.config import resolve_callable
 from dora.tasks.tasks import Item
 
 RewardFn = Callable[[str, Item], float]
@@ -85,17 +85,8 @@ DEFAULT = {"arithmetic": "dora.tasks.rewards:exact_match", "countdown": "dora.ta
 
 
 def resolve(spec: str) -> RewardFn:
-    """``module:function`` -> the function; a clear ValueError for a bad spec."""
-    module, _, name = spec.partition(":")
-    if not module or not name:
-        raise ValueError(f"reward {spec!r}: expected 'module:function'")
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"reward {spec!r}: {e}") from None
-    if not callable(fn):
-        raise ValueError(f"reward {spec!r} is not callable")
-    return fn
+    """``module:function`` -> the function; a clear ValueError (a ConfigError) for a bad spec."""
+    return resolve_callable(spec, "reward")
 
 
 def score(fn: RewardFn, completion: str, item: Item, *, timeout_s: float = 5.0) -> tuple[float, str]:

@@ -2,8 +2,9 @@
 
     python tests/live/hung_worker.py --broker broker.json --config run.toml --name hung --after 4
 
-The engine is the custom engine of examples/custom_engine.py; once it has finished ``--after`` samples it
-stops making progress for good, as a wedged inference engine does. Used by the stall-watchdog test (T3).
+The engine is the custom engine of examples/custom_engine.py; once it has finished ``--after`` samples (it
+finishes a group at a time) it stops making progress for good, as a wedged inference engine does. Used by the
+stall-watchdog test (T3).
 """
 
 from __future__ import annotations

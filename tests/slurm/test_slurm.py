@@ -89,9 +89,12 @@ def test_an_sbatch_job_runs_every_process_as_a_step_and_its_output_shows_the_inv
     for png in ("reward.png", "staleness.png", "timeline.png"):
         assert (run / png).stat().st_size > 0
     written = (run / "broker.json").stat().st_mtime
-    first = min(_ts(r) for r in joined)
-    print(f"\njob {job}: peers joined {first - written:.2f}-{max(_ts(r) for r in joined) - written:.2f} s after "
-          f"the discovery file was written; the run took {_ts(events(logs / 'broker.log', 'run_finished')[0]) - first:.1f} s")
+    first, last = min(_ts(r) for r in joined), max(_ts(r) for r in joined)
+    finished = _ts(events(logs / "broker.log", "run_finished")[0])
+    print(
+        f"\njob {job}: peers joined {first - written:.2f}-{last - written:.2f} s after the discovery file was "
+        f"written; the run took {finished - first:.1f} s"
+    )
 
 
 def test_the_early_warning_drains_the_learner_to_a_checkpoint_and_the_requeued_job_resumes(slurm, tiny_model, tmp_path):
@@ -118,7 +121,7 @@ def test_the_early_warning_drains_the_learner_to_a_checkpoint_and_the_requeued_j
     info = slurm.wait_state(job, FINAL, 300)
     out = (tmp_path / f"job-{job}.out").read_text()
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", out
-    assert "job {} attempt 1".format(job) in out and "resuming the run recorded" in out and "requeued" in out, out
+    assert f"job {job} attempt 1" in out and "resuming the run recorded" in out and "requeued" in out, out
     assert "invariants hold" in out and "FAILED" not in out, out
     report = audit_run(run / "journal.jsonl", run / "audit.jsonl", total_steps=steps)
     assert report.ok and report.finished and report.steps_committed == steps, report.problems

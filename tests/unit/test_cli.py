@@ -28,7 +28,7 @@ def test_unknown_command_is_a_usage_error():
     assert r.returncode == 2 and "invalid choice" in r.stderr and "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["broker", "--help"], ["sim", "--help"]])
+@pytest.mark.parametrize("argv", [["--help"], ["broker", "--help"], ["sim", "--help"], ["config", "reference"]])
 def test_help_never_imports_torch_or_vllm(argv):
     code = (
         "import sys\nfrom dora.cli import main\n"
