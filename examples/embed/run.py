@@ -10,7 +10,7 @@ dora's broker and torch learner.
 - ``run.toml``: the run; dora's ``prepare`` fills in this run's socket, weight store, checkpoints and
   journal, and builds the tiny model on the first run, as ``dora run`` does.
 
-Everything lands in ``runs/embed-<time>/`` (``run.dir``): ``metrics.jsonl``, ``reward.png``, one log per
+Everything lands in ``runs/embed-<time>/`` (``run.dir``): ``metrics.jsonl``, the figures, one log per
 process. The exit status is 0 only if every process exited 0.
 """
 
@@ -25,7 +25,8 @@ import time
 
 from dora.config import ConfigError, load
 from dora.local import LocalRun
-from dora.run import follow, prepare, summarize
+from dora.plot import PlotError, render
+from dora.run import follow, prepare
 from dora.runconfig import RunConfig
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -55,7 +56,10 @@ def main() -> int:
         follow(run, rundir, cfg.core.total_steps, lambda: False)
     finally:
         codes = run.stop()
-        summarize(run, rundir)
+        try:
+            render(rundir)  # reward.png, staleness.png, timeline.png
+        except PlotError as e:
+            print(f"embed: no figures: {e}", file=sys.stderr)
     steps = [json.loads(x) for x in (rundir / "metrics.jsonl").read_text().splitlines()]
     losses = run.events("learner", "custom_loss")
     scored = [w for w in run.procs if w.startswith("w") and run.events(w, "custom_reward_in_use")]
