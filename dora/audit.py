@@ -165,6 +165,21 @@ def render(r: Report) -> str:
     return "\n".join(lines)
 
 
+def audit_dir(run_dir: pathlib.Path, config: str | None = None, *, journal: str | None = None,
+              audit: str | None = None) -> Report:  # fmt: skip
+    """``audit_run`` on a run directory: its files are where its config (``run.toml`` there, unless ``config``
+    names another) puts them, else at their usual names in it."""
+    if not run_dir.is_dir():
+        raise ConfigError(f"{run_dir}: not a directory")
+    config = config or (str(run_dir / "run.toml") if (run_dir / "run.toml").is_file() else None)
+    cfg = load(RunConfig, path=config) if config else None
+    journal = journal or (cfg and cfg.broker.journal) or str(run_dir / "journal.jsonl")
+    audit = audit or (cfg and cfg.learner.audit_file) or str(run_dir / "audit.jsonl")
+    ckpt = (cfg and cfg.learner.checkpoint_dir) or run_dir / "checkpoints"
+    return audit_run(pathlib.Path(journal), pathlib.Path(audit), checkpoint_dir=pathlib.Path(ckpt),
+                     total_steps=cfg.core.total_steps if cfg else None)  # fmt: skip
+
+
 def main(argv: list[str]) -> int:
     fmt = argparse.RawDescriptionHelpFormatter
     p = argparse.ArgumentParser(prog="dora audit", description=__doc__, formatter_class=fmt)
@@ -174,17 +189,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--audit", help="the learner audit (default: the config's, else RUN_DIR/audit.jsonl)")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     args = p.parse_args(argv)
-    run_dir = pathlib.Path(args.run_dir)
     try:
-        if not run_dir.is_dir():
-            raise ConfigError(f"{run_dir}: not a directory")
-        config = args.config or (str(run_dir / "run.toml") if (run_dir / "run.toml").is_file() else None)
-        cfg = load(RunConfig, path=config) if config else None
-        journal = args.journal or (cfg and cfg.broker.journal) or run_dir / "journal.jsonl"
-        audit = args.audit or (cfg and cfg.learner.audit_file) or run_dir / "audit.jsonl"
-        ckpt = (cfg and cfg.learner.checkpoint_dir) or run_dir / "checkpoints"
-        report = audit_run(pathlib.Path(journal), pathlib.Path(audit), checkpoint_dir=pathlib.Path(ckpt),
-                           total_steps=cfg.core.total_steps if cfg else None)  # fmt: skip
+        report = audit_dir(pathlib.Path(args.run_dir), args.config, journal=args.journal, audit=args.audit)
     except (ConfigError, JournalError) as e:
         print(f"dora audit: {e}", file=sys.stderr)
         return 2

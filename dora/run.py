@@ -117,7 +117,22 @@ def main(argv: list[str]) -> int:
         print(f"dora run: processes failed: {failed}; logs in {rundir}", file=sys.stderr)
         return 1
     print(f"dora run: done; metrics in {rundir / 'metrics.jsonl'}", file=sys.stderr)
-    return 0
+    return check_invariants(rundir)
+
+
+def check_invariants(rundir: pathlib.Path) -> int:
+    """Print the run's invariant report (`dora audit RUN_DIR`); 1 if an invariant is broken."""
+    from dora.audit import audit_dir
+    from dora.audit import render as render_report
+    from dora.broker.journal import JournalError
+
+    try:
+        report = audit_dir(rundir)
+    except (ConfigError, JournalError) as e:
+        print(f"dora run: no invariant report: {e}", file=sys.stderr)
+        return 0
+    print(render_report(report), file=sys.stderr)
+    return 0 if report.ok else 1
 
 
 def follow(run: LocalRun, rundir: pathlib.Path, total: int, stopped: Any) -> None:

@@ -43,6 +43,8 @@ def test_dora_run_sim_completes_with_metrics_and_plots(tmp_path):
     events = [json.loads(x) for x in (rundir / "timeline.jsonl").read_text().splitlines()]
     assert sorted(e["worker"].split("/")[1] for e in events if e["event"] == "joined") == ["w0", "w1", "w2"]
     assert [e["version"] for e in events if e["event"] == "published"] == list(range(1, 13))
+    # the run's own invariant report, printed at the end (the checks of `dora audit RUN_DIR`)
+    assert "run finished" in out and "invariants hold" in out and "nothing dispatched left untrained" in out, out
     # `dora plot` draws the same run again, elsewhere
     plots = tmp_path / "plots"
     r = subprocess.run([sys.executable, "-m", "dora", "plot", str(rundir), "--out", str(plots)], capture_output=True,
