@@ -161,6 +161,12 @@ def build(cls: type[T], data: Mapping[str, Any], where: str = "") -> T:
         raise ConfigError(f"{where or cls.__name__}: {e}") from None
 
 
+ENV_PREFIXES = ("DORA_SIM__", "DORA_")
+"""The commands' environment prefixes: `dora sim` reads DORA_SIM__SECTION__KEY, every other command
+DORA_SECTION__KEY. A variable belongs to the longest prefix it starts with, so one command's settings
+are never another's unknown keys."""
+
+
 def load(
     cls: type[T],
     *,
@@ -182,7 +188,8 @@ def load(
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: invalid TOML: {e}") from None
     for name, value in sorted((env or {}).items()):
-        if name.startswith(env_prefix) and "__" in name:
+        owner = max((p for p in (*ENV_PREFIXES, env_prefix) if name.startswith(p)), key=len, default=None)
+        if owner == env_prefix and "__" in name:
             _set(data, name[len(env_prefix) :].lower().split("__"), value)
     for item in overrides:
         key, sep, value = item.partition("=")

@@ -6,6 +6,7 @@ import pytest
 
 from dora.config import ConfigError, CoreConfig, load
 from dora.ids import Mode
+from dora.runconfig import RunConfig
 from dora.sim.config import SimConfig
 
 
@@ -68,3 +69,13 @@ def test_mixture_workload_from_toml(tmp_path):
     short = sum(n < 600 for n in lengths) / len(lengths)
     assert 0.65 < short < 0.85, "a bimodal mixture: about three quarters short answers"
     assert max(lengths) <= 4096
+
+
+def test_each_command_reads_only_its_own_environment_variables():
+    """DORA_SIM__* is dora sim's; the run commands (DORA_SECTION__KEY) neither read it nor call it unknown."""
+    env = {"DORA_SIM__RUN__STEPS": "7", "DORA_CORE__MAX_STALENESS": "3"}
+    cfg = load(RunConfig, env=env, env_prefix="DORA_")
+    assert cfg.core.max_staleness == 3
+    assert load(SimConfig, env=env, env_prefix="DORA_SIM__").run.steps == 7
+    with pytest.raises(ConfigError, match="unknown key 'brokr'"):  # a typo is still an error
+        load(RunConfig, env={"DORA_BROKR__BIND": "x"}, env_prefix="DORA_")
