@@ -114,6 +114,8 @@ class StandInLearner:
         """The version of the newest checkpoint (the one resumed from; 0 stands for the model folder)."""
         self.weights_ahead = False
         """A step was trained and not published (cut short by a stop): the weights are past ``version``."""
+        self.drain = asyncio.Event()
+        """Set: leave at the next step boundary (after checkpointing). ``run`` may be handed its own."""
         self.unacked: tuple[int, m.TrainBatch, dict[str, Any]] | None = None
         """The step published and not yet acknowledged: (version, batch, facts)."""
         self.awaiting: tuple[float, Any] | None = None
@@ -153,7 +155,7 @@ class StandInLearner:
 
     async def run(self, stop: asyncio.Event, drain: asyncio.Event | None = None) -> int:
         """Serve until the run ends, ``stop`` is set (leave now) or ``drain`` is (leave at the next step boundary)."""
-        self.drain = drain or asyncio.Event()
+        self.drain = drain or self.drain
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, f"learner/{self.cluster.host}/{uuid.uuid4().hex[:8]}".encode())
         sock.setsockopt(zmq.LINGER, 0)

@@ -18,6 +18,32 @@ from tests.live.cluster import cluster
 pytestmark = pytest.mark.timeout(240)
 
 
+def torch_run(tmp_path: pathlib.Path, tiny_model: pathlib.Path, steps: int, *, min_workers: int, max_tokens: int,
+              **sections: dict) -> dict:  # fmt: skip
+    """Overrides for a run of torch workers and the torch learner on the tiny model (4 groups of 4 a step, K = 1);
+    ``sections`` add to (or replace keys of) each section."""
+    overrides = {
+        "core": {"total_steps": steps, "max_staleness": 1, "train_groups": 4, "group_size": 4,
+                 "min_workers": min_workers},
+        "run": {"max_tokens": max_tokens},
+        "task": {"name": "arithmetic", "tokenizer": str(tiny_model), "reward": "dora.tasks.rewards:digits_shaped"},
+        "broker": {"heartbeat_interval_s": 0.5, "liveness": 20},
+        "engine": {"max_slots": 16, "credit_slots": 16},
+        "learner": {"model": str(tiny_model), "store": str(tmp_path / "store"), "lr": 1e-3},
+    }  # fmt: skip
+    for section, values in sections.items():
+        overrides[section].update(values)
+    return overrides
+
+
+def wait_steps(c, n: int, learner: str, timeout_s: float = 150) -> None:
+    """Until the broker has recorded ``n`` train steps (the learner must not exit meanwhile)."""
+    deadline = time.monotonic() + timeout_s
+    while len(c.events("broker", "train_step")) < n:
+        assert time.monotonic() < deadline and c.procs[learner].poll() is None, c.log(learner)[-3000:]
+        time.sleep(0.1)
+
+
 @pytest.mark.parametrize("engine", ["torch", pytest.param("vllm", marks=[pytest.mark.vllm, pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="the vllm extra is not installed")])])  # fmt: skip
 def test_model_workers_serve_a_multi_version_run_with_real_tokens_and_rewards(tmp_path, tiny_model, engine):
@@ -65,14 +91,7 @@ def test_a_torch_learner_trains_and_workers_load_every_published_version(tmp_pat
     by the torch workers, retired versions deleted from the store."""
     steps = 5
     store = tmp_path / "store"
-    overrides = {
-        "core": {"total_steps": steps, "max_staleness": 1, "train_groups": 4, "group_size": 4, "min_workers": 2},
-        "run": {"max_tokens": 16},
-        "task": {"name": "arithmetic", "tokenizer": str(tiny_model), "reward": "dora.tasks.rewards:digits_shaped"},
-        "broker": {"heartbeat_interval_s": 0.5, "liveness": 20},
-        "engine": {"max_slots": 16, "credit_slots": 16},
-        "learner": {"model": str(tiny_model), "store": str(store), "lr": 1e-3},
-    }
+    overrides = torch_run(tmp_path, tiny_model, steps, min_workers=2, max_tokens=16)
     with cluster(tmp_path, overrides) as c:
         c.start_broker()
         for i in range(2):
@@ -101,29 +120,14 @@ def test_a_killed_torch_learner_resumes_from_its_checkpoint_and_trains_no_group_
     every version published once, no group trained twice."""
     steps = 6
     ckpt = tmp_path / "ckpt"
-    overrides = {
-        "core": {"total_steps": steps, "max_staleness": 1, "train_groups": 4, "group_size": 4, "min_workers": 1},
-        "run": {"max_tokens": 12},
-        "task": {"name": "arithmetic", "tokenizer": str(tiny_model), "reward": "dora.tasks.rewards:digits_shaped"},
-        "broker": {"heartbeat_interval_s": 0.5, "liveness": 20},
-        "engine": {"max_slots": 16, "credit_slots": 16},
-        "learner": {
-            "model": str(tiny_model),
-            "store": str(tmp_path / "store"),
-            "lr": 1e-3,
-            "checkpoint_dir": str(ckpt),
-            "checkpoint_every": 1,
-        },
-    }
+    overrides = torch_run(tmp_path, tiny_model, steps, min_workers=1, max_tokens=12,
+                          learner={"checkpoint_dir": str(ckpt), "checkpoint_every": 1})  # fmt: skip
     with cluster(tmp_path, overrides) as c:
         c.start_broker()
         c.start_worker("w0", "torch", "--model", str(tiny_model))
         learner = ["learner", "--trainer", "torch", "--broker", str(tmp_path / "broker.json")]
         c.spawn("learner", *learner)
-        deadline = time.monotonic() + 150
-        while len(c.events("broker", "train_step")) < 3:
-            assert time.monotonic() < deadline and c.procs["learner"].poll() is None, c.log("learner")[-3000:]
-            time.sleep(0.1)
+        wait_steps(c, 3, "learner")
         c.signal("learner", signal.SIGKILL)
         c.procs["learner"].wait(10)
         newest = max(r["version"] for r in c.events("broker", "train_step"))
@@ -152,21 +156,15 @@ def test_sigusr1_drains_the_learner_to_a_checkpoint_and_sigterm_checkpoints_on_t
 
     steps = 9
     ckpt = tmp_path / "ckpt"
-    overrides = {
-        "core": {"total_steps": steps, "max_staleness": 1, "train_groups": 4, "group_size": 4, "min_workers": 1},
-        "run": {"max_tokens": 12},
-        "task": {"name": "arithmetic", "tokenizer": str(tiny_model), "reward": "dora.tasks.rewards:digits_shaped"},
-        "broker": {"heartbeat_interval_s": 0.5, "liveness": 40, "journal": str(tmp_path / "journal.jsonl")},
-        "engine": {"max_slots": 16, "credit_slots": 16},
-        "learner": {"model": str(tiny_model), "store": str(tmp_path / "store"), "lr": 1e-3,
-                    "checkpoint_dir": str(ckpt), "checkpoint_every": 1000},  # only signals and the last step
-    }  # fmt: skip
-
-    def wait_steps(c, n: int, learner: str) -> None:
-        deadline = time.monotonic() + 150
-        while len(c.events("broker", "train_step")) < n:
-            assert time.monotonic() < deadline and c.procs[learner].poll() is None, c.log(learner)[-3000:]
-            time.sleep(0.1)
+    overrides = torch_run(
+        tmp_path,
+        tiny_model,
+        steps,
+        min_workers=1,
+        max_tokens=12,
+        broker={"liveness": 40, "journal": str(tmp_path / "journal.jsonl")},
+        learner={"checkpoint_dir": str(ckpt), "checkpoint_every": 1000},
+    )  # only signals, last step
 
     with cluster(tmp_path, overrides) as c:
         c.start_broker()

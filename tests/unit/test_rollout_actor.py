@@ -5,7 +5,9 @@ repeated Assign is answered again, and commands that never come are counted lost
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
+from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
@@ -33,10 +35,11 @@ async def beat_until(broker: FakeBroker, pred) -> m.Heartbeat:
             return hb
 
 
-async def test_commands_in_order_or_not_at_all_and_results_until_acknowledged():
+@contextlib.asynccontextmanager
+async def welcomed_worker(*overrides: str) -> AsyncIterator[tuple[FakeBroker, RolloutActor, asyncio.Task[int]]]:
+    """A sim-engine worker that said hello to a fake broker and was welcomed; stopped at the end."""
     endpoint = f"inproc://broker-{uuid.uuid4().hex}"
-    cfg = load(RunConfig, overrides=["broker.heartbeat_interval_s=0.05", "broker.liveness=100",
-                                     "run.time_scale=0.0001", "engine.load_s=0"])  # fmt: skip
+    cfg = load(RunConfig, overrides=["broker.heartbeat_interval_s=0.05", "broker.liveness=100", *overrides])
     ctx = zmq.asyncio.Context()
     broker = FakeBroker(ctx, endpoint)
     loop = asyncio.get_running_loop()
@@ -46,6 +49,16 @@ async def test_commands_in_order_or_not_at_all_and_results_until_acknowledged():
     try:
         await broker.expect(m.Hello)
         await broker.welcome(newest=0)
+        yield broker, worker, task
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+        ctx.destroy(linger=0)
+
+
+async def test_commands_in_order_or_not_at_all_and_results_until_acknowledged():
+    async with welcomed_worker("run.time_scale=0.0001", "engine.load_s=0") as (broker, worker, _):
+        loop = asyncio.get_running_loop()
         await broker.send(m.Assign(version=0, uri="sim://v0", sha256="0" * 64, seq=1))
         await broker.expect(m.WeightsLoaded)
         await broker.send(generate(5, 2, seq=3))
@@ -85,41 +98,14 @@ async def test_commands_in_order_or_not_at_all_and_results_until_acknowledged():
         await broker.send(generate(8, 9, seq=8))  # a late copy of one of them: dropped unapplied
         hb = await beat_until(broker, lambda hb: True)
         assert not hb.held() and worker.dropped_commands == 2
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 10)
-        ctx.destroy(linger=0)
 
 
 async def test_the_run_finished_goodbye_ends_the_worker_even_with_a_weights_load_pending():
     """The broker's last words can come with an Assign still loading: the worker leaves (exit 0) and sends
     nothing more, instead of taking the closed broker for a lost one and reconnecting until killed."""
-    endpoint = f"inproc://broker-{uuid.uuid4().hex}"
-    cfg = load(
-        RunConfig,
-        overrides=[
-            "broker.heartbeat_interval_s=0.05",
-            "broker.liveness=100",
-            "run.time_scale=0.001",
-            "engine.load_s=100",
-        ],
-    )  # fmt: skip  (a 0.1 s load)
-    ctx = zmq.asyncio.Context()
-    broker = FakeBroker(ctx, endpoint)
-    loop = asyncio.get_running_loop()
-    worker = RolloutActor(cfg, ctx, endpoint, "w", make_engine(cfg, "sim", loop.time()), clock=loop.time)
-    stop = asyncio.Event()
-    task = asyncio.create_task(worker.run(stop))
-    try:
-        await broker.expect(m.Hello)
-        await broker.welcome(newest=0)
+    async with welcomed_worker("run.time_scale=0.001", "engine.load_s=100") as (broker, worker, task):  # 0.1 s load
         await broker.send(m.Assign(version=3, uri="sim://v3", sha256="0" * 64, seq=1))
         await broker.send(m.Goodbye(reason="run finished"))
         broker.sock.close(linger=0)
         assert await asyncio.wait_for(task, 5) == 0
         assert worker.version != 3  # the pending load was dropped with the session
-    finally:
-        stop.set()
-        if not task.done():
-            task.cancel()
-        ctx.destroy(linger=0)
