@@ -30,6 +30,7 @@ from typing import Any
 from dora.broker.journal import JournalError, replay
 from dora.config import ConfigError, CoreConfig, load
 from dora.ids import Mode
+from dora.plot import read_jsonl
 from dora.runconfig import RunConfig
 
 
@@ -117,17 +118,7 @@ def audit_run(journal_path: pathlib.Path, audit_path: pathlib.Path, *, total_ste
 def _read_audit(path: pathlib.Path) -> list[dict[str, Any]]:
     if not path.exists():
         raise ConfigError(f"{path}: no learner audit there (set learner.audit_file)")
-    rows, lines = [], path.read_text().splitlines()
-    for n, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            if n == len(lines):
-                break  # torn by a kill mid-write: the learner never counted that step
-            raise ConfigError(f"{path}:{n}: not a learner audit line") from None
-    return rows
+    return read_jsonl(path)  # a last line torn by a kill: the learner never counted that step
 
 
 def _start_info(start: dict[str, Any]) -> dict[str, Any]:

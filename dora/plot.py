@@ -21,13 +21,15 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from dora.config import ConfigError
+
 METRICS = "metrics.jsonl"
 TIMELINE = "timeline.jsonl"
 MAX_WORKERS = 64
 """Rows drawn in timeline.png (the first workers to join)."""
 
 
-class PlotError(Exception):
+class PlotError(ConfigError):
     """The run directory cannot be drawn (missing, empty or unreadable): one line for the user."""
 
 
