@@ -4,7 +4,7 @@
     python bench/paper_table.py --only table    # just the two paper configs
     python bench/paper_table.py --only sweeps --steps 8
 
-Each run is the same `dora.broker.core.Core` the broker runs, driven by the simulator. Only the
+Each run is the same `dora.core.core.Core` the broker runs, driven by the simulator. Only the
 64-GPU synchronous run was calibrated (bench/calibrate.py); everything else printed is a prediction.
 Disaggregated modes get their best rollout/trainer split (searched, then stated). Sweeps reuse each
 mode's split fraction from the 64-GPU table so that only the swept condition changes.

@@ -37,12 +37,12 @@ import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
 from dora.actor.liveness import Liveness
-from dora.broker import events as ev
-from dora.broker.core import Core
+from dora.core import events as ev
+from dora.core.core import Core
 from dora.broker.journal import Journal
-from dora.broker.ledger import InvariantViolation
+from dora.core.ledger import InvariantViolation
 from dora.broker.metrics import BrokerMetrics
-from dora.broker.scheduler import GroupFailed
+from dora.core.scheduler import GroupFailed
 from dora.broker.snapshot import snapshot
 from dora.ids import WorkerId
 from dora.learner.weights import store_path

@@ -19,7 +19,7 @@ import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
 
 from dora.broker.actor import BrokerActor
-from dora.broker.core import Core
+from dora.core.core import Core
 from dora.broker.journal import Journal, JournalError, replay
 from dora.broker.metrics import serve_http
 from dora.cluster import ClusterInfo

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from dora.broker.core import Core
+from dora.core.core import Core
 
 if TYPE_CHECKING:
     from dora.broker.actor import BrokerActor

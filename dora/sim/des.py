@@ -1,6 +1,6 @@
 """Discrete-event simulation: the production core driven by the world model on a virtual clock.
 
-The core (``dora.broker.core.Core``) makes every decision; this module only advances time:
+The core (``dora.core.core.Core``) makes every decision; this module only advances time:
 
 - **Rollout.** Each worker is one engine replica (``dora.sim.engine``): a decode step of ``n`` running
   sequences takes ``tpot_base_s + tpot_per_seq_s * n``; prefill (new requests, re-prefill after a
@@ -26,8 +26,8 @@ import random
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from dora.broker.core import Core
-from dora.broker.events import Action, Assign, Cancel, DeliverBatch, Event, Lease, MigrateIn, MigrateOut, Tick
+from dora.core.core import Core
+from dora.core.events import Action, Assign, Cancel, DeliverBatch, Event, Lease, MigrateIn, MigrateOut, Tick
 from dora.ids import Mode, WorkerId
 from dora.sim.config import SimConfig
 from dora.sim.world import World

@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from dora.broker.events import (
+from dora.core.events import (
     Action,
     Assign,
     BatchRequested,

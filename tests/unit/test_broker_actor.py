@@ -16,7 +16,7 @@ import zmq
 import zmq.asyncio
 
 from dora.broker.actor import BrokerActor
-from dora.broker.core import Core
+from dora.core.core import Core
 from dora.broker.main import open_router
 from dora.config import load
 from dora.ids import Finish

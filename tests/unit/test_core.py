@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dora.broker.core import Core
-from dora.broker.events import (
+from dora.core.core import Core
+from dora.core.events import (
     Assign,
     BatchRequested,
     Cancel,
@@ -26,7 +26,7 @@ from dora.broker.events import (
     WorkerJoined,
     WorkerLost,
 )
-from dora.broker.scheduler import GroupFailed
+from dora.core.scheduler import GroupFailed
 from dora.config import ConfigError, CoreConfig
 from dora.ids import Finish, Mode
 from dora.sim.des import Simulation

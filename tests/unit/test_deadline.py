@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dora.broker import deadline
-from dora.broker.core import Core
-from dora.broker.events import (
+from dora.core import deadline
+from dora.core.core import Core
+from dora.core.events import (
     BatchRequested,
     DeliverBatch,
     Lease,

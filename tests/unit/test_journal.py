@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dora.broker import events as ev
-from dora.broker.core import Core
+from dora.core import events as ev
+from dora.core.core import Core
 from dora.broker.journal import RESERVE_BLOCK, Journal, JournalError, replay
 from dora.config import CoreConfig
 from dora.ids import Finish, WorkerId

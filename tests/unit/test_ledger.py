@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dora.broker.ledger import InvariantViolation, Ledger, VersionState
+from dora.core.ledger import InvariantViolation, Ledger, VersionState
 
 
 def test_lifecycle_published_live_draining_retired():

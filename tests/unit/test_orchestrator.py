@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dora.broker.orchestrator import WorkerView, allocate, plan
+from dora.core.orchestrator import WorkerView, allocate, plan
 
 
 @pytest.mark.parametrize(

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from dora.broker import deadline, orchestrator
-from dora.broker.events import (
+from dora.core import deadline, orchestrator
+from dora.core.events import (
     Action,
     Assign,
     BatchRequested,
@@ -39,9 +39,9 @@ from dora.broker.events import (
     WorkerJoined,
     WorkerLost,
 )
-from dora.broker.ledger import InvariantViolation, Ledger
-from dora.broker.scheduler import Flight, GroupState, Scheduler
-from dora.broker.transfer import TransferQueue
+from dora.core.ledger import InvariantViolation, Ledger
+from dora.core.scheduler import Flight, GroupState, Scheduler
+from dora.core.transfer import TransferQueue
 from dora.config import CoreConfig
 from dora.ids import GroupId, Mode, WorkerId
 

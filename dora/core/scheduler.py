@@ -16,8 +16,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from dora.broker import deadline
-from dora.broker.events import (
+from dora.core import deadline
+from dora.core.events import (
     Cancel,
     Lease,
     MigrateIn,
@@ -27,7 +27,7 @@ from dora.broker.events import (
     SampleFinished,
     TrainSample,
 )
-from dora.broker.ledger import InvariantViolation, Ledger
+from dora.core.ledger import InvariantViolation, Ledger
 from dora.config import CoreConfig
 from dora.ids import AttemptId, Finish, GroupId, Mode, WorkerId
 

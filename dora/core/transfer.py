@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from dora.broker import deadline
-from dora.broker.events import DeliverBatch, TrainGroup
-from dora.broker.ledger import InvariantViolation
+from dora.core import deadline
+from dora.core.events import DeliverBatch, TrainGroup
+from dora.core.ledger import InvariantViolation
 from dora.ids import GroupId
 
 
