@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import pathlib
-import shutil
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -37,17 +35,17 @@ import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
 from dora.actor.liveness import Liveness
+from dora.broker.journal import Journal
+from dora.broker.metrics import BrokerMetrics
+from dora.broker.snapshot import snapshot
 from dora.core import events as ev
 from dora.core.core import Core
-from dora.broker.journal import Journal
 from dora.core.ledger import InvariantViolation
-from dora.broker.metrics import BrokerMetrics
 from dora.core.scheduler import GroupFailed
-from dora.broker.snapshot import snapshot
 from dora.ids import WorkerId
-from dora.learner.weights import store_path
 from dora.runconfig import RunConfig
 from dora.security import Keys
+from dora.store import retire_uri
 from dora.wire import codec
 from dora.wire import messages as m
 
@@ -84,18 +82,6 @@ def _user_id(frames: list[Any]) -> str | None:
         return frame.get("User-Id") if isinstance(frame, zmq.Frame) else None
     except zmq.ZMQError:
         return None
-
-
-def retire_weights(uri: str) -> pathlib.Path | None:
-    """Delete a retired version's directory in the weight store (``file://<store>/v<N>/model.safetensors``)."""
-    path = store_path(uri)
-    if path is None:
-        return None
-    if not (path.name.startswith("v") and (path / "manifest.json").is_file()):
-        log.warning("retire_not_a_store_version", uri=uri)  # never delete what the store did not write
-        return None
-    shutil.rmtree(path, ignore_errors=True)
-    return path
 
 
 class BrokerActor:
@@ -517,7 +503,7 @@ class BrokerActor:
                 self.deliver(a)
             case ev.Retire():
                 uri, _ = self.weights.pop(a.version, ("", ""))
-                removed = retire_weights(uri)
+                removed = retire_uri(uri)
                 log.info("version_retired", version=a.version, deleted=str(removed) if removed else None)
                 for peer in [p for p in self.peers.values() if p.role is m.Role.ROLLOUT]:
                     self.send(peer, m.RetireVersion(version=a.version))

@@ -19,11 +19,11 @@ import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
 
 from dora.broker.actor import BrokerActor
-from dora.core.core import Core
 from dora.broker.journal import Journal, JournalError, replay
 from dora.broker.metrics import serve_http
 from dora.cluster import ClusterInfo
 from dora.config import ConfigError, load
+from dora.core.core import Core
 from dora.discovery import advertised, announce
 from dora.logging import configure_logging
 from dora.runconfig import RunConfig

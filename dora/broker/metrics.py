@@ -28,8 +28,8 @@ from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, Count
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
-from dora.core import events as ev
 from dora.broker.snapshot import per_version
+from dora.core import events as ev
 from dora.ids import GroupId, WorkerId
 from dora.runconfig import split_host_port
 

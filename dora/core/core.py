@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from dora.config import CoreConfig
 from dora.core import deadline, orchestrator
 from dora.core.events import (
     Action,
@@ -42,7 +43,6 @@ from dora.core.events import (
 from dora.core.ledger import InvariantViolation, Ledger
 from dora.core.scheduler import Flight, GroupState, Scheduler
 from dora.core.transfer import TransferQueue
-from dora.config import CoreConfig
 from dora.ids import GroupId, Mode, WorkerId
 
 

@@ -16,6 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from dora.config import CoreConfig
 from dora.core import deadline
 from dora.core.events import (
     Cancel,
@@ -28,7 +29,6 @@ from dora.core.events import (
     TrainSample,
 )
 from dora.core.ledger import InvariantViolation, Ledger
-from dora.config import CoreConfig
 from dora.ids import AttemptId, Finish, GroupId, Mode, WorkerId
 
 

@@ -83,7 +83,7 @@ def make_trainer(cfg: RunConfig, loss_fn: Callable[..., Any] | None = None,
     ``loss_fn``: the resolved ``learner.loss`` (resolved here when not given)."""
     from dora.learner.loss import LossConfig, resolve_loss
     from dora.learner.trainer import TorchTrainer, TrainerConfig
-    from dora.learner.weights import WeightStore
+    from dora.store import WeightStore
 
     lc = cfg.learner
     loss = LossConfig(clip_low=lc.clip_low, clip_high=lc.clip_high, token_level=lc.token_level,

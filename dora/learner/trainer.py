@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from dora.learner.loss import LossConfig, LossFn, checked, group_advantages, policy_loss, uniform_groups
-from dora.learner.weights import WeightStore
+from dora.store import WeightStore
 from dora.wire import messages as m
 
 

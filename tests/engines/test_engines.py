@@ -12,10 +12,10 @@ import importlib.util
 import pytest
 import torch
 
-from dora.digest import sha256_file
 from dora.ids import Finish
 from dora.rollout.engines.base import EngineError
 from dora.rollout.engines.torch_engine import TorchEngine
+from dora.store import sha256_file
 
 pytestmark = pytest.mark.timeout(300)
 PROMPT = [17, 300, 45, 9, 88, 12]

@@ -7,10 +7,10 @@ import hashlib
 import pytest
 import torch
 
-from dora.digest import sha256_file
 from dora.ids import Finish
 from dora.rollout.engines.base import EngineError
 from dora.rollout.engines.torch_engine import TorchEngine, weights_file
+from dora.store import sha256_file
 from tests.engines.test_engines import PROMPT, run
 
 pytestmark = pytest.mark.timeout(120)

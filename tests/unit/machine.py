@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dora.config import CoreConfig
 from dora.core.core import Core
 from dora.core.events import Action, DeliverBatch, Event, Retire, SampleFinished, Tick
-from dora.config import CoreConfig
 from dora.sim.workload import Workload
 from dora.sim.world import World
 

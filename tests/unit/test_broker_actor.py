@@ -16,9 +16,9 @@ import zmq
 import zmq.asyncio
 
 from dora.broker.actor import BrokerActor
-from dora.core.core import Core
 from dora.broker.main import open_router
 from dora.config import load
+from dora.core.core import Core
 from dora.ids import Finish
 from dora.runconfig import RunConfig
 from dora.wire import codec

@@ -7,7 +7,7 @@ import torch
 from dora.learner import checkpoint
 from dora.learner.loss import LossConfig
 from dora.learner.trainer import TorchTrainer, TrainerConfig
-from dora.learner.weights import WeightStore
+from dora.store import WeightStore
 from tests.unit.test_fsdp import batch
 
 CFG = TrainerConfig(lr=1e-2, micro_batch=4)

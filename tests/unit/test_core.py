@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from dora.config import ConfigError, CoreConfig
 from dora.core.core import Core
 from dora.core.events import (
     Assign,
@@ -27,7 +28,6 @@ from dora.core.events import (
     WorkerLost,
 )
 from dora.core.scheduler import GroupFailed
-from dora.config import ConfigError, CoreConfig
 from dora.ids import Finish, Mode
 from dora.sim.des import Simulation
 from tests.unit.simcfg import small

@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from dora.core.events import LoadReported, Tick, WorkerJoined
 from dora.config import CoreConfig
+from dora.core.events import LoadReported, Tick, WorkerJoined
 from dora.ids import Mode
 from dora.sim.workload import Workload
 from tests.unit.machine import Harness

@@ -13,7 +13,7 @@ import torch
 from dora.config import ConfigError
 from dora.learner.loss import LossConfig, policy_loss, resolve_loss
 from dora.learner.trainer import TorchTrainer, TrainerConfig
-from dora.learner.weights import WeightStore
+from dora.store import WeightStore
 from tests.unit import losses
 from tests.unit.test_fsdp import batch
 

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from dora.config import CoreConfig
 from dora.core import deadline
 from dora.core.core import Core
 from dora.core.events import (
@@ -17,7 +18,6 @@ from dora.core.events import (
     WeightsPublished,
     WorkerJoined,
 )
-from dora.config import CoreConfig
 from dora.ids import Mode
 
 

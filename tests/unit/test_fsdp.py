@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 from dora.ids import Finish
 from dora.learner.loss import LossConfig
 from dora.learner.trainer import TorchTrainer, TrainerConfig
-from dora.learner.weights import WeightStore
+from dora.store import WeightStore
 from dora.wire import messages as m
 
 pytestmark = pytest.mark.timeout(180)

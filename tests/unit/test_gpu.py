@@ -10,7 +10,7 @@ from dora.cluster import ClusterInfo
 from dora.learner.loss import LossConfig
 from dora.learner.ranks import learner_device
 from dora.learner.trainer import TorchTrainer
-from dora.learner.weights import WeightStore
+from dora.store import WeightStore
 from tests.unit.test_fsdp import CFG, batch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from dora.core import events as ev
-from dora.core.core import Core
 from dora.broker.journal import RESERVE_BLOCK, Journal, JournalError, replay
 from dora.config import CoreConfig
+from dora.core import events as ev
+from dora.core.core import Core
 from dora.ids import Finish, WorkerId
 
 STEP1 = '{"kind":"step","version":1,"uri":"u","sha256":"s","groups":[1]}'

@@ -6,9 +6,7 @@ import json
 
 import torch
 
-from dora.broker.actor import retire_weights
-from dora.digest import sha256_file
-from dora.learner.weights import WeightStore, store_path
+from dora.store import WeightStore, retire_uri, sha256_file, store_path
 
 
 def test_publish_writes_a_complete_version_with_its_digest(tmp_path):
@@ -39,7 +37,7 @@ def test_retire_deletes_store_versions_and_nothing_else(tmp_path):
     stray = tmp_path / "v9"
     stray.mkdir()
     (stray / "model.safetensors").write_bytes(b"not ours")
-    assert retire_weights(f"file://{stray / 'model.safetensors'}") is None and stray.exists()
-    assert retire_weights("sim://v2") is None
-    assert retire_weights(uri) == tmp_path / "store" / "v2" and store.versions() == []
+    assert retire_uri(f"file://{stray / 'model.safetensors'}") is None and stray.exists()
+    assert retire_uri("sim://v2") is None
+    assert retire_uri(uri) == tmp_path / "store" / "v2" and store.versions() == []
     assert store.retire(2) is False

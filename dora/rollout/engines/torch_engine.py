@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from dora.digest import sha256_file
 from dora.ids import Finish
 from dora.rollout.engines.base import EngineError, Sample
+from dora.store import sha256_file
 
 
 @dataclass(slots=True, kw_only=True)

@@ -29,10 +29,10 @@ from typing import Any
 
 import numpy as np
 
-from dora.digest import sha256_file
 from dora.ids import Finish
 from dora.rollout.engines.base import EngineError, Sample
 from dora.rollout.engines.torch_engine import hash_seed, weights_file
+from dora.store import sha256_file
 
 
 @dataclass(slots=True, kw_only=True)

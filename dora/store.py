@@ -1,5 +1,9 @@
 """The weight store: one directory per published version, written atomically, retired by the broker.
 
+Below the three processes: the learner publishes into it, the rollout engines check what they load
+against its sha256 manifests, and the broker deletes the versions its ledger retired. It imports no
+torch at run time (``publish`` and ``load`` import safetensors' torch helpers when called).
+
 ``<root>/v<N>/model.safetensors`` plus ``manifest.json`` (version, sha256 of the safetensors file,
 size, seconds to write). A version is written into a temporary directory beside it and renamed into
 place, so a reader sees all of it or none of it. The URI handed to rollout workers is
@@ -9,6 +13,7 @@ version once the broker's ledger no longer needs it (no worker serves it and all
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pathlib
@@ -17,10 +22,21 @@ import time
 import uuid
 from typing import TYPE_CHECKING
 
-from dora.digest import sha256_file
+import structlog
 
 if TYPE_CHECKING:  # the broker imports this module to retire versions: no torch at run time
     import torch
+
+log = structlog.get_logger()
+
+
+def sha256_file(path: str | pathlib.Path) -> str:
+    """The sha256 of a file's bytes: what the store writes into a manifest and an engine checks before loading."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 class WeightStore:
@@ -82,3 +98,16 @@ def store_path(uri: str) -> pathlib.Path | None:
     if not uri.startswith("file://"):
         return None
     return pathlib.Path(uri.removeprefix("file://")).parent
+
+
+def retire_uri(uri: str) -> pathlib.Path | None:
+    """Delete the store version a published ``file://`` URI names (``file://<store>/v<N>/model.safetensors``).
+    Only a directory the store wrote (``v<N>`` with its manifest) is deleted; returns it, or None."""
+    path = store_path(uri)
+    if path is None:
+        return None
+    if not (path.name.startswith("v") and (path / "manifest.json").is_file()):
+        log.warning("retire_not_a_store_version", uri=uri)  # never delete what the store did not write
+        return None
+    shutil.rmtree(path, ignore_errors=True)
+    return path
