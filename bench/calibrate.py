@@ -16,8 +16,8 @@ import sys
 from dataclasses import replace
 
 from dora.config import load
+from dora.config.sim import SimConfig
 from dora.ids import Mode
-from dora.sim.config import SimConfig
 from dora.sim.runner import simulate
 
 STEP_S = 22.91 * 60

@@ -43,7 +43,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dora.config import ConfigError, load  # noqa: E402
-from dora.runconfig import RunConfig  # noqa: E402
+from dora.config.run import RunConfig  # noqa: E402
 
 VARIANTS = {"sync": ("sync", 0), "dora-k1": ("dora", 1), "dora-k3": ("dora", 3)}
 

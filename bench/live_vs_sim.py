@@ -26,10 +26,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dora.config import load  # noqa: E402
+from dora.config.run import RunConfig  # noqa: E402
+from dora.config.sim import ClusterSection, RunSection, SimConfig  # noqa: E402
 from dora.ids import Mode  # noqa: E402
 from dora.local import LocalRun  # noqa: E402
-from dora.runconfig import RunConfig  # noqa: E402
-from dora.sim.config import ClusterSection, RunSection, SimConfig  # noqa: E402
 from dora.sim.des import Simulation  # noqa: E402
 from dora.sim.metrics import summarize  # noqa: E402
 

@@ -20,8 +20,8 @@ import time
 from typing import Any
 
 from dora.config import load
+from dora.config.sim import SimConfig
 from dora.ids import Mode
-from dora.sim.config import SimConfig
 from dora.sim.plots import staleness, throughput_bars, timeline, xy_plot
 from dora.sim.runner import ModeResult, simulate
 

@@ -29,9 +29,9 @@ from typing import Any
 
 from dora.broker.journal import JournalError, replay
 from dora.config import ConfigError, CoreConfig, load
+from dora.config.run import RunConfig
 from dora.ids import Mode
 from dora.plot import read_jsonl
-from dora.runconfig import RunConfig
 
 
 @dataclass(slots=True)

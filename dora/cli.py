@@ -25,7 +25,10 @@ COMMANDS: dict[str, tuple[str, str | None]] = {
         "the invariant report of a run directory (steps, C1, C2, C3) from its journal and learner audit",
         "dora.audit",
     ),
-    "config": ("`dora config reference|show`: the configuration reference, or a resolved config", "dora.reference"),
+    "config": (
+        "`dora config reference|show`: the configuration reference, or a resolved config",
+        "dora.config.reference",
+    ),
 }
 
 

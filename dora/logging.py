@@ -6,26 +6,11 @@ import logging
 import os
 import socket
 import sys
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import structlog
 
-from dora.config import ConfigError
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class LogConfig:
-    """Structured logs (structlog): one JSON object per line, or console rendering."""
-
-    level: Literal["debug", "info", "warning", "error"] = "info"
-    """Lowest level written."""
-    format: Literal["auto", "json", "console"] = "auto"
-    """auto: console on a terminal, JSON lines otherwise."""
-
-    def __post_init__(self) -> None:
-        if self.level not in ("debug", "info", "warning", "error"):
-            raise ConfigError(f"log.level must be debug, info, warning or error; got {self.level!r}")
+from dora.config.run import LogConfig
 
 
 def configure_logging(cfg: LogConfig, *, process: str, stream: Any = None, **bound: Any) -> None:

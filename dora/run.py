@@ -26,9 +26,9 @@ import time
 from typing import Any
 
 from dora.config import ConfigError, load, to_data
+from dora.config.run import RunConfig
 from dora.local import LocalRun
 from dora.plot import METRICS, TIMELINE, PlotError, render
-from dora.runconfig import RunConfig
 
 
 def prepare(cfg: RunConfig, rundir: pathlib.Path) -> dict[str, Any]:

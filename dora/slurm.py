@@ -28,8 +28,8 @@ import sys
 from typing import Any
 
 from dora.config import ConfigError, load, to_data
+from dora.config.run import BrokerSection, LearnerSection, RunConfig
 from dora.local import to_toml
-from dora.runconfig import BrokerSection, LearnerSection, RunConfig
 
 DEFAULTS_BROKER, DEFAULTS_LEARNER = BrokerSection(), LearnerSection()
 

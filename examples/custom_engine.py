@@ -29,11 +29,11 @@ import uvloop
 import zmq.asyncio
 
 from dora.config import ConfigError, load
+from dora.config.run import RunConfig
 from dora.discovery import resolve_endpoint
 from dora.ids import Finish
 from dora.logging import configure_logging
 from dora.rollout.actor import RolloutActor
-from dora.runconfig import RunConfig
 from dora.wire import messages as m
 
 VOCAB = 64

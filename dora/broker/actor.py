@@ -38,12 +38,12 @@ from dora.actor.liveness import Liveness
 from dora.broker.journal import Journal
 from dora.broker.metrics import BrokerMetrics
 from dora.broker.snapshot import snapshot
+from dora.config.run import RunConfig
 from dora.core import events as ev
 from dora.core.core import Core
 from dora.core.ledger import InvariantViolation
 from dora.core.scheduler import GroupFailed
 from dora.ids import WorkerId
-from dora.runconfig import RunConfig
 from dora.security import Keys
 from dora.store import retire_uri
 from dora.wire import codec

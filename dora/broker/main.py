@@ -23,10 +23,10 @@ from dora.broker.journal import Journal, JournalError, replay
 from dora.broker.metrics import serve_http
 from dora.cluster import ClusterInfo
 from dora.config import ConfigError, load
+from dora.config.run import RunConfig
 from dora.core.core import Core
 from dora.discovery import advertised, announce
 from dora.logging import configure_logging
-from dora.runconfig import RunConfig
 from dora.security import Keys
 from dora.tasks.prompts import prompt_source
 

@@ -29,9 +29,9 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.utils import floatToGoString
 
 from dora.broker.snapshot import per_version
+from dora.config.run import split_host_port
 from dora.core import events as ev
 from dora.ids import GroupId, WorkerId
-from dora.runconfig import split_host_port
 
 if TYPE_CHECKING:
     from dora.broker.actor import BrokerActor

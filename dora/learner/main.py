@@ -18,10 +18,10 @@ import zmq.asyncio
 
 from dora.cluster import ClusterInfo
 from dora.config import ConfigError, load
+from dora.config.run import RunConfig
 from dora.discovery import resolve_endpoint, wait_for_endpoint
 from dora.learner.standin import StandInLearner
 from dora.logging import configure_logging
-from dora.runconfig import RunConfig
 from dora.security import check_keys
 
 log = structlog.get_logger()

@@ -34,7 +34,7 @@ import zmq.asyncio
 
 from dora.cluster import ClusterInfo
 from dora.config import ConfigError
-from dora.runconfig import RunConfig
+from dora.config.run import RunConfig
 from dora.security import HINT, Keys
 from dora.wire import codec
 from dora.wire import messages as m

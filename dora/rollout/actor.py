@@ -32,8 +32,8 @@ import zmq.asyncio
 
 from dora.cluster import ClusterInfo
 from dora.config import ConfigError
+from dora.config.run import RunConfig
 from dora.rollout.engines.base import EngineError, WorkerEngine
-from dora.runconfig import RunConfig
 from dora.security import HINT, Keys
 from dora.wire import codec
 from dora.wire import messages as m

@@ -17,13 +17,14 @@ import zmq.asyncio
 
 from dora.cluster import ClusterInfo
 from dora.config import ConfigError, load
+from dora.config.run import RunConfig
 from dora.discovery import resolve_endpoint, wait_for_endpoint
 from dora.logging import configure_logging
 from dora.rollout.actor import RolloutActor
 from dora.rollout.engines.base import WorkerEngine
 from dora.rollout.engines.sim import SimEngine
-from dora.runconfig import RunConfig
 from dora.security import check_keys
+from dora.sim.workload import from_section
 
 
 def main(argv: list[str]) -> int:
@@ -78,7 +79,7 @@ def make_engine(cfg: RunConfig, kind: str, now: float) -> WorkerEngine:
         engine = VllmEngine(r.model, max_slots=slots, kv_cache_bytes=r.kv_cache_mib << 20, dtype=r.dtype,
                             max_model_len=r.max_model_len, seed=cfg.run.seed)  # fmt: skip
         return StepWorkerEngine(engine, task)
-    return SimEngine(cfg.engine, cfg.workload.build(cfg.run.seed), time_scale=cfg.run.time_scale, now=now)
+    return SimEngine(cfg.engine, from_section(cfg.workload, cfg.run.seed), time_scale=cfg.run.time_scale, now=now)
 
 
 async def serve(cfg: RunConfig, endpoint: Callable[[], str], name: str, kind: str = "sim",

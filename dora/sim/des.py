@@ -26,10 +26,11 @@ import random
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
+from dora.config.sim import SimConfig
 from dora.core.core import Core
 from dora.core.events import Action, Assign, Cancel, DeliverBatch, Event, Lease, MigrateIn, MigrateOut, Tick
 from dora.ids import Mode, WorkerId
-from dora.sim.config import SimConfig
+from dora.sim.workload import from_section
 from dora.sim.world import World
 
 
@@ -124,7 +125,7 @@ class Simulation:
         self.core = Core(self.cfg.core, strict=strict)
         self.world = World(
             group_size=self.cfg.core.group_size, train_groups=self.cfg.core.train_groups,
-            max_staleness=self.cfg.core.staleness, workload=cfg.workload.build(cfg.run.seed),
+            max_staleness=self.cfg.core.staleness, workload=from_section(cfg.workload, cfg.run.seed),
             mixed_versions_allowed=self.cfg.core.in_flight_swap, max_running=self.eng.max_slots,
             kv_budget_tokens=self.eng.kv_budget_tokens, kv_transfer=self.eng.kv_transfer,
         )  # fmt: skip

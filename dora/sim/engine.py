@@ -1,7 +1,7 @@
 """Timing model of one inference-engine replica (one rollout worker, i.e. one DP group).
 
 Continuous batching in lockstep: every *running* request gains one token per decode step, and one
-step takes ``tpot_base_s + tpot_per_seq_s * running`` seconds (see ``dora.sim.config.EngineTiming``).
+step takes ``tpot_base_s + tpot_per_seq_s * running`` seconds (see ``dora.config.sim.EngineTiming``).
 Memory-bound decode is nearly flat in batch size, which is what makes a lone straggler expensive.
 
 - At most ``max_slots`` requests run at once, and their KV cache (prompt + generated tokens of every

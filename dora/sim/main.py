@@ -10,21 +10,10 @@ import sys
 import time
 
 from dora.config import ConfigError, load
+from dora.config.sim import DEMO, SimConfig
 from dora.ids import Mode
-from dora.sim.config import SimConfig
 from dora.sim.report import broken_promises, print_table
 from dora.sim.runner import simulate
-
-DEMO = {
-    "run": {"steps": 12, "warmup_steps": 2, "tick_s": 5.0, "restart_s": 10.0},
-    "core": {"train_groups": 32, "group_size": 8, "max_staleness": 2},
-    "cluster": {"total_gpus": 16, "gpus_per_worker": 1, "rollout_gpus": 8},
-    "engine": {"tpot_base_s": 0.02, "tpot_per_seq_s": 0.0001, "max_slots": 64, "prefill_s_per_token": 2e-5,
-               "load_s": 1.0},
-    "trainer": {"gpu_s_per_token": 0.002, "step_fixed_s": 2.0, "publish_s": 0.5},
-    "workload": {"median": 400.0, "sigma": 1.1, "cap": 8192, "prompt_tokens": 100.0},
-}  # fmt: skip
-"""Built-in small cluster used when no --config is given: it runs in seconds."""
 
 ALL = [Mode.SYNC, Mode.ONE_STEP, Mode.PARTIAL, Mode.DORA, Mode.DROP_STALE]
 

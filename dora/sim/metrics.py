@@ -15,7 +15,7 @@ import itertools
 from statistics import fmean
 from typing import Any
 
-from dora.sim.config import SimConfig
+from dora.config.sim import SimConfig
 from dora.sim.des import Outcome, Totals
 
 LENGTH_BUCKETS = (0, 1024, 2048, 4096, 8192, 16384, 1 << 62)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from dora.config.sim import SimConfig
 from dora.ids import Mode
-from dora.sim.config import SimConfig
 from dora.sim.des import Outcome, Simulation
 from dora.sim.metrics import summarize
 

@@ -14,6 +14,9 @@ import math
 import random
 from dataclasses import dataclass, field
 
+from dora.config import ConfigError
+from dora.config.sim import WorkloadSection
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Component:
@@ -69,3 +72,17 @@ class Workload:
     def mean_length(self, samples: int = 20_000) -> float:
         """Monte-Carlo mean output length (for documentation and ideal-time bounds)."""
         return sum(self.length(g // 16, g % 16, 0) for g in range(samples)) / samples
+
+
+def from_section(section: WorkloadSection, seed: int) -> Workload:
+    """The workload a ``[workload]`` config section describes, seeded."""
+    comps = (
+        tuple(Component(weight=c.weight, median=c.median, sigma=c.sigma) for c in section.components)
+        if section.distribution == "mixture"
+        else (Component(median=section.median, sigma=section.sigma),)
+    )
+    try:
+        return Workload(components=comps, difficulty_sigma=section.difficulty_sigma, cap=section.cap,
+                        prompt_tokens=section.prompt_tokens, prompt_sigma=section.prompt_sigma, seed=seed)  # fmt: skip
+    except ValueError as e:
+        raise ConfigError(f"workload: {e}") from None

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from dora.sim.workload import from_section
 from dora.tasks import rewards, tasks
 
 
@@ -40,7 +41,7 @@ def prompt_source(cfg) -> Callable[[int], np.ndarray]:  # cfg: RunConfig
     if cfg.task.name == "synthetic":
         from dora.tasks.synthetic import prompt_ids
 
-        workload = cfg.workload.build(cfg.run.seed)
+        workload = from_section(cfg.workload, cfg.run.seed)
         return functools.lru_cache(maxsize=8192)(lambda g: prompt_ids(workload, g))
     t = cfg.task
     if not t.tokenizer:

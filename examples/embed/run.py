@@ -24,10 +24,10 @@ import sys
 import time
 
 from dora.config import ConfigError, load
+from dora.config.run import RunConfig
 from dora.local import LocalRun
 from dora.plot import PlotError, render
 from dora.run import follow, prepare
-from dora.runconfig import RunConfig
 
 HERE = pathlib.Path(__file__).resolve().parent
 

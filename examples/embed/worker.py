@@ -21,8 +21,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # examples
 from custom_engine import MyEngine, Request, main
 
 from dora.config import ConfigError
+from dora.config.run import RunConfig
 from dora.rollout.engines.base import EngineError
-from dora.runconfig import RunConfig
 from dora.store import sha256_file
 from dora.tasks.prompts import TaskRun
 

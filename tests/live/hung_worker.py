@@ -22,10 +22,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "examples")
 from custom_engine import MyEngine
 
 from dora.config import load
+from dora.config.run import RunConfig
 from dora.discovery import resolve_endpoint
 from dora.logging import configure_logging
 from dora.rollout.actor import RolloutActor
-from dora.runconfig import RunConfig
 
 
 class HungEngine(MyEngine):

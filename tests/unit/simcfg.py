@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from dora.config import CoreConfig
-from dora.ids import Mode
-from dora.sim.config import (
+from dora.config.sim import (
     ClusterSection,
     EngineSection,
     RunSection,
@@ -12,6 +11,7 @@ from dora.sim.config import (
     TrainerSection,
     WorkloadSection,
 )
+from dora.ids import Mode
 
 ALL_DISAGGREGATED = {m.value: "disaggregated" for m in Mode}
 

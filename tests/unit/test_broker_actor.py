@@ -18,9 +18,9 @@ import zmq.asyncio
 from dora.broker.actor import BrokerActor
 from dora.broker.main import open_router
 from dora.config import load
+from dora.config.run import RunConfig
 from dora.core.core import Core
 from dora.ids import Finish
-from dora.runconfig import RunConfig
 from dora.wire import codec
 from dora.wire import messages as m
 

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dora.broker.metrics import serve_http
 from dora.config import ConfigError, load
-from dora.runconfig import RunConfig
+from dora.config.run import RunConfig
 from dora.wire import messages as m
 from tests.unit.test_broker_actor import B, Fake, G, finished, running_broker
 

@@ -93,7 +93,7 @@ def test_live_commands_bad_input_is_one_clear_error(argv, fragment):
 
 def test_paper_configs_load():
     from dora.config import load
-    from dora.sim.config import SimConfig
+    from dora.config.sim import SimConfig
 
     for name in ("paper-64gpu", "paper-128gpu"):
         cfg = load(SimConfig, path=str(ROOT / "examples" / "sim" / f"{name}.toml"))

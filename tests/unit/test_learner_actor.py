@@ -13,9 +13,9 @@ import zmq
 import zmq.asyncio
 
 from dora.config import load
+from dora.config.run import RunConfig
 from dora.ids import Finish
 from dora.learner.standin import StandInLearner
-from dora.runconfig import RunConfig
 from dora.wire import codec
 from dora.wire import messages as m
 

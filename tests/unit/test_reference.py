@@ -10,10 +10,9 @@ import tomllib
 
 import pytest
 
-from dora import reference
-from dora.config import ConfigError, dumps_toml, load
-from dora.runconfig import RunConfig
-from dora.sim.config import SimConfig
+from dora.config import ConfigError, dumps_toml, load, reference
+from dora.config.run import RunConfig
+from dora.config.sim import SimConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 REGENERATE = "python -m dora config reference --write README.md"

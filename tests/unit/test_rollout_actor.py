@@ -14,9 +14,9 @@ import pytest
 import zmq.asyncio
 
 from dora.config import load
+from dora.config.run import RunConfig
 from dora.rollout.actor import RolloutActor
 from dora.rollout.main import make_engine
-from dora.runconfig import RunConfig
 from dora.wire import messages as m
 from tests.unit.test_learner_actor import FakeBroker
 

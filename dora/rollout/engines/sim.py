@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from dora.config.sim import EngineSection
 from dora.ids import Finish
-from dora.sim.config import EngineSection
 from dora.sim.engine import Engine, Request
 from dora.sim.workload import Workload
 from dora.tasks.synthetic import completion, reward

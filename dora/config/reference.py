@@ -149,8 +149,8 @@ def paragraph(text: str) -> str:
 
 def render() -> str:
     """The whole reference: `dora broker|rollout|learner|run` (RunConfig), then `dora sim` (SimConfig)."""
-    from dora.runconfig import RunConfig
-    from dora.sim.config import SimConfig
+    from dora.config.run import RunConfig
+    from dora.config.sim import SimConfig
 
     run_sections = dict(sections(RunConfig))
     out = [
@@ -195,8 +195,8 @@ def render() -> str:
 
 def undocumented() -> list[str]:
     """``section.key`` of every field without a docstring (the reference would say nothing about it)."""
-    from dora.runconfig import RunConfig
-    from dora.sim.config import SimConfig
+    from dora.config.run import RunConfig
+    from dora.config.sim import SimConfig
 
     missing = []
     for config in (RunConfig, SimConfig):
@@ -264,13 +264,12 @@ def main(argv: list[str]) -> int:
                   file=sys.stderr)  # fmt: skip
             return 0
         if args.sim:
-            from dora.sim.config import SimConfig
-            from dora.sim.main import DEMO
+            from dora.config.sim import DEMO, SimConfig
 
             cfg: Any = load(SimConfig, path=args.config, base=None if args.config else DEMO, env=os.environ,
                             env_prefix="DORA_SIM__", overrides=args.set)  # fmt: skip
         else:
-            from dora.runconfig import RunConfig
+            from dora.config.run import RunConfig
 
             cfg = load(RunConfig, path=args.config, env=os.environ, env_prefix="DORA_", overrides=args.set)
     except (ConfigError, OSError) as e:

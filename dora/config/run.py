@@ -9,10 +9,24 @@ time by ``run.time_scale``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from dora.config import ConfigError, CoreConfig
-from dora.logging import LogConfig
-from dora.sim.config import EngineSection, TrainerSection, WorkloadSection
+from dora.config.sim import EngineSection, TrainerSection, WorkloadSection
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LogConfig:
+    """Structured logs (structlog): one JSON object per line, or console rendering."""
+
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    """Lowest level written."""
+    format: Literal["auto", "json", "console"] = "auto"
+    """auto: console on a terminal, JSON lines otherwise."""
+
+    def __post_init__(self) -> None:
+        if self.level not in ("debug", "info", "warning", "error"):
+            raise ConfigError(f"log.level must be debug, info, warning or error; got {self.level!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -12,7 +12,6 @@ from typing import Literal
 
 from dora.config import ConfigError, CoreConfig
 from dora.ids import Mode
-from dora.sim.workload import Component, Workload
 
 Placement = Literal["colocated", "disaggregated"]
 
@@ -187,18 +186,6 @@ class WorkloadSection:
         if self.distribution == "lognormal" and self.components:
             raise ConfigError("workload.components is only for distribution = 'mixture'")
 
-    def build(self, seed: int) -> Workload:
-        comps = (
-            tuple(Component(weight=c.weight, median=c.median, sigma=c.sigma) for c in self.components)
-            if self.distribution == "mixture"
-            else (Component(median=self.median, sigma=self.sigma),)
-        )
-        try:
-            return Workload(components=comps, difficulty_sigma=self.difficulty_sigma, cap=self.cap,
-                            prompt_tokens=self.prompt_tokens, prompt_sigma=self.prompt_sigma, seed=seed)  # fmt: skip
-        except ValueError as e:
-            raise ConfigError(f"workload: {e}") from None
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SimConfig:
@@ -215,3 +202,15 @@ class SimConfig:
 
     def for_mode(self, mode: Mode) -> SimConfig:
         return replace(self, core=replace(self.core, mode=mode, total_steps=self.run.steps))
+
+
+DEMO = {
+    "run": {"steps": 12, "warmup_steps": 2, "tick_s": 5.0, "restart_s": 10.0},
+    "core": {"train_groups": 32, "group_size": 8, "max_staleness": 2},
+    "cluster": {"total_gpus": 16, "gpus_per_worker": 1, "rollout_gpus": 8},
+    "engine": {"tpot_base_s": 0.02, "tpot_per_seq_s": 0.0001, "max_slots": 64, "prefill_s_per_token": 2e-5,
+               "load_s": 1.0},
+    "trainer": {"gpu_s_per_token": 0.002, "step_fixed_s": 2.0, "publish_s": 0.5},
+    "workload": {"median": 400.0, "sigma": 1.1, "cap": 8192, "prompt_tokens": 100.0},
+}  # fmt: skip
+"""Built-in small cluster used when no --config is given: it runs in seconds."""
