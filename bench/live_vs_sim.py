@@ -29,7 +29,7 @@ from dora.config import load  # noqa: E402
 from dora.config.run import RunConfig  # noqa: E402
 from dora.config.sim import ClusterSection, RunSection, SimConfig  # noqa: E402
 from dora.ids import Mode  # noqa: E402
-from dora.local import LocalRun  # noqa: E402
+from dora.launch.local import LocalRun  # noqa: E402
 from dora.sim.des import Simulation  # noqa: E402
 from dora.sim.metrics import summarize  # noqa: E402
 

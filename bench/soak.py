@@ -10,7 +10,7 @@
 Broker, 3 rollout workers (sim engine) and the sim learner, as real processes on loopback, from
 examples/live/sim.toml with a broker journal. Killed processes are restarted after the scenario's
 delay; the broker comes back on its journal. At the end everything gets SIGTERM, and the run is
-checked from the learner's audit (committed steps only) and the journal by `dora.audit` (the checks
+checked from the learner's audit (committed steps only) and the journal by `dora.ops.audit` (the checks
 of `dora audit`):
 - every committed step once and in order, no group trained twice, staleness <= K, no mixed-version
   trajectory;
@@ -38,10 +38,10 @@ from datetime import datetime
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dora.audit import audit_run  # noqa: E402
-from dora.discovery import resolve_endpoint  # noqa: E402
-from dora.local import LocalRun  # noqa: E402
-from dora.status import fetch  # noqa: E402
+from dora.actor.discovery import resolve_endpoint  # noqa: E402
+from dora.launch.local import LocalRun  # noqa: E402
+from dora.ops.audit import audit_run  # noqa: E402
+from dora.ops.status import fetch  # noqa: E402
 
 SCHEDULES = {  # (seconds between faults, seconds before the restart)
     "workers": ((5.0, 20.0), (0.0, 5.0)),

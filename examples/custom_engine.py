@@ -28,9 +28,9 @@ import numpy as np
 import uvloop
 import zmq.asyncio
 
+from dora.actor.discovery import resolve_endpoint
 from dora.config import ConfigError, load
 from dora.config.run import RunConfig
-from dora.discovery import resolve_endpoint
 from dora.ids import Finish
 from dora.logging import configure_logging
 from dora.rollout.actor import RolloutActor

@@ -35,6 +35,7 @@ import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
 from dora.actor.liveness import Liveness
+from dora.actor.security import Keys
 from dora.broker.journal import Journal
 from dora.broker.metrics import BrokerMetrics
 from dora.broker.snapshot import snapshot
@@ -44,7 +45,6 @@ from dora.core.core import Core
 from dora.core.ledger import InvariantViolation
 from dora.core.scheduler import GroupFailed
 from dora.ids import WorkerId
-from dora.security import Keys
 from dora.store import retire_uri
 from dora.wire import codec
 from dora.wire import messages as m

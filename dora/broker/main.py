@@ -18,16 +18,16 @@ import zmq
 import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
 
+from dora.actor.cluster import ClusterInfo
+from dora.actor.discovery import advertised, announce
+from dora.actor.security import Keys
 from dora.broker.actor import BrokerActor
 from dora.broker.journal import Journal, JournalError, replay
 from dora.broker.metrics import serve_http
-from dora.cluster import ClusterInfo
 from dora.config import ConfigError, load
 from dora.config.run import RunConfig
 from dora.core.core import Core
-from dora.discovery import advertised, announce
 from dora.logging import configure_logging
-from dora.security import Keys
 from dora.tasks.prompts import prompt_source
 
 log = structlog.get_logger()

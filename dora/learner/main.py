@@ -16,13 +16,13 @@ import structlog
 import uvloop
 import zmq.asyncio
 
-from dora.cluster import ClusterInfo
+from dora.actor.cluster import ClusterInfo
+from dora.actor.discovery import resolve_endpoint, wait_for_endpoint
+from dora.actor.security import check_keys
 from dora.config import ConfigError, load
 from dora.config.run import RunConfig
-from dora.discovery import resolve_endpoint, wait_for_endpoint
 from dora.learner.standin import StandInLearner
 from dora.logging import configure_logging
-from dora.security import check_keys
 
 log = structlog.get_logger()
 

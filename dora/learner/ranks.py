@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dora.cluster import ClusterInfo
+from dora.actor.cluster import ClusterInfo
 from dora.wire import codec
 from dora.wire import messages as m
 

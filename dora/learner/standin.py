@@ -32,10 +32,10 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from dora.cluster import ClusterInfo
+from dora.actor.cluster import ClusterInfo
+from dora.actor.security import HINT, Keys
 from dora.config import ConfigError
 from dora.config.run import RunConfig
-from dora.security import HINT, Keys
 from dora.wire import codec
 from dora.wire import messages as m
 

@@ -30,11 +30,11 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from dora.cluster import ClusterInfo
+from dora.actor.cluster import ClusterInfo
+from dora.actor.security import HINT, Keys
 from dora.config import ConfigError
 from dora.config.run import RunConfig
 from dora.rollout.engines.base import EngineError, WorkerEngine
-from dora.security import HINT, Keys
 from dora.wire import codec
 from dora.wire import messages as m
 

@@ -15,15 +15,15 @@ import structlog
 import uvloop
 import zmq.asyncio
 
-from dora.cluster import ClusterInfo
+from dora.actor.cluster import ClusterInfo
+from dora.actor.discovery import resolve_endpoint, wait_for_endpoint
+from dora.actor.security import check_keys
 from dora.config import ConfigError, load
 from dora.config.run import RunConfig
-from dora.discovery import resolve_endpoint, wait_for_endpoint
 from dora.logging import configure_logging
 from dora.rollout.actor import RolloutActor
 from dora.rollout.engines.base import WorkerEngine
 from dora.rollout.engines.sim import SimEngine
-from dora.security import check_keys
 from dora.sim.workload import from_section
 
 

@@ -25,9 +25,9 @@ import time
 
 from dora.config import ConfigError, load
 from dora.config.run import RunConfig
-from dora.local import LocalRun
-from dora.plot import PlotError, render
-from dora.run import follow, prepare
+from dora.launch.local import LocalRun
+from dora.launch.run import follow, prepare
+from dora.ops.plot import PlotError, render
 
 HERE = pathlib.Path(__file__).resolve().parent
 

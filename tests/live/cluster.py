@@ -1,4 +1,4 @@
-"""A live dora run as real processes for tests (``dora.local.LocalRun``), with the exactly-once audit.
+"""A live dora run as real processes for tests (``dora.launch.local.LocalRun``), with the exactly-once audit.
 
 The broker binds to 127.0.0.1 port 0; every process is stopped by its PID when the test ends.
 """
@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from dora.local import LocalRun
+from dora.launch.local import LocalRun
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "live" / "sim.toml"
 BASE = tomllib.loads(EXAMPLE.read_text())  # the documented example, faster and stricter for tests

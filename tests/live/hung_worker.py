@@ -21,9 +21,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "examples")
 
 from custom_engine import MyEngine
 
+from dora.actor.discovery import resolve_endpoint
 from dora.config import load
 from dora.config.run import RunConfig
-from dora.discovery import resolve_endpoint
 from dora.logging import configure_logging
 from dora.rollout.actor import RolloutActor
 

@@ -12,7 +12,7 @@ from datetime import datetime
 import pytest
 
 from dora.broker.journal import replay
-from dora.status import fetch
+from dora.ops.status import fetch
 from tests.live.cluster import Cluster, cluster
 
 pytestmark = pytest.mark.timeout(180)

@@ -11,7 +11,7 @@ import pytest
 import zmq
 
 from dora.ids import Finish
-from dora.status import fetch
+from dora.ops.status import fetch
 from dora.wire import codec
 from dora.wire import messages as m
 from tests.live.cluster import cluster

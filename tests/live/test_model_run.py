@@ -152,7 +152,7 @@ def test_sigusr1_drains_the_learner_to_a_checkpoint_and_sigterm_checkpoints_on_t
     """SIGUSR1 (Slurm's early warning): the learner finishes the step in flight, checkpoints and leaves with
     exit 0. SIGTERM to an idle learner: it checkpoints the version it holds and leaves. Each time a new
     learner resumes from exactly that checkpoint, and the run ends with every group trained once."""
-    from dora.audit import audit_run
+    from dora.ops.audit import audit_run
 
     steps = 9
     ckpt = tmp_path / "ckpt"

@@ -12,8 +12,8 @@ import time
 import pytest
 import zmq
 
-from dora.security import Keys
-from dora.status import fetch
+from dora.actor.security import Keys
+from dora.ops.status import fetch
 from dora.wire import codec
 from dora.wire import messages as m
 from tests.live.cluster import cluster

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from dora.audit import audit_run
 from dora.broker.journal import replay
+from dora.ops.audit import audit_run
 from tests.slurm.localslurm import LocalSlurm
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

@@ -7,8 +7,8 @@ import pathlib
 
 import pytest
 
-from dora.audit import audit_run, main
 from dora.broker.journal import Journal
+from dora.ops.audit import audit_run, main
 
 B = 2  # groups per step
 

@@ -109,7 +109,7 @@ def test_no_pickle_anywhere_in_the_package():
 
 
 def test_local_processes_get_a_thread_budget_unless_the_user_set_one(tmp_path, monkeypatch):
-    from dora.local import LocalRun
+    from dora.launch.local import LocalRun
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert LocalRun(tmp_path / "a", {}, threads=3).env["OMP_NUM_THREADS"] == "3"

@@ -8,9 +8,9 @@ import pathlib
 
 import pytest
 
-from dora.cluster import RENDEZVOUS_PORT_BASE, ClusterInfo, expand_hostlist
+from dora.actor.cluster import RENDEZVOUS_PORT_BASE, ClusterInfo, expand_hostlist
+from dora.actor.discovery import NotYetWritten, advertised, announce, resolve_endpoint, wait_for_endpoint
 from dora.config import ConfigError
-from dora.discovery import NotYetWritten, advertised, announce, resolve_endpoint, wait_for_endpoint
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -90,7 +90,7 @@ def test_only_the_cluster_module_reads_slurm_variables() -> None:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("SLURM"):
                 readers.append(str(path.relative_to(ROOT)))
-    assert set(readers) == {"dora/cluster.py"}, readers
+    assert set(readers) == {"dora/actor/cluster.py"}, readers
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dora.cluster import ClusterInfo
+from dora.actor.cluster import ClusterInfo
 from dora.learner.loss import LossConfig
 from dora.learner.ranks import learner_device
 from dora.learner.trainer import TorchTrainer

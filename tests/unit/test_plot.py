@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from dora.plot import Span, render, spans
+from dora.ops.plot import Span, render, spans
 
 
 def dora_plot(*args: str) -> subprocess.CompletedProcess[str]:

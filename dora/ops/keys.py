@@ -1,4 +1,4 @@
-"""`dora keys generate DIR`: CURVE keypairs for the broker and each role (see dora.security)."""
+"""`dora keys generate DIR`: CURVE keypairs for the broker and each role (see dora.actor.security)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ def main(argv: list[str]) -> int:
     gen = sub.add_parser("generate", help="write broker.key(_secret) and rollout/learner/client keypairs")
     gen.add_argument("dir")
     args = p.parse_args(argv)
-    from dora.security import generate
+    from dora.actor.security import generate
 
     try:
         made = generate(args.dir)

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from dora.cluster import ClusterInfo
+from dora.actor.cluster import ClusterInfo
 from dora.config import ConfigError
 
 WILDCARD_HOSTS = ("0.0.0.0", "*", "[::]", "::")

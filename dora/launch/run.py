@@ -27,8 +27,8 @@ from typing import Any
 
 from dora.config import ConfigError, load, to_data
 from dora.config.run import RunConfig
-from dora.local import LocalRun
-from dora.plot import METRICS, TIMELINE, PlotError, render
+from dora.launch.local import LocalRun
+from dora.ops.plot import METRICS, TIMELINE, PlotError, render
 
 
 def prepare(cfg: RunConfig, rundir: pathlib.Path) -> dict[str, Any]:
@@ -122,9 +122,9 @@ def main(argv: list[str]) -> int:
 
 def check_invariants(rundir: pathlib.Path) -> int:
     """Print the run's invariant report (`dora audit RUN_DIR`); 1 if an invariant is broken."""
-    from dora.audit import audit_dir
-    from dora.audit import render as render_report
     from dora.broker.journal import JournalError
+    from dora.ops.audit import audit_dir
+    from dora.ops.audit import render as render_report
 
     try:
         report = audit_dir(rundir)

@@ -29,7 +29,7 @@ from typing import Any
 
 from dora.config import ConfigError, load, to_data
 from dora.config.run import BrokerSection, LearnerSection, RunConfig
-from dora.local import to_toml
+from dora.launch.local import to_toml
 
 DEFAULTS_BROKER, DEFAULTS_LEARNER = BrokerSection(), LearnerSection()
 

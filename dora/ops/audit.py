@@ -31,7 +31,7 @@ from dora.broker.journal import JournalError, replay
 from dora.config import ConfigError, CoreConfig, load
 from dora.config.run import RunConfig
 from dora.ids import Mode
-from dora.plot import read_jsonl
+from dora.ops.plot import read_jsonl
 
 
 @dataclass(slots=True)

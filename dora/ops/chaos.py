@@ -27,8 +27,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from dora.actor.discovery import announce, resolve_endpoint
 from dora.config import ConfigError
-from dora.discovery import announce, resolve_endpoint
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,7 +152,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--delay", type=float, default=0.10)
     p.add_argument("--max-delay-ms", type=float, default=200.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--config", help=argparse.SUPPRESS)  # dora.local passes the run's config to every child
+    p.add_argument("--config", help=argparse.SUPPRESS)  # dora.launch.local passes the run's config to every child
     return p.parse_args(argv)
 
 

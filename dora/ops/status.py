@@ -13,8 +13,8 @@ import zmq
 from rich.console import Console
 from rich.table import Table
 
+from dora.actor.discovery import resolve_endpoint
 from dora.config import ConfigError
-from dora.discovery import resolve_endpoint
 from dora.wire import codec
 from dora.wire import messages as m
 
@@ -26,7 +26,7 @@ def fetch(endpoint: str, timeout_s: float = 5.0, keys_dir: str | None = None) ->
         sock.setsockopt(zmq.IDENTITY, f"client/status/{uuid.uuid4().hex[:8]}".encode())
         sock.setsockopt(zmq.LINGER, 0)
         if keys_dir:
-            from dora.security import Keys
+            from dora.actor.security import Keys
 
             Keys.load(keys_dir).connect_as(sock, "client")
         sock.connect(endpoint)
