@@ -21,7 +21,9 @@ from dora.actor.discovery import resolve_endpoint, wait_for_endpoint
 from dora.actor.security import check_keys
 from dora.config import ConfigError, load
 from dora.config.run import RunConfig
-from dora.learner.standin import StandInLearner
+from dora.learner.actor import LearnerActor
+from dora.learner.trainers import Trainer
+from dora.learner.trainers.sim import SimTrainer
 from dora.logging import configure_logging
 
 log = structlog.get_logger()
@@ -82,7 +84,7 @@ def make_trainer(cfg: RunConfig, loss_fn: Callable[..., Any] | None = None,
     """The torch trainer, restored from the newest checkpoint if there is one (on every rank), and its meta.
     ``loss_fn``: the resolved ``learner.loss`` (resolved here when not given)."""
     from dora.learner.loss import LossConfig, resolve_loss
-    from dora.learner.trainer import TorchTrainer, TrainerConfig
+    from dora.learner.trainers.torch_trainer import TorchTrainer, TrainerConfig
     from dora.store import WeightStore
 
     lc = cfg.learner
@@ -113,15 +115,17 @@ async def serve(cfg: RunConfig, endpoint: str, kind: str = "sim", world: int = 1
     ctx = zmq.asyncio.Context()
     with contextlib.ExitStack() as stack:
         audit = stack.enter_context(open(cfg.learner.audit_file, "a")) if cfg.learner.audit_file else None
-        trainer, resumed = make_trainer(cfg, loss_fn, device) if kind == "torch" else (None, None)
-        leader = None
-        if trainer is not None and world > 1:
-            from dora.learner.ranks import Leader
+        trainer: Trainer = SimTrainer(cfg)
+        resumed, leader = None, None
+        if kind == "torch":
+            trainer, resumed = make_trainer(cfg, loss_fn, device)
+            if world > 1:
+                from dora.learner.ranks import Leader
 
-            trainer = leader = Leader(trainer)
+                trainer = leader = Leader(trainer)
         try:
-            learner = StandInLearner(cfg, ctx, endpoint, audit=audit, clock=loop.time, trainer=trainer, resumed=resumed,
-                                     discover=discover, cluster=cluster)  # fmt: skip
+            learner = LearnerActor(cfg, ctx, endpoint, audit=audit, clock=loop.time, trainer=trainer, resumed=resumed,
+                                   discover=discover, cluster=cluster)  # fmt: skip
             return await learner.run(stop, drain)
         finally:
             if leader is not None:

@@ -91,6 +91,8 @@ def unpack(data: bytes) -> list[bytes]:
 class Leader:
     """Rank 0's trainer: each call is first announced to the other ranks, then made here too."""
 
+    keeps_weights = True
+
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
 

@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from dora.learner.standin import InvariantBroken, check_batch
+from dora.learner.checks import InvariantBroken, check_batch
 from dora.wire import messages as m
 
 G = 2  # samples per group

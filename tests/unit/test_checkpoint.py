@@ -6,7 +6,7 @@ import torch
 
 from dora.learner import checkpoint
 from dora.learner.loss import LossConfig
-from dora.learner.trainer import TorchTrainer, TrainerConfig
+from dora.learner.trainers.torch_trainer import TorchTrainer, TrainerConfig
 from dora.store import WeightStore
 from tests.unit.test_fsdp import batch
 

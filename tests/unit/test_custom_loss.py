@@ -12,7 +12,7 @@ import torch
 
 from dora.config import ConfigError
 from dora.learner.loss import LossConfig, policy_loss, resolve_loss
-from dora.learner.trainer import TorchTrainer, TrainerConfig
+from dora.learner.trainers.torch_trainer import TorchTrainer, TrainerConfig
 from dora.store import WeightStore
 from tests.unit import losses
 from tests.unit.test_fsdp import batch

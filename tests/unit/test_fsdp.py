@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 
 from dora.ids import Finish
 from dora.learner.loss import LossConfig
-from dora.learner.trainer import TorchTrainer, TrainerConfig
+from dora.learner.trainers.torch_trainer import TorchTrainer, TrainerConfig
 from dora.store import WeightStore
 from dora.wire import messages as m
 

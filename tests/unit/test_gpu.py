@@ -9,7 +9,7 @@ import torch
 from dora.actor.cluster import ClusterInfo
 from dora.learner.loss import LossConfig
 from dora.learner.ranks import learner_device
-from dora.learner.trainer import TorchTrainer
+from dora.learner.trainers.torch_trainer import TorchTrainer
 from dora.store import WeightStore
 from tests.unit.test_fsdp import CFG, batch
 

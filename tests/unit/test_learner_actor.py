@@ -15,7 +15,8 @@ import zmq.asyncio
 from dora.config import load
 from dora.config.run import RunConfig
 from dora.ids import Finish
-from dora.learner.standin import StandInLearner
+from dora.learner.actor import LearnerActor
+from dora.learner.trainers.sim import SimTrainer
 from dora.wire import codec
 from dora.wire import messages as m
 
@@ -65,7 +66,7 @@ async def setup(tmp_path):
     broker = FakeBroker(ctx, endpoint)
     audit_path = tmp_path / "audit.jsonl"
     with open(audit_path, "a") as audit:
-        learner = StandInLearner(cfg, ctx, endpoint, audit=audit)
+        learner = LearnerActor(cfg, ctx, endpoint, audit=audit, trainer=SimTrainer(cfg))
         stop = asyncio.Event()
         task = asyncio.create_task(learner.run(stop))
         try:

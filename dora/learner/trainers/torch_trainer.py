@@ -42,6 +42,8 @@ class TrainerConfig:
 
 
 class TorchTrainer:
+    keeps_weights = True
+
     def __init__(self, model_dir: str | pathlib.Path, store: WeightStore, loss: LossConfig, cfg: TrainerConfig,
                  *, device: str = "cpu", loss_fn: LossFn = policy_loss) -> None:  # fmt: skip
         """Under an initialised process group of more than one rank the model is sharded with FSDP2

@@ -1,10 +1,11 @@
-"""`dora learner --trainer sim`: a learner stand-in without torch, on the real protocol.
+"""LearnerActor: the learner's side of the protocol (rank 0), the same for every trainer.
 
-It asks for batch ``u``, checks every batch invariant on its own (exactly train_groups whole groups
-of group_size samples, one version per trajectory unless the mode swaps weights in flight,
-staleness ``u - v <= K``), waits the trainer model's time for those tokens (scaled), and publishes
-version ``u + 1``. An audit file gets one JSON line per step with the groups it trained, so a test
-can prove that every group was trained exactly once. A broken invariant stops it with exit 3.
+It asks the broker for batch ``u``, checks every batch invariant on its own (``dora.learner.checks``),
+hands the batch to its trainer (``dora.learner.trainers``: the sim trainer, which waits the trainer
+model's time, or the torch trainer, GRPO over FSDP2 ranks), publishes version ``u + 1`` and commits
+the step once the broker has journalled it. An audit file gets one JSON line per committed step with
+the groups it trained, so a run can be proven to train every group exactly once. A broken invariant
+stops it with exit 3. Blocking trainer work runs in a thread while this loop keeps heartbeating.
 
 Stopping (the torch trainer checkpoints on the way out; correctness never depends on it):
 - ``drain`` (SIGUSR1, e.g. Slurm's ``--signal=B:USR1@120`` forwarded by the batch script): finish the step
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import os
 import socket
@@ -36,51 +36,15 @@ from dora.actor.cluster import ClusterInfo
 from dora.actor.security import HINT, Keys
 from dora.config import ConfigError
 from dora.config.run import RunConfig
+from dora.learner.checks import InvariantBroken, check_batch
+from dora.learner.trainers import Trainer
 from dora.wire import codec
 from dora.wire import messages as m
 
 log = structlog.get_logger()
 
 
-class InvariantBroken(RuntimeError):
-    pass
-
-
-def check_batch(
-    batch: m.TrainBatch, *, step: int, groups: int, group_size: int, k: int, mixed_ok: bool,
-    trained: set[int] | frozenset[int] = frozenset(),
-) -> dict[str, Any]:  # fmt: skip
-    """Raise InvariantBroken unless the batch is exact, whole, new (no group in ``trained``), fresh enough and
-    (where promised) single-version."""
-    if batch.step != step:
-        raise InvariantBroken(f"asked for batch {step}, got {batch.step}")
-    if len(batch.groups) != groups or len({g.group_id for g in batch.groups}) != groups:
-        raise InvariantBroken(f"batch {step}: {len(batch.groups)} groups (distinct ones needed: {groups})")
-    again = sorted(trained.intersection(g.group_id for g in batch.groups))
-    if again:
-        raise InvariantBroken(f"C2: batch {step} holds groups trained before: {again[:8]}")
-    staleness: dict[int, int] = {}
-    mixed = tokens = 0
-    for g in batch.groups:
-        lag = step - g.version
-        if not 0 <= lag <= k:
-            raise InvariantBroken(f"C3: group {g.group_id} of version {g.version} at step {step} (K = {k})")
-        if len(g.samples) != group_size or sorted(s.index for s in g.samples) != list(range(group_size)):
-            raise InvariantBroken(f"C2: group {g.group_id} is not whole ({len(g.samples)} of {group_size} samples)")
-        staleness[lag] = staleness.get(lag, 0) + len(g.samples)
-        for s in g.samples:
-            tokens += len(s.token_ids)
-            versions = set() if s.segments is None else {int(v) for v, n in s.segments if n > 0}
-            if versions - {g.version}:
-                if not mixed_ok:
-                    raise InvariantBroken(f"C1: group {g.group_id} sample {s.index} has versions {sorted(versions)}")
-                mixed += 1
-            if len(s.token_ids) != len(s.logprobs):
-                raise InvariantBroken(f"group {g.group_id} sample {s.index}: tokens and log-probs differ in length")
-    return {"staleness": staleness, "mixed_version_trajectories": mixed, "tokens": tokens}
-
-
-class StandInLearner:
+class LearnerActor:
     def __init__(
         self,
         cfg: RunConfig,
@@ -89,7 +53,7 @@ class StandInLearner:
         *,
         audit: TextIO | None = None,
         clock: Callable[[], float] = time.monotonic,
-        trainer: Any = None,
+        trainer: Trainer,
         resumed: dict[str, Any] | None = None,
         discover: Callable[[], str] | None = None,
         cluster: ClusterInfo | None = None,
@@ -103,7 +67,7 @@ class StandInLearner:
         self.audit = audit
         self.clock = clock
         self.trainer = trainer
-        """None: the sim trainer (sleeps the trainer model's time); else a TorchTrainer (train + publish)."""
+        """The sim trainer (sleeps the trainer model's time), or the torch trainer (train + publish, checkpoints)."""
         self.version = resumed["version"] if resumed else 0
         """The version the trainer's weights hold (a checkpoint's, when resumed)."""
         self.trained: set[int] = set(resumed["trained_groups"]) if resumed else set()
@@ -150,7 +114,7 @@ class StandInLearner:
             pid=os.getpid(),
             host=self.cluster.host,
             slurm_job_id=self.cluster.job_id,
-            learner_version=None if self.trainer is None else self.committed,
+            learner_version=self.committed if self.trainer.keeps_weights else None,
         )
 
     async def run(self, stop: asyncio.Event, drain: asyncio.Event | None = None) -> int:
@@ -260,7 +224,7 @@ class StandInLearner:
         lc = self.cfg.learner
         clean = not self.weights_ahead and self.unacked is None and self.committed == self.version
         wanted = reason == "drained" or lc.checkpoint_on_stop
-        if self.trainer is not None and lc.checkpoint_dir and wanted and clean and self.committed > self.checkpointed:
+        if self.trainer.keeps_weights and lc.checkpoint_dir and wanted and clean and self.committed > self.checkpointed:
             await self.save_checkpoint(sock, stop, reason)
         await sock.send_multipart(codec.encode(m.Goodbye(reason=reason)))
         await asyncio.sleep(0.05)
@@ -268,7 +232,6 @@ class StandInLearner:
 
     async def save_checkpoint(self, sock: zmq.asyncio.Socket, stop: asyncio.Event, reason: str) -> None:
         """Checkpoint the committed version (weights, optimizer, RNG, trained groups), heartbeating meanwhile."""
-        assert self.trainer is not None
         started = self.clock()
         await self._busy(sock, stop, self.trainer.checkpoint, self.committed, sorted(self.trained))
         self.checkpointed = self.committed
@@ -282,7 +245,7 @@ class StandInLearner:
                 await self.commit(sock, stop)
             elif newest == self.version - 1:  # the publish never reached the broker's journal: undo the step
                 await self.roll_back(sock, stop)
-        if self.trainer is None or newest == self.version:
+        if not self.trainer.keeps_weights or newest == self.version:
             self.version = self.committed = newest
             return True
         if newest < self.version:  # the broker turns such a learner away; never train on from the wrong weights
@@ -300,29 +263,13 @@ class StandInLearner:
         _, batch, _ = self.unacked
         self.unacked = None
         self.version -= 1
-        if self.trainer is not None:  # the weights and optimizer of the newest checkpoint, then the store's
+        if self.trainer.keeps_weights:  # the weights and optimizer of the newest checkpoint, then the store's
             resumed = await self._busy(sock, stop, self.trainer.restore)
             self.version = resumed["version"] if resumed else 0
         log.warning("step_rolled_back", step=batch.step, version=self.version)
 
-    async def _sim_step(self, sock: zmq.asyncio.Socket, facts: dict[str, Any],
-                        stop: asyncio.Event) -> tuple[str, str, float, dict[str, float]] | None:  # fmt: skip
-        """The trainer model's time for these tokens (scaled), heartbeating meanwhile; no weights."""
-        train_s = self.cfg.trainer.train_s(facts["tokens"], self.cfg.learner.sim_gpus) * self.cfg.run.time_scale
-        deadline = self.clock() + train_s
-        while self.clock() < deadline:
-            if stop.is_set():
-                return None
-            await asyncio.sleep(min(self.cfg.broker.heartbeat_interval_s, deadline - self.clock()))
-            await self._beat(sock)
-        publish_s = self.cfg.trainer.publish_s * self.cfg.run.time_scale
-        await asyncio.sleep(publish_s)
-        version = self.version + 1
-        sha = hashlib.sha256(f"sim-weights-{version}".encode()).hexdigest()
-        return f"sim://v{version}", sha, publish_s, {"train_s": train_s}
-
-    def _torch_step(self, batch: m.TrainBatch) -> tuple[str, str, float, dict[str, float]]:
-        assert self.trainer is not None
+    def _step(self, batch: m.TrainBatch) -> tuple[str, str, float, dict[str, float]]:
+        """Train on the batch and publish version ``self.version + 1`` (blocking: run in a thread)."""
         metrics = self.trainer.train(batch)
         uri, sha, publish_s = self.trainer.publish(self.version + 1)
         return uri, sha, publish_s, metrics
@@ -348,12 +295,9 @@ class StandInLearner:
             trained=self.trained,
         )
         started = self.clock()
-        if self.trainer is None:
-            published = await self._sim_step(sock, facts, stop)
-        else:
-            published = await self._busy(sock, stop, self._torch_step, batch)
+        published = await self._busy(sock, stop, self._step, batch)
         if published is None:  # a step cut short is not published: the broker re-delivers the batch to the next learner
-            self.weights_ahead = self.trainer is not None
+            self.weights_ahead = self.trainer.keeps_weights
             return
         uri, sha, publish_s, metrics = published
         self.version += 1
@@ -373,7 +317,7 @@ class StandInLearner:
         self.trained.update(g.group_id for g in batch.groups)
         lc, core = self.cfg.learner, self.cfg.core
         if (
-            self.trainer is not None
+            self.trainer.keeps_weights
             and lc.checkpoint_dir
             and (version % lc.checkpoint_every == 0 or version == core.total_steps)
         ):

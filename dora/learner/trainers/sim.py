@@ -1,0 +1,44 @@
+"""The sim trainer: `dora learner --trainer sim`, the learner without torch.
+
+A step takes the trainer timing model's time for the batch's tokens (``[trainer]``: ``step_fixed_s +
+tokens x gpu_s_per_token / learner.sim_gpus``, then ``publish_s``), scaled by ``run.time_scale``, and
+publishes ``sim://v<N>`` with a sha256 named after the version. There are no weights, so there is
+nothing to checkpoint, restore or adopt. Everything else a learner does (the protocol, the batch
+checks, the audit) is the learner actor's, the same as with the torch trainer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any
+
+from dora.config.run import RunConfig
+from dora.wire import messages as m
+
+
+class SimTrainer:
+    keeps_weights = False
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+
+    def train(self, batch: m.TrainBatch) -> dict[str, float]:
+        tokens = sum(len(s.token_ids) for g in batch.groups for s in g.samples)
+        train_s = self.cfg.trainer.train_s(tokens, self.cfg.learner.sim_gpus) * self.cfg.run.time_scale
+        time.sleep(train_s)
+        return {"train_s": train_s}
+
+    def publish(self, version: int) -> tuple[str, str, float]:
+        publish_s = self.cfg.trainer.publish_s * self.cfg.run.time_scale
+        time.sleep(publish_s)
+        return f"sim://v{version}", hashlib.sha256(f"sim-weights-{version}".encode()).hexdigest(), publish_s
+
+    def checkpoint(self, version: int, trained_groups: list[int]) -> float:
+        raise TypeError("the sim trainer keeps no weights to checkpoint")
+
+    def restore(self) -> dict[str, Any] | None:
+        return None
+
+    def adopt(self, version: int) -> None:
+        raise TypeError("the sim trainer keeps no weights to adopt")
