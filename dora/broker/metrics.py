@@ -21,20 +21,17 @@ import json
 import socket
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any
 
 import structlog
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
-from dora.broker.snapshot import per_version
+from dora.broker.snapshot import BrokerView, per_version
 from dora.config.run import split_host_port
 from dora.core import events as ev
 from dora.ids import GroupId, WorkerId
-
-if TYPE_CHECKING:
-    from dora.broker.actor import BrokerActor
 
 log = structlog.get_logger()
 
@@ -62,7 +59,7 @@ class JsonLines:
 class BrokerMetrics:
     """The broker's Prometheus registry and record files, fed by the actor."""
 
-    def __init__(self, actor: BrokerActor, *, wall: Callable[[], float] = time.time) -> None:
+    def __init__(self, actor: BrokerView, *, wall: Callable[[], float] = time.time) -> None:
         self.actor = actor
         self.wall = wall
         b = actor.cfg.broker

@@ -6,13 +6,29 @@ request, a metrics scrape).
 
 from __future__ import annotations
 
-from collections import deque
-from typing import TYPE_CHECKING, Any
+from collections import Counter, deque
+from collections.abc import Callable
+from typing import Any, Protocol
 
+from dora.config.run import RunConfig
 from dora.core.core import Core
 
-if TYPE_CHECKING:
-    from dora.broker.actor import BrokerActor
+
+class BrokerView(Protocol):
+    """What the operators' views read off a running broker (``BrokerActor`` is one): its core and the counts
+    the actor keeps beside it. Nothing here imports the actor, so the actor can import its views."""
+
+    cfg: RunConfig
+    core: Core
+    clock: Callable[[], float]
+    started: float
+    epoch: int
+    trained_tokens: int
+    counters: Counter[str]
+    decision_s: Counter[str]
+    malformed: Counter[str]
+    lost: deque[dict[str, Any]]
+    lag_s: deque[float]
 
 
 def per_version(core: Core) -> dict[int, dict[str, Any]]:
@@ -40,7 +56,7 @@ def lag_ms(lags: deque[float]) -> dict[str, float]:
     return {"p50": pick(0.5), "p99": pick(0.99), "max": pick(1.0)}
 
 
-def snapshot(actor: BrokerActor) -> dict[str, Any]:
+def snapshot(actor: BrokerView) -> dict[str, Any]:
     core, sched, led = actor.core, actor.core.scheduler, actor.core.ledger
     elapsed = max(actor.clock() - actor.started, 1e-9)
     return {

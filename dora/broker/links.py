@@ -1,0 +1,151 @@
+"""The broker's links to its peers: one ROUTER socket, a session per peer, and nothing sent blindly.
+
+Sending: the ROUTER has ROUTER_MANDATORY on and every send is non-blocking. A message that meets a
+full pipe (EAGAIN) waits in that peer's outbox and is retried; nothing is dropped silently. A peer
+that cannot be routed to (EHOSTUNREACH) is gone, and the actor is told so (its leases are re-queued
+by the core). Application credits (the worker's slots) keep those outboxes small.
+
+Commands to a worker are numbered (``seq``, per session): a worker applies them in order or not at
+all, and each ``Peer`` remembers what lease reconciliation may have to send again.
+
+Under CURVE a refused handshake is silent to both sides; the socket monitor is how it is counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import recv_monitor_message
+
+from dora.ids import WorkerId
+from dora.wire import codec
+from dora.wire import messages as m
+
+log = structlog.get_logger()
+
+HANDSHAKE_FAILED_NAMES = {
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "auth",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol",
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "no detail",
+}
+HANDSHAKE_FAILED = sum(HANDSHAKE_FAILED_NAMES)
+
+
+@dataclass(slots=True)
+class Peer:
+    identity: bytes
+    role: m.Role
+    name: str
+    outbox: deque[list[Any]] = field(default_factory=deque)
+    seq: int = 0
+    """The number of the last command sent to it."""
+    lease_seq: dict[tuple[int, int], int] = field(default_factory=dict)
+    """(group, attempt) -> number of the command that gave it that lease's work (Generate or MigrateIn)."""
+    assign: m.Assign | None = None
+    """The last Assign sent to it."""
+    migrate_out: dict[tuple[int, int], m.MigrateOut] = field(default_factory=dict)
+    """MigrateOut sent to it and not yet answered."""
+
+
+def user_id(frames: list[Any]) -> str | None:
+    """The User-Id ZAP attached to a message (the peer's z85 public key under CURVE)."""
+    frame = frames[1] if len(frames) > 1 else None
+    try:
+        return frame.get("User-Id") if isinstance(frame, zmq.Frame) else None
+    except zmq.ZMQError:
+        return None
+
+
+class Links:
+    """The registered peers (by socket identity), their outboxes, and every send of the broker."""
+
+    def __init__(self, sock: zmq.asyncio.Socket, counters: Counter[str], *, monitor: bool) -> None:
+        self.sock = sock
+        self.sync = zmq.Socket.shadow(sock.underlying)
+        """Non-blocking sends and receives go through this synchronous view of the same socket; the
+        asyncio socket is only awaited for readiness (its own NOBLOCK calls would hide errors in futures)."""
+        self.counters = counters
+        self.peers: dict[bytes, Peer] = {}
+        self.pending: set[bytes] = set()
+        """Peers whose outbox holds something."""
+        self._monitor_sock = sock.get_monitor_socket(HANDSHAKE_FAILED) if monitor else None
+        self._monitor = zmq.Socket.shadow(self._monitor_sock.underlying) if self._monitor_sock else None
+
+    def command(self, worker: WorkerId, msg: Any) -> None:
+        """Number a command to a worker and send it; remember what reconciliation may need again."""
+        peer = self.peers.get(worker.encode())
+        if peer is None:
+            return
+        peer.seq += 1
+        msg = dataclasses.replace(msg, seq=peer.seq)
+        match msg:
+            case m.Generate() | m.MigrateIn():
+                peer.lease_seq[(msg.group_id, msg.attempt)] = msg.seq
+            case m.Assign():
+                peer.assign = msg
+            case m.MigrateOut():
+                peer.migrate_out[(msg.group_id, msg.attempt)] = msg
+        self.send(peer, msg)
+
+    def send(self, peer: Peer, msg: Any) -> None:
+        peer.outbox.append([peer.identity, *codec.encode(msg)])
+        self.pending.add(peer.identity)
+
+    def send_raw(self, identity: bytes, msg: Any) -> None:
+        """Reply to an identity that is not (or no longer) a registered peer; best effort."""
+        try:
+            self.sync.send_multipart([identity, *codec.encode(msg)], flags=zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError:
+            self.counters["unroutable reply"] += 1
+
+    def flush(self, unreachable: Callable[[Peer], None]) -> int:
+        """Send what the outboxes hold, in order, until a pipe is full; ``unreachable`` is told of a peer that
+        cannot be routed to. Returns the messages sent."""
+        sent = 0
+        for identity in list(self.pending):
+            peer = self.peers.get(identity)
+            if peer is None:
+                self.pending.discard(identity)
+                continue
+            while peer.outbox:
+                try:
+                    self.sync.send_multipart(peer.outbox[0], flags=zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break  # full pipe: keep it queued, retry on the next pass
+                except zmq.ZMQError as e:
+                    if e.errno == zmq.EHOSTUNREACH:
+                        unreachable(peer)
+                        break
+                    raise
+                peer.outbox.popleft()
+                sent += 1
+            if not peer.outbox:
+                self.pending.discard(identity)
+        return sent
+
+    def count_handshake_failures(self) -> None:
+        if self._monitor is None:
+            return
+        while True:
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            name = HANDSHAKE_FAILED_NAMES.get(event["event"], "other")
+            self.counters[f"handshake failed ({name})"] += 1
+            if self.counters[f"handshake failed ({name})"] % 100 == 1:
+                log.warning(
+                    "handshake_failed", reason=name, endpoint=str(event.get("endpoint", b""), "utf-8", "replace")
+                )
+
+    def close(self) -> None:
+        if self._monitor_sock is not None:
+            self.sock.disable_monitor()
+            self._monitor_sock.close(linger=0)

@@ -1,0 +1,72 @@
+"""Lease reconciliation: what a worker says it holds against what the core thinks it holds.
+
+Links lose messages (a broker restart, a reconnect, a chaos proxy). Each rollout heartbeat carries the
+highest command number the worker saw, the (group, attempt) leases it holds and the version it serves
+or is loading. From that, one function mends each kind of loss:
+- a lease whose command the worker saw go by but does not hold was lost: the core re-queues the group
+  whole (``LeaseLost``; C2 holds because the group is re-run, never dropped);
+- a void lease the worker still works on gets its ``Cancel`` again;
+- a lost ``MigrateOut`` or ``Assign`` is sent again;
+- a lost ``WeightsLoaded`` is taken from the heartbeat.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+
+from dora.broker.links import Peer
+from dora.core import events as ev
+from dora.core.core import Core
+from dora.ids import WorkerId
+from dora.wire import messages as m
+
+log = structlog.get_logger()
+
+
+def reconcile(
+    core: Core,
+    peer: Peer,
+    hb: m.Heartbeat,
+    *,
+    command: Callable[[WorkerId, Any], None],
+    feed: Callable[[ev.Event], Any],
+    counters: Counter[str],
+) -> None:
+    """Compare what a worker (``peer``) says it holds with the core's view, and
+    mend what a lost message broke: core events go to ``feed``, commands sent again to ``command``."""
+    w = WorkerId(peer.identity.decode())
+    worker = core.scheduler.workers.get(w)
+    if worker is None:
+        return
+    flights, held = core.scheduler.flights, hb.held()
+    current = {(g, int(flights[g].attempt)) for g in worker.groups}
+    for key in sorted(current - held):  # it saw the command go by, and holds nothing of it
+        if peer.lease_seq.get(key, hb.seen + 1) <= hb.seen:
+            counters["lease lost on the way"] += 1
+            log.warning("lease_lost", group_id=key[0], attempt=key[1], seen=hb.seen)
+            feed(ev.LeaseLost(worker_id=w, group_id=key[0], attempt=key[1]))
+    current = {(g, int(flights[g].attempt)) for g in worker.groups}
+    peer.lease_seq = {k: v for k, v in peer.lease_seq.items() if k in current}
+    for group, attempt in sorted(held - current):  # void leases it still works on: its Cancel was lost
+        counters["cancel sent again"] += 1
+        command(w, m.Cancel(group_id=group, attempt=attempt))
+    for key, out in list(peer.migrate_out.items()):
+        f = flights.get(key[0])
+        if f is None or f.worker != w or f.target is None or f.attempt != key[1]:
+            del peer.migrate_out[key]  # answered (or the group moved on) in some other way
+        elif key in held and out.seq <= hb.seen:
+            counters["migrate_out sent again"] += 1
+            command(w, out)
+    pinned = core.ledger.version_of(w)
+    if pinned is None or worker.ready or peer.assign is None or peer.assign.version != pinned:
+        return
+    if hb.version == pinned and hb.loading < 0:  # it loaded them, and the WeightsLoaded was lost
+        counters["weights_loaded taken from a heartbeat"] += 1
+        feed(ev.WeightsLoaded(worker_id=w, version=pinned))
+    elif pinned not in (hb.version, hb.loading) and peer.assign.seq <= hb.seen:
+        counters["assign sent again"] += 1
+        command(w, peer.assign)

@@ -1,0 +1,97 @@
+"""Between the wire's words and the core's: finished samples in as core events, core actions out as messages.
+
+Pure functions, no sockets: the actor calls them and sends what they return. A prompt's token ids and
+a sample's arrays are the payloads the core never looks at; they are attached here.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from dora.config.run import LiveRun
+from dora.core import events as ev
+from dora.ids import WorkerId
+from dora.wire import messages as m
+
+Prompts = Callable[[int], np.ndarray]
+"""group id -> the prompt's token ids."""
+
+
+def samples_event(worker: WorkerId, msgs: Sequence[m.SampleFinished]) -> ev.Event:
+    """One core event for the finished samples of one message (at least one)."""
+    events = tuple(
+        ev.SampleFinished(worker_id=worker, group_id=x.group_id, attempt=x.attempt, index=x.index,
+                          segments=tuple(map(tuple, x.segments.tolist())), finish=x.finish, payload=x)
+        for x in msgs
+    )  # fmt: skip
+    return events[0] if len(events) == 1 else ev.SamplesFinished(samples=events)
+
+
+def result_acks(msgs: Sequence[m.SampleFinished], epoch: int, actions: Sequence[ev.Action]) -> tuple[m.ResultAck, ...]:
+    """The answer to each sample of a message, in order: refused if it is of an older broker epoch (never fed
+    to the core) or if the core refused it among ``actions``; a copy later in the message is the one refused."""
+    refused: dict[tuple[int, int, int], list[str]] = {}
+    for a in actions:
+        if isinstance(a, ev.Refused) and a.index is not None:
+            refused.setdefault((a.group_id, a.attempt, a.index), []).append(a.reason)
+    left = Counter((x.group_id, x.attempt, x.index) for x in msgs if x.broker_epoch == epoch)
+    acks = []
+    for x in msgs:
+        key = (x.group_id, x.attempt, x.index)
+        if x.broker_epoch != epoch:
+            reason: str | None = "old broker epoch"
+        else:
+            left[key] -= 1
+            reasons = refused.get(key, [])
+            reason = reasons[len(reasons) - 1 - left[key]] if left[key] < len(reasons) else None
+        acks.append(m.ResultAck(group_id=x.group_id, attempt=x.attempt, index=x.index, accepted=reason is None,
+                                reason=reason or ""))  # fmt: skip
+    return tuple(acks)
+
+
+def generate(a: ev.Lease, run: LiveRun, prompts: Prompts, epoch: int) -> m.Generate:
+    return m.Generate(
+        group_id=a.group_id,
+        attempt=a.attempt,
+        version=a.version,
+        prompt_ids=prompts(a.group_id),
+        n_samples=a.n_samples,
+        max_tokens=run.max_tokens,
+        temperature=run.temperature,
+        top_p=run.top_p,
+        seed=(run.seed << 32) ^ a.attempt,
+        broker_epoch=epoch,
+    )
+
+
+def migrate_in(a: ev.MigrateIn, run: LiveRun, prompts: Prompts) -> m.MigrateIn:
+    """The target's command: the group's running requests (token prefixes) to continue on the same version."""
+    return m.MigrateIn(
+        group_id=a.group_id,
+        attempt=a.attempt,
+        version=a.version,
+        source=a.source,
+        prompt_ids=prompts(a.group_id),
+        requests=a.state,
+        max_tokens=run.max_tokens,
+        temperature=run.temperature,
+        top_p=run.top_p,
+        seed=(run.seed << 32) ^ a.attempt,
+    )
+
+
+def train_batch(batch: ev.DeliverBatch, prompts: Prompts) -> m.TrainBatch:
+    """The learner's batch: each group's prompt and its samples' arrays, as the workers sent them."""
+    groups = []
+    for g in batch.groups:
+        samples = []
+        for s in g.samples:
+            p: m.SampleFinished = s.payload
+            samples.append(m.TrainSample(index=s.index, token_ids=p.token_ids, logprobs=p.logprobs, reward=p.reward,
+                                         finish=p.finish, segments=p.segments))  # fmt: skip
+        groups.append(m.TrainGroup(group_id=g.group_id, version=g.version, prompt_ids=prompts(g.group_id),
+                                   samples=tuple(samples)))  # fmt: skip
+    return m.TrainBatch(step=batch.step, groups=tuple(groups), redelivery=batch.redelivery)
