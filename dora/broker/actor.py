@@ -112,8 +112,7 @@ class BrokerActor:
             if now >= next_tick:
                 next_tick = now + self.cfg.broker.tick_s
                 self.feed(ev.Tick())
-            sent = self.links.flush(lambda peer: self.peer_lost(peer, "unreachable"))
-            retry_ms = 1 if sent else min(2 * retry_ms, 50)
+            retry_ms = 1 if self.flush() else min(2 * retry_ms, 50)
             self.links.count_handshake_failures()
         self.links.close()
 
@@ -366,7 +365,7 @@ class BrokerActor:
             return  # the core keeps it and delivers it again when a learner asks for this step
         self.links.send(learner, translate.train_batch(batch, self.prompts))
 
-    # ------------------------------------------------------------------ peers and sending
+    # ------------------------------------------------------------------ peers
 
     def check_liveness(self, now: float) -> None:
         for name, reason in self.liveness.expired(now):
@@ -392,7 +391,9 @@ class BrokerActor:
             self.learner = None
             self.feed(ev.LearnerLost(reason=reason))
 
-    # ------------------------------------------------------------------ status
+    def flush(self) -> int:
+        """Send what the outboxes hold, until a pipe is full; a peer that cannot be routed to is lost."""
+        return self.links.flush(lambda peer: self.peer_lost(peer, "unreachable"))
 
     def snapshot(self) -> dict[str, Any]:
         return snapshot(self)
