@@ -1,4 +1,5 @@
-"""The broker's pure core: one event in, a list of actions out.
+"""The pure decision core (dora.core), driven by the broker actor live and by the simulator on a virtual clock:
+one event in, a list of actions out.
 
 ``Core.handle(now, event)`` is the only entry point. The broker actor calls it for every decoded
 message and timer; the simulator calls it for every virtual-time event. Every decision (admission,
