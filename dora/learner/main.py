@@ -68,15 +68,24 @@ def main(argv: list[str]) -> int:
         rank, world = init_from_env(cluster, device)
     configure_logging(cfg.log, process="learner", rank=rank, **cluster.log_fields())
     if rank > 0:  # the other ranks train in step with rank 0, which alone talks to the broker
-        from dora.learner.ranks import follow
+        from dora.learner.ranks import follow, leave
 
         for sig in (signal.SIGTERM, signal.SIGUSR1):  # rank 0 decides when to stop, and tells them
             signal.signal(sig, signal.SIG_IGN)
         trainer, _ = make_trainer(cfg, loss_fn, str(device))
-        return follow(trainer)
+        try:
+            return follow(trainer)
+        finally:
+            leave()
     discover = lambda: resolve_endpoint(args.broker, cluster)  # noqa: E731
-    return uvloop.run(serve(cfg, endpoint, args.trainer, world, discover=discover, cluster=cluster,
-                            device=str(device), loss_fn=loss_fn))  # fmt: skip
+    try:
+        return uvloop.run(serve(cfg, endpoint, args.trainer, world, discover=discover, cluster=cluster,
+                                device=str(device), loss_fn=loss_fn))  # fmt: skip
+    finally:
+        if world > 1:
+            from dora.learner.ranks import leave
+
+            leave()
 
 
 def make_trainer(cfg: RunConfig, loss_fn: Callable[..., Any] | None = None,

@@ -48,6 +48,13 @@ def init_from_env(cluster: ClusterInfo, device: torch.device, timeout_s: float =
     return rank, world
 
 
+def leave() -> None:
+    """Tear this rank's process group down before the interpreter exits: left to exit-time destructors, gloo's
+    threads can abort the process ("terminate called without an active exception") once a peer has gone."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _comm_device() -> torch.device:
     """Where broadcast buffers live: NCCL moves only GPU tensors, gloo CPU ones."""
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
