@@ -28,6 +28,10 @@ COMMANDS: dict[str, tuple[str, str | None]] = {
         "the invariant report of a run directory (steps, C1, C2, C3) from its journal and learner audit",
         "dora.ops.audit",
     ),
+    "eval": (
+        "`dora eval --model DIR`: held-out accuracy and pass@k of a model folder or store version",
+        "dora.ops.evaluate",
+    ),
     "config": (
         "`dora config reference|show`: the configuration reference, or a resolved config",
         "dora.config.reference",

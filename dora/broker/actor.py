@@ -25,7 +25,7 @@ from dora.actor.security import Keys
 from dora.broker import translate
 from dora.broker.journal import Journal
 from dora.broker.links import Links, Peer, user_id
-from dora.broker.metrics import BrokerMetrics
+from dora.broker.metrics import BrokerMetrics, reward_stats
 from dora.broker.reconcile import reconcile
 from dora.broker.snapshot import snapshot
 from dora.config.run import RunConfig
@@ -294,6 +294,7 @@ class BrokerActor:
             "staleness": {str(k): n for k, n in sorted(self.core.transfer.staleness.items())},
             "live_versions": self.core.ledger.alive(),
             "workers": len(self.core.scheduler.workers),
+            **reward_stats(batch.groups),
         }
         learner = {k: round(v, 4) for k, v in msg.metrics.items()}
         log.info("train_step", **row, learner=learner)  # the learner's own numbers, kept apart

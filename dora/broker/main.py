@@ -10,6 +10,7 @@ import signal
 import socket
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import structlog
@@ -47,12 +48,13 @@ def main(argv: list[str]) -> int:
         print(f"dora broker: {e}", file=sys.stderr)
         return 2
     try:
-        prompts = prompt_source(cfg)
+        prompts, about = prompt_source(cfg)
     except ValueError as e:
         print(f"dora broker: {e}", file=sys.stderr)
         return 2
     configure_logging(cfg.log, process="broker", **cluster.log_fields())
-    return uvloop.run(serve(cfg, prompts, cluster))
+    log.info("task_loaded", **about)
+    return uvloop.run(serve(cfg, prompts, cluster, about))
 
 
 def open_router(ctx: zmq.asyncio.Context, cfg: RunConfig, keys: Keys | None = None) -> tuple[zmq.asyncio.Socket, str]:
@@ -74,7 +76,9 @@ def open_router(ctx: zmq.asyncio.Context, cfg: RunConfig, keys: Keys | None = No
     return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
-async def serve(cfg: RunConfig, prompts: Callable[[int], np.ndarray], cluster: ClusterInfo | None = None) -> int:
+async def serve(cfg: RunConfig, prompts: Callable[[int], np.ndarray], cluster: ClusterInfo | None = None,
+                task: dict[str, Any] | None = None) -> int:  # fmt: skip
+    """Serve a run; ``task``: what the task is (``TaskRun.about``), a dataset's identity goes into the journal."""
     cluster = cluster or ClusterInfo(host=socket.gethostname())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -101,7 +105,7 @@ async def serve(cfg: RunConfig, prompts: Callable[[int], np.ndarray], cluster: C
         sock, endpoint = open_router(ctx, cfg, keys)
         epoch = secrets.randbits(62)
         try:
-            core, journal, weights = open_journal(cfg, epoch, cluster)
+            core, journal, weights = open_journal(cfg, epoch, cluster, task)
         except (JournalError, ConfigError) as e:
             log.error("journal_unusable", error=str(e))
             print(f"dora broker: {e}", file=sys.stderr)
@@ -122,6 +126,10 @@ async def serve(cfg: RunConfig, prompts: Callable[[int], np.ndarray], cluster: C
             log.error("broker_unusable", error=f"{what}: {e}")
             print(f"dora broker: {what}: {e}", file=sys.stderr)
             return 2
+        except ConfigError as e:  # a [metrics] sink that cannot start: its library missing, or wandb refused
+            log.error("broker_unusable", error=str(e))
+            print(f"dora broker: {e}", file=sys.stderr)
+            return 2
         announce(ready, cfg.broker.discovery_file)
         try:
             await actor.run(stop)
@@ -140,13 +148,19 @@ async def serve(cfg: RunConfig, prompts: Callable[[int], np.ndarray], cluster: C
         ctx.destroy(linger=0)
 
 
-def open_journal(cfg: RunConfig, epoch: int, cluster: ClusterInfo | None = None
+def open_journal(cfg: RunConfig, epoch: int, cluster: ClusterInfo | None = None, task: dict[str, Any] | None = None
                  ) -> tuple[Core, Journal | None, dict[int, tuple[str, str]] | None]:  # fmt: skip
-    """The core, fresh or rebuilt from ``broker.journal``; the journal to append to; the newest weights."""
+    """The core, fresh or rebuilt from ``broker.journal``; the journal to append to; the newest weights.
+
+    A dataset's rows and fingerprint are part of the run's shape: the journal's cursor names positions in the
+    dataset's epoch order (``dora.tasks.datasets.Epochs``), so a broker resumed on other rows would train
+    some twice and some never; it is refused."""
     if not cfg.broker.journal:
         return Core(cfg.core, strict=cfg.broker.strict), None, None
-    shape = {"mode": cfg.core.mode.value, "max_staleness": cfg.core.max_staleness,
-             "train_groups": cfg.core.train_groups, "group_size": cfg.core.group_size}  # fmt: skip
+    shape: dict[str, Any] = {"mode": cfg.core.mode.value, "max_staleness": cfg.core.max_staleness,
+                             "train_groups": cfg.core.train_groups, "group_size": cfg.core.group_size}  # fmt: skip
+    if task and "fingerprint" in task:
+        shape["dataset"] = {"rows": task["kept"], "seed": cfg.task.seed, "fingerprint": task["fingerprint"]}
     past = replay(cfg.broker.journal)
     if past.epochs and past.shape != shape:
         raise ConfigError(f"the journal {cfg.broker.journal} was written by a run with {past.shape}, not {shape}")

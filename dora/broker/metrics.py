@@ -10,6 +10,9 @@ events and sees one consistent state.
 Record files (JSON lines, appended to, one ``write`` per line): ``broker.metrics_file`` gets one line
 per train step, ``broker.timeline_file`` one per worker event (joined, assigned, ready, lost) and per
 published version, each with the wall-clock time ``t``. `dora plot` draws a run from them.
+
+Sinks (``[metrics]``, dora.broker.sinks): each train step's line also goes to TensorBoard and Weights & Biases
+when configured, as named scalars; other streams (a held-out evaluation) log through ``scalars``.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import functools
 import json
 import socket
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import IO, Any
 
 import structlog
@@ -28,6 +31,7 @@ from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, Count
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
+from dora.broker.sinks import flatten, open_sinks, step_scalars
 from dora.broker.snapshot import BrokerView, per_version
 from dora.config.run import split_host_port
 from dora.core import events as ev
@@ -40,6 +44,8 @@ STEP_BUCKETS_S = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 LAG_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 REQUEST_TIMEOUT_S = 5.0
 """A scrape must send its request within this long."""
+REWARD_FAILED = "reward failed ("
+"""The actor's counters of samples whose reward failed are ``reward failed (<reason>)``."""
 
 
 class JsonLines:
@@ -62,6 +68,8 @@ class BrokerMetrics:
     def __init__(self, actor: BrokerView, *, wall: Callable[[], float] = time.time) -> None:
         self.actor = actor
         self.wall = wall
+        self.sinks = open_sinks(actor.cfg)  # first: one that cannot start is a ConfigError, before any file opens
+        """TensorBoard and wandb, as ``[metrics]`` asks; a sink that fails is dropped (``sinks.failed``)."""
         b = actor.cfg.broker
         self.steps = JsonLines(b.metrics_file) if b.metrics_file else None
         self.timeline = JsonLines(b.timeline_file) if b.timeline_file else None
@@ -106,6 +114,7 @@ class BrokerMetrics:
         for f in (self.steps, self.timeline):
             if f is not None:
                 f.close()
+        self.sinks.close()
 
     # ------------------------------------------------------------------ what the actor reports
 
@@ -130,6 +139,7 @@ class BrokerMetrics:
                 self.record("published", version=v)
             case ev.SampleFinished() | ev.SamplesFinished():
                 samples = event.samples if isinstance(event, ev.SamplesFinished) else (event,)
+                self.actor.counters.update(reward_failures(samples, actions))
                 for s in samples:
                     leased = self._leased_at.get(s.group_id)
                     if leased is not None and leased[0] == s.attempt and s.group_id not in sched.flights:
@@ -149,10 +159,17 @@ class BrokerMetrics:
         self.train_steps.inc()
         self.step_time.observe(row["step_s"])
         self.learner = dict(learner)
+        line = dict(row, max_staleness=self.actor.core.cfg.staleness)
+        theirs = learner.keys() - line.keys()
+        line.update((k, v) for k, v in learner.items() if k in theirs)
+        line.update(elapsed_s=round(elapsed_s, 3), t=round(self.wall(), 4))
         if self.steps is not None:
-            line = dict(row, max_staleness=self.actor.core.cfg.staleness)
-            line.update((k, v) for k, v in learner.items() if k not in line)
-            self.steps.write({**line, "elapsed_s": round(elapsed_s, 3), "t": round(self.wall(), 4)})
+            self.steps.write(line)
+        self.sinks.log(row["step"], step_scalars(line, learner=theirs))
+
+    def scalars(self, step: int, prefix: str, values: Mapping[str, Any]) -> None:
+        """Another stream's numbers at ``step`` to the sinks, named ``prefix/key`` (e.g. ``eval/reward_mean``)."""
+        self.sinks.log(step, flatten(values, prefix))
 
     def peer_lost(self, role: str, reason: str) -> None:
         self.peers_lost.labels(role=role, reason=reason.partition(":")[0]).inc()
@@ -191,11 +208,57 @@ class BrokerMetrics:
         yield _counter("dora_migrated_requests", "Running samples handed over", sched.stats_migrated_requests)
         yield _counter("dora_requeued_groups", "Voided leases whose group runs again, whole", sched.stats_requeued)
         yield _by(CounterMetricFamily, "dora_malformed_frames", "Messages dropped as malformed", "reason", a.malformed)
-        prefix = "handshake failed ("
-        refused = {k[len(prefix) : -1]: n for k, n in a.counters.items() if k.startswith(prefix)}
-        yield _by(CounterMetricFamily, "dora_handshakes_failed", "CURVE handshakes refused", "reason", refused)
+        for prefix, name, doc in (
+            ("handshake failed (", "dora_handshakes_failed", "CURVE handshakes refused"),
+            (REWARD_FAILED, "dora_reward_failures", "Accepted samples whose reward failed"),
+        ):
+            counts = {k[len(prefix) : -1]: n for k, n in a.counters.items() if k.startswith(prefix)}
+            yield _by(CounterMetricFamily, name, doc, "reason", counts)
         yield _by(CounterMetricFamily, "dora_core_decision_seconds", "Seconds in the core", "event", a.decision_s)
         yield _by(GaugeMetricFamily, "dora_learner_step_metric", "The learner's latest step", "name", self.learner)
+        yield _by(CounterMetricFamily, "dora_metrics_sink_failures", "Metrics sinks dropped on an error", "sink",
+                  self.sinks.failed)  # fmt: skip
+
+
+# ---------------------------------------------------------------------- rewards
+
+
+def failure_reason(error: str) -> str:
+    """A reward failure's reason, short and of few distinct values: up to the exception type (the text before the
+    first ':'), at most 60 characters, without the leading 'reward '."""
+    return error.partition(":")[0][:60].removeprefix("reward ").strip()
+
+
+def reward_failures(samples: Sequence[ev.SampleFinished], actions: Sequence[ev.Action]) -> collections.Counter[str]:
+    """``REWARD_FAILED`` counters by reason for the samples of one core event that the core took (the ones it
+    refused, a copy sent twice or of a voided lease, are not counted again)."""
+    refused = collections.Counter(
+        (a.group_id, a.attempt, a.index) for a in actions if isinstance(a, ev.Refused) and a.index is not None
+    )
+    counts = collections.Counter[str]()
+    for s in samples:
+        key = (s.group_id, s.attempt, s.index)
+        if refused[key] > 0:
+            refused[key] -= 1
+            continue
+        error = getattr(s.payload, "reward_error", "")
+        if error:
+            counts[f"{REWARD_FAILED}{failure_reason(error)})"] += 1
+    return counts
+
+
+def reward_stats(groups: Sequence[ev.TrainGroup]) -> dict[str, Any]:
+    """For a train step's row: how many of its samples' rewards failed, and the mean of each reward component
+    over the samples that have it (a reward function that returns a dict; a failed one has none)."""
+    failed, sums, counts = 0, collections.defaultdict(float), collections.Counter[str]()
+    for g in groups:
+        for s in g.samples:
+            failed += bool(getattr(s.payload, "reward_error", ""))
+            for name, part in getattr(s.payload, "reward_components", {}).items():
+                sums[name] += part
+                counts[name] += 1
+    means = {name: round(sums[name] / counts[name], 6) for name in sorted(sums)}
+    return {"reward_failed": failed, "reward_components": means}
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -164,12 +164,13 @@ class RolloutSection:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TaskSection:
-    """The prompts (the broker encodes them) and the reward (the workers score with it)."""
+    """The prompts (the broker encodes them) and the reward (the workers score with it): a built-in task, or
+    the user's dataset (a JSONL or Parquet file, or a datasets save_to_disk folder)."""
 
     name: str = "synthetic"
-    """synthetic (token arrays for the sim engine), arithmetic or countdown."""
+    """synthetic (token arrays for the sim engine), arithmetic or countdown; dataset when task.dataset is set."""
     seed: int = 0
-    """The task's seed: item i is a pure function of (seed, i)."""
+    """The task's seed: item i is a pure function of (seed, i); a dataset's epoch order is seeded by it."""
     tokenizer: str | None = None
     """Folder holding tokenizer.json (the model folder); the broker encodes prompts with it."""
     reward: str | None = None
@@ -177,10 +178,38 @@ class TaskSection:
     keep its module free of heavy imports); default: the task's own."""
     reward_timeout_s: float = 5.0
     """A reward call taking longer scores 0 (with the reason); the worker goes on."""
+    dataset: str | None = None
+    """The user's dataset: a .jsonl/.json file (JSON lines), a .parquet file, or a folder written by
+    datasets' save_to_disk. Every row is checked before any process starts."""
+    prompt_field: str = "prompt"
+    """dataset: the column holding the prompt text (sent as one user turn)."""
+    messages_field: str | None = None
+    """dataset: the column holding the prompt as chat turns (a list of {role, content}), instead of
+    prompt_field; needs chat_template = true."""
+    answer_field: str = "answer"
+    """dataset: the column holding the reference answer the reward compares with."""
+    system_prompt: str | None = None
+    """A system turn put before every prompt."""
+    split: str | None = None
+    """dataset: the split of a save_to_disk folder holding several (default: train, or the only one)."""
+    max_prompt_tokens: int | None = None
+    """Prompts longer than this (rendered, in tokens) are filtered out: counted, reported at start and in the
+    metrics, and never dispatched. None: no limit."""
+    chat_template: bool = False
+    """Render each prompt with the model folder's chat template (with the generation prompt); false: the
+    prompt text as it is."""
 
     def __post_init__(self) -> None:
-        if self.name not in ("synthetic", "arithmetic", "countdown"):
-            raise ConfigError(f"task.name must be synthetic, arithmetic or countdown; got {self.name!r}")
+        if self.dataset is not None and self.name == "synthetic":
+            object.__setattr__(self, "name", "dataset")  # the dataset is the task
+        if self.name not in ("synthetic", "arithmetic", "countdown", "dataset"):
+            raise ConfigError(f"task.name must be synthetic, arithmetic, countdown or dataset; got {self.name!r}")
+        if (self.name == "dataset") != (self.dataset is not None):
+            raise ConfigError("task.dataset names the dataset file or folder; task.name = 'dataset' goes with it")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ConfigError(f"task.max_prompt_tokens must be >= 1 or unset; got {self.max_prompt_tokens}")
+        if self.messages_field is not None and not self.chat_template:
+            raise ConfigError("task.messages_field (chat turns) needs task.chat_template = true")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -256,6 +285,106 @@ class SecuritySection:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class MetricsSection:
+    """Where the broker sends each train step's numbers besides ``broker.metrics_file``: TensorBoard event files
+    and Weights & Biases (the names are in dora/broker/sinks.py). Both are off unless set; each needs its extra
+    (``pip install 'dora-rl[tensorboard]'``, ``'dora-rl[wandb]'``)."""
+
+    tensorboard_dir: str | None = None
+    """Directory for TensorBoard event files (``tensorboard --logdir`` it); one new file per broker start. `dora
+    run` and `dora slurm config` resolve a relative path against the run directory. None: no TensorBoard."""
+    wandb_project: str | None = None
+    """Weights & Biases project to log the run to (one wandb run per broker start). None: no wandb."""
+    wandb_mode: str = "offline"
+    """``offline`` (written under wandb_dir; upload later with ``wandb sync``) or ``online`` (needs a login)."""
+    wandb_dir: str | None = None
+    """Directory wandb writes its ``wandb/`` folder of runs in. None: beside ``broker.metrics_file``, or the
+    current directory. `dora run` and `dora slurm config` resolve a relative path against the run directory."""
+    wandb_run_name: str | None = None
+    """Display name of the wandb run. None: wandb picks one."""
+
+    def __post_init__(self) -> None:
+        for key in ("tensorboard_dir", "wandb_project", "wandb_dir", "wandb_run_name"):
+            if getattr(self, key) == "":
+                raise ConfigError(f"metrics.{key} must not be empty (leave it out to turn it off)")
+        if self.wandb_mode not in ("offline", "online"):
+            raise ConfigError(f"metrics.wandb_mode must be offline or online; got {self.wandb_mode!r}")
+        if self.wandb_project is not None and any(c in self.wandb_project for c in "/\\#?%:"):
+            raise ConfigError(f"metrics.wandb_project must not contain any of / \\ # ? % :; got {self.wandb_project!r}")
+        for key in ("wandb_dir", "wandb_run_name"):
+            if getattr(self, key) is not None and self.wandb_project is None:
+                raise ConfigError(f"metrics.{key} is set but metrics.wandb_project is not (no wandb run without it)")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EvalSection:
+    """Held-out evaluation: a dataset the run never trains on, in the layout of [task] (the same fields, chat
+    template and reward), scored per completion. `dora run` evaluates the starting model and the final version
+    and prints both; `dora eval` evaluates a model folder or a weight-store version alone."""
+
+    dataset: str | None = None
+    """The held-out rows: a .jsonl/.json or .parquet file or a datasets save_to_disk folder. None: no evaluation."""
+    split: str | None = None
+    """The split of a save_to_disk folder holding several."""
+    limit: int | None = None
+    """Evaluate the first this many rows only. None: every row."""
+    samples: int = 1
+    """Completions per row (pass@k is reported for k = 1, 2, 4, ... up to it); 1 with greedy decoding."""
+    temperature: float = 0.0
+    """0: greedy decoding (exact-match accuracy); above 0: sampling, for pass@k."""
+    max_tokens: int | None = None
+    """Most tokens per completion. None: run.max_tokens."""
+
+    def __post_init__(self) -> None:
+        if self.samples < 1 or self.temperature < 0 or (self.temperature == 0 and self.samples > 1):
+            raise ConfigError("eval.samples must be >= 1 and eval.temperature >= 0; greedy decoding "
+                              f"(temperature 0) takes one sample; got samples={self.samples}, "
+                              f"temperature={self.temperature}")  # fmt: skip
+        if (self.limit is not None and self.limit < 1) or (self.max_tokens is not None and self.max_tokens < 1):
+            raise ConfigError("eval.limit and eval.max_tokens must be >= 1 or unset")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SftSection:
+    """`dora sft`: a supervised warm start on the task dataset's (prompt, answer) rows, so RL starts from a model
+    that already answers a little. The prompts are rendered exactly as RL renders them (task.chat_template,
+    task.system_prompt); the loss is on the answer tokens (the answer, then EOS) only."""
+
+    model: str | None = None
+    """The model folder to start from (built as the tiny model when it has no config.json, like `dora run`);
+    None: rollout.model."""
+    out: str | None = None
+    """The model folder to write (required): weights, config and the start folder's tokenizer files, written
+    atomically; an existing model folder there is replaced. Point rollout.model at it for `dora run`."""
+    epochs: int = 3
+    """Passes over the dataset's kept rows, each in a new order seeded by sft.seed and the epoch."""
+    lr: float = 1e-3
+    """AdamW learning rate (betas 0.9, 0.99; no weight decay), warmed up over the first steps, then decayed
+    along a cosine to a tenth of it by the last step."""
+    batch_size: int = 32
+    """Rows per optimizer step (one forward/backward, right-padded); the loss is the mean over the batch's answer
+    tokens."""
+    max_answer_tokens: int = 64
+    """Answer tokens (the EOS included) trained per row; longer answers are cut, and counted in the report."""
+    seed: int = 0
+    """Seeds torch and the order of the rows in each epoch."""
+    threads: int = 0
+    """torch CPU threads; 0 = all of this machine's cores."""
+
+    def __post_init__(self) -> None:
+        for key in ("epochs", "batch_size", "max_answer_tokens"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"sft.{key} must be >= 1; got {getattr(self, key)}")
+        if not self.lr > 0:
+            raise ConfigError(f"sft.lr must be > 0; got {self.lr}")
+        if self.threads < 0:
+            raise ConfigError(f"sft.threads must be >= 0 (0 = all cores); got {self.threads}")
+        for key in ("model", "out"):
+            if getattr(self, key) == "":
+                raise ConfigError(f"sft.{key} must not be empty (a model folder)")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RunConfig:
     run: LiveRun = field(default_factory=LiveRun)
     core: CoreConfig = field(default_factory=CoreConfig)
@@ -268,3 +397,6 @@ class RunConfig:
     workload: WorkloadSection = field(default_factory=WorkloadSection)
     log: LogConfig = field(default_factory=LogConfig)
     security: SecuritySection = field(default_factory=SecuritySection)
+    metrics: MetricsSection = field(default_factory=MetricsSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    sft: SftSection = field(default_factory=SftSection)

@@ -5,7 +5,10 @@ Each run gets its own directory under ``run.dir``, holding:
 - the broker's ``metrics.jsonl`` (one line per train step) and ``timeline.jsonl`` (one line per worker
   event and published version);
 - the learner's audit, the weight store, the learner's checkpoints and, at the end, the figures of
-  `dora plot`: ``reward.png``, ``staleness.png`` and ``timeline.png``.
+  `dora plot`: ``reward.png``, ``staleness.png`` and ``timeline.png``;
+- if ``[metrics]`` asks for them, TensorBoard event files and wandb's runs: a relative
+  ``metrics.tensorboard_dir`` or ``metrics.wandb_dir`` is in the run directory, and wandb's default is the run
+  directory itself.
 
 The broker listens on an ipc socket in that directory and serves Prometheus metrics on a free local
 port (``metrics_url`` in ``broker.json``). The progress line, read from ``metrics.jsonl``, shows step,
@@ -41,6 +44,9 @@ def prepare(cfg: RunConfig, rundir: pathlib.Path) -> dict[str, Any]:
     data["learner"].update(audit_file=str(rundir / "audit.jsonl"), store=str(rundir / "weights"))
     data["learner"].setdefault("checkpoint_dir", str(rundir / "checkpoints"))
     data["broker"].setdefault("journal", str(rundir / "journal.jsonl"))
+    for key in ("tensorboard_dir", "wandb_dir"):
+        if key in data["metrics"] and not os.path.isabs(data["metrics"][key]):
+            data["metrics"][key] = str(rundir / data["metrics"][key])
     data["log"]["format"] = "json"
     if cfg.run.engine != "sim" or cfg.run.trainer != "sim":
         model = cfg.rollout.model or cfg.learner.model
@@ -54,6 +60,26 @@ def prepare(cfg: RunConfig, rundir: pathlib.Path) -> dict[str, Any]:
         data["rollout"]["model"] = data["learner"]["model"] = str(model)
         data["task"].setdefault("tokenizer", str(model))
     return data
+
+
+def check_task(data: dict[str, Any]) -> dict[str, Any]:
+    """Load the task exactly as the processes will (a dataset: every row read, checked and rendered), so a bad
+    file, row, field or template is one line before any process starts; what the task is."""
+    from dora.config import build
+    from dora.tasks.prompts import prompt_source
+
+    return prompt_source(build(RunConfig, data))[1]
+
+
+def report_task(about: dict[str, Any]) -> None:
+    if "dataset" not in about:
+        return
+    line = f"dora run: dataset {about['dataset']}: {about['rows']} rows"
+    if about["filtered"]:
+        shown = ", ".join(map(str, about["filtered_rows"])) + (", ..." if about["filtered"] > 20 else "")
+        line += (f", {about['filtered']} filtered out (prompts over task.max_prompt_tokens = "
+                 f"{about['max_prompt_tokens']} tokens: rows {shown}), {about['kept']} kept")  # fmt: skip
+    print(line + f"; {about['kept']} groups make an epoch", file=sys.stderr)
 
 
 def main(argv: list[str]) -> int:
@@ -70,7 +96,9 @@ def main(argv: list[str]) -> int:
         rundir = pathlib.Path(cfg.run.dir) / time.strftime("%Y%m%d-%H%M%S")
         rundir.mkdir(parents=True, exist_ok=False)
         data = prepare(cfg, rundir)
-    except (ConfigError, FileExistsError) as e:
+        report_task(check_task(data))
+        before = held_out(data, rundir, 0) if cfg.eval.dataset else None
+    except (ConfigError, ValueError, FileExistsError) as e:
         print(f"dora run: {e}", file=sys.stderr)
         return 2
     procs = cfg.run.workers + (cfg.learner.ranks if cfg.run.trainer == "torch" else 1)
@@ -117,7 +145,31 @@ def main(argv: list[str]) -> int:
         print(f"dora run: processes failed: {failed}; logs in {rundir}", file=sys.stderr)
         return 1
     print(f"dora run: done; metrics in {rundir / 'metrics.jsonl'}", file=sys.stderr)
+    if before is not None:
+        from dora.store import WeightStore
+
+        after = held_out(data, rundir, WeightStore(data["learner"]["store"]).versions()[-1])
+        rows = f"{int(after['rows'])} rows of {cfg.eval.dataset}, version 0 -> {after['version']}"
+        print(f"dora run: held-out accuracy {before['accuracy']:.3f} -> {after['accuracy']:.3f} ({rows})",
+              file=sys.stderr)  # fmt: skip
     return check_invariants(rundir)
+
+
+def held_out(data: dict[str, Any], rundir: pathlib.Path, version: int) -> dict[str, Any]:
+    """[eval] on the run's model at ``version`` (0: the starting weights, else from the run's weight store), in
+    this process while no worker runs; recorded in ``eval.jsonl`` and printed."""
+    from dora.config import build
+    from dora.ops.evaluate import evaluate_model, line
+
+    cfg = build(RunConfig, data)
+    if cfg.run.engine == "sim":
+        raise ConfigError("eval.dataset needs a model: run.engine torch or vllm")
+    metrics = evaluate_model(cfg, data["rollout"]["model"], data["learner"]["store"] if version else None,
+                             version or None)  # fmt: skip
+    with open(rundir / "eval.jsonl", "a") as f:
+        f.write(json.dumps({"step": version, **metrics}) + "\n")
+    print(f"dora run: held-out, version {version}: {line(metrics)}", file=sys.stderr)
+    return metrics
 
 
 def check_invariants(rundir: pathlib.Path) -> int:

@@ -11,6 +11,8 @@ with everything that must be shared, and survive a requeue, placed in the run di
 - ``metrics.jsonl`` and ``timeline.jsonl``: one line per train step and per worker event (``dora plot``);
 - ``weights/`` and ``checkpoints/``: the weight store and the learner's checkpoints, unless the config
   names other places;
+- ``metrics.tensorboard_dir`` and ``metrics.wandb_dir``, when relative, are in the run directory (wandb's
+  default is the run directory itself, beside ``metrics.jsonl``);
 - the broker binds every interface on a free port (``tcp://0.0.0.0:0``) unless the config says where,
   and publishes this node's name in the discovery file; it serves Prometheus metrics on a free port
   (its URL is in the discovery file) unless ``broker.metrics_bind`` says where.
@@ -52,6 +54,9 @@ def job_config(cfg: RunConfig, run_dir: pathlib.Path) -> dict[str, dict[str, Any
     if cfg.learner.store == DEFAULTS_LEARNER.store:
         learner["store"] = str(run_dir / "weights")
     learner.setdefault("checkpoint_dir", str(run_dir / "checkpoints"))
+    for key in ("tensorboard_dir", "wandb_dir"):  # relative: in the job's directory, shared by every node
+        if key in data["metrics"] and not os.path.isabs(data["metrics"][key]):
+            data["metrics"][key] = str(run_dir / data["metrics"][key])
     model = cfg.rollout.model or cfg.learner.model
     if model:  # one version 0 for the workers and the learner, and its tokenizer for the broker's prompts
         data["rollout"].setdefault("model", model)

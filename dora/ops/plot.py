@@ -6,6 +6,7 @@ Reads ``metrics.jsonl`` (``broker.metrics_file``: one line per train step) and `
 - ``reward.png``: the learner's mean reward per train step;
 - ``staleness.png``: the share of trained trajectories at each staleness (learner version - dispatch
   version), with the bound K marked;
+- ``eval.png`` (when the run has ``eval.jsonl``): held-out accuracy per version evaluated;
 - ``timeline.png``: one row per rollout worker, spans coloured by the policy version it served, weight
   loads hatched, and a vertical line at each published version.
 
@@ -25,6 +26,8 @@ from dora.config import ConfigError
 
 METRICS = "metrics.jsonl"
 TIMELINE = "timeline.jsonl"
+EVAL = "eval.jsonl"
+"""Held-out evaluations of the run (`dora run` with [eval]): one line per version evaluated."""
 MAX_WORKERS = 64
 """Rows drawn in timeline.png (the first workers to join)."""
 
@@ -95,6 +98,9 @@ def render(rundir: pathlib.Path, out: pathlib.Path | None = None) -> list[pathli
                  staleness(rows, events, out / "staleness.png", title=title)]  # fmt: skip
         if any("worker" in e for e in events):
             paths.append(timeline(events, rows, out / "timeline.png", title=title))
+        held_out = read_jsonl(rundir / EVAL) if (rundir / EVAL).is_file() else []
+        if held_out:
+            paths.append(evaluation(held_out, out / "eval.png", title=title))
     except OSError as e:
         raise PlotError(f"cannot write to {out}: {e}") from None
     return paths
@@ -117,6 +123,29 @@ def reward(rows: list[dict[str, Any]], path: pathlib.Path, *, title: str) -> pat
     ax.set_ylabel("mean reward")
     ax.grid(alpha=0.3)
     ax.set_title(f"reward — {title}", fontsize=10)
+    return _save(fig, path)
+
+
+def evaluation(rows: list[dict[str, Any]], path: pathlib.Path, *, title: str) -> pathlib.Path:
+    """Held-out accuracy (and pass@k when several samples were taken) per version evaluated."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    rows = sorted(rows, key=lambda r: r["step"])
+    steps = [r["step"] for r in rows]
+    ax.plot(steps, [r["accuracy"] for r in rows], marker="o", lw=1.5, label="accuracy")
+    for key in sorted({k for r in rows for k in r if k.startswith("pass@") and k != "pass@1"}):
+        ax.plot(steps, [r.get(key, float("nan")) for r in rows], marker=".", lw=1, label=key)
+    for s, r in zip(steps, rows, strict=True):
+        ax.annotate(f"{r['accuracy']:.3f}", (s, r["accuracy"]), textcoords="offset points", xytext=(0, 6),
+                    ha="center", fontsize=8)  # fmt: skip
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("policy version (train step)")
+    ax.set_ylabel("held-out")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(f"held-out evaluation ({int(rows[-1]['rows'])} rows) — {title}", fontsize=10)
     return _save(fig, path)
 
 

@@ -10,6 +10,7 @@ import signal
 import socket
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import structlog
 import uvloop
@@ -46,12 +47,14 @@ def main(argv: list[str]) -> int:
             if not cfg.rollout.model or not (pathlib.Path(cfg.rollout.model) / "config.json").is_file():
                 raise ConfigError(f"--engine {args.engine} needs --model DIR (an HF folder); got {cfg.rollout.model}")
             if cfg.task.name == "synthetic":
-                raise ConfigError(f"--engine {args.engine} needs a real task: set task.name (arithmetic, countdown)")
+                raise ConfigError(f"--engine {args.engine} needs a real task: set task.dataset, or task.name "
+                                  "(arithmetic, countdown)")  # fmt: skip
         if args.engine == "vllm":
             try:
                 import vllm  # noqa: F401
             except ImportError:
                 raise ConfigError("--engine vllm needs the vllm extra: pip install -e '.[vllm]'") from None
+        task = load_task(cfg) if args.engine != "sim" else None
         check_keys(cfg)
         # a bad address is a usage error now (a file not written yet is waited for); every session re-reads it
         wait_for_endpoint(args.broker, cfg.broker.discovery_wait_s, cluster)
@@ -59,16 +62,23 @@ def main(argv: list[str]) -> int:
         print(f"dora rollout: {e}", file=sys.stderr)
         return 2
     configure_logging(cfg.log, process="rollout", worker_id=args.name, **cluster.log_fields())
-    return uvloop.run(serve(cfg, lambda: resolve_endpoint(args.broker, cluster), args.name, args.engine, cluster))
+    endpoint = lambda: resolve_endpoint(args.broker, cluster)  # noqa: E731
+    return uvloop.run(serve(cfg, endpoint, args.name, args.engine, cluster, task))
 
 
-def make_engine(cfg: RunConfig, kind: str, now: float) -> WorkerEngine:
+def load_task(cfg: RunConfig) -> Any:  # -> TaskRun
+    """The task a torch or vllm worker scores with (a dataset: every row read and checked, as the broker does)."""
+    from dora.tasks.prompts import TaskRun
+
+    return TaskRun(cfg.task, cfg.task.tokenizer or cfg.rollout.model)
+
+
+def make_engine(cfg: RunConfig, kind: str, now: float, task: Any = None) -> WorkerEngine:
     if kind in ("torch", "vllm"):
         from dora.rollout.engines.stepped import StepWorkerEngine
-        from dora.tasks.prompts import TaskRun
 
-        t, r = cfg.task, cfg.rollout
-        task = TaskRun(t.name, t.seed, t.tokenizer or r.model, t.reward, t.reward_timeout_s)
+        r = cfg.rollout
+        task = task or load_task(cfg)
         slots = r.slots or cfg.engine.max_slots
         if kind == "torch":
             from dora.rollout.engines.torch_engine import TorchEngine
@@ -83,7 +93,7 @@ def make_engine(cfg: RunConfig, kind: str, now: float) -> WorkerEngine:
 
 
 async def serve(cfg: RunConfig, endpoint: Callable[[], str], name: str, kind: str = "sim",
-                cluster: ClusterInfo | None = None) -> int:  # fmt: skip
+                cluster: ClusterInfo | None = None, task: Any = None) -> int:  # fmt: skip
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -93,7 +103,7 @@ async def serve(cfg: RunConfig, endpoint: Callable[[], str], name: str, kind: st
     loop.add_signal_handler(signal.SIGUSR1, lambda: structlog.get_logger().info("signal_ignored", signal="SIGUSR1"))
     ctx = zmq.asyncio.Context()
     try:
-        engine = make_engine(cfg, kind, loop.time())
+        engine = make_engine(cfg, kind, loop.time(), task)
         return await RolloutActor(cfg, ctx, endpoint, name, engine, clock=loop.time, cluster=cluster).run(stop)
     finally:
         ctx.destroy(linger=0)

@@ -1,49 +1,103 @@
-"""A run's prompts and scoring: the task's items, encoded and scored with the model's own tokenizer.
+"""A run's prompts and scoring: the task's items, rendered and encoded with the model's own tokenizer.
 
-Uses the ``tokenizers`` library alone (no torch), so the broker can encode prompts cheaply.
+The items come from a built-in task (generated from the group id) or from the user's dataset
+(``dora.tasks.datasets``: group id -> epoch and position). Each item's messages are rendered with the
+model's chat template or as plain text (``dora.tasks.templates``) and encoded with ``tokenizers`` (no
+torch), so the broker can encode prompts cheaply; every process rebuilds the same items from the same
+config, so no prompt text travels with a group.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import pathlib
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
+from dora.config import ConfigError
+from dora.config.run import TaskSection
 from dora.sim.workload import from_section
-from dora.tasks import rewards, tasks
+from dora.tasks import datasets, rewards, tasks
+from dora.tasks.templates import Renderer
 
 
 class TaskRun:
-    def __init__(self, name: str, seed: int, tokenizer_dir: str, reward: str | None, timeout_s: float) -> None:
+    def __init__(self, task: TaskSection, tokenizer_dir: str) -> None:
         from tokenizers import Tokenizer
 
         path = pathlib.Path(tokenizer_dir) / "tokenizer.json"
         if not path.is_file():
-            raise ValueError(f"no tokenizer.json in {tokenizer_dir}")
+            raise ConfigError(f"no tokenizer.json in {tokenizer_dir}")
         self.tokenizer = Tokenizer.from_file(str(path))
-        self.task = tasks.get(name, seed)
-        self.reward = rewards.resolve(reward or rewards.DEFAULT[name])
-        self.timeout_s = timeout_s
-        self.item = functools.lru_cache(maxsize=8192)(self.task.item)
+        self.renderer = Renderer(tokenizer_dir, task.chat_template)
+        self.system = ({"role": "system", "content": task.system_prompt},) if task.system_prompt else ()
+        spec = task.reward or rewards.DEFAULT.get(task.name)
+        if spec is None:
+            raise ConfigError(f"task {task.name!r} needs task.reward (a module:function scoring a completion)")
+        self.reward = rewards.resolve(spec)
+        self.timeout_s = task.reward_timeout_s
+        self.about: dict[str, Any] = {"task": task.name}
+        """What the task is, for the start report, the journal and the metrics."""
+        self.rows: list[datasets.Row] = []
+        self.epochs: datasets.Epochs | None = None
+        if task.dataset is None:
+            self.task = tasks.get(task.name, task.seed)
+            self.item = functools.lru_cache(maxsize=8192)(self._generated)
+            return
+        raw, columns = datasets.read_table(task.dataset, task.split)
+        self.rows = datasets.check_rows(raw, columns, where=task.dataset, prompt_field=task.prompt_field,
+                                        messages_field=task.messages_field, answer_field=task.answer_field,
+                                        system_prompt=task.system_prompt)  # fmt: skip
+        self.texts = [self.renderer.render(r.messages, f"{task.dataset} row {r.index}") for r in self.rows]
+        lengths = [len(self.tokenizer.encode(t).ids) for t in self.texts]
+        kept, filtered = datasets.kept_rows(self.rows, lambda r: lengths[r.index], task.max_prompt_tokens)
+        self.epochs = datasets.Epochs(kept, task.seed)
+        digest = hashlib.sha256()
+        for i in kept:
+            digest.update(f"{self.texts[i]}\x00{self.rows[i].answer}\x00".encode())
+        self.about.update(dataset=task.dataset, rows=len(self.rows), kept=len(kept), filtered=len(filtered),
+                          filtered_rows=filtered[:20], max_prompt_tokens=task.max_prompt_tokens,
+                          fingerprint=digest.hexdigest()[:16])  # fmt: skip
+        self.item = self._from_dataset
+
+    def _generated(self, group: int) -> tasks.Item:
+        item = self.task.item(group)
+        text = self.renderer.render((*self.system, {"role": "user", "content": item.prompt}), f"item {group}")
+        return item if text == item.prompt else tasks.Item(task=item.task, index=item.index, prompt=text,
+                                                           answer=item.answer, meta=item.meta)  # fmt: skip
+
+    def _from_dataset(self, group: int) -> tasks.Item:
+        assert self.epochs is not None
+        item = self.row_item(self.epochs.row(group))
+        item.meta["epoch"] = self.epochs.epoch_of(group)
+        return item
+
+    def row_item(self, row: int) -> tasks.Item:
+        """Row ``row`` of the dataset as an item, outside any epoch order (evaluation reads rows in file order)."""
+        return tasks.Item(task="dataset", index=row, prompt=self.texts[row], answer=self.rows[row].answer,
+                          meta={"row": row})  # fmt: skip
 
     def prompt_ids(self, group: int) -> np.ndarray:
         return np.array(self.tokenizer.encode(self.item(group).prompt).ids, dtype=np.int32)
 
-    def score(self, group: int, tokens: list[int]) -> tuple[float, str]:
+    def score(self, group: int, tokens: list[int]) -> rewards.Scored:
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         return rewards.score(self.reward, text, self.item(group), timeout_s=self.timeout_s)
 
 
-def prompt_source(cfg) -> Callable[[int], np.ndarray]:  # cfg: RunConfig
-    """The broker's prompts for a run: the task's, or synthetic token arrays for the sim engine."""
+def prompt_source(cfg) -> tuple[Callable[[int], np.ndarray], dict[str, Any]]:  # cfg: RunConfig
+    """The broker's prompts for a run (the task's, or synthetic token arrays for the sim engine) and what the
+    task is (``TaskRun.about``)."""
     if cfg.task.name == "synthetic":
         from dora.tasks.synthetic import prompt_ids
 
         workload = from_section(cfg.workload, cfg.run.seed)
-        return functools.lru_cache(maxsize=8192)(lambda g: prompt_ids(workload, g))
+        return functools.lru_cache(maxsize=8192)(lambda g: prompt_ids(workload, g)), {"task": "synthetic"}
     t = cfg.task
     if not t.tokenizer:
-        raise ValueError(f"task {t.name!r} needs task.tokenizer (the model folder with tokenizer.json)")
-    return TaskRun(t.name, t.seed, t.tokenizer, t.reward, t.reward_timeout_s).prompt_ids
+        raise ConfigError(f"task {t.name!r} needs task.tokenizer (the model folder with tokenizer.json)")
+    run = TaskRun(t, t.tokenizer)
+    return run.prompt_ids, run.about

@@ -1,27 +1,41 @@
-"""Verifiable rewards, pluggable as ``module:function``.
+"""Verifiable rewards, pluggable as ``module:function`` or by a built-in's short name (``BUILT_IN``).
 
-A reward function has the signature ``(completion: str, item: dora.tasks.tasks.Item) -> float`` and
-returns a finite number (1.0 for a correct answer, 0.0 otherwise, by convention). ``score`` calls it
-safely: a function that raises, returns something that is not a finite number, or runs past its
-time budget gives reward 0.0 with the reason, and never takes the worker down. A function that
-times out keeps running in its thread (Python cannot stop it); such threads are counted, so a
-reward that hangs is visible in the worker's metrics.
+A reward function has the signature ``(completion: str, item: dora.tasks.tasks.Item) -> float | dict`` and
+returns a finite number (1.0 for a correct answer, 0.0 otherwise, by convention), or a dict of named
+components (finite numbers, e.g. ``{"correct": 1.0, "format": 0.2}``): the reward is then the value under
+``"reward"`` if there is one, else the components' sum, and the broker writes each component's mean per
+train step into metrics.jsonl. ``score`` calls it safely: a function that raises, returns something else,
+or runs past its time budget gives reward 0.0 with the reason, and never takes the worker down; the reason
+travels to the broker, which counts failures by reason (``dora status``). A function that times out keeps
+running in its thread (Python cannot stop it); such threads are counted, so a reward that hangs is
+visible in the worker's metrics.
+
+Built in: ``exact``, ``numeric`` and ``math`` compare the final answers of the completion and the
+reference (``dora.tasks.verify``: the last ``\\boxed{}``, else after ``####``, else after ``=``, else the
+last line) as normalised text, as numbers, or with math-verify (the ``math`` extra); ``exact_match``,
+``digits_shaped`` and ``countdown`` score the built-in tasks; ``python_stdout`` runs the completion.
 """
 
 from __future__ import annotations
 
 import ast
 import concurrent.futures
-import math
 import operator
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from fractions import Fraction
+from math import isfinite
+from typing import Any
 
-from dora.config import resolve_callable
+from dora.config import ConfigError, resolve_callable
+from dora.tasks import verify
 from dora.tasks.tasks import Item
 
-RewardFn = Callable[[str, Item], float]
+RewardFn = Callable[[str, Item], Any]
+"""Returns a finite number, or a dict of named finite numbers (see the module docstring)."""
+MAX_COMPONENTS = 32
+MAX_COMPONENT_NAME = 64
 _pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="reward")
 _stuck = 0
 _lock = threading.Lock()
@@ -81,16 +95,76 @@ def countdown(completion: str, item: Item) -> float:
     return 1.0 if value == item.meta["target"] else 0.0
 
 
-DEFAULT = {"arithmetic": "dora.tasks.rewards:exact_match", "countdown": "dora.tasks.rewards:countdown"}
+def exact(completion: str, item: Item) -> float:
+    """1 if the completion's final answer is the reference's as text: whitespace, a trailing period and
+    thousands separators aside, case kept (``dora.tasks.verify``)."""
+    return float(verify.exact_equal(verify.final_answer(completion), verify.final_answer(item.answer)))
+
+
+def numeric(completion: str, item: Item) -> float:
+    """1 if both final answers are numbers (3, -2.5, 3/4, 1,234, 50%, 1e-3) and equal: exactly for integers,
+    else within a relative 1e-6."""
+    return float(verify.numeric_equal(verify.final_answer(completion), verify.final_answer(item.answer)))
+
+
+def math(completion: str, item: Item) -> float:
+    """1 if math-verify finds the final answers equal ("\\frac{1}{2}", "0.5" and "1/2" agree); the ``math``
+    extra (math-verify, imported when first called)."""
+    return float(verify.math_equal(verify.final_answer(completion), verify.final_answer(item.answer)))
+
+
+DEFAULT = {"arithmetic": "dora.tasks.rewards:exact_match", "countdown": "dora.tasks.rewards:countdown",
+           "dataset": "dora.tasks.rewards:exact"}  # fmt: skip
+BUILT_IN = {name: f"dora.tasks.rewards:{name}" for name in
+            ("exact", "numeric", "math", "exact_match", "digits_shaped", "countdown", "python_stdout")}  # fmt: skip
+"""Short names a reward spec may use instead of ``module:function``."""
 
 
 def resolve(spec: str) -> RewardFn:
-    """``module:function`` -> the function; a clear ValueError (a ConfigError) for a bad spec."""
-    return resolve_callable(spec, "reward")
+    """``module:function`` or a short name (``BUILT_IN``) -> the function; a clear ConfigError (a ValueError) for
+    a bad spec, and for ``math`` when math-verify is not installed."""
+    fn = resolve_callable(BUILT_IN.get(spec, spec), "reward")
+    if fn is math and not verify.math_verify_installed():
+        raise ConfigError(f"task.reward = \"{spec}\" needs the math extra: pip install 'dora-rl[math]'")
+    return fn
 
 
-def score(fn: RewardFn, completion: str, item: Item, *, timeout_s: float = 5.0) -> tuple[float, str]:
-    """(reward, reason): reason is empty for a normal score; 0.0 with the reason for anything else."""
+@dataclass(frozen=True, slots=True)
+class Scored:
+    """What one reward call gave."""
+
+    reward: float
+    reason: str = ""
+    """Empty for a normal score; why the reward is 0.0 otherwise (it raised, timed out, returned junk)."""
+    components: dict[str, float] = field(default_factory=dict)
+    """The named components when the function returned a dict; empty for a plain number or a failure."""
+
+
+def _finite(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int | float) and isfinite(value)
+
+
+def _from_dict(value: dict[Any, Any]) -> Scored:
+    if not value:
+        return Scored(0.0, "reward returned an empty dict")
+    if len(value) > MAX_COMPONENTS:
+        return Scored(0.0, f"reward returned {len(value)} components, more than {MAX_COMPONENTS}")
+    for name, part in value.items():
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_COMPONENT_NAME:
+            return Scored(0.0, f"reward component name {repr(name)[:70]} is not a string of 1 to "
+                               f"{MAX_COMPONENT_NAME} characters")  # fmt: skip
+        if not _finite(part):
+            return Scored(0.0, f"reward component {name!r} is {repr(part)[:60]}, not a finite number")
+    components = {name: float(part) for name, part in value.items()}
+    reward = components["reward"] if "reward" in components else sum(components.values())
+    if not isfinite(reward):
+        return Scored(0.0, f"reward components sum to {reward}, not a finite number")
+    return Scored(reward, "", components)
+
+
+def score(fn: RewardFn, completion: str, item: Item, *, timeout_s: float = 5.0) -> Scored:
+    """``fn``'s reward for the completion, called in a worker thread within ``timeout_s``: the number it returned,
+    or its dict's ``"reward"`` (else the sum) with the components; 0.0 with the reason for anything else."""
     global _stuck
     future = _pool.submit(fn, completion, item)
     try:
@@ -98,12 +172,14 @@ def score(fn: RewardFn, completion: str, item: Item, *, timeout_s: float = 5.0) 
     except concurrent.futures.TimeoutError:
         with _lock:
             _stuck += 1
-        return 0.0, f"reward timed out after {timeout_s:g} s"
+        return Scored(0.0, f"reward timed out after {timeout_s:g} s")
     except Exception as e:  # the reward is user code: any error is a zero, never a crash
-        return 0.0, f"reward raised {type(e).__name__}: {str(e)[:200]}"
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        return 0.0, f"reward returned {value!r}, not a finite number"
-    return float(value), ""
+        return Scored(0.0, f"reward raised {type(e).__name__}: {str(e)[:200]}")
+    if isinstance(value, dict):
+        return _from_dict(value)
+    if not _finite(value):
+        return Scored(0.0, f"reward returned {repr(value)[:60]}, not a finite number")
+    return Scored(float(value))
 
 
 class Sandboxed(Exception):

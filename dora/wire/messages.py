@@ -168,10 +168,16 @@ class SampleFinished:
     finish: Finish
     gen_time_s: float = 0.0
     broker_epoch: int = 0
+    reward_components: dict[str, float] = field(default_factory=dict)
+    """The named parts of the reward when the reward function returned a dict (``dora.tasks.rewards``)."""
+    reward_error: str = ""
+    """Why the reward is 0.0 when scoring failed (it raised, timed out, returned junk); empty when it scored."""
 
     def __post_init__(self) -> None:
         _non_negative("index", self.index)
         _finite("reward", self.reward)
+        for name, part in self.reward_components.items():
+            _finite(f"reward_components[{name!r}]", part)
         if self.token_ids.shape != self.logprobs.shape:
             raise ValueError(f"token_ids {self.token_ids.shape} and logprobs {self.logprobs.shape} differ")
         if self.segments.ndim != 2 or self.segments.shape[1:] != (2,):

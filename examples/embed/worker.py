@@ -39,7 +39,7 @@ class ModelEngine(MyEngine):
         self.model = AutoModelForCausalLM.from_pretrained(cfg.rollout.model, dtype=torch.float32).eval()
         self.eos = self.model.config.eos_token_id
         t = cfg.task
-        self.task = TaskRun(t.name, t.seed, t.tokenizer or cfg.rollout.model, t.reward, t.reward_timeout_s)
+        self.task = TaskRun(t, t.tokenizer or cfg.rollout.model)
 
     @torch.no_grad()
     def generate(self, batch: list[Request]) -> list[tuple[list[int], list[float]]]:

@@ -5,6 +5,7 @@ the `dora status` snapshot, and the metrics and timeline files."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import socket
 import subprocess
@@ -17,7 +18,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from dora.broker.metrics import serve_http
+from dora.broker.metrics import failure_reason, serve_http
 from dora.config import ConfigError, load
 from dora.config.run import RunConfig
 from dora.wire import messages as m
@@ -199,3 +200,77 @@ def test_a_broker_that_cannot_serve_its_metrics_or_write_its_files_says_so_in_on
             assert not (tmp_path / "b.json").exists()  # nothing announced
     finally:
         taken.close()
+
+
+def scored_sample(gen: m.Generate, index: int) -> m.SampleFinished:
+    """A sample whose reward came as named components; the group's last sample's reward failed."""
+    s = finished(gen, index, epoch=7)
+    if index == G - 1:
+        return dataclasses.replace(s, reward=0.0, reward_error="reward raised ValueError: no number in 'x: 1'")
+    parts = {"correct": float(index % 2), "format": 0.25 * index}
+    return dataclasses.replace(s, reward=sum(parts.values()), reward_components=parts)
+
+
+async def scoring_worker(w: Fake, seen: Counter[str]) -> None:
+    """Finish every group at once, and send each result twice (the copy is refused: it must not count again)."""
+    await w.hello(m.Role.ROLLOUT, 2 * G)
+    while True:
+        msg = await w.recv(timeout_s=60)
+        match msg:
+            case m.Assign():
+                await w.send(m.WeightsLoaded(version=msg.version, load_s=0.0))
+            case m.Generate():
+                results = m.SamplesFinished(samples=tuple(scored_sample(msg, i) for i in range(G)))
+                await w.send(results)
+                seen["groups"] += 1
+                await w.send(results)
+
+
+async def test_reward_failures_are_counted_by_reason_and_components_averaged_per_step(tmp_path):
+    metrics_file = tmp_path / "metrics.jsonl"
+    steps = 2
+    async with running_broker(f"broker.metrics_file={metrics_file}", "broker.exit_when_done=false",
+                              f"core.total_steps={steps}") as (actor, ep, ctx):  # fmt: skip
+        server, url = await serve_http(actor.metrics.registry, "127.0.0.1:0")
+        try:
+            seen = Counter[str]()
+            task = asyncio.create_task(scoring_worker(Fake(ctx, ep, "rollout/a/1"), seen))
+            learner = Fake(ctx, ep, "learner/x")
+            await learner.hello(m.Role.LEARNER)
+            for step in range(steps):
+                await learner.send(m.RequestBatch(step=step))
+                batch = await learner.recv(m.TrainBatch)
+                assert [s.reward for g in batch.groups for s in g.samples] == [0.0, 1.25, 0.5, 0.0] * B
+                await learner.send(m.WeightsPublished(version=step + 1, uri="sim://v", sha256="0" * 8, metrics={}))
+                await learner.recv(m.PublishAck)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await asyncio.sleep(0.2)  # what was sent is handled
+            got = await scrape(url)
+            snap = actor.snapshot()
+        finally:
+            server.close()
+
+    # one failed sample per group taken, each counted once though sent twice
+    assert seen["groups"] >= steps * B
+    assert snap["counters"]["reward failed (raised ValueError)"] == seen["groups"]
+    assert [k for k in snap["counters"] if k.startswith("reward failed")] == ["reward failed (raised ValueError)"]
+    assert (
+        value(got, "dora_reward_failures", "dora_reward_failures_total", reason="raised ValueError") == seen["groups"]
+    )
+    rows = [json.loads(x) for x in metrics_file.read_text().splitlines()]
+    assert [r["reward_failed"] for r in rows] == [B] * steps
+    # per group: correct 0, 1, 0 and format 0, 0.25, 0.5 over the three samples that scored
+    assert [r["reward_components"] for r in rows] == [{"correct": round(1 / 3, 6), "format": 0.25}] * steps
+
+
+@pytest.mark.parametrize(
+    ("error", "reason"),
+    [
+        ("reward raised KeyError: 'answer'", "raised KeyError"),
+        ("reward timed out after 5 s", "timed out after 5 s"),
+        (f"reward returned {'x' * 100}, not a finite number", "returned " + "x" * 44),
+    ],
+)
+def test_a_reward_failure_reason_is_cut_at_the_exception_type_or_60_characters(error, reason):
+    assert failure_reason(error) == reason

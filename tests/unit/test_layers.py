@@ -31,7 +31,9 @@ CORE_FORBIDDEN = (
     "time", "datetime", "torch", "vllm", "transformers", "safetensors", "numpy", *PROCESS_PACKAGES,
     "dora.rollout.engines", "dora.store", "dora.actor", "dora.wire",
 )  # fmt: skip
-HEAVY = ("torch", "vllm", "transformers")
+HEAVY = ("torch", "vllm")
+"""Never loaded by the broker. transformers is not among them: the broker renders chat templates with its
+tokenizer side, which loads no torch (tests/unit/test_datasets.py runs it and checks sys.modules)."""
 
 
 @dataclass(frozen=True)

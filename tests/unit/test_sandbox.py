@@ -31,8 +31,8 @@ def sandboxed() -> set[int]:
 
 def score(code: str) -> tuple[float, str, float]:
     started = time.monotonic()
-    value, reason = rewards.score(rewards.python_stdout, code, ITEM, timeout_s=10.0)
-    return value, reason, time.monotonic() - started
+    scored = rewards.score(rewards.python_stdout, code, ITEM, timeout_s=10.0)
+    return scored.reward, scored.reason, time.monotonic() - started
 
 
 ROOT_UNJAILED = pytest.mark.skipif(not sandbox.namespaces_available() and os.geteuid() == 0,

@@ -31,7 +31,7 @@ def test_answer_lengths_are_long_tailed(name):
 def test_every_item_is_solved_by_its_reference_answer(index, name):
     item = get(name).item(index)
     completion = f"={item.answer}" if name == "arithmetic" else item.answer
-    assert rewards.score(rewards.resolve(rewards.DEFAULT[name]), completion, item) == (1.0, "")
+    assert rewards.score(rewards.resolve(rewards.DEFAULT[name]), completion, item) == rewards.Scored(1.0, "")
 
 
 def test_countdown_rejects_numbers_not_given_or_used_twice_and_anything_but_arithmetic():
@@ -58,11 +58,12 @@ def _nan(completion: str, item: Item) -> float:
 
 def test_a_reward_that_raises_hangs_or_returns_junk_scores_zero_with_a_reason():
     item = get("arithmetic").item(0)
-    assert rewards.score(_raises, "x", item) == (0.0, "reward raised KeyError: 'boom'")
+    assert rewards.score(_raises, "x", item) == rewards.Scored(0.0, "reward raised KeyError: 'boom'")
     before = rewards.stuck_reward_calls()
-    value, reason = rewards.score(_hangs, "x", item, timeout_s=0.1)
-    assert value == 0.0 and "timed out" in reason and rewards.stuck_reward_calls() == before + 1
-    assert rewards.score(_nan, "x", item)[0] == 0.0 and "finite" in rewards.score(_nan, "x", item)[1]
+    hung = rewards.score(_hangs, "x", item, timeout_s=0.1)
+    assert hung.reward == 0.0 and "timed out" in hung.reason and rewards.stuck_reward_calls() == before + 1
+    nan = rewards.score(_nan, "x", item)
+    assert nan.reward == 0.0 and "finite" in nan.reason and nan.components == {}
 
 
 def test_reward_specs_resolve_or_fail_clearly():

@@ -69,6 +69,24 @@ def test_a_field_added_with_a_default_decodes_from_older_peers():
     assert old.learner_version is None and old.peer_id == "l"
 
 
+def test_reward_components_and_error_travel_and_default_for_older_peers():
+    msg = canonical()["sample_finished"]
+    back = codec.decode(codec.encode(msg))
+    assert back.reward_components == {"correct": 0.0, "format": 0.5} and back.reward_error == ""
+    frames = codec.encode(msg)
+    body = msgpack.unpackb(bytes(frames[3]))
+    assert body["reward_components"] == {"correct": 0.0, "format": 0.5}  # a msgpack map, keyed by name
+    del body["reward_components"], body["reward_error"]
+    old = codec.decode([*frames[:3], msgpack.packb(body), *frames[4:]])
+    assert old.reward_components == {} and old.reward_error == "" and old.reward == 0.5
+    body["reward_components"] = {"format": float("nan")}
+    with pytest.raises(codec.DecodeError, match="reward_components"):
+        codec.decode([*frames[:3], msgpack.packb(body), *frames[4:]])
+    body["reward_components"] = {"format": "high"}
+    with pytest.raises(codec.DecodeError, match=r"reward_components\.format"):
+        codec.decode([*frames[:3], msgpack.packb(body), *frames[4:]])
+
+
 FUZZ = settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 

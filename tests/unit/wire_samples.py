@@ -83,6 +83,7 @@ def canonical() -> dict[str, Any]:
             finish=Finish.LENGTH,
             gen_time_s=1.5,
             broker_epoch=77,
+            reward_components={"correct": 0.0, "format": 0.5},
         ),
         m.SamplesFinished(
             samples=(
@@ -107,6 +108,7 @@ def canonical() -> dict[str, Any]:
                     reward=0.0,
                     finish=Finish.LENGTH,
                     broker_epoch=77,
+                    reward_error="reward raised ValueError: no answer",
                 ),
             )
         ),

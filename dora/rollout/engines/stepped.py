@@ -81,12 +81,13 @@ class StepWorkerEngine:
         return 0.0 if self.busy() else None
 
     def result(self, s: Any, broker_epoch: int) -> m.SampleFinished:
-        reward, _reason = self.task.score(s.group_id, s.tokens)
+        scored = self.task.score(s.group_id, s.tokens)
         return m.SampleFinished(
             group_id=s.group_id, attempt=s.attempt, index=s.index,
             segments=np.array([[self.engine.version, len(s.tokens)]], dtype=np.int32),
             token_ids=np.array(s.tokens, dtype=np.int32), logprobs=np.array(s.logprobs, dtype=np.float32),
-            reward=reward, finish=s.finish or Finish.LENGTH, broker_epoch=broker_epoch,
+            reward=scored.reward, finish=s.finish or Finish.LENGTH, broker_epoch=broker_epoch,
+            reward_components=scored.components, reward_error=scored.reason,
         )  # fmt: skip
 
     def load(self) -> tuple[int, float]:

@@ -1,0 +1,94 @@
+"""`dora eval --model DIR [--dataset FILE] [--store DIR --version N]`: a model's held-out accuracy, alone.
+
+The model folder gives the architecture, tokenizer and chat template; with ``--store`` and ``--version`` the
+weights are that published version's, checked against its manifest's sha256, as a rollout worker loads them.
+The rows, their fields, the template and the reward are the run config's ([task], [eval]); ``--dataset`` and
+the other flags override [eval]. Prints one summary line on stderr and the metrics as one JSON object on
+stdout (``--json`` also writes them to a file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import sys
+from typing import Any
+
+from dora.config import ConfigError, load
+from dora.config.run import RunConfig
+from dora.rollout.engines.base import EngineError
+
+
+def eval_task(cfg: RunConfig, tokenizer_dir: str) -> Any:  # -> TaskRun
+    """The held-out rows as a task: [eval]'s dataset in [task]'s layout, with [task]'s template and reward."""
+    from dora.tasks.prompts import TaskRun
+
+    if cfg.eval.dataset is None:
+        raise ConfigError("no held-out rows: set eval.dataset (or pass --dataset)")
+    section = dataclasses.replace(cfg.task, name="dataset", dataset=cfg.eval.dataset, split=cfg.eval.split,
+                                  max_prompt_tokens=None)  # fmt: skip
+    return TaskRun(section, tokenizer_dir)
+
+
+def evaluate_model(cfg: RunConfig, model: str, store: str | None = None, version: int | None = None,
+                   task: Any = None) -> dict[str, Any]:  # fmt: skip
+    """Evaluate a model folder (or a store version in it) on [eval]; the metrics, with the version."""
+    from dora.rollout.engines.torch_engine import TorchEngine
+    from dora.rollout.evaluate import evaluate
+    from dora.store import WeightStore
+
+    if not (pathlib.Path(model) / "config.json").is_file():
+        raise ConfigError(f"--model {model}: not a model folder (no config.json)")
+    task = task or eval_task(cfg, cfg.task.tokenizer or model)
+    e = cfg.eval
+    engine = TorchEngine(model, max_slots=cfg.rollout.slots or cfg.engine.max_slots, device=cfg.rollout.device,
+                         dtype=cfg.rollout.dtype, version=0)  # fmt: skip
+    if store is not None and version is not None:
+        ws = WeightStore(store)
+        manifest = ws.path(version) / "manifest.json"
+        if not manifest.is_file():
+            raise ConfigError(f"--store {store}: no version {version} (versions: {ws.versions()})")
+        engine.load_weights(version, ws.path(version) / "model.safetensors", json.loads(manifest.read_text())["sha256"])
+    out = evaluate(engine, task, samples=e.samples, temperature=e.temperature, limit=e.limit,
+                   max_tokens=e.max_tokens or cfg.run.max_tokens, seed=cfg.run.seed)  # fmt: skip
+    return {"version": version or 0, **out}
+
+
+def line(metrics: dict[str, Any]) -> str:
+    """One human line of eval metrics."""
+    right = round(metrics["accuracy"] * metrics["rows"] * metrics["samples"])
+    extra = "".join(f", {k} {v:.3f}" for k, v in metrics.items() if k.startswith("pass@") and k != "pass@1")
+    return (f"accuracy {metrics['accuracy']:.3f} ({right}/{int(metrics['rows'] * metrics['samples'])}){extra}, "
+            f"mean reward {metrics['mean_reward']:.3f}, mean length {metrics['mean_tokens']:.1f} tokens, "
+            f"{metrics['seconds']:.1f} s")  # fmt: skip
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="dora eval", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--model", required=True, help="the model folder (architecture, tokenizer, chat template)")
+    p.add_argument("--dataset", help="held-out rows (overrides eval.dataset)")
+    p.add_argument("--store", help="a weight store: evaluate --version from it")
+    p.add_argument("--version", type=int, help="the store version to evaluate")
+    p.add_argument("--config", metavar="FILE.toml")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--json", metavar="OUT", help="also write the metrics to OUT")
+    args = p.parse_args(argv)
+    sets = [*args.set, *([f"eval.dataset={args.dataset}"] if args.dataset else [])]
+    try:
+        if (args.store is None) != (args.version is None):
+            raise ConfigError("--store and --version go together")
+        cfg = load(RunConfig, path=args.config, env=os.environ, env_prefix="DORA_", overrides=sets)
+        metrics = evaluate_model(cfg, args.model, args.store, args.version)
+    except (ConfigError, ValueError, EngineError) as e:
+        print(f"dora eval: {e}", file=sys.stderr)
+        return 2
+    where = f"{args.model}" + (f" version {args.version}" if args.version is not None else "")
+    print(f"dora eval: {where} on {cfg.eval.dataset}: {line(metrics)}", file=sys.stderr)
+    print(json.dumps(metrics))
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(metrics) + "\n")
+    return 0

@@ -1,0 +1,54 @@
+"""Prompts as the model expects them: the model folder's own chat template, or plain text.
+
+``task.chat_template = true`` renders each prompt's messages with the template the model folder ships
+(``chat_template.jinja``, or ``chat_template`` in ``tokenizer_config.json``), with
+``add_generation_prompt``, through transformers' own ``apply_chat_template``, so a prompt reads exactly as
+it would in transformers or vLLM. Only the tokenizer side of transformers is loaded (no torch: the broker
+renders prompts and must stay free of it; a test checks ``sys.modules``).
+
+Without a template a prompt is its text: the user turn, after the system prompt and a blank line when
+there is one. A chat of several turns needs a template.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from dora.config import ConfigError
+
+Messages = Sequence[dict[str, str]]
+
+
+class Renderer:
+    def __init__(self, model_dir: str, chat_template: bool) -> None:
+        self.model_dir = model_dir
+        self.tokenizer = None
+        if chat_template:
+            from transformers import PreTrainedTokenizerFast
+
+            try:
+                self.tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"task.chat_template = true: cannot load the tokenizer of {model_dir}: {e}") from None
+            if not self.tokenizer.chat_template:
+                raise ConfigError(f"task.chat_template = true: {model_dir} has no chat template "
+                                  "(chat_template.jinja, or chat_template in tokenizer_config.json)")  # fmt: skip
+
+    def render(self, messages: Messages, where: str = "") -> str:
+        """The prompt text of ``messages``; a template that fails is a ConfigError naming ``where``."""
+        if self.tokenizer is None:
+            roles = [m["role"] for m in messages]
+            if roles not in (["user"], ["system", "user"]):
+                raise ConfigError(f"{where}: a chat of turns {roles} needs task.chat_template = true")
+            return "\n\n".join(m["content"] for m in messages)
+        try:
+            text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # a template is user code: any failure is that template's, named with the row
+            raise ConfigError(
+                f"{where}: the chat template of {self.model_dir} failed: {type(e).__name__}: {e}"
+            ) from None
+        if not isinstance(text, str):
+            raise ConfigError(
+                f"{where}: the chat template of {self.model_dir} rendered {type(text).__name__}, not text"
+            )
+        return text
