@@ -204,8 +204,11 @@ class TaskSection:
             object.__setattr__(self, "name", "dataset")  # the dataset is the task
         if self.name not in ("synthetic", "arithmetic", "countdown", "dataset"):
             raise ConfigError(f"task.name must be synthetic, arithmetic, countdown or dataset; got {self.name!r}")
-        if (self.name == "dataset") != (self.dataset is not None):
-            raise ConfigError("task.dataset names the dataset file or folder; task.name = 'dataset' goes with it")
+        if self.dataset is not None and self.name != "dataset":
+            raise ConfigError(f"task.dataset is set, so the task is that dataset: leave task.name out (or set it to "
+                              f"'dataset'), not {self.name!r}")  # fmt: skip
+        if self.name == "dataset" and self.dataset is None:
+            raise ConfigError("task.name = 'dataset' needs task.dataset (a .jsonl or .parquet file, a save_to_disk folder)")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise ConfigError(f"task.max_prompt_tokens must be >= 1 or unset; got {self.max_prompt_tokens}")
         if self.messages_field is not None and not self.chat_template:
