@@ -208,7 +208,7 @@ class TaskSection:
             raise ConfigError(f"task.dataset is set, so the task is that dataset: leave task.name out (or set it to "
                               f"'dataset'), not {self.name!r}")  # fmt: skip
         if self.name == "dataset" and self.dataset is None:
-            raise ConfigError("task.name = 'dataset' needs task.dataset (a .jsonl or .parquet file, a save_to_disk folder)")
+            raise ConfigError("task.name = 'dataset' needs task.dataset (a .jsonl or .parquet file or a folder)")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise ConfigError(f"task.max_prompt_tokens must be >= 1 or unset; got {self.max_prompt_tokens}")
         if self.messages_field is not None and not self.chat_template:
