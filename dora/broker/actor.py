@@ -23,9 +23,10 @@ import zmq.asyncio
 from dora.actor.liveness import Liveness
 from dora.actor.security import Keys
 from dora.broker import translate
+from dora.broker.evaluation import BrokerEval, EvalRounds
 from dora.broker.journal import Journal
 from dora.broker.links import Links, Peer, user_id
-from dora.broker.metrics import BrokerMetrics, reward_stats
+from dora.broker.metrics import BrokerMetrics, step_row
 from dora.broker.reconcile import reconcile
 from dora.broker.snapshot import snapshot
 from dora.config.run import RunConfig
@@ -54,6 +55,7 @@ class BrokerActor:
         journal: Journal | None = None,
         weights: dict[int, tuple[str, str]] | None = None,
         keys: Keys | None = None,
+        evals: EvalRounds | None = None,
     ) -> None:
         self.cfg = cfg
         self.sock = sock
@@ -84,6 +86,8 @@ class BrokerActor:
         """How late the heartbeat timer ran, per beat: the event loop's lag (the latest 4,096 beats)."""
         self.metrics = BrokerMetrics(self)
         """Prometheus registry and the run's record files (metrics, timeline); close() it when done."""
+        self.evals = BrokerEval(evals, core, self.links.send_to, self.metrics.eval_round)
+        """Held-out evaluation rounds, run by the workers outside every core decision (none: does nothing)."""
 
     # ------------------------------------------------------------------ loop
 
@@ -112,6 +116,7 @@ class BrokerActor:
             if now >= next_tick:
                 next_tick = now + self.cfg.broker.tick_s
                 self.feed(ev.Tick())
+            self.evals.tick(now)  # rows go out as soon as a round's version has a ready worker
             retry_ms = 1 if self.flush() else min(2 * retry_ms, 50)
             self.links.count_handshake_failures()
         self.links.close()
@@ -250,6 +255,8 @@ class BrokerActor:
                         state=msg.requests,
                     )
                 )
+            case m.EvalFinished() if rollout:
+                self.evals.finished(msg)
             case m.RequestBatch() if learner:
                 self.feed(ev.BatchRequested(step=msg.step))
             case m.WeightsPublished() if learner:
@@ -286,16 +293,8 @@ class BrokerActor:
         if any(isinstance(a, ev.Refused) for a in actions):
             raise InvariantViolation(f"the core refused publish {msg.version} after the broker checked it")
         now = self.clock()
-        row = {
-            "step": msg.version - 1,
-            "version": msg.version,
-            "step_s": round(now - self.step_started, 3),
-            "publish_s": msg.publish_s,
-            "staleness": {str(k): n for k, n in sorted(self.core.transfer.staleness.items())},
-            "live_versions": self.core.ledger.alive(),
-            "workers": len(self.core.scheduler.workers),
-            **reward_stats(batch.groups),
-        }
+        row = step_row(self.core, msg, now - self.step_started, batch.groups)
+        self.evals.published(msg.version, now)
         learner = {k: round(v, 4) for k, v in msg.metrics.items()}
         log.info("train_step", **row, learner=learner)  # the learner's own numbers, kept apart
         self.metrics.train_step(row, learner, elapsed_s=now - self.started)
@@ -386,6 +385,7 @@ class BrokerActor:
         self.liveness.forget(peer.identity.decode())
         self.counters[f"lost {peer.role.value}"] += 1
         self.metrics.peer_lost(peer.role.value, reason)
+        self.evals.worker_lost(WorkerId(peer.identity.decode()))
         if peer.role is m.Role.ROLLOUT and WorkerId(peer.identity.decode()) in self.core.scheduler.workers:
             self.feed(ev.WorkerLost(worker_id=WorkerId(peer.identity.decode()), reason=reason))
         elif peer.role is m.Role.LEARNER and self.learner == peer.identity:

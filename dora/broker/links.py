@@ -94,6 +94,12 @@ class Links:
                 peer.migrate_out[(msg.group_id, msg.attempt)] = msg
         self.send(peer, msg)
 
+    def send_to(self, worker: WorkerId, msg: Any) -> None:
+        """Send an unnumbered message to a registered worker; nothing if it is gone."""
+        peer = self.peers.get(worker.encode())
+        if peer is not None:
+            self.send(peer, msg)
+
     def send(self, peer: Peer, msg: Any) -> None:
         peer.outbox.append([peer.identity, *codec.encode(msg)])
         self.pending.add(peer.identity)

@@ -23,6 +23,7 @@ from dora.actor.cluster import ClusterInfo
 from dora.actor.discovery import advertised, announce
 from dora.actor.security import Keys
 from dora.broker.actor import BrokerActor
+from dora.broker.evaluation import EvalRounds, eval_rounds
 from dora.broker.journal import Journal, JournalError, replay
 from dora.broker.metrics import serve_http
 from dora.config import ConfigError, load
@@ -49,12 +50,13 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         prompts, about = prompt_source(cfg)
+        evals = eval_rounds(cfg)
     except ValueError as e:
         print(f"dora broker: {e}", file=sys.stderr)
         return 2
     configure_logging(cfg.log, process="broker", **cluster.log_fields())
-    log.info("task_loaded", **about)
-    return uvloop.run(serve(cfg, prompts, cluster, about))
+    log.info("task_loaded", **about, eval_rows=len(evals.prompts) if evals else 0)
+    return uvloop.run(serve(cfg, prompts, cluster, about, evals))
 
 
 def open_router(ctx: zmq.asyncio.Context, cfg: RunConfig, keys: Keys | None = None) -> tuple[zmq.asyncio.Socket, str]:
@@ -77,7 +79,7 @@ def open_router(ctx: zmq.asyncio.Context, cfg: RunConfig, keys: Keys | None = No
 
 
 async def serve(cfg: RunConfig, prompts: Callable[[int], np.ndarray], cluster: ClusterInfo | None = None,
-                task: dict[str, Any] | None = None) -> int:  # fmt: skip
+                task: dict[str, Any] | None = None, evals: EvalRounds | None = None) -> int:  # fmt: skip
     """Serve a run; ``task``: what the task is (``TaskRun.about``), a dataset's identity goes into the journal."""
     cluster = cluster or ClusterInfo(host=socket.gethostname())
     stop = asyncio.Event()
@@ -116,7 +118,9 @@ async def serve(cfg: RunConfig, prompts: Callable[[int], np.ndarray], cluster: C
             ready.update(slurm_job_id=cluster.job_id, slurm_restart=cluster.restart_count)
         what = "cannot open broker.metrics_file or broker.timeline_file"
         try:
-            actor = BrokerActor(cfg, sock, core, prompts, epoch=epoch, journal=journal, weights=weights, keys=keys)
+            actor = BrokerActor(
+                cfg, sock, core, prompts, epoch=epoch, journal=journal, weights=weights, keys=keys, evals=evals
+            )
             if cfg.broker.metrics_bind:
                 what = f"cannot serve metrics on broker.metrics_bind={cfg.broker.metrics_bind}"
                 http, ready["metrics_url"] = await serve_http(

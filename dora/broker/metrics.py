@@ -35,7 +35,9 @@ from dora.broker.sinks import flatten, open_sinks, step_scalars
 from dora.broker.snapshot import BrokerView, per_version
 from dora.config.run import split_host_port
 from dora.core import events as ev
+from dora.core.core import Core
 from dora.ids import GroupId, WorkerId
+from dora.wire import messages as m
 
 log = structlog.get_logger()
 
@@ -73,6 +75,9 @@ class BrokerMetrics:
         b = actor.cfg.broker
         self.steps = JsonLines(b.metrics_file) if b.metrics_file else None
         self.timeline = JsonLines(b.timeline_file) if b.timeline_file else None
+        self.evals = JsonLines(b.eval_file) if b.eval_file else None
+        self.held_out: dict[str, float] = {}
+        """The metrics of the latest held-out evaluation round."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.groups_leased = Counter("dora_groups_leased", "Groups leased to a worker (re-runs included)", registry=r)
@@ -111,7 +116,7 @@ class BrokerMetrics:
                     newest_version=core.ledger.newest, broker_epoch=actor.epoch)  # fmt: skip
 
     def close(self) -> None:
-        for f in (self.steps, self.timeline):
+        for f in (self.steps, self.timeline, self.evals):
             if f is not None:
                 f.close()
         self.sinks.close()
@@ -171,6 +176,15 @@ class BrokerMetrics:
         """Another stream's numbers at ``step`` to the sinks, named ``prefix/key`` (e.g. ``eval/reward_mean``)."""
         self.sinks.log(step, flatten(values, prefix))
 
+    def eval_round(self, result: dict[str, Any]) -> None:
+        """A held-out evaluation round of ``result["version"]``: its line, its scalars (``eval/...``), its gauges."""
+        version = int(result["version"])
+        self.held_out = {k: float(v) for k, v in result.items() if k != "version"}
+        log.info("eval_round", **result)
+        if self.evals is not None:
+            self.evals.write({"step": version, **result, "t": round(self.wall(), 4)})
+        self.scalars(version, "eval", self.held_out)
+
     def peer_lost(self, role: str, reason: str) -> None:
         self.peers_lost.labels(role=role, reason=reason.partition(":")[0]).inc()
 
@@ -216,6 +230,8 @@ class BrokerMetrics:
             yield _by(CounterMetricFamily, name, doc, "reason", counts)
         yield _by(CounterMetricFamily, "dora_core_decision_seconds", "Seconds in the core", "event", a.decision_s)
         yield _by(GaugeMetricFamily, "dora_learner_step_metric", "The learner's latest step", "name", self.learner)
+        yield _by(GaugeMetricFamily, "dora_eval_metric", "The latest held-out evaluation round (accuracy, pass@k, ...)",
+                  "name", self.held_out)  # fmt: skip
         yield _by(CounterMetricFamily, "dora_metrics_sink_failures", "Metrics sinks dropped on an error", "sink",
                   self.sinks.failed)  # fmt: skip
 
@@ -245,6 +261,20 @@ def reward_failures(samples: Sequence[ev.SampleFinished], actions: Sequence[ev.A
         if error:
             counts[f"{REWARD_FAILED}{failure_reason(error)})"] += 1
     return counts
+
+
+def step_row(core: Core, msg: m.WeightsPublished, step_s: float, groups: Sequence[ev.TrainGroup]) -> dict[str, Any]:
+    """A published train step as the broker logs and records it (the learner's own numbers are kept apart)."""
+    return {
+        "step": msg.version - 1,
+        "version": msg.version,
+        "step_s": round(step_s, 3),
+        "publish_s": msg.publish_s,
+        "staleness": {str(k): n for k, n in sorted(core.transfer.staleness.items())},
+        "live_versions": core.ledger.alive(),
+        "workers": len(core.scheduler.workers),
+        **reward_stats(groups),
+    }
 
 
 def reward_stats(groups: Sequence[ev.TrainGroup]) -> dict[str, Any]:

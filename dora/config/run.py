@@ -120,6 +120,8 @@ class BrokerSection:
     """JSON lines, one per worker event (joined, assigned a version, weights loaded, lost) and per published
     version, each with the wall-clock time ``t``: what `dora plot` draws the worker timeline from. Appended to.
     None: not written (`dora run`: its run directory)."""
+    eval_file: str | None = None
+    """Append one JSON line per held-out evaluation round here (eval.every_steps; `dora run` sets it)."""
 
     def __post_init__(self) -> None:
         if min(self.heartbeat_interval_s, self.stall_timeout_s, self.tick_s, self.learner_timeout_s) <= 0:
@@ -338,11 +340,17 @@ class EvalSection:
     max_tokens: int | None = None
     """Most tokens per completion. None: run.max_tokens."""
 
+    every_steps: int = 0
+    """During a run, the rollout workers evaluate every this many versions (and version 0), each round on
+    exactly one version, outside every training decision; 0: only `dora run`'s before and after."""
+
     def __post_init__(self) -> None:
         if self.samples < 1 or self.temperature < 0 or (self.temperature == 0 and self.samples > 1):
             raise ConfigError("eval.samples must be >= 1 and eval.temperature >= 0; greedy decoding "
                               f"(temperature 0) takes one sample; got samples={self.samples}, "
                               f"temperature={self.temperature}")  # fmt: skip
+        if self.every_steps < 0:
+            raise ConfigError(f"eval.every_steps must be >= 0; got {self.every_steps}")
         if (self.limit is not None and self.limit < 1) or (self.max_tokens is not None and self.max_tokens < 1):
             raise ConfigError("eval.limit and eval.max_tokens must be >= 1 or unset")
 

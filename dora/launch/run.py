@@ -31,14 +31,15 @@ from typing import Any
 from dora.config import ConfigError, load, to_data
 from dora.config.run import RunConfig
 from dora.launch.local import LocalRun
-from dora.ops.plot import METRICS, TIMELINE, PlotError, render
+from dora.ops.plot import EVAL, METRICS, TIMELINE, PlotError, render
 
 
 def prepare(cfg: RunConfig, rundir: pathlib.Path) -> dict[str, Any]:
     """The config the processes get: this run's socket, discovery file, audit and weight store."""
     data = to_data(cfg)
     data["broker"].update(bind=f"ipc://{rundir / 'broker.sock'}", discovery_file=str(rundir / "broker.json"),
-                          metrics_file=str(rundir / METRICS), timeline_file=str(rundir / TIMELINE))  # fmt: skip
+                          metrics_file=str(rundir / METRICS), timeline_file=str(rundir / TIMELINE),
+                          eval_file=str(rundir / EVAL))  # fmt: skip
     data["broker"].setdefault("metrics_bind", "127.0.0.1:0")
     data["core"]["min_workers"] = cfg.run.workers
     data["learner"].update(audit_file=str(rundir / "audit.jsonl"), store=str(rundir / "weights"))
@@ -166,8 +167,8 @@ def held_out(data: dict[str, Any], rundir: pathlib.Path, version: int) -> dict[s
         raise ConfigError("eval.dataset needs a model: run.engine torch or vllm")
     metrics = evaluate_model(cfg, data["rollout"]["model"], data["learner"]["store"] if version else None,
                              version or None)  # fmt: skip
-    with open(rundir / "eval.jsonl", "a") as f:
-        f.write(json.dumps({"step": version, **metrics}) + "\n")
+    with open(rundir / EVAL, "a") as f:
+        f.write(json.dumps({"step": version, **metrics, "by": "dora run"}) + "\n")
     print(f"dora run: held-out, version {version}: {line(metrics)}", file=sys.stderr)
     return metrics
 

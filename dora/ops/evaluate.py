@@ -10,7 +10,6 @@ stdout (``--json`` also writes them to a file).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import pathlib
@@ -22,23 +21,13 @@ from dora.config.run import RunConfig
 from dora.rollout.engines.base import EngineError
 
 
-def eval_task(cfg: RunConfig, tokenizer_dir: str) -> Any:  # -> TaskRun
-    """The held-out rows as a task: [eval]'s dataset in [task]'s layout, with [task]'s template and reward."""
-    from dora.tasks.prompts import TaskRun
-
-    if cfg.eval.dataset is None:
-        raise ConfigError("no held-out rows: set eval.dataset (or pass --dataset)")
-    section = dataclasses.replace(cfg.task, name="dataset", dataset=cfg.eval.dataset, split=cfg.eval.split,
-                                  max_prompt_tokens=None)  # fmt: skip
-    return TaskRun(section, tokenizer_dir)
-
-
 def evaluate_model(cfg: RunConfig, model: str, store: str | None = None, version: int | None = None,
                    task: Any = None) -> dict[str, Any]:  # fmt: skip
     """Evaluate a model folder (or a store version in it) on [eval]; the metrics, with the version."""
     from dora.rollout.engines.torch_engine import TorchEngine
     from dora.rollout.evaluate import evaluate
     from dora.store import WeightStore
+    from dora.tasks.prompts import eval_task
 
     if not (pathlib.Path(model) / "config.json").is_file():
         raise ConfigError(f"--model {model}: not a model folder (no config.json)")

@@ -86,6 +86,11 @@ class RolloutActor:
         self.dropped_commands = 0
         self.behind: tuple[int, float] | None = None
         """(the broker's last command number, when first heard) while that command has not arrived."""
+        self.deferred: m.Assign | None = None
+        """An Assign that waits for this worker's held-out evaluation requests to finish on the version they
+        were sent for (every completion of an evaluation row comes from one version, like a trajectory's)."""
+        self.eval_dropped = 0
+        """Evaluate requests dropped: for a version this worker is not serving, or it cannot evaluate."""
 
     async def run(self, stop: asyncio.Event) -> int:
         backoff = 1.0
@@ -177,6 +182,9 @@ class RolloutActor:
                     self.send(m.WeightsLoaded(version=version, load_s=self.engine.load_seconds()))
                 self.engine.advance(now)
                 self.report_finished()
+                if self.deferred is not None and not self.evaluating():
+                    deferred, self.deferred = self.deferred, None
+                    self.on_assign(deferred, now)
                 if now >= next_beat:
                     next_beat = now + self.interval
                     self.give_up_on_missing_commands(now)
@@ -208,17 +216,8 @@ class RolloutActor:
                 self.welcomed = self.session_welcomed = True
                 self.epoch = msg.broker_epoch
                 log.info("registered", broker_epoch=msg.broker_epoch, newest_version=msg.newest_version)
-            case m.Assign() if self.loading is not None and self.loading[0] == msg.version:
-                pass  # a repeat while loading it
-            case m.Assign() if msg.version == self.version and self.loading is None and not msg.interrupt:
-                self.send(m.WeightsLoaded(version=msg.version, load_s=0.0))  # a repeat: its answer was lost
             case m.Assign():
-                if self.engine.busy() and not msg.interrupt:
-                    log.error("assign_refused_requests_running", version=msg.version)
-                    return
-                self.engine.advance(now)
-                self.loading = (msg.version, now + self.engine.load_seconds(), msg.uri, msg.sha256)
-                structlog.contextvars.bind_contextvars(version=msg.version)
+                self.on_assign(msg, now)
             case m.Generate() | m.MigrateIn() if not self.takes(msg):
                 pass
             case m.Generate():
@@ -228,6 +227,15 @@ class RolloutActor:
             case m.MigrateIn():
                 self.leases[(msg.group_id, msg.attempt)] = len(msg.requests)
                 self.engine.import_(msg, now)
+            case m.Evaluate() if (
+                msg.version == self.version
+                and self.loading is None
+                and self.deferred is None
+                and hasattr(self.engine, "evaluate")
+            ):
+                self.eval_dropped += not self.engine.evaluate(msg, now)
+            case m.Evaluate():
+                self.eval_dropped += 1
             case m.MigrateOut() if (msg.group_id, msg.attempt) in self.leases:
                 requests = self.engine.export(msg.group_id, msg.attempt, now)
                 self.report_finished()  # samples that finished before the export are reported first
@@ -259,6 +267,26 @@ class RolloutActor:
                 pass
             case _:
                 log.warning("unexpected_message", kind=type(msg).__name__)
+
+    def on_assign(self, msg: m.Assign, now: float) -> None:
+        if self.loading is not None and self.loading[0] == msg.version:
+            return  # a repeat while loading it
+        if msg.version == self.version and self.loading is None and not msg.interrupt:
+            self.deferred = None
+            self.send(m.WeightsLoaded(version=msg.version, load_s=0.0))  # a repeat: its answer was lost
+            return
+        if self.evaluating():
+            if not msg.interrupt:
+                self.deferred = msg  # loaded once the evaluation requests of the current version are done
+                return
+            self.engine.drop_evaluations()  # type: ignore[attr-defined]  (the broker asks some worker again)
+        self.deferred = None
+        if self.engine.busy() and not msg.interrupt:
+            log.error("assign_refused_requests_running", version=msg.version)
+            return
+        self.engine.advance(now)
+        self.loading = (msg.version, now + self.engine.load_seconds(), msg.uri, msg.sha256)
+        structlog.contextvars.bind_contextvars(version=msg.version)
 
     def takes(self, msg: m.Generate | m.MigrateIn) -> bool:
         """Whether to run a lease's work: never on weights other than its version's (C1), never twice."""
@@ -295,11 +323,17 @@ class RolloutActor:
         return m.Heartbeat(
             tokens_generated=self.engine.tokens_generated, running=running, kv_use=kv, seen=self.seen,
             holding=np.array(sorted(self.leases), dtype=np.int64).reshape(-1, 2), version=self.version,
-            loading=self.loading[0] if self.loading is not None else -1,
+            loading=self.loading[0] if self.loading is not None else self.deferred.version if self.deferred else -1,
         )  # fmt: skip
 
+    def evaluating(self) -> bool:
+        return bool(getattr(self.engine, "evaluating", lambda: False)())
+
     def report_finished(self) -> None:
-        """Stream what finished since the last report: one message, however many samples."""
+        """Stream what finished since the last report: one message, however many samples; then the held-out
+        rows evaluated (unnumbered, not kept: the broker asks again if one is lost)."""
+        for evaluated in getattr(self.engine, "take_evaluated", list)():
+            self.send(evaluated)
         now = self.clock()
         results = []
         for r in self.engine.take_finished():

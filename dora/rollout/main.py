@@ -66,11 +66,14 @@ def main(argv: list[str]) -> int:
     return uvloop.run(serve(cfg, endpoint, args.name, args.engine, cluster, task))
 
 
-def load_task(cfg: RunConfig) -> Any:  # -> TaskRun
-    """The task a torch or vllm worker scores with (a dataset: every row read and checked, as the broker does)."""
-    from dora.tasks.prompts import TaskRun
+def load_task(cfg: RunConfig) -> tuple[Any, Any]:  # -> (TaskRun, TaskRun | None)
+    """The task a torch or vllm worker scores with (a dataset: every row read and checked, as the broker does),
+    and the held-out rows when the broker runs evaluation rounds (eval.every_steps)."""
+    from dora.tasks.prompts import TaskRun, eval_task
 
-    return TaskRun(cfg.task, cfg.task.tokenizer or cfg.rollout.model)
+    tokenizer = cfg.task.tokenizer or cfg.rollout.model
+    held_out = eval_task(cfg, tokenizer) if cfg.eval.dataset and cfg.eval.every_steps else None
+    return TaskRun(cfg.task, tokenizer), held_out
 
 
 def make_engine(cfg: RunConfig, kind: str, now: float, task: Any = None) -> WorkerEngine:
@@ -78,17 +81,18 @@ def make_engine(cfg: RunConfig, kind: str, now: float, task: Any = None) -> Work
         from dora.rollout.engines.stepped import StepWorkerEngine
 
         r = cfg.rollout
-        task = task or load_task(cfg)
+        task, held_out = task or load_task(cfg)
         slots = r.slots or cfg.engine.max_slots
         if kind == "torch":
             from dora.rollout.engines.torch_engine import TorchEngine
 
-            return StepWorkerEngine(TorchEngine(r.model, max_slots=slots, device=r.device, dtype=r.dtype), task)
+            engine = TorchEngine(r.model, max_slots=slots, device=r.device, dtype=r.dtype)
+            return StepWorkerEngine(engine, task, held_out)
         from dora.rollout.engines.vllm_engine import VllmEngine
 
         engine = VllmEngine(r.model, max_slots=slots, kv_cache_bytes=r.kv_cache_mib << 20, dtype=r.dtype,
                             max_model_len=r.max_model_len, seed=cfg.run.seed)  # fmt: skip
-        return StepWorkerEngine(engine, task)
+        return StepWorkerEngine(engine, task, held_out)
     return SimEngine(cfg.engine, from_section(cfg.workload, cfg.run.seed), time_scale=cfg.run.time_scale, now=now)
 
 

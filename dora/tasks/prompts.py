@@ -9,6 +9,7 @@ config, so no prompt text travels with a group.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import pathlib
@@ -101,3 +102,13 @@ def prompt_source(cfg) -> tuple[Callable[[int], np.ndarray], dict[str, Any]]:  #
         raise ConfigError(f"task {t.name!r} needs task.tokenizer (the model folder with tokenizer.json)")
     run = TaskRun(t, t.tokenizer)
     return run.prompt_ids, run.about
+
+
+def eval_task(cfg, tokenizer_dir: str) -> TaskRun:  # cfg: RunConfig
+    """The held-out rows as a task: [eval]'s dataset in [task]'s layout, with [task]'s template and reward (no
+    prompt is filtered out)."""
+    if cfg.eval.dataset is None:
+        raise ConfigError("no held-out rows: set eval.dataset (or pass --dataset)")
+    section = dataclasses.replace(cfg.task, name="dataset", dataset=cfg.eval.dataset, split=cfg.eval.split,
+                                  max_prompt_tokens=None)  # fmt: skip
+    return TaskRun(section, tokenizer_dir)

@@ -20,10 +20,11 @@ import numpy as np
 
 from dora.ids import AttemptId, Finish, GroupId, WorkerId
 
-WIRE_VERSION = 3
+WIRE_VERSION = 4
 """2: PublishAck (the broker acknowledges a publish once it is journalled; the learner waits for it).
 3: lease reconciliation: the broker numbers its commands to a worker (``seq``); a worker applies them in
-order or not at all and its heartbeats say the highest number seen, the leases it holds and its version."""
+order or not at all and its heartbeats say the highest number seen, the leases it holds and its version.
+4: held-out evaluation by the rollout workers (``Evaluate``, ``EvalFinished``), outside every lease."""
 
 Array = np.ndarray
 """Sent out of band as a raw frame; received as a read-only view on the frame's memory."""
@@ -294,6 +295,38 @@ class RetireVersion:
     version: int
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Evaluate:
+    """Sample a held-out row on ``version``, the worker's own weights, and score it: evaluation, not training.
+    Unnumbered and outside every lease: the broker sends it again to some worker of the version if no answer
+    comes, and a worker not serving exactly ``version`` drops it."""
+
+    KIND: ClassVar[str] = "evaluate"
+    version: int
+    round: int
+    """The evaluation round (one per evaluated version and broker epoch)."""
+    row: int
+    prompt_ids: Array
+    n_samples: int
+    max_tokens: int
+    temperature: float
+    seed: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EvalFinished:
+    """A held-out row's scores on ``version``: one reward and one completion length per sample."""
+
+    KIND: ClassVar[str] = "eval_finished"
+    version: int
+    round: int
+    row: int
+    rewards: Array
+    lengths: Array
+    failed: int = 0
+    """Samples whose reward failed (scored 0 with a reason)."""
+
+
 # ---------------------------------------------------------------- broker <-> learner
 
 
@@ -366,7 +399,7 @@ MESSAGES: tuple[type, ...] = (
     Hello, Reject, Welcome, Heartbeat, Goodbye, Disconnect,
     Generate, SampleFinished, SamplesFinished, ResultAck, ResultAcks,
     Assign, WeightsLoaded, MigrateOut, MigrationExported, MigrateIn,
-    Cancel, RetireVersion,
+    Cancel, RetireVersion, Evaluate, EvalFinished,
     RequestBatch, TrainBatch, WeightsPublished, PublishAck,
     StatusRequest, StatusReply,
 )  # fmt: skip

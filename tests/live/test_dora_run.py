@@ -99,3 +99,25 @@ def test_dora_run_with_a_two_rank_fsdp_learner(tmp_path):
     assert [r["steps"] for r in log if r["event"] == "rank_done" and r["rank"] == 1] == [3]
     assert [r["world"] for r in log if r["event"] == "rank_following"] == [2]
     assert len((rundir / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+def test_dora_run_on_a_dataset_evaluates_held_out_rows_during_the_run_and_before_and_after(tmp_path, tiny_model):
+    """The example dataset with the model's chat template; the rollout workers evaluate every 2 versions on
+    exactly that version, and dora run evaluates the starting model and the final version itself."""
+    proc = dora_run(tmp_path, "examples/quickstart.toml", f"rollout.model={tiny_model}", "core.total_steps=6",
+                    "task.name=dataset", "task.dataset=" + str(ROOT / "examples/data/arithmetic/train.jsonl"),
+                    "task.prompt_field=question", "task.chat_template=true", "task.reward=numeric",
+                    "eval.dataset=" + str(ROOT / "examples/data/arithmetic/test.jsonl"), "eval.limit=12",
+                    "eval.every_steps=2", "run.max_tokens=8")  # fmt: skip
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out
+    assert "dataset " in out and "2000 rows; 2000 groups make an epoch" in out
+    assert "held-out accuracy 0.000 -> " in out and "(12 rows of" in out
+    rundir = the_run(tmp_path)
+    rows = [json.loads(x) for x in (rundir / "eval.jsonl").read_text().splitlines()]
+    by_workers = [r for r in rows if r.get("by") != "dora run"]
+    assert [r["version"] for r in by_workers][:3] == [0, 2, 4], rows
+    assert all(r["rows"] == 12 and r["samples"] == 1 and 0 <= r["accuracy"] <= 1 for r in rows)
+    assert [r["version"] for r in rows if r.get("by") == "dora run"] == [0, 6]
+    assert (rundir / "eval.png").stat().st_size > 10_000
+    assert "invariants hold" in out

@@ -14,9 +14,10 @@ from hypothesis import strategies as st
 
 from dora.config import load
 from dora.config.run import RunConfig
-from dora.ops.evaluate import eval_task
 from dora.rollout.engines.torch_engine import TorchEngine
-from dora.rollout.evaluate import evaluate, pass_at_k, summarize
+from dora.rollout.evaluate import evaluate
+from dora.tasks.heldout import pass_at_k, summarize
+from dora.tasks.prompts import eval_task
 
 
 @given(n=st.integers(1, 8), data=st.data())

@@ -138,6 +138,10 @@ def canonical() -> dict[str, Any]:
         ),
         m.Cancel(group_id=12, attempt=5, seq=6),
         m.RetireVersion(version=1),
+        m.Evaluate(
+            version=3, round=2, row=17, prompt_ids=i32(4, 5, 6), n_samples=2, max_tokens=16, temperature=0.7, seed=9
+        ),
+        m.EvalFinished(version=3, round=2, row=17, rewards=f32(1.0, 0.0), lengths=i32(5, 16), failed=1),
         m.RequestBatch(step=3),
         m.TrainBatch(step=3, groups=(m.TrainGroup(group_id=12, version=3, prompt_ids=i32(1, 2), samples=(sample,)),)),
         m.WeightsPublished(

@@ -18,16 +18,23 @@ import numpy as np
 
 from dora.ids import Finish
 from dora.tasks.prompts import TaskRun
+from dora.tasks.rewards import score
 from dora.wire import messages as m
 
 
 class StepWorkerEngine:
-    def __init__(self, engine: Any, task: TaskRun) -> None:
-        """``engine``: a TorchEngine or VllmEngine (submit/step/export/import_/cancel/load_weights)."""
+    def __init__(self, engine: Any, task: TaskRun, held_out: TaskRun | None = None) -> None:
+        """``engine``: a TorchEngine or VllmEngine (submit/step/export/import_/cancel/load_weights); ``held_out``:
+        the evaluation rows, when the broker runs evaluation rounds (``evaluate``)."""
         self.engine = engine
         self.name = engine.name
         self.task = task
+        self.held_out = held_out
         self.finished: list[Any] = []
+        self.eval_open: dict[tuple[int, int], tuple[m.Evaluate, list[Any]]] = {}
+        """(round, row) -> the request and its finished samples. Evaluation sequences run beside the training
+        ones under group ids below zero (-1 - row), never reported as training samples."""
+        self.evaluated: list[m.EvalFinished] = []
 
     @property
     def tokens_generated(self) -> int:
@@ -71,7 +78,60 @@ class StepWorkerEngine:
 
     def advance(self, now: float) -> None:
         if self.busy() and self.engine.version is not None:
-            self.finished += self.engine.step()
+            for seq in self.engine.step():
+                if seq.group_id >= 0:
+                    self.finished.append(seq)
+                else:
+                    self._eval_sample(seq)
+
+    # ------------------------------------------------------------------ held-out evaluation
+
+    def evaluate(self, msg: m.Evaluate, now: float) -> bool:
+        """Sample a held-out row on the weights loaded now (the actor checks they are ``msg.version``'s); False
+        if this worker cannot (started without eval.dataset, or the row is not among its rows)."""
+        if self.held_out is None or not 0 <= msg.row < len(self.held_out.rows):
+            return False
+        if (msg.round, msg.row) in self.eval_open:
+            return True  # a copy of a request in progress
+        self.eval_open[(msg.round, msg.row)] = (msg, [])
+        self.engine.submit(group_id=-1 - msg.row, attempt=msg.round, prompt=msg.prompt_ids.tolist(),
+                           n=msg.n_samples, max_tokens=msg.max_tokens, temperature=msg.temperature,
+                           seed=msg.seed)  # fmt: skip
+        return True
+
+    def evaluating(self) -> bool:
+        return bool(self.eval_open)
+
+    def drop_evaluations(self) -> None:
+        """Cancel every evaluation request (weights swapped under them: partial mode's interrupt)."""
+        for (round_, row), _ in self.eval_open.items():
+            self.engine.cancel(-1 - row, round_)
+        self.eval_open.clear()
+
+    def take_evaluated(self) -> list[m.EvalFinished]:
+        done, self.evaluated = self.evaluated, []
+        return done
+
+    def _eval_sample(self, seq: Any) -> None:
+        key = (seq.attempt, -1 - seq.group_id)
+        if key not in self.eval_open:
+            return
+        msg, samples = self.eval_open[key]
+        samples.append(seq)
+        if len(samples) < msg.n_samples:
+            return
+        del self.eval_open[key]
+        assert self.held_out is not None
+        task, item = self.held_out, self.held_out.row_item(msg.row)
+        samples.sort(key=lambda s: s.index)
+        texts = [task.tokenizer.decode(s.tokens, skip_special_tokens=True) for s in samples]
+        scored = [score(task.reward, text, item, timeout_s=task.timeout_s) for text in texts]
+        self.evaluated.append(m.EvalFinished(
+            version=msg.version, round=msg.round, row=msg.row,
+            rewards=np.array([x.reward for x in scored], dtype=np.float32),
+            lengths=np.array([len(s.tokens) for s in samples], dtype=np.int32),
+            failed=sum(bool(x.reason) for x in scored),
+        ))  # fmt: skip
 
     def take_finished(self) -> list[Any]:
         done, self.finished = self.finished, []
@@ -97,3 +157,5 @@ class StepWorkerEngine:
         for group, attempt in self.engine.groups():
             self.engine.cancel(group, attempt)
         self.finished.clear()
+        self.eval_open.clear()
+        self.evaluated.clear()
