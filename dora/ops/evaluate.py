@@ -33,6 +33,9 @@ def evaluate_model(cfg: RunConfig, model: str, store: str | None = None, version
         raise ConfigError(f"--model {model}: not a model folder (no config.json)")
     task = task or eval_task(cfg, cfg.task.tokenizer or model)
     e = cfg.eval
+    rows = min(len(task.rows), e.limit or len(task.rows))
+    print(f"dora eval: {rows} rows x {e.samples} sample(s), up to {e.max_tokens or cfg.run.max_tokens} tokens each "
+          "(eval.max_tokens, else run.max_tokens)", file=sys.stderr)  # fmt: skip
     engine = TorchEngine(model, max_slots=cfg.rollout.slots or cfg.engine.max_slots, device=cfg.rollout.device,
                          dtype=cfg.rollout.dtype, version=0)  # fmt: skip
     if store is not None and version is not None:
