@@ -1,0 +1,258 @@
+"""Supervised warm start (`dora sft`): fine-tune a model folder on the task dataset's (prompt, answer) rows.
+
+RL from a model that never answers right gets no signal, so `dora sft` first teaches the model the answer
+format (and a little of the task) on the same dataset config RL uses:
+
+1. The task is loaded with ``TaskRun`` (every row read, checked and rendered), so each prompt is exactly
+   the text RL sends, encoded with the same ``tokenizer.json`` ids the broker uses. Rows filtered out by
+   ``task.max_prompt_tokens`` are left out here too.
+2. Each row is its prompt ids, then its answer encoded without special tokens, then EOS, cut to
+   ``sft.max_answer_tokens``. Labels are -100 on the prompt: the loss is the mean negative log-likelihood
+   of the batch's answer tokens only.
+3. AdamW over ``sft.epochs`` shuffled passes (right-padded batches of ``sft.batch_size``; a linear warm-up,
+   then a cosine to a tenth of ``sft.lr``; gradients clipped to norm 1), one progress line per epoch.
+4. The result is written atomically (a temporary sibling folder, then a rename) as an ordinary HF folder:
+   ``save_pretrained`` plus the start folder's tokenizer files, so it loads exactly like the start folder.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pathlib
+import shutil
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dora.config import ConfigError
+from dora.config.run import RunConfig, SftSection
+from dora.tasks.prompts import TaskRun
+
+IGNORE = -100
+"""The label of a token outside the loss (the prompt, and padding)."""
+WARMUP_STEPS = 10
+"""Optimizer steps of linear learning-rate warm-up (capped at a tenth of all steps)."""
+MAX_GRAD_NORM = 1.0
+WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
+"""Files of the start folder not copied into the result (its weights: the result has its own)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Example:
+    """One training row: prompt ids then answer ids; the loss covers ``ids[prompt_len:]``."""
+
+    row: int
+    ids: tuple[int, ...]
+    prompt_len: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Examples:
+    items: list[Example]
+    truncated: int
+    """Rows whose answer (+ EOS) was longer than sft.max_answer_tokens and was cut."""
+    answer_tokens: int
+
+
+def start_folder(cfg: RunConfig) -> pathlib.Path:
+    """The folder `dora sft` starts from, built as the tiny model when it has no config.json yet."""
+    name = cfg.sft.model or cfg.rollout.model
+    if not name:
+        raise ConfigError("dora sft needs sft.model or rollout.model (the model folder to start from)")
+    folder = pathlib.Path(name)
+    if not (folder / "config.json").is_file():
+        from dora.tasks.model import build_model
+
+        print(f"dora sft: building the tiny model into {folder} (it has no config.json)", file=sys.stderr)
+        build_model(folder)
+    return folder
+
+
+def load_model(folder: pathlib.Path) -> torch.nn.Module:
+    """The start folder's causal LM in float32; a folder that does not load is a ConfigError naming it."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    except (OSError, ValueError, KeyError, TypeError) as e:  # transformers' ways of saying "not a model"
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"sft.model: {folder} does not load as a causal LM: {first}") from None
+
+
+def eos_id(model: torch.nn.Module) -> int:
+    eos = model.config.eos_token_id
+    eos = eos[0] if isinstance(eos, list | tuple) and eos else eos
+    if not isinstance(eos, int):
+        raise ConfigError("sft.model: its config.json names no eos_token_id (the token that ends an answer)")
+    return eos
+
+
+def encode(run: TaskRun, eos: int, max_answer_tokens: int) -> Examples:
+    """The task's kept rows as examples: ``run.tokenizer.encode(run.texts[i])`` + answer ids + EOS."""
+    if run.epochs is None:
+        raise ConfigError("dora sft needs a dataset (task.dataset): the built-in tasks have no answers to imitate")
+    items, truncated, answer_tokens = [], 0, 0
+    for i in run.epochs.kept.tolist():
+        prompt = run.tokenizer.encode(run.texts[i]).ids
+        answer = [*run.tokenizer.encode(run.rows[i].answer, add_special_tokens=False).ids, eos]
+        if len(answer) > max_answer_tokens:
+            truncated += 1
+            answer = answer[:max_answer_tokens]
+        answer_tokens += len(answer)
+        items.append(Example(row=i, ids=(*prompt, *answer), prompt_len=len(prompt)))
+    return Examples(items=items, truncated=truncated, answer_tokens=answer_tokens)
+
+
+def collate(batch: Sequence[Example], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input ids, labels), both [B, T], right-padded; labels are -100 on prompts and padding."""
+    width = max(len(e.ids) for e in batch)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(batch), width), IGNORE, dtype=torch.long)
+    for b, e in enumerate(batch):
+        ids[b, : len(e.ids)] = torch.tensor(e.ids)
+        labels[b, e.prompt_len : len(e.ids)] = ids[b, e.prompt_len : len(e.ids)]
+    return ids, labels
+
+
+def answer_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The mean negative log-likelihood of the labelled (answer) tokens under ``logits`` [B, T, V] (position t
+    predicts token t + 1), and how many there are; positions labelled -100 add nothing, not even gradient."""
+    logits, targets = logits[:, :-1].float(), labels[:, 1:]
+    count = int((targets != IGNORE).sum())
+    nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                            ignore_index=IGNORE, reduction="sum")  # fmt: skip
+    return nll / max(count, 1), count
+
+
+def answer_loss(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``answer_nll`` of the model on a right-padded batch.
+
+    No attention mask: padding is on the right, so under the causal mask no real token sees a pad, and the
+    logits of real tokens are the same as with one (SDPA keeps its fast causal path)."""
+    return answer_nll(model(input_ids=ids).logits, labels)
+
+
+def schedule(lr: float, total_steps: int) -> Callable[[int], float]:
+    """Learning rate of step ``s``: linear warm-up, then a cosine from ``lr`` down to ``lr / 10``."""
+    warmup = max(1, min(WARMUP_STEPS, total_steps // 10))
+
+    def at(step: int) -> float:
+        if step < warmup:
+            return lr * (step + 1) / warmup
+        done = (step - warmup) / max(1, total_steps - warmup)
+        return lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(done, 1.0))))
+
+    return at
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EpochReport:
+    epoch: int
+    loss: float
+    """Mean answer-token loss over the epoch."""
+    tokens: int
+    """Tokens (prompt and answer, no padding) trained on."""
+    seconds: float
+
+
+def train(model: torch.nn.Module, examples: Sequence[Example], sft: SftSection, pad_id: int,
+          report: Callable[[EpochReport], None] = lambda r: None) -> list[EpochReport]:  # fmt: skip
+    """``sft.epochs`` passes of AdamW over ``examples`` (each epoch a permutation seeded by (sft.seed, epoch))."""
+    torch.manual_seed(sft.seed)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=sft.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    per_epoch = math.ceil(len(examples) / sft.batch_size)
+    lr_at = schedule(sft.lr, per_epoch * sft.epochs)
+    step, reports = 0, []
+    for epoch in range(sft.epochs):
+        started, nll, count, tokens = time.perf_counter(), 0.0, 0, 0
+        order = np.random.default_rng([sft.seed, epoch]).permutation(len(examples))
+        for start in range(0, len(order), sft.batch_size):
+            batch = [examples[i] for i in order[start : start + sft.batch_size]]
+            ids, labels = collate(batch, pad_id)
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step)
+            opt.zero_grad(set_to_none=True)
+            loss, n = answer_loss(model, ids, labels)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+            opt.step()
+            step += 1
+            nll, count, tokens = nll + float(loss.detach()) * n, count + n, tokens + sum(len(e.ids) for e in batch)
+        reports.append(EpochReport(epoch=epoch, loss=nll / max(count, 1), tokens=tokens,
+                                   seconds=time.perf_counter() - started))  # fmt: skip
+        report(reports[-1])
+    model.eval()
+    return reports
+
+
+def check_out(out: pathlib.Path) -> None:
+    """``out`` may be written: absent, an empty folder, or a model folder (which is replaced)."""
+    if out.exists() and not (out.is_dir() and ((out / "config.json").is_file() or not any(out.iterdir()))):
+        raise ConfigError(f"sft.out: {out} exists and is not a model folder (not replacing it)")
+
+
+def write(model: torch.nn.Module, start: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
+    """Write the model folder ``out`` atomically: ``save_pretrained`` into a temporary sibling, with the start
+    folder's other files (tokenizer, chat template) beside it, then a rename. An existing model folder at
+    ``out`` is replaced; anything else there is an error."""
+    check_out(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model.save_pretrained(str(tmp))
+        written = {p.name for p in tmp.iterdir()}
+        for src in sorted(start.iterdir()):
+            if src.is_file() and src.name not in written and not src.name.endswith(WEIGHTS):
+                shutil.copy2(src, tmp / src.name)
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        if out.exists():
+            out.rename(old)
+        try:
+            tmp.rename(out)
+        except OSError:
+            if old.exists():
+                old.rename(out)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def run(cfg: RunConfig) -> pathlib.Path:
+    """`dora sft`: load, train and write; bad input is a ConfigError (or ValueError) before any training."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one line per epoch is the progress shown
+    sft = cfg.sft
+    if not sft.out:
+        raise ConfigError("dora sft needs sft.out (the model folder to write)")
+    out = pathlib.Path(sft.out)
+    start = start_folder(cfg)
+    if out.resolve() == start.resolve():
+        raise ConfigError(f"sft.out must differ from the folder it starts from ({start})")
+    check_out(out)
+    task = TaskRun(cfg.task, cfg.task.tokenizer or str(start))
+    torch.set_num_threads(sft.threads or os.cpu_count() or 1)
+    model = load_model(start)
+    data = encode(task, eos_id(model), sft.max_answer_tokens)
+    vocab = model.get_input_embeddings().num_embeddings
+    if max(max(e.ids) for e in data.items) >= vocab:
+        raise ConfigError(f"the tokenizer of {cfg.task.tokenizer or start} has ids past the model's {vocab} embeddings")
+    print(f"dora sft: {len(data.items)} rows of {task.about['dataset']} ({task.about['filtered']} filtered out), "
+          f"{data.answer_tokens} answer tokens, {data.truncated} answers cut at sft.max_answer_tokens = "
+          f"{sft.max_answer_tokens}; {sft.epochs} epochs from {start}", file=sys.stderr)  # fmt: skip
+
+    def progress(r: EpochReport) -> None:
+        print(f"dora sft: epoch {r.epoch + 1}/{sft.epochs}  loss {r.loss:.4f}  {r.tokens / r.seconds:,.0f} tok/s  "
+              f"{r.seconds:.1f} s", file=sys.stderr)  # fmt: skip
+
+    train(model, data.items, sft, pad_id=eos_id(model), report=progress)
+    return write(model, start, out)
