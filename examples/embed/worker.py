@@ -79,7 +79,7 @@ class ModelEngine(MyEngine):
         self.version = version
 
     def reward(self, group: int, tokens: list[int]) -> float:
-        return self.task.score(group, tokens)[0]  # decoded with the model's tokenizer; 0 if the reward fails
+        return self.task.score(group, tokens).reward  # decoded with the model's tokenizer; 0 if the reward fails
 
 
 if __name__ == "__main__":
