@@ -116,7 +116,9 @@ def test_dora_run_on_a_dataset_evaluates_held_out_rows_during_the_run_and_before
     rundir = the_run(tmp_path)
     rows = [json.loads(x) for x in (rundir / "eval.jsonl").read_text().splitlines()]
     by_workers = [r for r in rows if r.get("by") != "dora run"]
-    assert [r["version"] for r in by_workers][:3] == [0, 2, 4], rows
+    # a round whose version is overtaken before its first rows reach a worker is dropped whole (and logged)
+    versions = [r["version"] for r in by_workers]
+    assert len(versions) >= 2 and set(versions) <= {0, 2, 4, 6} and len(set(versions)) == len(versions), rows
     assert all(r["rows"] == 12 and r["samples"] == 1 and 0 <= r["accuracy"] <= 1 for r in rows)
     assert [r["version"] for r in rows if r.get("by") == "dora run"] == [0, 6]
     assert (rundir / "eval.png").stat().st_size > 10_000
