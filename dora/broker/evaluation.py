@@ -130,6 +130,11 @@ class EvalRounds:
         return gone
 
 
+PLAN_EVERY_S = 0.05
+"""How often the rounds are planned at most: soon after a version's workers are ready, without scanning the rows
+on every turn of a busy broker's loop."""
+
+
 class BrokerEval:
     """The actor's side of the rounds: opens them as versions come out, sends what ``EvalRounds`` plans to the
     ready workers of each round's version (read off the core, never written), and reports closed rounds.
@@ -142,14 +147,17 @@ class BrokerEval:
         self.send = send
         self.report = report
         self.started = False
+        self.next_plan = 0.0
 
     def published(self, version: int, now: float) -> None:
         if self.rounds is not None:
             self.rounds.published(version, now)
 
     def tick(self, now: float) -> None:
-        if self.rounds is None or not self.core.fleet_ready:
+        """Called on every turn of the actor's loop; plans at most every PLAN_EVERY_S while a round is open."""
+        if self.rounds is None or not self.core.fleet_ready or now < self.next_plan:
             return
+        self.next_plan = now + PLAN_EVERY_S
         if not self.started:  # the version the run starts from (0, or a resumed one)
             self.started = True
             self.rounds.published(self.core.ledger.newest, now)
