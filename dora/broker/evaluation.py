@@ -137,7 +137,8 @@ on every turn of a busy broker's loop."""
 
 class BrokerEval:
     """The actor's side of the rounds: opens them as versions come out, sends what ``EvalRounds`` plans to the
-    ready workers of each round's version (read off the core, never written), and reports closed rounds.
+    ready workers of each round's version (read off the core, never written), and reports closed rounds (and
+    dropped ones, as ``{"version": v, "dropped": True}``).
     With no rounds configured every call does nothing."""
 
     def __init__(self, rounds: EvalRounds | None, core: Core, send: Callable[[WorkerId, Any], None],
@@ -161,7 +162,8 @@ class BrokerEval:
         if not self.started:  # the version the run starts from (0, or a resumed one)
             self.started = True
             self.rounds.published(self.core.ledger.newest, now)
-        self.rounds.drop_retired(lambda v: v in self.core.ledger.alive(), now)
+        for version in self.rounds.drop_retired(lambda v: v in self.core.ledger.alive(), now):
+            self.report({"version": version, "dropped": True})
         for worker, msg in self.rounds.plan(now, serving(self.core, self.rounds.rounds)):
             self.send(worker, msg)
 

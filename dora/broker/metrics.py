@@ -88,6 +88,8 @@ class BrokerMetrics:
             registry=r,
         )
         self.train_steps = Counter("dora_train_steps", "Train steps published by the learner", registry=r)
+        self.eval_dropped = Counter("dora_eval_rounds_dropped", "Held-out evaluation rounds dropped (their version "
+                                    "retired with rows left)", registry=r)  # fmt: skip
         self.step_time = Histogram(
             "dora_train_step_seconds", "Seconds between two published versions", buckets=STEP_BUCKETS_S, registry=r
         )
@@ -177,8 +179,13 @@ class BrokerMetrics:
         self.sinks.log(step, flatten(values, prefix))
 
     def eval_round(self, result: dict[str, Any]) -> None:
-        """A held-out evaluation round of ``result["version"]``: its line, its scalars (``eval/...``), its gauges."""
+        """A held-out evaluation round of ``result["version"]``: its line, its scalars (``eval/...``), its gauges;
+        or a round dropped (its version retired with rows left): counted and put on the timeline."""
         version = int(result["version"])
+        if result.get("dropped"):
+            self.eval_dropped.inc()
+            self.record("eval_round_dropped", version=version)
+            return
         self.held_out = {k: float(v) for k, v in result.items() if k != "version"}
         log.info("eval_round", **result)
         if self.evals is not None:

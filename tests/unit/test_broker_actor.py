@@ -16,6 +16,7 @@ import zmq
 import zmq.asyncio
 
 from dora.broker.actor import BrokerActor
+from dora.broker.evaluation import EvalRounds
 from dora.broker.main import open_router
 from dora.config import load
 from dora.config.run import RunConfig
@@ -78,7 +79,8 @@ def finished(gen: m.Generate, index: int, epoch: int) -> m.SampleFinished:
 
 
 @asynccontextmanager
-async def running_broker(*overrides: str) -> AsyncIterator[tuple[BrokerActor, str, zmq.asyncio.Context]]:
+async def running_broker(*overrides: str, evals: EvalRounds | None = None
+                         ) -> AsyncIterator[tuple[BrokerActor, str, zmq.asyncio.Context]]:  # fmt: skip
     cfg = load(RunConfig, overrides=[f"broker.bind=inproc://broker-{uuid.uuid4().hex}", "broker.strict=true",
                                      "broker.heartbeat_interval_s=0.05", "broker.liveness=40", "broker.tick_s=0.05",
                                      "core.mode=dora",
@@ -86,7 +88,8 @@ async def running_broker(*overrides: str) -> AsyncIterator[tuple[BrokerActor, st
                                      "core.total_steps=100", *overrides])  # fmt: skip
     ctx = zmq.asyncio.Context()
     sock, endpoint = open_router(ctx, cfg)
-    actor = BrokerActor(cfg, sock, Core(cfg.core, strict=True), lambda g: np.arange(3, dtype=np.int32) + g, epoch=7)
+    actor = BrokerActor(cfg, sock, Core(cfg.core, strict=True), lambda g: np.arange(3, dtype=np.int32) + g, epoch=7,
+                        evals=evals)  # fmt: skip
     stop = asyncio.Event()
     task = asyncio.create_task(actor.run(stop))
     try:

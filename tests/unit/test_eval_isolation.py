@@ -84,8 +84,9 @@ def test_evaluation_rounds_change_no_training_decision(mode, k, seed, workers, a
     beside = drive(cfg, seed, 4, workers, evaluate=True, answer_seed=answer_seed)
     assert alone[0] == beside[0]  # every event and every action, in order
     assert alone[1:4] == beside[1:4]
-    assert alone[4] == [] and beside[4] and all(r["rows"] == ROWS for r in beside[4])  # rounds did close
-    assert len({r["version"] for r in beside[4]}) == len(beside[4])  # each version at most once
+    closed = [r for r in beside[4] if not r.get("dropped")]
+    assert alone[4] == [] and closed and all(r["rows"] == ROWS for r in closed)  # rounds did close, whole
+    assert len({r["version"] for r in beside[4]}) == len(beside[4])  # each version closed or dropped at most once
 
 
 def test_the_isolation_check_sees_a_difference_when_there_is_one():
@@ -125,3 +126,44 @@ def test_answers_of_another_size_are_refused():
     [(_, msg), *_] = r.plan(0.0, {0: [WorkerId("a")]})
     odd = m.EvalFinished(version=0, round=0, row=msg.row, rewards=np.ones(3, np.float32), lengths=np.ones(3, np.int32))
     assert r.finished(odd) is None and msg.row not in r.rounds[0].results
+
+
+async def test_a_live_broker_sends_a_round_to_its_worker_and_records_the_answers(tmp_path):
+    """The actor's side: the round for version 0 goes out once the worker is ready, beside its leases and
+    without taking any of its slots; the answers close the round into the eval file and the gauge."""
+    import asyncio
+    import json
+
+    from tests.unit.test_broker_actor import Fake, G, running_broker
+
+    path = tmp_path / "eval.jsonl"
+    async with running_broker(f"broker.eval_file={path}", evals=rounds(every=5, samples=1)) as (actor, ep, ctx):
+        w = Fake(ctx, ep, "rollout/a/1")
+        await w.worker(slots=2 * G)
+        asks = [await w.recv(m.Evaluate) for _ in range(ROWS)]
+        assert sorted(a.row for a in asks) == list(range(ROWS)) and {a.version for a in asks} == {0}
+        assert actor.snapshot()["workers"]["rollout/a/1"]["used"] == 2 * G  # its leases alone fill its slots
+        for a in asks:
+            await w.send(answer(a, 1 if a.row < 2 else 0))
+        for _ in range(100):
+            if path.exists() and path.read_text():
+                break
+            await asyncio.sleep(0.02)
+        [line] = [json.loads(x) for x in path.read_text().splitlines()]
+        assert line["version"] == line["step"] == 0 and line["rows"] == ROWS and line["accuracy"] == 2 / ROWS
+        assert actor.metrics.held_out["accuracy"] == 2 / ROWS
+
+
+async def test_a_dropped_round_is_counted_and_on_the_timeline_never_in_the_eval_file(tmp_path):
+    import json
+
+    from tests.unit.test_broker_actor import running_broker
+
+    files = f"broker.eval_file={tmp_path / 'eval.jsonl'}", f"broker.timeline_file={tmp_path / 'timeline.jsonl'}"
+    async with running_broker(*files, evals=rounds(every=1)) as (actor, _, _):
+        actor.metrics.eval_round({"version": 3, "dropped": True})
+        assert actor.metrics.registry.get_sample_value("dora_eval_rounds_dropped_total") == 1.0
+    events = [json.loads(x) for x in (tmp_path / "timeline.jsonl").read_text().splitlines()]
+    assert {"event": "eval_round_dropped", "version": 3} in [{k: e[k] for k in ("event", "version") if k in e}
+                                                             for e in events]  # fmt: skip
+    assert (tmp_path / "eval.jsonl").read_text() == ""
