@@ -17,7 +17,6 @@ from typing import Any
 
 from dora.tasks.heldout import summarize
 from dora.tasks.prompts import TaskRun
-from dora.tasks.rewards import score
 
 
 def evaluate(engine: Any, task: TaskRun, *, samples: int = 1, temperature: float = 0.0, max_tokens: int = 32,
@@ -41,8 +40,7 @@ def evaluate(engine: Any, task: TaskRun, *, samples: int = 1, temperature: float
     for r in rows:
         scores = []
         for seq in sorted(done[r.index], key=lambda s: s.index):
-            text = task.tokenizer.decode(list(seq.tokens), skip_special_tokens=True)
-            scored = score(task.reward, text, task.row_item(r.index), timeout_s=task.timeout_s)
+            scored = task.score_row(r.index, seq.tokens)
             failed += bool(scored.reason)
             scores.append(scored.reward)
         per_row.append(scores)

@@ -85,8 +85,15 @@ class TaskRun:
         return np.array(self.tokenizer.encode(self.item(group).prompt).ids, dtype=np.int32)
 
     def score(self, group: int, tokens: list[int]) -> rewards.Scored:
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        return rewards.score(self.reward, text, self.item(group), timeout_s=self.timeout_s)
+        return self._score(self.item(group), tokens)
+
+    def score_row(self, row: int, tokens: list[int]) -> rewards.Scored:
+        """A completion of dataset row ``row`` (held-out evaluation reads rows in file order, outside epochs)."""
+        return self._score(self.row_item(row), tokens)
+
+    def _score(self, item: tasks.Item, tokens: list[int]) -> rewards.Scored:
+        text = self.tokenizer.decode(list(tokens), skip_special_tokens=True)
+        return rewards.score(self.reward, text, item, timeout_s=self.timeout_s)
 
 
 def prompt_source(cfg) -> tuple[Callable[[int], np.ndarray], dict[str, Any]]:  # cfg: RunConfig

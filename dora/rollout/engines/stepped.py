@@ -18,7 +18,6 @@ import numpy as np
 
 from dora.ids import Finish
 from dora.tasks.prompts import TaskRun
-from dora.tasks.rewards import score
 from dora.wire import messages as m
 
 
@@ -122,10 +121,8 @@ class StepWorkerEngine:
             return
         del self.eval_open[key]
         assert self.held_out is not None
-        task, item = self.held_out, self.held_out.row_item(msg.row)
         samples.sort(key=lambda s: s.index)
-        texts = [task.tokenizer.decode(s.tokens, skip_special_tokens=True) for s in samples]
-        scored = [score(task.reward, text, item, timeout_s=task.timeout_s) for text in texts]
+        scored = [self.held_out.score_row(msg.row, s.tokens) for s in samples]
         self.evaluated.append(m.EvalFinished(
             version=msg.version, round=msg.round, row=msg.row,
             rewards=np.array([x.reward for x in scored], dtype=np.float32),
