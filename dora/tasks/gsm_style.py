@@ -1,10 +1,21 @@
-"""The example dataset: short arithmetic questions in GSM8K's layout, generated here, never downloaded.
+"""The example dataset: short multi-step arithmetic in GSM8K's layout, generated here, never downloaded.
 
-Each row is ``{"question": "What is 47 + 38?", "answer": "47 + 38 = 85\\n#### 85"}``: the reasoning, then
-``#### `` and the final number, as GSM8K writes it, so the same config, rewards and evaluation work on
-GSM8K itself. Sums and differences of two numbers below 100. Train and test rows are disjoint (no
-question of the test split is in the train split), so accuracy on the test split is held out.
+A question chains four one-digit numbers, ``{"question": "What is 8 + 6 + 5 - 2?", ...}``; the running
+total never goes below zero. Answers come in the two styles found in real SFT mixtures, drawn half and
+half (seeded) for the train rows:
 
+- worked: one line per step, then ``#### `` and the result, as GSM8K writes it:
+  ``"8 + 6 = 14\\n14 + 5 = 19\\n19 - 2 = 17\\n#### 17"``;
+- terse: the result alone, ``"#### 17"``.
+
+Test rows carry the worked answer; scoring reads only the number after ``####``, so the style a model
+answers in does not matter to the metric, only whether the number is right. A tiny model fine-tuned on
+this mixture imitates both styles, and it is right far more often when it writes the steps out (it
+cannot add four numbers in one token). That is the gap reinforcement learning is for: GRPO rewards the
+correct answers, which are mostly worked ones, so the policy moves to showing its steps and held-out
+exact match rises (README, "Training on your own data").
+
+Train and test questions are disjoint, so accuracy on the test split is held out.
 ``python -m dora.tasks.gsm_style DIR`` writes ``DIR/train.jsonl`` and ``DIR/test.jsonl``
 (examples/data/arithmetic holds them, made by that command).
 """
@@ -18,23 +29,51 @@ import pathlib
 import numpy as np
 
 TRAIN_ROWS = 2000
-TEST_ROWS = 200
+TEST_ROWS = 500
+NUMBERS = 4
+WORKED_SHARE = 0.5
+"""Share of the train rows whose answer shows its steps (the rest give the result alone)."""
 
 
-def question(a: int, op: str, b: int) -> dict[str, str]:
-    value = a + b if op == "+" else a - b
-    return {"question": f"What is {a} {op} {b}?", "answer": f"{a} {op} {b} = {value}\n#### {value}"}
+def chain(numbers: list[int], ops: list[str]) -> list[tuple[int, str, int, int]]:
+    """The steps of ``numbers[0] ops[0] numbers[1] ...`` from left to right: (total, op, number, new total)."""
+    steps, total = [], numbers[0]
+    for op, n in zip(ops, numbers[1:], strict=True):
+        new = total + n if op == "+" else total - n
+        steps.append((total, op, n, new))
+        total = new
+    return steps
+
+
+def row(numbers: list[int], ops: list[str], *, worked: bool) -> dict[str, str]:
+    steps = chain(numbers, ops)
+    question = f"What is {numbers[0]}" + "".join(f" {op} {n}" for op, n in zip(ops, numbers[1:], strict=True)) + "?"
+    result = f"#### {steps[-1][3]}"
+    lines = [f"{a} {op} {b} = {c}" for a, op, b, c in steps] if worked else []
+    return {"question": question, "answer": "\n".join([*lines, result])}
 
 
 def splits(seed: int = 0, train: int = TRAIN_ROWS, test: int = TEST_ROWS) -> dict[str, list[dict[str, str]]]:
     """Disjoint train and test rows, a pure function of the seed."""
     rng = np.random.default_rng(seed)
-    pool = [(a, op, b) for a in range(100) for b in range(100) for op in "+-" if op == "+" or a >= b]
-    if train + test > len(pool):
-        raise ValueError(f"at most {len(pool)} distinct questions")
-    order = rng.permutation(len(pool))
-    chosen = [pool[i] for i in order[: train + test]]
-    return {"train": [question(*q) for q in chosen[:train]], "test": [question(*q) for q in chosen[train:]]}
+    seen: set[tuple[tuple[int, ...], tuple[str, ...]]] = set()
+    questions: list[tuple[list[int], list[str]]] = []
+    while len(questions) < train + test:
+        numbers = [int(x) for x in rng.integers(0, 10, NUMBERS)]
+        ops, total = [], numbers[0]
+        for n in numbers[1:]:
+            op = "-" if total >= n and rng.random() < 0.5 else "+"
+            total = total + n if op == "+" else total - n
+            ops.append(op)
+        key = (tuple(numbers), tuple(ops))
+        if key not in seen:
+            seen.add(key)
+            questions.append((numbers, ops))
+    worked = rng.random(train) < WORKED_SHARE
+    return {
+        "train": [row(*q, worked=bool(w)) for q, w in zip(questions[:train], worked, strict=True)],
+        "test": [row(*q, worked=True) for q in questions[train:]],
+    }
 
 
 def write(out: str | pathlib.Path, seed: int = 0) -> dict[str, pathlib.Path]:
@@ -49,7 +88,8 @@ def write(out: str | pathlib.Path, seed: int = 0) -> dict[str, pathlib.Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dora.tasks.gsm_style", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m dora.tasks.gsm_style", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("out", help="folder for train.jsonl and test.jsonl")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
