@@ -123,3 +123,20 @@ def test_dora_run_on_a_dataset_evaluates_held_out_rows_during_the_run_and_before
     assert [r["version"] for r in rows if r.get("by") == "dora run"] == [0, 6]
     assert (rundir / "eval.png").stat().st_size > 10_000
     assert "invariants hold" in out
+
+
+def test_the_readme_first_command_in_miniature_warm_start_then_rl_on_the_example_config(tmp_path, tiny_model):
+    """examples/arithmetic.toml as the README runs it (dora sft, then dora run from its model folder), only
+    shorter: one epoch, four steps, 20 held-out rows; the config, paths and reports stay those of the example."""
+    sft = tmp_path / "sft"
+    r = subprocess.run([sys.executable, "-m", "dora", "sft", "--config", str(ROOT / "examples/arithmetic.toml"),
+                        "--set", f"sft.model={tiny_model}", "--set", f"sft.out={sft}", "--set", "sft.epochs=1"],
+                       capture_output=True, text=True, timeout=240, cwd=ROOT)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "2000 rows of examples/data/arithmetic/train.jsonl" in r.stderr and (sft / "model.safetensors").is_file()
+    proc = dora_run(tmp_path, "examples/arithmetic.toml", f"rollout.model={sft}", "core.total_steps=4",
+                    "eval.limit=20", "eval.every_steps=2")  # fmt: skip
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out
+    assert "held-out accuracy " in out and "(20 rows of examples/data/arithmetic/test.jsonl, version 0 -> 4)" in out
+    assert "invariants hold" in out, out

@@ -46,7 +46,24 @@ def test_the_shipped_example_is_what_its_generator_writes(tmp_path):
         assert paths[name].read_bytes() == (EXAMPLE / f"{name}.jsonl").read_bytes()
     rows = gsm_style.splits()
     assert {r["question"] for r in rows["train"]}.isdisjoint(r["question"] for r in rows["test"])
-    assert rows["test"][0]["answer"].endswith(f"#### {rows['test'][0]['answer'].split('= ')[1].split()[0]}")
+    assert (len(rows["train"]), len(rows["test"])) == (gsm_style.TRAIN_ROWS, gsm_style.TEST_ROWS)
+    terse = 0
+    for r in rows["train"] + rows["test"]:
+        expr = r["question"].removeprefix("What is ").removesuffix("?")
+        terms = expr.split()
+        assert len(terms) == 2 * gsm_style.NUMBERS - 1 and all(len(t) == 1 for t in terms), r
+        *steps, result = r["answer"].split("\n")
+        assert result == f"#### {eval(expr)}", r  # the question is digits and +/- only
+        running = int(terms[0])
+        for i, line in enumerate(steps):  # a worked answer: each step from the previous total, never below 0
+            op, n = terms[2 * i + 1], int(terms[2 * i + 2])
+            new = running + n if op == "+" else running - n
+            assert line == f"{running} {op} {n} = {new}" and new >= 0, r
+            running = new
+        assert len(steps) in (0, gsm_style.NUMBERS - 1), r
+        terse += not steps
+    assert all("\n" in r["answer"] for r in rows["test"])  # test answers are all worked
+    assert 0.4 < terse / gsm_style.TRAIN_ROWS < 0.6  # about half the train answers give the result alone
 
 
 def test_jsonl_parquet_and_a_save_to_disk_folder_give_the_same_prompts_and_answers(tmp_path, tokenizer_dir):
@@ -97,7 +114,7 @@ cfg = load(RunConfig, overrides=["task.dataset={EXAMPLE / "test.jsonl"}", "task.
                                  "task.chat_template=true", "task.tokenizer={tokenizer_dir}",
                                  "task.reward=dora.tasks.rewards:exact_match"])
 prompts, about = prompt_source(cfg)  # what the broker loads
-assert len(prompts(0)) > 5 and about["kept"] == 200
+assert len(prompts(0)) > 5 and about["kept"] == {gsm_style.TEST_ROWS}
 print("HEAVY", sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "vllm")))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout

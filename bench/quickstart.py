@@ -1,0 +1,110 @@
+"""The README's first command over several seeds: warm start, GRPO, held-out greedy exact match before and after.
+
+    python bench/quickstart.py [--config examples/arithmetic.toml] [--seeds 0 1 2] [--out bench/out/quickstart]
+    python bench/quickstart.py --report bench/out/quickstart/quickstart.json   # print again, run nothing
+
+Per seed, exactly what the README's first command runs, with the seed set everywhere it matters:
+``dora sft --config CFG`` (``sft.seed``: the order of the rows, torch's initial state) writing its own
+model folder, then ``dora run --config CFG`` from it (``run.seed``, ``task.seed``: sampling and the
+order of the prompts). The held-out figures are the ones ``dora run`` itself records in the run's
+``eval.jsonl`` (lines ``"by": "dora run"``): the warm start (version 0) and the final version, greedy, on
+the test rows of ``eval.dataset`` (all of them unless ``eval.limit`` says otherwise).
+
+Printed and written to OUT/quickstart.json: per seed the accuracy before and after and the wall-clock of
+each command; over seeds the mean ± SE (stdev / sqrt(n)) of before, after and the rise, and the rise in
+units of the after-accuracy's seed-to-seed SE.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import subprocess
+import sys
+import time
+from statistics import fmean, stdev
+from typing import Any
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def run(argv: list[str], log: pathlib.Path) -> float:
+    """Run a dora command, its output into ``log``; its wall-clock seconds (a failure raises, naming the log)."""
+    started = time.perf_counter()
+    with open(log, "wb") as f:
+        argv_ = [sys.executable, "-m", "dora", *argv]
+        rc = subprocess.run(argv_, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT).returncode
+    if rc != 0:
+        raise RuntimeError(f"dora {argv[0]} exited {rc}; see {log}")
+    return time.perf_counter() - started
+
+
+def one_seed(cfg: str, seed: int, out: pathlib.Path) -> dict[str, Any]:
+    model, runs = out / f"sft-s{seed}", out / f"runs-s{seed}"
+    sft = ["sft", "--config", cfg, "--set", f"sft.seed={seed}", "--set", f"sft.out={model}"]
+    sft_s = run(sft, out / f"sft-s{seed}.log")
+    sets = [f"rollout.model={model}", f"run.seed={seed}", f"task.seed={seed}", f"run.dir={runs}"]
+    rl_s = run(["run", "--config", cfg, *(a for s in sets for a in ("--set", s))], out / f"run-s{seed}.log")
+    [rundir] = sorted(runs.iterdir())[-1:]
+    lines = [json.loads(x) for x in (rundir / "eval.jsonl").read_text().splitlines()]
+    mine = [x for x in lines if x.get("by") == "dora run"]
+    if len(mine) != 2:
+        raise RuntimeError(f"{rundir / 'eval.jsonl'}: expected dora run's before and after evaluations, got {mine}")
+    before, after = mine
+    return {"seed": seed, "before": before["accuracy"], "after": after["accuracy"], "rows": int(after["rows"]),
+            "final_version": after["version"], "mean_tokens_before": before["mean_tokens"],
+            "mean_tokens_after": after["mean_tokens"], "sft_s": sft_s, "run_s": rl_s, "dir": str(rundir)}  # fmt: skip
+
+
+def mean_se(xs: list[float]) -> tuple[float, float]:
+    return fmean(xs), (stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else float("nan"))
+
+
+def report(seeds: list[dict[str, Any]]) -> dict[str, Any]:
+    print("| seed | before | after | rise | mean tokens before → after | sft s | run s | total s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for s in seeds:
+        print(f"| {s['seed']} | {s['before']:.3f} | {s['after']:.3f} | {s['after'] - s['before']:+.3f} | "
+              f"{s['mean_tokens_before']:.1f} → {s['mean_tokens_after']:.1f} | {s['sft_s']:.0f} | {s['run_s']:.0f} | "
+              f"{s['sft_s'] + s['run_s']:.0f} |")  # fmt: skip
+    (b, b_se), (a, a_se) = mean_se([s["before"] for s in seeds]), mean_se([s["after"] for s in seeds])
+    rise, rise_se = mean_se([s["after"] - s["before"] for s in seeds])
+    summary = {"before": b, "before_se": b_se, "after": a, "after_se": a_se, "rise": rise, "rise_se": rise_se,
+               "rise_in_after_se": rise / a_se if a_se > 0 else float("inf"),
+               "total_s_max": max(s["sft_s"] + s["run_s"] for s in seeds)}  # fmt: skip
+    print(
+        f"\n{len(seeds)} seeds, {seeds[0]['rows']} held-out rows: before {b:.3f} ± {b_se:.3f}, "
+        f"after {a:.3f} ± {a_se:.3f}, rise {rise:+.3f} ± {rise_se:.3f} = {summary['rise_in_after_se']:.1f} x "
+        f"the after-accuracy's seed-to-seed SE; slowest seed {summary['total_s_max']:.0f} s for both commands"
+    )
+    return summary
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="examples/arithmetic.toml")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--out", default=str(ROOT / "bench" / "out" / "quickstart"))
+    p.add_argument("--report", metavar="JSON", help="print the report of an earlier quickstart.json; run nothing")
+    args = p.parse_args(argv)
+    if args.report:
+        report(json.loads(pathlib.Path(args.report).read_text())["seeds"])
+        return 0
+    out = pathlib.Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    seeds = []
+    for seed in args.seeds:
+        seeds.append(one_seed(args.config, seed, out))
+        s = seeds[-1]
+        print(f"seed {seed}: {s['before']:.3f} -> {s['after']:.3f} in {s['sft_s'] + s['run_s']:.0f} s", flush=True)
+    summary = report(seeds)
+    record = {"config": args.config, "summary": summary, "seeds": seeds}
+    (out / "quickstart.json").write_text(json.dumps(record, indent=1))
+    print(f"wrote {out / 'quickstart.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
