@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import pathlib
 
 import pytest
 import torch
@@ -119,6 +120,30 @@ def test_weights_load_in_place_are_verified_and_change_the_output(tiny_model, tm
     (after,) = run(e).values()
     assert after.tokens != before.tokens
     assert weights_file(tiny_model).name == "model.safetensors"
+
+
+def test_weights_that_go_away_before_or_during_the_load_are_refused_not_a_crash(tiny_model, tmp_path, monkeypatch):
+    """The broker may retire a version it told a worker to load once a newer order replaced that one; the
+    worker's engine must refuse it (EngineError: the worker stays on its version) whenever the file goes."""
+    import dora.rollout.engines.torch_engine as torch_engine
+
+    e = engine(tiny_model)
+    path = tmp_path / "v1.safetensors"
+    path.write_bytes(weights_file(tiny_model).read_bytes())
+    good = sha256_file(path)
+    with pytest.raises(EngineError, match=r"v2: cannot read .*v2\.safetensors"):
+        e.load_weights(2, tmp_path / "v2.safetensors", good)
+    hashed = torch_engine.sha256_file
+
+    def hash_then_retire(p):  # the file is deleted between its sha256 check and the read of its tensors
+        digest = hashed(p)
+        pathlib.Path(p).unlink()
+        return digest
+
+    monkeypatch.setattr(torch_engine, "sha256_file", hash_then_retire)
+    with pytest.raises(EngineError, match="v1: cannot read"):
+        e.load_weights(1, path, good)
+    assert e.version == 0 and not path.exists()
 
 
 def test_top_p_samples_only_from_the_nucleus(tiny_model):

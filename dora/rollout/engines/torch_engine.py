@@ -52,6 +52,22 @@ def weights_file(path: str | pathlib.Path) -> pathlib.Path:
     return p / "model.safetensors" if p.is_dir() else p
 
 
+def read_weights(version: int, path: str | pathlib.Path, sha256: str | None, device: str = "cpu") -> dict[str, Any]:
+    """A published version's tensors, its sha256 checked first. Every way the read can fail is an EngineError
+    (the worker stays on its version and lets the broker re-plan), a file that goes away mid-read included:
+    the broker may retire a version it told this worker to load, once a newer assignment has replaced that
+    order, and the newer one is then already on its way."""
+    from safetensors.torch import load_file
+
+    file = weights_file(path)
+    try:
+        if sha256 is not None and (got := sha256_file(file)) != sha256:
+            raise EngineError(f"v{version} at {file}: sha256 {got[:12]}… does not match the published {sha256[:12]}…")
+        return load_file(str(file), device=device)
+    except OSError as e:
+        raise EngineError(f"v{version}: cannot read {file}: {e.strerror or e}") from None
+
+
 class TorchEngine:
     name = "torch"
 
@@ -79,14 +95,7 @@ class TorchEngine:
         """Load a published version in place. Refused while requests run or when the bytes do not match."""
         if self.running or self.waiting:
             raise EngineError(f"cannot load v{version}: {len(self.running) + len(self.waiting)} requests are running")
-        file = weights_file(path)
-        if not file.is_file():
-            raise EngineError(f"no weights at {file}")
-        if sha256 is not None and (got := sha256_file(file)) != sha256:
-            raise EngineError(f"v{version} at {file}: sha256 {got[:12]}… does not match the published {sha256[:12]}…")
-        from safetensors.torch import load_file
-
-        state = load_file(str(file), device=str(self.device))
+        state = read_weights(version, path, sha256, device=str(self.device))
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         if unexpected or [k for k in missing if "rotary" not in k]:
             raise EngineError(f"v{version} does not fit the model: missing {missing[:3]}, extra {unexpected[:3]}")

@@ -31,8 +31,7 @@ import numpy as np
 
 from dora.ids import Finish
 from dora.rollout.engines.base import EngineError, Sample
-from dora.rollout.engines.torch_engine import hash_seed, weights_file
-from dora.store import sha256_file
+from dora.rollout.engines.torch_engine import hash_seed, read_weights
 
 
 @dataclass(slots=True, kw_only=True)
@@ -70,14 +69,7 @@ class VllmEngine:
     def load_weights(self, version: int, path: str | pathlib.Path, sha256: str | None) -> None:
         if self.requests:
             raise EngineError(f"cannot load v{version}: {len(self.requests)} requests are running")
-        file = weights_file(path)
-        if not file.is_file():
-            raise EngineError(f"no weights at {file}")
-        if sha256 is not None and (got := sha256_file(file)) != sha256:
-            raise EngineError(f"v{version} at {file}: sha256 {got[:12]}… does not match the published {sha256[:12]}…")
-        from safetensors.torch import load_file
-
-        state = load_file(str(file))
+        state = read_weights(version, path, sha256)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state.items())})
         self.llm.reset_prefix_cache()
         self.version = version
