@@ -1,46 +1,63 @@
-"""Convergence parity: sync vs dora K=1 vs dora K=3 on the quickstart task, with TRL's GRPOTrainer beside them.
+"""Convergence to held-out accuracy: sync vs dora K=1 vs dora K=3, with TRL's GRPOTrainer beside them.
 
-    python bench/convergence.py [--config examples/quickstart.toml] [--steps 200] [--seeds 0 1 2]
-                                [--no-trl | --trl-python PATH] [--out bench/out/convergence]
+    python bench/convergence.py [--config examples/arithmetic.toml] [--steps 150] [--seeds 0 1 2]
+                                [--eval-every 10] [--eval-limit 200] [--no-trl | --trl-python PATH]
+                                [--threads N] [--fresh-warm-start] [--out bench/out/convergence]
     python bench/convergence.py --report bench/out/convergence/convergence.json   # print again, run nothing
 
-Every run is a real `dora run` (broker, torch rollout workers, torch GRPO learner) on the same tiny
-model, task, seed, batch shape and number of steps; only ``core.mode`` and ``core.max_staleness``
-differ. TRL's GRPOTrainer (`bench/trl_peer.py`) runs the same model, prompts, reward, group size,
-prompts per step, completion length and optimizer settings. Runs are interleaved seed by seed, so
-machine noise falls on every variant alike.
+**Warm start.** Once per bench, `dora sft --config CFG --set sft.out=OUT/warm` (kept while OUT/warm/config.json
+exists; ``--fresh-warm-start`` rebuilds it). Every variant and TRL start from OUT/warm; its accuracy on every
+held-out row is the "before" figure.
 
-Clocks start when the fleet is ready (dora: the broker's ``fleet_ready``; TRL: ``on_train_begin``),
-so process start-up and model loading are left out of both.
+**Runs.** Every dora variant is a real `dora run` (broker, torch rollout workers, torch GRPO learner) from the
+warm start, with the config's data, reward, batch shape and ``--steps``; only ``core.mode`` and
+``core.max_staleness`` differ, and ``run.seed`` = ``task.seed`` = the seed. TRL's GRPOTrainer
+(`bench/trl_peer.py`) reads the same resolved config: same model, rows in the same order, same reward, group
+size, prompts per step, completion length, temperature and optimizer. Runs are interleaved seed by seed, so
+machine noise falls on every variant alike. Threads: `dora run` shares the machine's cores among its
+processes (``run.threads`` = 0: cores // processes each); TRL's one process gets ``--threads`` torch threads
+(default: every core).
 
-Printed and written to OUT/convergence.json, with OUT/convergence.png (reward per step and per
-second, mean over seeds with a ±1 SE band):
-- final reward: mean over the last 20% of steps, per seed; mean ± SE over seeds. Parity holds when a
-  variant's final reward is within 2 SE of sync's (SE of the difference of the two means);
-- seconds per step and tokens/s (sampled completion tokens trained per second);
-- time to 50%, 90% and 99% of sync's final reward: the first time the variant's trailing mean reward
-  (window: 5% of the steps) gets there, mean over seeds. The 99% time is set against sync's whole
-  wall-clock (target for dora K=3: <= 1/1.5) and against sync's own time to 99% (the fairer figure:
-  it does not grow with the number of steps run after the plateau);
-- dora tokens/s over TRL's (target >= 2).
+**Accuracy.** Greedy exact match on [eval]'s held-out rows, scored by the configured reward.
+- The curve: dora's evaluation rounds (``eval.every_steps`` = ``--eval-every``, ``eval.limit`` =
+  ``--eval-limit`` rows, run by the rollout workers on exactly that version, recorded in the run's
+  ``eval.jsonl``) plus `dora run`'s own before/after evaluations of version 0 and the last version (which
+  honour ``eval.limit`` too, so they are on the same rows). Version v's accuracy is placed at v's publish time
+  (its ``train_step`` line in broker.log), in seconds since the broker's ``fleet_ready``. TRL is evaluated by
+  dora's evaluator on the same rows at the same steps, with its clock stopped meanwhile (``on_train_begin``
+  is its zero). dora's rounds run on the rollout workers beside training, so their cost stays on dora's clock.
+- The final accuracy: the last version on EVERY held-out row. `dora run`'s after-evaluation honours
+  ``eval.limit``, so the bench evaluates the last published version itself, after the run, with
+  ``dora.ops.evaluate.evaluate_model`` (what `dora eval --store --version` runs) on the run's resolved config
+  (``run.toml``) with ``eval.limit`` unset.
+
+Printed and written to OUT/convergence.json, with OUT/convergence.png (accuracy against seconds, reward
+against steps; mean over seeds ± SE), the figures of ``bench/convergence_summary.py``: final accuracy ± SE,
+parity with sync (within 2 SE of the difference), time to sync's final accuracy and its ratio to sync's own,
+s/step, tokens/s. Targets: dora K=1 and K=3 at parity; dora reaches sync's final accuracy in <= 0.67 of
+sync's time to it; dora's tokens/s >= 1.5x TRL's.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
-import math
+import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import time
 from datetime import datetime
-from statistics import fmean, stdev
 from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from convergence_summary import plot, summarize  # noqa: E402
 
 from dora.config import ConfigError, load  # noqa: E402
 from dora.config.run import RunConfig  # noqa: E402
@@ -52,148 +69,119 @@ def ts(rec: dict[str, Any]) -> float:
     return datetime.fromisoformat(rec["timestamp"].replace("Z", "+00:00")).timestamp()
 
 
-def dora_run(cfg_path: str, variant: str, seed: int, steps: int, out: pathlib.Path) -> dict[str, Any]:
+def run_logged(argv: list[str], log: pathlib.Path, what: str) -> None:
+    with open(log, "wb") as f:
+        rc = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT).returncode
+    if rc != 0:
+        raise RuntimeError(f"{what} exited {rc}; see {log}")
+
+
+def all_rows(cfg: RunConfig, model: str, store: str | None = None, version: int | None = None) -> dict[str, Any]:
+    """A model folder (or a store version in it) on every held-out row, with dora's evaluator."""
+    from dora.ops.evaluate import evaluate_model
+
+    cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, limit=None))
+    return evaluate_model(cfg, model, store, version)
+
+
+def warm_start(args: argparse.Namespace, cfg: RunConfig, out: pathlib.Path) -> dict[str, Any]:
+    """OUT/warm (built by `dora sft` unless it is there) and its accuracy on every held-out row."""
+    warm = out / "warm"
+    if args.fresh_warm_start or not (warm / "config.json").is_file():
+        print(f"convergence: warm start: dora sft into {warm}", flush=True)
+        argv = [sys.executable, "-m", "dora", "sft", "--config", args.config, "--set", f"sft.out={warm}"]
+        run_logged(argv, out / "warm-sft.log", "dora sft")
+    before = all_rows(cfg, str(warm))
+    print(f"convergence: warm start: held-out accuracy {before['accuracy']:.3f} on {int(before['rows'])} rows",
+          flush=True)  # fmt: skip
+    return {"dir": str(warm), **before}
+
+
+def common_sets(args: argparse.Namespace, seed: int, warm: str) -> list[str]:
+    sets = [f"core.total_steps={args.steps}", f"run.seed={seed}", f"task.seed={seed}", f"rollout.model={warm}",
+            f"eval.every_steps={args.eval_every}"]  # fmt: skip
+    return sets + ([f"eval.limit={args.eval_limit}"] if args.eval_limit else [])
+
+
+def dora_run(args: argparse.Namespace, variant: str, seed: int, out: pathlib.Path, warm: str) -> dict[str, Any]:
     mode, k = VARIANTS[variant]
     rundir = out / "runs" / f"{variant}-s{seed}"
-    sets = [f"core.mode={mode}", f"core.max_staleness={k}", f"core.total_steps={steps}", f"run.seed={seed}",
-            f"task.seed={seed}", f"run.dir={rundir}"]  # fmt: skip
-    argv = [sys.executable, "-m", "dora", "run", "--config", cfg_path, *(a for s in sets for a in ("--set", s))]
-    with open(out / f"{variant}-s{seed}.log", "wb") as log:
-        rc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT).returncode
-    if rc != 0:
-        raise RuntimeError(f"{variant} seed {seed}: dora run exited {rc}; see {out / f'{variant}-s{seed}.log'}")
+    shutil.rmtree(rundir, ignore_errors=True)
+    sets = [*common_sets(args, seed, warm), f"core.mode={mode}", f"core.max_staleness={k}", f"run.dir={rundir}"]
+    argv = [sys.executable, "-m", "dora", "run", "--config", args.config, *(a for s in sets for a in ("--set", s))]
+    run_logged(argv, out / f"{variant}-s{seed}.log", f"{variant} seed {seed}: dora run")
     [run] = sorted(rundir.iterdir())
     events = [json.loads(x) for x in (run / "broker.log").read_text().splitlines() if x.startswith("{")]
     t0 = ts(next(e for e in events if e.get("event") == "fleet_ready"))
-    rows = []
+    steps, published = [], {0: 0.0}
     for e in (e for e in events if e.get("event") == "train_step"):
         lr = e["learner"]
-        rows.append({"step": e["step"], "reward_mean": lr["reward_mean"], "tokens": lr["tokens"],
-                     "elapsed_s": ts(e) - t0, "staleness_max": max(int(s) for s in e["staleness"])})  # fmt: skip
-    return {"steps": rows, "dir": str(run)}
+        published[e["version"]] = ts(e) - t0
+        steps.append({"step": e["step"], "version": e["version"], "reward_mean": lr["reward_mean"],
+                      "tokens": lr["tokens"], "elapsed_s": ts(e) - t0,
+                      "staleness_max": max(int(s) for s in e["staleness"])})  # fmt: skip
+    evals: dict[int, dict[str, Any]] = {}
+    for line in (run / "eval.jsonl").read_text().splitlines():  # rounds and dora run's before/after; first wins
+        e = json.loads(line)
+        if e["version"] in published and e["version"] not in evals:
+            v = e["version"]
+            evals[v] = {"version": v, "elapsed_s": published[v], "accuracy": e["accuracy"], "rows": e["rows"],
+                        "by": e.get("by", "round")}  # fmt: skip
+    last = steps[-1]["version"]
+    cfg = load(RunConfig, path=str(run / "run.toml"))
+    final = all_rows(cfg, cfg.rollout.model, cfg.learner.store, last)
+    return {"steps": steps, "evals": sorted(evals.values(), key=lambda e: e["version"]),
+            "final": {**final, "elapsed_s": published[last]}, "dir": str(run)}  # fmt: skip
 
 
-def trl_run(python: str, cfg: RunConfig, seed: int, steps: int, out: pathlib.Path) -> dict[str, Any]:
+def trl_run(args: argparse.Namespace, python: str, seed: int, out: pathlib.Path, warm: str) -> dict[str, Any]:
     path = out / f"trl-s{seed}.json"
-    model = cfg.rollout.model or "runs/tiny-model"
-    if not (ROOT / model / "config.json").is_file() and not pathlib.Path(model, "config.json").is_file():
-        from dora.tasks.model import build_model
-
-        build_model(model)
-    argv = [python, str(ROOT / "bench" / "trl_peer.py"), "--model", model, "--steps", str(steps), "--seed", str(seed),
-            "--groups", str(cfg.core.train_groups), "--group-size", str(cfg.core.group_size),
-            "--max-tokens", str(cfg.run.max_tokens), "--temperature", str(cfg.run.temperature),
-            "--lr", str(cfg.learner.lr), "--micro-batch", str(cfg.learner.micro_batch), "--task", cfg.task.name,
-            "--out", str(path), *(["--reward", cfg.task.reward] if cfg.task.reward else [])]  # fmt: skip
-    with open(out / f"trl-s{seed}.log", "wb") as log:
-        rc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT).returncode
-    if rc != 0:
-        raise RuntimeError(f"TRL seed {seed} exited {rc}; see {out / f'trl-s{seed}.log'}")
-    return json.loads(path.read_text())
-
-
-def trailing(xs: list[float], window: int) -> list[float]:
-    return [fmean(xs[max(0, i + 1 - window) : i + 1]) for i in range(len(xs))]
-
-
-def mean_se(xs: list[float]) -> tuple[float, float]:
-    return fmean(xs), (stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else float("nan"))
-
-
-LEVELS = (0.5, 0.9, 0.99)
-"""Time-to-reward levels, as fractions of sync's final reward."""
-
-
-def summarize(runs: dict[str, list[dict[str, Any]]], steps: int) -> dict[str, Any]:
-    tail = max(1, steps // 5)
-    window = max(1, steps // 20)
-    out: dict[str, Any] = {}
-    for name, seeds in runs.items():
-        finals = [fmean(r["reward_mean"] for r in run["steps"][-tail:]) for run in seeds]
-        walls = [run["steps"][-1]["elapsed_s"] for run in seeds]
-        tokens = [sum(r["tokens"] for r in run["steps"]) for run in seeds]
-        final, se = mean_se(finals)
-        out[name] = {
-            "final_reward": final,
-            "final_reward_se": se,
-            "final_reward_per_seed": finals,
-            "wall_s": fmean(walls),
-            "s_per_step": fmean(w / len(run["steps"]) for w, run in zip(walls, seeds, strict=True)),
-            "tokens_per_s": fmean(t / w for t, w in zip(tokens, walls, strict=True)),
-            "max_staleness": max((r.get("staleness_max", 0) for run in seeds for r in run["steps"]), default=0),
-        }
-    sync = out["sync"]
-    for name, seeds in runs.items():
-        s = out[name]
-        diff_se = math.sqrt(sync["final_reward_se"] ** 2 + s["final_reward_se"] ** 2)
-        s["parity"] = abs(s["final_reward"] - sync["final_reward"]) <= 2 * diff_se
-        s["diff_se"] = diff_se
-        s["time_to_level_s"] = {}
-        for level in LEVELS:
-            reach = []
-            for run in seeds:  # the first time the trailing mean reward gets to the level
-                smooth = trailing([r["reward_mean"] for r in run["steps"]], window)
-                target = level * sync["final_reward"]
-                reach.append(next((r["elapsed_s"] for r, v in zip(run["steps"], smooth, strict=True) if v >= target),
-                                  None))  # fmt: skip
-            s["time_to_level_s"][str(level)] = None if None in reach else fmean(reach)
-    return out
-
-
-def plot(runs: dict[str, list[dict[str, Any]]], path: pathlib.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, seeds in runs.items():
-        n = min(len(run["steps"]) for run in seeds)
-        curves = [[r["reward_mean"] for r in run["steps"][:n]] for run in seeds]
-        window = max(1, n // 20)
-        mean = trailing([fmean(c[i] for c in curves) for i in range(n)], window)
-        se = trailing([stdev(c[i] for c in curves) / math.sqrt(len(curves)) if len(curves) > 1 else 0.0
-                       for i in range(n)], window)  # fmt: skip
-        x = list(range(n))
-        secs = [fmean(run["steps"][i]["elapsed_s"] for run in seeds) for i in range(n)]
-        for ax, xs in ((a, x), (b, secs)):
-            ax.plot(xs, mean, label=f"{name} ({len(seeds)} seeds)")
-            ax.fill_between(xs, [m - e for m, e in zip(mean, se, strict=True)],
-                            [m + e for m, e in zip(mean, se, strict=True)], alpha=0.2)  # fmt: skip
-    a.set_xlabel("train step")
-    b.set_xlabel("seconds since the fleet was ready")
-    for ax in (a, b):
-        ax.set_ylabel(f"mean reward (trailing mean of {max(1, n // 20)} steps)")
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    sets = common_sets(args, seed, warm)
+    argv = [python, str(ROOT / "bench" / "trl_peer.py"), "--config", args.config,
+            *(a for s in sets for a in ("--set", s)), "--steps", str(args.steps), "--seed", str(seed),
+            "--eval-every", str(args.eval_every), "--eval-limit", str(args.eval_limit), "--threads", str(args.threads),
+            "--out", str(path)]  # fmt: skip
+    run_logged(argv, out / f"trl-s{seed}.log", f"TRL seed {seed}")
+    got = json.loads(path.read_text())
+    got["evals"] = [{"version": e.pop("step"), **e} for e in got["evals"]]
+    got["final"]["version"] = got["final"].pop("step")
+    return got
 
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=str(ROOT / "examples" / "quickstart.toml"))
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--config", default=str(ROOT / "examples" / "arithmetic.toml"))
+    p.add_argument("--steps", type=int, help="train steps per run (default: the config's core.total_steps)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--eval-every", type=int, default=10, help="versions between held-out evaluation rounds")
+    p.add_argument("--eval-limit", type=int, default=200, help="held-out rows per round (0: all); final: all rows")
     p.add_argument("--no-trl", action="store_true", help="leave out the TRL GRPOTrainer peer")
     p.add_argument("--trl-python", help="a Python with trl installed (default: this one)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="TRL's torch threads (default: all cores)")
+    p.add_argument("--fresh-warm-start", action="store_true", help="rebuild OUT/warm even if it is there")
     p.add_argument("--out", default=str(ROOT / "bench" / "out" / "convergence"))
     p.add_argument("--report", metavar="JSON", help="print the report of an earlier convergence.json; run nothing")
     args = p.parse_args(argv)
     if args.report:
-        runs = json.loads(pathlib.Path(args.report).read_text())["runs"]
-        steps = len(runs["sync"][0]["steps"])
-        report(summarize(runs, steps), steps, len(runs["sync"]))
+        saved = json.loads(pathlib.Path(args.report).read_text())
+        report(summarize(saved["runs"]), saved["settings"], saved["warm_start"])
         return 0
     if "sync" not in args.variants:
         p.error("--variants must include sync (everything is measured against it)")
+    if args.eval_every < 1 or args.eval_limit < 0:
+        p.error("--eval-every must be >= 1 and --eval-limit >= 0")
+    args.config = str(pathlib.Path(args.config).resolve())
+    out = pathlib.Path(args.out).resolve()
+    os.chdir(ROOT)  # the config's relative paths are the repository's, as for every process the runs start
     try:
         cfg = load(RunConfig, path=args.config)
+        if cfg.eval.dataset is None:
+            raise ConfigError("the config has no eval.dataset (held-out rows)")
     except ConfigError as e:
         print(f"convergence: {e}", file=sys.stderr)
         return 2
+    args.steps = args.steps or cfg.core.total_steps
     trl_python = None
     if not args.no_trl:
         trl_python = args.trl_python or sys.executable
@@ -201,60 +189,72 @@ def main(argv: list[str]) -> int:
             print("convergence: trl is not installed here: `pip install -e '.[peers]'`, pass --trl-python, or "
                   "--no-trl", file=sys.stderr)  # fmt: skip
             return 2
-    out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    runs: dict[str, list[dict[str, Any]]] = {v: [] for v in args.variants}
-    if trl_python:
-        runs["trl"] = []
+    settings = {"config": args.config, "steps": args.steps, "seeds": args.seeds, "eval_every": args.eval_every,
+                "eval_limit": args.eval_limit, "trl_threads": args.threads, "cores": os.cpu_count(),
+                "workers": cfg.run.workers, "run_threads": cfg.run.threads}  # fmt: skip
+    warm = warm_start(args, cfg, out)
+    runs: dict[str, list[dict[str, Any]]] = {v: [] for v in args.variants} | ({"trl": []} if trl_python else {})
     started = time.monotonic()
     for seed in args.seeds:
-        for variant in args.variants:
-            runs[variant].append(dora_run(args.config, variant, seed, args.steps, out))
-            print(f"[{time.monotonic() - started:6.0f} s] {variant} seed {seed}: {runs[variant][-1]['steps'][-1]}",
+        for variant in runs:
+            if variant == "trl":
+                runs["trl"].append(trl_run(args, trl_python, seed, out, warm["dir"]))
+            else:
+                runs[variant].append(dora_run(args, variant, seed, out, warm["dir"]))
+            r = runs[variant][-1]
+            print(f"[{time.monotonic() - started:6.0f} s] {variant} seed {seed}: {len(r['steps'])} steps in "
+                  f"{r['steps'][-1]['elapsed_s']:.1f} s, final held-out accuracy {r['final']['accuracy']:.3f}",
                   flush=True)  # fmt: skip
-        if trl_python:
-            runs["trl"].append(trl_run(trl_python, cfg, seed, args.steps, out))
-            print(f"[{time.monotonic() - started:6.0f} s] trl seed {seed}: {runs['trl'][-1]['steps'][-1]}", flush=True)
-    summary = summarize(runs, args.steps)
-    report(summary, args.steps, len(args.seeds))
-    (out / "convergence.json").write_text(json.dumps({"summary": summary, "runs": runs}, indent=1))
+    summary = summarize(runs)
+    report(summary, settings, warm)
+    saved = {"settings": settings, "warm_start": warm, "summary": summary, "runs": runs}
+    (out / "convergence.json").write_text(json.dumps(saved, indent=1))
     plot(runs, out / "convergence.png")
     print(f"wrote {out / 'convergence.json'} and {out / 'convergence.png'}")
     return 0
 
 
-def report(summary: dict[str, Any], steps: int, seeds: int) -> None:
-    tail, window = max(1, steps // 5), max(1, steps // 20)
-    print(
-        f"\n{steps} steps x {seeds} seeds; final reward = mean of the last {tail} steps; time to a level = first "
-        f"time the trailing mean of {window} steps reaches that share of sync's final\n"
-    )
-    sync = summary["sync"]
-    levels = " | ".join(f"to {int(100 * x)}%" for x in LEVELS)
-    print(f"| run | final reward (± SE) | parity with sync (±2 SE) | s/step | tokens/s | {levels} | max staleness |")
-    print("|---|---|---|---|---|" + "---|" * len(LEVELS) + "---|")
-    for name, s in summary.items():
-        times = " | ".join("never" if (t := s["time_to_level_s"][str(x)]) is None else f"{t:.1f} s" for x in LEVELS)
-        delta = abs(s["final_reward"] - sync["final_reward"])
-        print(f"| {name} | {s['final_reward']:.4f} ± {s['final_reward_se']:.4f} | "
-              f"{'yes' if s['parity'] else 'NO'} (|Δ| {delta:.4f} vs {2 * s['diff_se']:.4f}) | {s['s_per_step']:.3f} | "
-              f"{s['tokens_per_s']:,.0f} | {times} | {s['max_staleness']} |")  # fmt: skip
+PARITY = {True: "yes", False: "NO", None: "n/a (one seed)"}
+
+
+def seconds(t: float | None) -> str:
+    return "never" if t is None else f"{t:.1f} s"
+
+
+def report(summary: dict[str, Any], settings: dict[str, Any], warm: dict[str, Any]) -> None:
+    v, target = summary["variants"], summary["target_accuracy"]
+    rows = int(summary["target_rows"])
+    print(f"\n{settings['steps']} steps x {len(settings['seeds'])} seed(s) from the warm start (held-out accuracy "
+          f"{warm['accuracy']:.3f} on {int(warm['rows'])} rows); final accuracy = the last version on every "
+          f"held-out row; evaluation every {settings['eval_every']} versions on {rows} rows; time to sync's final "
+          f"accuracy on those rows ({target:.3f}) = first evaluation at or above it, mean over the seeds that "
+          f"reach it. Threads: dora run's {settings['workers']} workers + learner share {settings['cores']} cores "
+          f"(run.threads {settings['run_threads']}), TRL {settings['trl_threads']} torch thread(s).\n")  # fmt: skip
+    sync = v["sync"]
+    print("| run | final accuracy (± SE) | parity with sync (±2 SE) | time to sync's final | ÷ sync's | s/step | "
+          "tokens/s | final reward | max staleness |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, s in v.items():
+        delta = abs(s["final_accuracy"] - sync["final_accuracy"])
+        ratio = "-" if s["time_ratio"] is None else f"{s['time_ratio']:.2f}"
+        print(f"| {name} | {s['final_accuracy']:.3f} ± {s['final_accuracy_se']:.3f} | "
+              f"{PARITY[s['parity']]} (Δ {delta:.3f}, 2 SE {2 * s['diff_se']:.3f}) | "
+              f"{seconds(s['time_to_target_s'])} ({s['reached']}/{s['seeds']}) | {ratio} | {s['s_per_step']:.3f} | "
+              f"{s['tokens_per_s']:,.0f} | {s['final_reward']:.3f} | {s['max_staleness']} |")  # fmt: skip
     print()
-    top = str(LEVELS[-1])
-    for name, s in summary.items():
-        if name == "sync":
-            continue
-        mine, theirs = s["time_to_level_s"][top], sync["time_to_level_s"][top]
-        frac = "-" if mine is None else f"{mine / sync['wall_s']:.2f}"
-        ratio = "-" if None in (mine, theirs) else f"{mine / theirs:.2f}"
-        print(f"{name}: {int(100 * LEVELS[-1])}% of sync's final reward in {frac} of sync's wall-clock"
-              f"{' (target for dora K=3: <= 0.67)' if name == 'dora-k3' else ''}, in {ratio} of the time sync takes to "
-              f"get there; {sync['s_per_step'] / s['s_per_step']:.2f}x sync's steps per second")  # fmt: skip
-    if "trl" in summary:
-        trl = summary["trl"]["tokens_per_s"]
-        for name in (n for n in ("dora-k1", "dora-k3", "sync") if n in summary):
-            ratio = summary[name]["tokens_per_s"] / trl
-            print(f"{name} tokens/s ÷ TRL GRPOTrainer's: {ratio:.2f}x (target for dora: >= 2)")
+    trl = v.get("trl")
+    for name in (n for n in ("dora-k1", "dora-k3") if n in v):
+        s = v[name]
+        ratio = s["time_ratio"]
+        every = s["reached"] == s["seeds"] and sync["reached"] == sync["seeds"]
+        partial = "" if every else " (not every seed got there)"
+        line = (f"{name}: final accuracy within 2 SE of sync's: {PARITY[s['parity']]} (target: yes); "
+                f"sync's final accuracy in {'-' if ratio is None else f'{ratio:.2f}'} of sync's time to it{partial} "
+                f"(target <= 0.67)")  # fmt: skip
+        if trl:
+            line += f"; tokens/s {s['tokens_per_s'] / trl['tokens_per_s']:.2f}x TRL's (target >= 1.5)"
+        print(line)
 
 
 if __name__ == "__main__":
