@@ -15,6 +15,7 @@ import torch
 from dora.config import ConfigError, load
 from dora.config.run import RunConfig, SftSection
 from dora.learner import sft, sft_main
+from dora.tasks import gsm_style
 from dora.tasks.prompts import TaskRun
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -255,10 +256,12 @@ def greedy(model, run: TaskRun, rows: range, max_new_tokens: int = 16) -> list[s
 
 
 def held_out(model, run: TaskRun, rows: range) -> tuple[float, float]:
-    """(exact-match accuracy, share of completions in the answer layout ``a op b = n\\n#### n``)."""
+    """(exact-match accuracy, share of completions in one of the train answers' layouts: the steps
+    ``a op b = n`` a line each, then ``#### n``; or ``#### n`` alone)."""
     texts = greedy(model, run, rows)
     refs = [final_number(run.rows[i].answer) for i in rows]
-    layout = re.compile(r"\d+ [+-] \d+ = -?\d+\n#### -?\d+$")
+    steps = gsm_style.NUMBERS - 1
+    layout = re.compile(rf"(\d+ [+-] \d+ = \d+\n){{{steps}}}#### \d+$|#### \d+$")
     exact = sum(final_number(t) == r for t, r in zip(texts, refs, strict=True))
     return exact / len(texts), sum(bool(layout.match(t)) for t in texts) / len(texts)
 
@@ -277,7 +280,7 @@ def test_one_epoch_teaches_the_answer_layout_on_held_out_prompts(tiny_model):
     sft.train(model, data.items, SftSection(epochs=1, lr=1e-3, batch_size=32), pad_id=sft.eos_id(model))
     after = held_out(model, test, range(50))
     print(f"held-out (50 rows) exact, layout: before {before}, after one epoch {after}")
-    assert before == (0.0, 0.0)
+    assert before[0] <= 0.1 and before[1] == 0.0  # answers are numbers below 40: a random model hits a few
     assert after[1] >= 0.8  # every answer ends in the layout the reward reads, and stops (EOS)
 
 
