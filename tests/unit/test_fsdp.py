@@ -44,6 +44,7 @@ def rank_main(rank: int, world: int, port: int, model: str, store: str, cfg: Tra
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    done = False
     try:
         trainer = TorchTrainer(model, WeightStore(store), LossConfig(), cfg)
         metrics = trainer.train(batch())
@@ -53,8 +54,11 @@ def rank_main(rank: int, world: int, port: int, model: str, store: str, cfg: Tra
             torch.save({"metrics": metrics, "uri": published[0]}, pathlib.Path(store) / "rank0.pt")
         else:
             assert published is None
+        done = True
     finally:
         dist.destroy_process_group()
+    if done:  # skip the interpreter's exit-time destructors: gloo's threads have aborted a rank there whose
+        os._exit(0)  # peer had already gone ("terminate called without an active exception", SIGABRT)
 
 
 def free_port() -> int:
