@@ -19,15 +19,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import pathlib
 import subprocess
 import sys
 import time
-from statistics import fmean, stdev
 from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from convergence_summary import mean_se  # noqa: E402
 
 
 def run(argv: list[str], log: pathlib.Path) -> float:
@@ -56,10 +57,6 @@ def one_seed(cfg: str, seed: int, out: pathlib.Path) -> dict[str, Any]:
     return {"seed": seed, "before": before["accuracy"], "after": after["accuracy"], "rows": int(after["rows"]),
             "final_version": after["version"], "mean_tokens_before": before["mean_tokens"],
             "mean_tokens_after": after["mean_tokens"], "sft_s": sft_s, "run_s": rl_s, "dir": str(rundir)}  # fmt: skip
-
-
-def mean_se(xs: list[float]) -> tuple[float, float]:
-    return fmean(xs), (stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else float("nan"))
 
 
 def report(seeds: list[dict[str, Any]]) -> dict[str, Any]:

@@ -99,8 +99,7 @@ def main(argv: list[str]) -> int:
     except ImportError as e:
         print(f"trl_peer: {e}; install the peer with `pip install -e '.[peers]'`", file=sys.stderr)
         return 2
-    from dora.rollout.engines.torch_engine import TorchEngine
-    from dora.rollout.evaluate import evaluate
+    from dora.ops.evaluate import eval_engine, evaluate_on
     from dora.tasks.prompts import TaskRun, eval_task
 
     try:
@@ -127,10 +126,8 @@ def main(argv: list[str]) -> int:
     def reward(completions: list[str], completion_ids: list[list[int]], group: list[int], **_: Any) -> list[float]:
         return [task.score(g, ids).reward for g, ids in zip(group, completion_ids, strict=True)]
 
-    ev, limit, batch = cfg.eval, args.eval_limit or None, grpo.generation_batch_size
-    # the evaluation engine, as dora.ops.evaluate.evaluate_model builds it
-    engine = TorchEngine(model_dir, max_slots=cfg.rollout.slots or cfg.engine.max_slots, device=cfg.rollout.device,
-                         dtype=cfg.rollout.dtype, version=0)  # fmt: skip
+    limit, batch = args.eval_limit or None, grpo.generation_batch_size
+    engine = eval_engine(cfg, model_dir)  # the one `dora eval` and dora run's before/after evaluations use
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     rows: list[dict[str, float]] = []
     evals: list[dict[str, float]] = []
@@ -149,8 +146,7 @@ def main(argv: list[str]) -> int:
             engine.model.load_state_dict(model.state_dict())
             engine.version = step
             was_training = model.training
-            got = evaluate(engine, held, samples=ev.samples, temperature=ev.temperature, limit=rows_limit,
-                           max_tokens=ev.max_tokens or cfg.run.max_tokens, seed=cfg.run.seed)  # fmt: skip
+            got = evaluate_on(engine, held, cfg, limit=rows_limit)
             model.train(was_training)
             self.paused += time.perf_counter() - t
             return got

@@ -24,8 +24,6 @@ from dora.rollout.engines.base import EngineError
 def evaluate_model(cfg: RunConfig, model: str, store: str | None = None, version: int | None = None,
                    task: Any = None) -> dict[str, Any]:  # fmt: skip
     """Evaluate a model folder (or a store version in it) on [eval]; the metrics, with the version."""
-    from dora.rollout.engines.torch_engine import TorchEngine
-    from dora.rollout.evaluate import evaluate
     from dora.store import WeightStore
     from dora.tasks.prompts import eval_task
 
@@ -36,17 +34,31 @@ def evaluate_model(cfg: RunConfig, model: str, store: str | None = None, version
     rows = min(len(task.rows), e.limit or len(task.rows))
     print(f"dora eval: {rows} rows x {e.samples} sample(s), up to {e.max_tokens or cfg.run.max_tokens} tokens each "
           "(eval.max_tokens, else run.max_tokens)", file=sys.stderr)  # fmt: skip
-    engine = TorchEngine(model, max_slots=cfg.rollout.slots or cfg.engine.max_slots, device=cfg.rollout.device,
-                         dtype=cfg.rollout.dtype, version=0)  # fmt: skip
+    engine = eval_engine(cfg, model)
     if store is not None and version is not None:
         ws = WeightStore(store)
         manifest = ws.path(version) / "manifest.json"
         if not manifest.is_file():
             raise ConfigError(f"--store {store}: no version {version} (versions: {ws.versions()})")
         engine.load_weights(version, ws.path(version) / "model.safetensors", json.loads(manifest.read_text())["sha256"])
-    out = evaluate(engine, task, samples=e.samples, temperature=e.temperature, limit=e.limit,
-                   max_tokens=e.max_tokens or cfg.run.max_tokens, seed=cfg.run.seed)  # fmt: skip
-    return {"version": version or 0, **out}
+    return {"version": version or 0, **evaluate_on(engine, task, cfg, limit=e.limit)}
+
+
+def eval_engine(cfg: RunConfig, model: str) -> Any:  # -> TorchEngine
+    """The engine evaluations run on: a torch engine on ``model``'s folder, sized and placed as [rollout] says."""
+    from dora.rollout.engines.torch_engine import TorchEngine
+
+    return TorchEngine(model, max_slots=cfg.rollout.slots or cfg.engine.max_slots, device=cfg.rollout.device,
+                       dtype=cfg.rollout.dtype, version=0)  # fmt: skip
+
+
+def evaluate_on(engine: Any, task: Any, cfg: RunConfig, *, limit: int | None) -> dict[str, Any]:
+    """``task``'s first ``limit`` held-out rows (None: all) on ``engine``'s weights, sampled as [eval] says."""
+    from dora.rollout.evaluate import evaluate
+
+    e = cfg.eval
+    return evaluate(engine, task, samples=e.samples, temperature=e.temperature, limit=limit,
+                    max_tokens=e.max_tokens or cfg.run.max_tokens, seed=cfg.run.seed)  # fmt: skip
 
 
 def line(metrics: dict[str, Any]) -> str:
