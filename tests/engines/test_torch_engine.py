@@ -53,9 +53,15 @@ def test_a_sample_does_not_depend_on_what_else_runs_beside_it(tiny_model):
     crowded.submit(group_id=7, attempt=1, prompt=[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], n=4, max_tokens=40, seed=1)
     crowded.submit(group_id=1, attempt=1, prompt=PROMPT, n=2, max_tokens=32, seed=9)
     b = run(crowded)
+    together = engine(tiny_model)  # both prompts prefilled in one right-padded pass, of different lengths
+    together.submit(group_id=7, attempt=1, prompt=[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16], n=4, max_tokens=40)
+    together.submit(group_id=1, attempt=1, prompt=PROMPT, n=2, max_tokens=32, seed=9)
+    assert len(together.step()) == 0 and len(together.running) == 6
+    c = run(together)
     for key, s in a.items():
-        assert b[key].tokens == s.tokens
-        assert torch.allclose(torch.tensor(b[key].logprobs), torch.tensor(s.logprobs), atol=1e-4)
+        for other in (b, c):
+            assert other[key].tokens == s.tokens
+            assert torch.allclose(torch.tensor(other[key].logprobs), torch.tensor(s.logprobs), atol=1e-4)
 
 
 def test_continuous_batching_never_exceeds_its_slots_and_finishes_everything(tiny_model):

@@ -2,7 +2,7 @@
 
 Per batch:
 1. Every trajectory's advantage comes from its group's rewards (``dora.learner.loss``).
-2. Trajectories are split into micro-batches: prompt + sampled tokens, right-padded.
+2. Trajectories are sorted by length and split into micro-batches: prompt + sampled tokens, right-padded.
 3. The model scores the sampled tokens at the rollout temperature. The clipped surrogate against the
    trajectory's behaviour log-probs is back-propagated, and micro-batches are weighted so the
    accumulated gradient equals the full batch's.
@@ -89,11 +89,13 @@ class TorchTrainer:
         self.opt.zero_grad(set_to_none=True)
         sums: dict[str, float] = {"clip_fraction": 0.0, "ratio_mean": 0.0, "loss": 0.0}
         ratio_min, ratio_max, tokens = float("inf"), float("-inf"), 0.0
-        mine = list(range(self.rank, len(rows), self.world))  # this rank's share of the trajectories
+        # Micro-batches of similar lengths pad little; the accumulated gradient does not depend on the grouping.
+        by_length = sorted(range(len(rows)), key=lambda i: len(rows[i][0]) + len(rows[i][1].token_ids))
+        mine = by_length[self.rank :: self.world]  # this rank's share of the trajectories
         for start in range(0, len(mine), self.cfg.micro_batch):
             part = mine[start : start + self.cfg.micro_batch]
-            if not any(keep[i] for i in part):
-                continue
+            if self.world == 1 and not any(keep[i] for i in part):
+                continue  # sharded, every rank runs every micro-batch: FSDP's collectives must pair up
             logp, beh, mask = self._score([rows[i] for i in part])
             out = self.loss_fn(logp, beh, adv[list(part)].to(self.device), mask, self.loss_cfg,
                                keep=keep[list(part)].to(self.device))  # fmt: skip
@@ -134,30 +136,39 @@ class TorchTrainer:
         }
 
     def _score(self, rows: list[tuple[list[int], Any, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Log-probs of the sampled tokens under the current weights, the behaviour ones, and the mask: [B, T]."""
-        width = max(len(p) + len(s.token_ids) for p, s, _ in rows)
-        longest = max(len(s.token_ids) for _, s, _ in rows)
+        """Log-probs of the sampled tokens under the current weights, the behaviour ones, and the mask: [B, T].
+
+        Rows are right-padded. Logits are computed only from the first position that predicts a sampled token
+        (``logits_to_keep``): the vocabulary projection and its softmax over prompt positions would be thrown
+        away, and with short answers they are a good share of the step."""
+        lengths = [len(s.token_ids) for _, s, _ in rows]
+        width = max(len(p) + n for (p, _, _), n in zip(rows, lengths, strict=True))
+        longest = max(lengths)
+        first = min(len(p) for p, _, _ in rows) - 1  # the first position whose logits predict a sampled token
         ids = torch.zeros((len(rows), width), dtype=torch.long)
         attn = torch.zeros((len(rows), width), dtype=torch.long)
         beh = torch.zeros((len(rows), longest), dtype=torch.float32)
         mask = torch.zeros((len(rows), longest), dtype=torch.float32)
-        for b, (prompt, s, _) in enumerate(rows):
-            seq = prompt + s.token_ids.tolist()
-            ids[b, : len(seq)] = torch.tensor(seq)
-            attn[b, : len(seq)] = 1
-            beh[b, : len(s.token_ids)] = torch.from_numpy(s.logprobs.astype("float32"))
-            mask[b, : len(s.token_ids)] = 1
+        where = torch.zeros((len(rows), longest), dtype=torch.long)
+        """Row b's sampled token j is predicted at position len(prompt) - 1 + j, i.e. kept logit len(prompt) - 1 - first + j."""
+        for b, ((prompt, s, _), n) in enumerate(zip(rows, lengths, strict=True)):
+            ids[b, : len(prompt)] = torch.tensor(prompt)
+            ids[b, len(prompt) : len(prompt) + n] = torch.from_numpy(s.token_ids.astype("int64"))
+            attn[b, : len(prompt) + n] = 1
+            beh[b, :n] = torch.from_numpy(s.logprobs.astype("float32"))
+            mask[b, :n] = 1
+            where[b] = torch.arange(len(prompt) - 1 - first, len(prompt) - 1 - first + longest).clamp(max=width - 2 - first)
+        targets = ids[:, first + 1 :].gather(1, where)  # padding reads a neighbour; masked out
         autocast = self.bf16 and self.world == 1  # sharded: the FSDP2 policy casts instead
+        kept = torch.arange(first, width - 1, device=self.device)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast):
-            logits = self.model(input_ids=ids.to(self.device), attention_mask=attn.to(self.device)).logits.float()
-        logp_all = torch.log_softmax(logits / self.cfg.temperature, -1)
-        out = torch.zeros((len(rows), longest), dtype=torch.float32, device=self.device)
-        for b, (prompt, s, _) in enumerate(rows):
-            n = len(s.token_ids)
-            positions = torch.arange(len(prompt) - 1, len(prompt) - 1 + n, device=self.device)
-            targets = torch.as_tensor(s.token_ids.astype("int64"), device=self.device)
-            out[b, :n] = logp_all[b, positions, targets]
-        return out, beh.to(self.device), mask.to(self.device)
+            logits = self.model(input_ids=ids.to(self.device), attention_mask=attn.to(self.device),
+                                logits_to_keep=kept).logits.float()  # fmt: skip
+        index = where.to(self.device)
+        logits = logits.gather(1, index[..., None].expand(-1, -1, logits.shape[-1]))
+        logp = torch.log_softmax(logits / self.cfg.temperature, -1)
+        out = logp.gather(2, targets.to(self.device)[..., None]).squeeze(2)
+        return out * mask.to(self.device), beh.to(self.device), mask.to(self.device)
 
     def checkpoint(self, version: int, trained_groups: list[int]) -> float:
         """Save a checkpoint (a collective when sharded; rank 0 writes); returns the seconds it took."""

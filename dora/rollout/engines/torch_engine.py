@@ -1,7 +1,8 @@
 """The `torch` engine: a transformers causal LM with its own continuous batching.
 
-- **Continuous batching.** Sequences join and leave at step boundaries. A new sequence is prefilled
-  alone (its prompt in one forward pass), then joins the decode batch. Each decode step runs every
+- **Continuous batching.** Sequences join and leave at step boundaries. Joining sequences are prefilled
+  together in one forward pass, a group's samples sharing one row (one prompt, n samples), then join the
+  decode batch. Each decode step runs every
   running sequence once: their caches are left-padded to one length, masked, and given their own
   position ids, so a sequence computes what it would compute alone (to float rounding).
 - **Per-sequence KV cache.** Each sequence keeps its own keys and values per layer. That is what
@@ -173,28 +174,47 @@ class TorchEngine:
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
         """Admit waiting sequences (prefill), then one decode step of every running one. Returns those done."""
-        done: list[Sequence] = []
-        while self.waiting and len(self.running) < self.max_slots:
-            seq = self.waiting.popleft()
-            if seq.kv is None:
-                self._prefill(seq)
-            if seq.finish is not None:
-                done.append(seq)
-            else:
-                self.running.append(seq)
+        admitted: list[Sequence] = []
+        while self.waiting and len(self.running) + len(admitted) < self.max_slots:
+            admitted.append(self.waiting.popleft())
+        self._prefill([s for s in admitted if s.kv is None])
+        done = [s for s in admitted if s.finish is not None]
+        self.running += [s for s in admitted if s.finish is None]
         if self.running:
             self._decode(self.running)
             done += [s for s in self.running if s.finish is not None]
             self.running = [s for s in self.running if s.finish is None]
         return done
 
-    def _prefill(self, seq: Sequence) -> None:
-        """Prompt (+ any migrated prefix but its last token) in one pass; samples the next token if none is pending."""
-        ids = seq.prompt + seq.tokens[:-1] if seq.tokens else seq.prompt
-        out = self.model(input_ids=torch.tensor([ids], device=self.device), use_cache=True)
-        seq.kv = [(layer.keys[0], layer.values[0]) for layer in out.past_key_values.layers]
-        if not seq.tokens:
-            self._sample([seq], out.logits[:, -1])
+    def _prefill(self, seqs: list[Sequence]) -> None:
+        """Fill the caches of joining sequences in one forward pass, and sample each one's first token.
+
+        A sequence's cache covers its prompt and any migrated prefix but the last token. Sequences with the
+        same such tokens (a group's samples: one prompt, n samples) share one row and its cache; each still
+        draws its first token with its own generator. Rows are right-padded: causal attention keeps every
+        real position from seeing the padding after it, so each row computes what it would alone."""
+        if not seqs:
+            return
+        rows: dict[tuple[int, ...], list[Sequence]] = {}
+        for seq in seqs:
+            rows.setdefault(tuple(seq.prompt + seq.tokens[:-1] if seq.tokens else seq.prompt), []).append(seq)
+        lengths = [len(ids) for ids in rows]
+        batch = torch.zeros((len(rows), max(lengths)), dtype=torch.long)
+        for b, ids in enumerate(rows):
+            batch[b, : len(ids)] = torch.tensor(ids)
+        out = self.model(input_ids=batch.to(self.device), use_cache=True)
+        layers = out.past_key_values.layers
+        first: list[Sequence] = []
+        last: list[torch.Tensor] = []
+        for b, (same, n) in enumerate(zip(rows.values(), lengths, strict=True)):
+            kv = [(layer.keys[b, :, :n], layer.values[b, :, :n]) for layer in layers]
+            for seq in same:
+                seq.kv = kv  # read only: a decode batch copies it, a sequence leaving one gets its own copy
+                if not seq.tokens:
+                    first.append(seq)
+                    last.append(out.logits[b, n - 1])
+        if first:
+            self._sample(first, torch.stack(last))
 
     def _materialize(self) -> None:
         """Give each batched sequence its own copy of its rows of the batch cache (before the batch changes)."""
