@@ -46,7 +46,7 @@ def test_the_learner_scores_the_engines_samples_at_their_behaviour_log_probs(tin
     trainer = TorchTrainer(tiny_model, WeightStore(tmp_path), LossConfig(), TrainerConfig())
     rows = [(g.prompt_ids.tolist(), s, gi) for gi, g in enumerate(batch.groups) for s in g.samples]
     with torch.no_grad():
-        logp, beh, mask = trainer._score(rows)
+        logp, _, mask = trainer._score(rows)
     for b, (_, s, _) in enumerate(rows):
         n = len(s.token_ids)
         assert mask[b].sum() == n
@@ -69,6 +69,7 @@ def test_the_step_is_the_same_whatever_the_micro_batch(tiny_model, tmp_path, mic
     moved = 0.0
     for (name, p), q, p0 in zip(whole.model.named_parameters(), cut.model.parameters(), initial.parameters(),
                                 strict=True):  # fmt: skip
-        torch.testing.assert_close(p.grad, q.grad, atol=1e-7, rtol=1e-4, msg=lambda e: f"{name}'s gradient: {e}")
+        where = f"{name}'s gradient"
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-7, rtol=1e-4, msg=lambda e, w=where: f"{w}: {e}")
         moved = max(moved, float((p - p0).abs().max()))
     assert moved > 1e-3, "the step must move the weights for the comparison to mean anything"

@@ -2,10 +2,10 @@
 
 Per batch:
 1. Every trajectory's advantage comes from its group's rewards (``dora.learner.loss``).
-2. Trajectories are sorted by length and split into micro-batches: prompt + sampled tokens, right-padded.
-3. The model scores the sampled tokens at the rollout temperature. The clipped surrogate against the
-   trajectory's behaviour log-probs is back-propagated, and micro-batches are weighted so the
-   accumulated gradient equals the full batch's.
+2. Trajectories are split into micro-batches, a group's samples together, groups by length.
+3. The model scores the sampled tokens at the rollout temperature, each distinct prompt run once per
+   micro-batch (``_score``). The clipped surrogate against the trajectory's behaviour log-probs is
+   back-propagated, and micro-batches are weighted so the accumulated gradient equals the full batch's.
 4. One AdamW step. Then ``publish`` writes the new version to the weight store.
 
 Single process, or sharded with FSDP2 when a process group of several ranks is initialised (each
@@ -89,9 +89,13 @@ class TorchTrainer:
         self.opt.zero_grad(set_to_none=True)
         sums: dict[str, float] = {"clip_fraction": 0.0, "ratio_mean": 0.0, "loss": 0.0}
         ratio_min, ratio_max, tokens = float("inf"), float("-inf"), 0.0
-        # Micro-batches of similar lengths pad little; the accumulated gradient does not depend on the grouping.
-        by_length = sorted(range(len(rows)), key=lambda i: len(rows[i][0]) + len(rows[i][1].token_ids))
-        mine = by_length[self.rank :: self.world]  # this rank's share of the trajectories
+        # A group's samples stay together (their prompt is run once per micro-batch), groups in order of their
+        # longest sample: little padding. The accumulated gradient does not depend on the order.
+        longest = {gi: 0 for _, _, gi in rows}
+        for prompt, s, gi in rows:
+            longest[gi] = max(longest[gi], len(prompt) + len(s.token_ids))
+        order = sorted(range(len(rows)), key=lambda i: (longest[rows[i][2]], rows[i][2], len(rows[i][1].token_ids)))
+        mine = order[self.rank :: self.world]  # this rank's share of the trajectories
         for start in range(0, len(mine), self.cfg.micro_batch):
             part = mine[start : start + self.cfg.micro_batch]
             if self.world == 1 and not any(keep[i] for i in part):
@@ -138,37 +142,54 @@ class TorchTrainer:
     def _score(self, rows: list[tuple[list[int], Any, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Log-probs of the sampled tokens under the current weights, the behaviour ones, and the mask: [B, T].
 
-        Rows are right-padded. Logits are computed only from the first position that predicts a sampled token
-        (``logits_to_keep``): the vocabulary projection and its softmax over prompt positions would be thrown
-        away, and with short answers they are a good share of the step."""
+        A group's samples share their prompt, so each distinct prompt is run once, and every sample continues
+        from its prompt's keys and values (gradients flow back through them to the shared prompt pass):
+        1. The distinct prompts, right-padded: their caches, and the logits at each one's last position,
+           which predict every sample's first token.
+        2. Every sample's tokens but the last, on its prompt's cache: the logits predicting the rest. The
+           attention mask leaves out the prompt's padding; position ids continue from the prompt's length.
+        Causal attention keeps every real position from seeing padding after it, so each sample computes what
+        it would alone (to float rounding), and no vocabulary projection is made at a position no sampled
+        token is predicted from."""
+        from transformers import DynamicCache
+
+        distinct: dict[tuple[int, ...], int] = {}
+        which = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p, _, _ in rows])
+        plen = torch.tensor([len(p) for p in distinct])
+        width, shortest = int(plen.max()), int(plen.min())
         lengths = [len(s.token_ids) for _, s, _ in rows]
-        width = max(len(p) + n for (p, _, _), n in zip(rows, lengths, strict=True))
         longest = max(lengths)
-        first = min(len(p) for p, _, _ in rows) - 1  # the first position whose logits predict a sampled token
-        ids = torch.zeros((len(rows), width), dtype=torch.long)
-        attn = torch.zeros((len(rows), width), dtype=torch.long)
+        pids = torch.zeros((len(distinct), width), dtype=torch.long)
+        pattn = torch.zeros((len(distinct), width), dtype=torch.long)
+        for u, p in enumerate(distinct):
+            pids[u, : len(p)] = torch.tensor(p)
+            pattn[u, : len(p)] = 1
+        tokens = torch.zeros((len(rows), longest), dtype=torch.long)
         beh = torch.zeros((len(rows), longest), dtype=torch.float32)
         mask = torch.zeros((len(rows), longest), dtype=torch.float32)
-        where = torch.zeros((len(rows), longest), dtype=torch.long)
-        """Row b's sampled token j is predicted at position len(prompt) - 1 + j, i.e. kept logit len(prompt) - 1 - first + j."""
-        for b, ((prompt, s, _), n) in enumerate(zip(rows, lengths, strict=True)):
-            ids[b, : len(prompt)] = torch.tensor(prompt)
-            ids[b, len(prompt) : len(prompt) + n] = torch.from_numpy(s.token_ids.astype("int64"))
-            attn[b, : len(prompt) + n] = 1
+        for b, ((_, s, _), n) in enumerate(zip(rows, lengths, strict=True)):
+            tokens[b, :n] = torch.from_numpy(s.token_ids.astype("int64"))
             beh[b, :n] = torch.from_numpy(s.logprobs.astype("float32"))
             mask[b, :n] = 1
-            where[b] = torch.arange(len(prompt) - 1 - first, len(prompt) - 1 - first + longest).clamp(max=width - 2 - first)
-        targets = ids[:, first + 1 :].gather(1, where)  # padding reads a neighbour; masked out
+        dev = self.device
         autocast = self.bf16 and self.world == 1  # sharded: the FSDP2 policy casts instead
-        kept = torch.arange(first, width - 1, device=self.device)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast):
-            logits = self.model(input_ids=ids.to(self.device), attention_mask=attn.to(self.device),
-                                logits_to_keep=kept).logits.float()  # fmt: skip
-        index = where.to(self.device)
-        logits = logits.gather(1, index[..., None].expand(-1, -1, logits.shape[-1]))
-        logp = torch.log_softmax(logits / self.cfg.temperature, -1)
-        out = logp.gather(2, targets.to(self.device)[..., None]).squeeze(2)
-        return out * mask.to(self.device), beh.to(self.device), mask.to(self.device)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
+            out = self.model(input_ids=pids.to(dev), attention_mask=pattn.to(dev), use_cache=True,
+                             logits_to_keep=torch.arange(shortest - 1, width, device=dev))  # fmt: skip
+            firsts = out.logits[torch.arange(len(distinct), device=dev), (plen - shortest).to(dev)].float()
+            logits = [firsts[which.to(dev)][:, None]]  # [B, 1, V]: each sample's first token
+            if longest > 1:
+                index = which.to(dev)
+                cache = DynamicCache(ddp_cache_data=[(layer.keys[index], layer.values[index])
+                                                     for layer in out.past_key_values.layers])  # fmt: skip
+                attn = torch.cat([pattn[which], mask[:, :-1].long()], 1)
+                positions = plen[which][:, None] + torch.arange(longest - 1)[None]
+                rest = self.model(input_ids=tokens[:, :-1].to(dev), attention_mask=attn.to(dev),
+                                  position_ids=positions.to(dev), past_key_values=cache, use_cache=True)  # fmt: skip
+                logits.append(rest.logits.float())
+        logp = torch.log_softmax(torch.cat(logits, 1) / self.cfg.temperature, -1)
+        scored = logp.gather(2, tokens.to(dev)[..., None]).squeeze(2)
+        return scored * mask.to(dev), beh.to(dev), mask.to(dev)
 
     def checkpoint(self, version: int, trained_groups: list[int]) -> float:
         """Save a checkpoint (a collective when sharded; rank 0 writes); returns the seconds it took."""
