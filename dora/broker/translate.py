@@ -91,7 +91,8 @@ def train_batch(batch: ev.DeliverBatch, prompts: Prompts) -> m.TrainBatch:
         for s in g.samples:
             p: m.SampleFinished = s.payload
             samples.append(m.TrainSample(index=s.index, token_ids=p.token_ids, logprobs=p.logprobs, reward=p.reward,
-                                         finish=p.finish, segments=p.segments))  # fmt: skip
+                                         finish=p.finish, segments=p.segments, loss_mask=p.loss_mask,
+                                         turns=p.turns))  # fmt: skip
         groups.append(m.TrainGroup(group_id=g.group_id, version=g.version, prompt_ids=prompts(g.group_id),
                                    samples=tuple(samples)))  # fmt: skip
     return m.TrainBatch(step=batch.step, groups=tuple(groups), redelivery=batch.redelivery)

@@ -20,7 +20,7 @@ import numpy as np
 
 from dora.ids import AttemptId, Finish, GroupId, WorkerId
 
-WIRE_VERSION = 4
+WIRE_VERSION = 5
 """2: PublishAck (the broker acknowledges a publish once it is journalled; the learner waits for it).
 3: lease reconciliation: the broker numbers its commands to a worker (``seq``); a worker applies them in
 order or not at all and its heartbeats say the highest number seen, the leases it holds and its version.
@@ -173,6 +173,11 @@ class SampleFinished:
     """The named parts of the reward when the reward function returned a dict (``dora.tasks.rewards``)."""
     reward_error: str = ""
     """Why the reward is 0.0 when scoring failed (it raised, timed out, returned junk); empty when it scored."""
+    loss_mask: Array | None = None
+    """uint8 per token: 1 sampled by the model, 0 appended by an environment (an episode's observations, whose
+    log-probs are 0 and which are never trained on). None: every token was sampled."""
+    turns: Array | None = None
+    """int32 (n, 3): (start, end, version) of each assistant turn of an episode, in tokens; None: one turn."""
 
     def __post_init__(self) -> None:
         _non_negative("index", self.index)
@@ -183,6 +188,14 @@ class SampleFinished:
             raise ValueError(f"token_ids {self.token_ids.shape} and logprobs {self.logprobs.shape} differ")
         if self.segments.ndim != 2 or self.segments.shape[1:] != (2,):
             raise ValueError(f"segments must have shape (n, 2), got {self.segments.shape}")
+        _episode_arrays(self.token_ids, self.loss_mask, self.turns)
+
+
+def _episode_arrays(token_ids: Array, loss_mask: Array | None, turns: Array | None) -> None:
+    if loss_mask is not None and loss_mask.shape != token_ids.shape:
+        raise ValueError(f"loss_mask {loss_mask.shape} and token_ids {token_ids.shape} differ")
+    if turns is not None and (turns.ndim != 2 or turns.shape[1:] != (3,)):
+        raise ValueError(f"turns must have shape (n, 3), got {turns.shape}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -243,6 +256,10 @@ class RequestState:
     rng_state: bytes = b""
     kv: tuple[Array, ...] = ()
     """Engine-specific KV tensors; empty means the target re-prefills prompt + prefix."""
+    loss_mask: Array | None = None
+    """An episode's: as in SampleFinished (None: every token was sampled)."""
+    turns: Array | None = None
+    """An episode's turns so far: as in SampleFinished."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -345,6 +362,13 @@ class TrainSample:
     finish: Finish
     segments: Array | None = None
     """int32 (n, 2) (version, tokens) runs, so the learner can check C1 itself."""
+    loss_mask: Array | None = None
+    """uint8 per token, 1 = sampled by the model (trained on), 0 = an environment's (never); None: all 1."""
+    turns: Array | None = None
+    """int32 (n, 3) (start, end, version) of an episode's assistant turns, so the learner checks C1 per turn."""
+
+    def __post_init__(self) -> None:
+        _episode_arrays(self.token_ids, self.loss_mask, self.turns)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -221,6 +221,9 @@ def for_type(tp: Any) -> st.SearchStrategy[Any]:
     }[tp]
 
 
+_turns = _array("<i4", st.integers(0, 3).map(lambda k: (k, 3)))
+
+
 def for_message(cls: type) -> st.SearchStrategy[Any]:
     hints = _hints(cls)
     fields = {f.name: for_type(hints[f.name]) for f in dataclasses.fields(cls)}
@@ -228,9 +231,21 @@ def for_message(cls: type) -> st.SearchStrategy[Any]:
         n = st.integers(0, 6)
         fields["index"] = st.integers(0, 64)
         fields["segments"] = _array("<i4", st.integers(1, 3).map(lambda k: (k, 2)))
-        pair = n.flatmap(lambda k: st.tuples(_array("<i4", st.just((k,))), _array("<f4", st.just((k,)))))
+        pair = n.flatmap(
+            lambda k: st.tuples(
+                _array("<i4", st.just((k,))), _array("<f4", st.just((k,))), st.none() | _array("|u1", st.just((k,)))
+            )
+        )
+        fields["turns"] = st.none() | _turns
         return st.tuples(st.fixed_dictionaries(fields), pair).map(
-            lambda t: cls(**{**t[0], "token_ids": t[1][0], "logprobs": t[1][1]})
+            lambda t: cls(**{**t[0], "token_ids": t[1][0], "logprobs": t[1][1], "loss_mask": t[1][2]})
+        )
+    if cls is m.TrainSample:
+        fields["turns"] = st.none() | _turns
+        ids = _array("<i4", st.integers(0, 6).map(lambda k: (k,)))
+        with_mask = ids.flatmap(lambda a: st.tuples(st.just(a), st.none() | _array("|u1", st.just(a.shape))))
+        return st.tuples(st.fixed_dictionaries(fields), with_mask).map(
+            lambda t: cls(**{**t[0], "token_ids": t[1][0], "loss_mask": t[1][1]})
         )
     if cls is m.Heartbeat:
         fields.update(

@@ -47,7 +47,15 @@ class Sample:
     top_p: float
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    """Per token: 1 sampled by the model, 0 appended by an environment (an episode's observation, logprob 0)."""
     finish: Finish | None = None
+    turn_start: int = 0
+    """Where the current assistant turn began in ``tokens``; ``max_tokens`` bounds each turn."""
+    stops: frozenset[int] = frozenset()
+    """Token ids besides EOS that end a turn (``finish`` STOP)."""
+    keep_kv: bool = False
+    """An episode's sequence: when its turn ends, its cache is kept for the next turn."""
 
     @property
     def key(self) -> tuple[int, int, int]:

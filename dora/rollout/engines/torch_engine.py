@@ -105,15 +105,33 @@ class TorchEngine:
     # ------------------------------------------------------------------ requests
 
     def submit(self, *, group_id: int, attempt: int, prompt: list[int], n: int, max_tokens: int,
-               temperature: float = 1.0, top_p: float = 1.0, seed: int = 0) -> None:  # fmt: skip
+               temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, stops: frozenset[int] = frozenset(),
+               keep_kv: bool = False) -> list[Sequence]:  # fmt: skip
+        """Queue ``n`` samples of a prompt. ``stops``: token ids besides EOS that end a turn; ``keep_kv``: the
+        samples are episodes, whose caches outlive their turns (``extend`` starts the next one)."""
         if self.version is None:
             raise EngineError("no weights loaded")
+        out = []
         for i in range(n):
             g = torch.Generator(device="cpu")
             g.manual_seed(hash_seed(seed, i))
             seq = Sequence(group_id=group_id, attempt=attempt, index=i, prompt=list(prompt), max_tokens=max_tokens,
-                           temperature=temperature, top_p=top_p, generator=g)  # fmt: skip
+                           temperature=temperature, top_p=top_p, generator=g, stops=stops, keep_kv=keep_kv)  # fmt: skip
             self.waiting.append(seq)
+            out.append(seq)
+        return out
+
+    def extend(self, seq: Sequence, tokens: list[int]) -> None:
+        """Start an episode's next turn: append the environment's tokens (not sampled: mask 0, log-prob 0) to a
+        sequence whose turn ended, and queue it. Its cache is kept; the new tokens are prefilled on top of it."""
+        if seq.finish is None or not tokens:
+            raise EngineError("extend needs a sequence whose turn ended, and at least one token")
+        seq.tokens += tokens
+        seq.logprobs += [0.0] * len(tokens)
+        seq.mask += [0] * len(tokens)
+        seq.finish = None
+        seq.turn_start = len(seq.tokens)
+        self.waiting.append(seq)
 
     def export(self, group_id: int, attempt: int, *, with_kv: bool = True) -> list[dict[str, Any]]:
         """Remove the group's unfinished samples and return their state (prefix, log-probs, RNG, KV)."""
@@ -178,11 +196,16 @@ class TorchEngine:
         while self.waiting and len(self.running) + len(admitted) < self.max_slots:
             admitted.append(self.waiting.popleft())
         self._prefill([s for s in admitted if s.kv is None])
+        for seq in admitted:
+            if seq.kv is not None and seq.kv[0][0].shape[1] < seq.positions:
+                self._catch_up(seq)
         done = [s for s in admitted if s.finish is not None]
         self.running += [s for s in admitted if s.finish is None]
         if self.running:
             self._decode(self.running)
-            done += [s for s in self.running if s.finish is not None]
+            ended = [s for s in self.running if s.finish is not None]
+            self._keep([s for s in ended if s.keep_kv])
+            done += ended
             self.running = [s for s in self.running if s.finish is None]
         return done
 
@@ -216,13 +239,37 @@ class TorchEngine:
         if first:
             self._sample(first, torch.stack(last))
 
+    def _catch_up(self, seq: Sequence) -> None:
+        """Prefill the tokens an episode's sequence gained since its cache was made (the end of its last turn and
+        the environment's answer, but the newest token), on top of that cache."""
+        from transformers import DynamicCache
+
+        have = seq.kv[0][0].shape[1]
+        feed = (seq.prompt + seq.tokens)[have : seq.positions]
+        cache = DynamicCache(ddp_cache_data=[(k[None], v[None]) for k, v in seq.kv])
+        out = self.model(input_ids=torch.tensor([feed], device=self.device), past_key_values=cache, use_cache=True,
+                         position_ids=torch.arange(have, seq.positions, device=self.device)[None])  # fmt: skip
+        seq.kv = [(layer.keys[0], layer.values[0]) for layer in out.past_key_values.layers]
+
+    def _keep(self, seqs: list[Sequence]) -> None:
+        """Copy the rows of the last decode batch's cache that belong to ``seqs`` (episodes whose turn just ended)
+        before the next step drops them."""
+        if not seqs or self._cache is None:
+            return
+        rows = {id(x): b for b, x in enumerate(self._batch)}
+        width = self._mask.shape[1]
+        for seq in seqs:
+            b, n = rows[id(seq)], seq.positions
+            seq.kv = [(layer.keys[b, :, width - n :].clone(), layer.values[b, :, width - n :].clone())
+                      for layer in self._cache.layers]  # fmt: skip
+
     def _materialize(self) -> None:
         """Give each batched sequence its own copy of its rows of the batch cache (before the batch changes)."""
         if self._cache is None:
             return
         width = self._mask.shape[1]
         for b, seq in enumerate(self._batch):
-            if seq.finish is None:
+            if seq.finish is None and seq.kv is None:  # a kv of its own: kept at a turn's end, newer than its row
                 n = seq.positions
                 seq.kv = [(layer.keys[b, :, width - n :].clone(), layer.values[b, :, width - n :].clone())
                           for layer in self._cache.layers]  # fmt: skip
@@ -232,7 +279,7 @@ class TorchEngine:
         """One token for every running sequence. While the batch stays the same, its cache is reused as
         is; sequences leaving drop their rows; a sequence joining makes the batch be rebuilt (left-padded)."""
         ids = {id(x): i for i, x in enumerate(self._batch)}
-        if self._cache is not None and all(id(x) in ids for x in seqs):
+        if self._cache is not None and all(id(x) in ids and x.kv is None for x in seqs):
             rows = [ids[id(x)] for x in seqs]
             mask = self._mask
             if rows != list(range(len(self._batch))):
@@ -297,10 +344,11 @@ class TorchEngine:
         for s, token, lp in zip(seqs, chosen.tolist(), picked.tolist(), strict=True):
             s.tokens.append(token)
             s.logprobs.append(lp)
+            s.mask.append(1)
             self.tokens_generated += 1
-            if token == self.eos:
+            if token == self.eos or token in s.stops:
                 s.finish = Finish.STOP
-            elif len(s.tokens) >= s.max_tokens:
+            elif len(s.tokens) - s.turn_start >= s.max_tokens:
                 s.finish = Finish.LENGTH
 
 
