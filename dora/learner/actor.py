@@ -332,6 +332,7 @@ class LearnerActor:
                         "versions": sorted({g.version for g in batch.groups}),
                         "staleness": facts["staleness"],
                         "mixed": facts["mixed_version_trajectories"],
+                        "turns": facts["turns"],
                     }
                 )
                 + "\n"

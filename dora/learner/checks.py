@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from dora.wire import messages as m
 
 
@@ -32,7 +34,7 @@ def check_batch(
     if again:
         raise InvariantBroken(f"C2: batch {step} holds groups trained before: {again[:8]}")
     staleness: dict[int, int] = {}
-    mixed = tokens = 0
+    mixed = tokens = turns = 0
     for g in batch.groups:
         lag = step - g.version
         if not 0 <= lag <= k:
@@ -49,4 +51,30 @@ def check_batch(
                 mixed += 1
             if len(s.token_ids) != len(s.logprobs):
                 raise InvariantBroken(f"group {g.group_id} sample {s.index}: tokens and log-probs differ in length")
-    return {"staleness": staleness, "mixed_version_trajectories": mixed, "tokens": tokens}
+            if s.turns is not None:
+                turns += len(s.turns)
+                mixed += check_turns(s, g, mixed_ok=mixed_ok) and not versions - {g.version}
+    return {"staleness": staleness, "mixed_version_trajectories": mixed, "tokens": tokens, "turns": turns}
+
+
+def check_turns(s: m.TrainSample, g: m.TrainGroup, *, mixed_ok: bool) -> bool:
+    """C1 per turn of an episode: its turns are ordered spans of the trajectory, every model token (loss mask 1)
+    lies in one and nothing else does, and each turn was sampled by the group's version. Returns whether some
+    turn was not (allowed only where ``mixed_ok``); raises InvariantBroken on any other failure."""
+    where = f"group {g.group_id} sample {s.index}"
+    model = np.ones(len(s.token_ids), bool) if s.loss_mask is None else s.loss_mask.astype(bool)
+    inside = np.zeros(len(s.token_ids), bool)
+    end, other = 0, False
+    for start, stop, version in s.turns.tolist():
+        if not end <= start < stop <= len(s.token_ids):
+            n = len(s.token_ids)
+            raise InvariantBroken(f"{where}: turn [{start}, {stop}) out of order or out of its {n} tokens")
+        inside[start:stop], end = True, stop
+        if version != g.version:
+            if not mixed_ok:
+                raise InvariantBroken(f"C1: {where} has a turn [{start}, {stop}) of version {version}, not {g.version}")
+            other = True
+    if (inside != model).any():
+        at = int(np.argmax(inside != model))
+        raise InvariantBroken(f"{where}: the loss mask and the turns disagree at token {at}")
+    return other

@@ -14,7 +14,8 @@ Checks (each a line of the report; the exit status is 1 if one fails):
   is finished, every group dispatched was trained (group ids are handed out in order, so the trained set
   must be exactly 0 .. steps x train_groups - 1);
 - C3: no trajectory trained more than K versions after it was dispatched;
-- C1: no trajectory mixes policy versions (``partial`` breaks this on purpose; it is reported for it).
+- C1: no trajectory mixes policy versions (``partial`` breaks this on purpose; it is reported for it); an
+  episode's turns were each checked by the learner against the group's version, and are counted.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ class Report:
     staleness: dict[int, int]
     """Samples trained at each staleness."""
     mixed_version_trajectories: int
+    turns: int
+    """Assistant turns of multi-turn episodes, each checked by the learner against its group's version (C1)."""
     broker_starts: list[dict[str, Any]]
     checkpoints: list[int]
     finished: bool
@@ -73,6 +76,7 @@ def audit_run(journal_path: pathlib.Path, audit_path: pathlib.Path, *, total_ste
         mode=core.mode.value, k=core.staleness, train_groups=core.train_groups, total_steps=total_steps,
         steps_committed=len(rows), journal_version=journal.newest, groups_trained=len(journal.trained),
         staleness={}, mixed_version_trajectories=sum(r.get("mixed", 0) for r in rows),
+        turns=sum(r.get("turns", 0) for r in rows),
         broker_starts=[_start_info(s) for s in journal.starts], checkpoints=_checkpoints(checkpoint_dir),
         finished=total_steps is not None and journal.newest >= total_steps, owed=len(journal.owed),
     )  # fmt: skip
@@ -144,14 +148,15 @@ def render(r: Report) -> str:
         + (f" of {r.total_steps}" if r.total_steps is not None else ""),
         f"groups trained: {r.groups_trained}; broker starts: {len(r.broker_starts)} ({attempts})",
         f"staleness of trained samples: {r.staleness} (max {max(r.staleness, default=0)}, K = {r.k})",
-        f"mixed-version trajectories: {r.mixed_version_trajectories}",
+        f"mixed-version trajectories: {r.mixed_version_trajectories}"
+        + (f"; episode turns checked one by one: {r.turns}" if r.turns else ""),
         f"learner checkpoints kept: {r.checkpoints or 'none'}",
     ]
     lines += [f"note: {n}" for n in r.notes]
     lines += [f"FAILED {p}" for p in r.problems]
     if r.ok:
         lines.append("invariants hold: every step once and in order, no group trained twice, broker and learner "
-                     "agree, staleness <= K, one policy version per trajectory"
+                     "agree, staleness <= K, one policy version per trajectory" + (" and per turn" if r.turns else "")
                      + (", nothing dispatched left untrained" if r.finished else ""))  # fmt: skip
     return "\n".join(lines)
 

@@ -36,7 +36,7 @@ def check(b: m.TrainBatch, **kw):
 
 def test_a_good_batch_passes_with_its_staleness_histogram_and_tokens():
     facts = check(batch(group(1, 5), group(2, 3)))
-    assert facts == {"staleness": {0: 2, 2: 2}, "mixed_version_trajectories": 0, "tokens": 12}
+    assert facts == {"staleness": {0: 2, 2: 2}, "mixed_version_trajectories": 0, "tokens": 12, "turns": 0}
 
 
 @pytest.mark.parametrize(
@@ -68,3 +68,36 @@ def test_log_probs_must_match_the_tokens():
     bad = dataclasses.replace(sample(1), logprobs=np.zeros(2, np.float32))
     with pytest.raises(InvariantBroken, match="differ in length"):
         check(batch(group(1, 5, [sample(0), bad]), group(2, 5)))
+
+
+def episode(index: int, *, turns, mask=(1, 1, 0, 0, 1, 1)) -> m.TrainSample:
+    """Six tokens: a model turn, two environment tokens, a model turn."""
+    return m.TrainSample(index=index, token_ids=np.arange(6, dtype=np.int32), logprobs=np.zeros(6, np.float32),
+                         reward=0.0, finish=m.Finish.STOP, loss_mask=np.array(mask, np.uint8),
+                         turns=np.array(turns, np.int32).reshape(-1, 3))  # fmt: skip
+
+
+def test_an_episodes_turns_are_checked_one_by_one():
+    good = [episode(i, turns=[[0, 2, 5], [4, 6, 5]]) for i in range(G)]
+    facts = check(batch(group(1, 5), group(2, 5, good)))
+    assert facts["turns"] == 4 and facts["mixed_version_trajectories"] == 0
+    late = [good[0], episode(1, turns=[[0, 2, 5], [4, 6, 4]])]
+    with pytest.raises(InvariantBroken, match=r"C1: group 2 sample 1 has a turn \[4, 6\) of version 4"):
+        check(batch(group(1, 5), group(2, 5, late)))
+    assert check(batch(group(1, 5), group(2, 5, late)), mixed_ok=True)["mixed_version_trajectories"] == 1
+
+
+@pytest.mark.parametrize(
+    ("turns", "mask", "words"),
+    [
+        ([[0, 3, 5], [4, 6, 5]], (1, 1, 0, 0, 1, 1), "disagree at token 2"),  # a turn over an env token
+        ([[0, 2, 5]], (1, 1, 0, 0, 1, 1), "disagree at token 4"),  # a model token in no turn
+        ([[4, 6, 5], [0, 2, 5]], (1, 1, 0, 0, 1, 1), "out of order"),
+        ([[0, 2, 5], [4, 7, 5]], (1, 1, 0, 0, 1, 1), "out of order or out of its 6 tokens"),
+        ([[0, 2, 5], [2, 2, 5]], (1, 1, 0, 0, 1, 1), "out of order"),  # an empty turn
+    ],
+)
+def test_turns_that_do_not_match_the_loss_mask_are_refused(turns, mask, words):
+    bad = [episode(0, turns=turns, mask=mask), episode(1, turns=[[0, 2, 5], [4, 6, 5]])]
+    with pytest.raises(InvariantBroken, match=words):
+        check(batch(group(1, 5), group(2, 5, bad)))

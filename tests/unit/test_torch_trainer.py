@@ -73,3 +73,61 @@ def test_the_step_is_the_same_whatever_the_micro_batch(tiny_model, tmp_path, mic
         torch.testing.assert_close(p.grad, q.grad, atol=1e-7, rtol=1e-4, msg=lambda e, w=where: f"{w}: {e}")
         moved = max(moved, float((p - p0).abs().max()))
     assert moved > 1e-3, "the step must move the weights for the comparison to mean anything"
+
+
+def as_episodes(batch: m.TrainBatch, env_logprob: float) -> m.TrainBatch:
+    """The same trajectories read as two-turn episodes: the middle third of each one's tokens is the
+    environment's (loss mask 0), carrying ``env_logprob`` as its behaviour log-prob (an engine writes 0)."""
+    groups = []
+    for g in batch.groups:
+        samples = []
+        for s in g.samples:
+            n = len(s.token_ids)
+            a, b = n // 3, max(n // 3 + 1, 2 * n // 3)
+            mask = np.ones(n, np.uint8)
+            mask[a:b] = 0
+            logprobs = s.logprobs.copy()
+            logprobs[a:b] = env_logprob
+            turns = np.array([t for t in ([0, a, g.version], [b, n, g.version]) if t[1] > t[0]], np.int32)
+            samples.append(m.TrainSample(index=s.index, token_ids=s.token_ids, logprobs=logprobs, reward=s.reward,
+                                         finish=s.finish, loss_mask=mask, turns=turns.reshape(-1, 3)))  # fmt: skip
+        groups.append(m.TrainGroup(group_id=g.group_id, version=g.version, prompt_ids=g.prompt_ids,
+                                   samples=tuple(samples)))  # fmt: skip
+    return m.TrainBatch(step=batch.step, groups=tuple(groups))
+
+
+def test_environment_tokens_are_context_but_never_trained(tiny_model, tmp_path):
+    """Masking is exact: the learner's mask is the loss mask; a model token after environment tokens is scored
+    with them in its context; the loss has no gradient with respect to an environment token's log-prob; and the
+    step does not depend on what behaviour log-probs environment tokens carry."""
+    from dora.learner.loss import policy_loss
+
+    plain = sampled_batch(tiny_model)
+    episodes = as_episodes(plain, 0.0)
+    assert any(s.loss_mask is not None and 0 < s.loss_mask.sum() < len(s.loss_mask)
+               for g in episodes.groups for s in g.samples)  # fmt: skip
+    trainer = TorchTrainer(tiny_model, WeightStore(tmp_path / "a"), LossConfig(), TrainerConfig())
+    rows = [(g.prompt_ids.tolist(), s, gi) for gi, g in enumerate(episodes.groups) for s in g.samples]
+    with torch.no_grad():
+        logp, _, mask = trainer._score(rows)
+        full, _, _ = trainer._score([(p, plain.groups[gi].samples[s.index], gi) for p, s, gi in rows])
+    for b, (_, s, _) in enumerate(rows):
+        n = len(s.token_ids)
+        assert mask[b, :n].tolist() == s.loss_mask.astype(float).tolist() and not mask[b, n:].any()
+        model = s.loss_mask.astype(bool)
+        # the same tokens in the same context: every model token's log-prob is the unmasked run's
+        np.testing.assert_allclose(logp[b, :n].numpy()[model], full[b, :n].numpy()[model], atol=1e-5)
+        assert np.all(logp[b, :n].numpy()[~model] == 0)
+    leaf = full.clone().requires_grad_(True)
+    beh = torch.stack([torch.nn.functional.pad(torch.from_numpy(s.logprobs), (0, full.shape[1] - len(s.logprobs)))
+                       for _, s, _ in rows])  # fmt: skip
+    loss, _ = policy_loss(leaf, beh, torch.linspace(-1, 1, len(rows)), mask, LossConfig())
+    loss.backward()
+    assert torch.all(leaf.grad[mask == 0] == 0) and leaf.grad[mask == 1].abs().sum() > 0
+
+    other = TorchTrainer(tiny_model, WeightStore(tmp_path / "b"), LossConfig(), TrainerConfig())
+    trainer.train(episodes)
+    other.train(as_episodes(plain, -7.0))  # junk behaviour log-probs on environment tokens change nothing
+    for (name, p), q in zip(trainer.model.named_parameters(), other.model.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, atol=0, rtol=0, msg=lambda e, w=name: f"{w}: {e}")
+        assert p.grad is not None

@@ -26,6 +26,11 @@ from dora.store import WeightStore
 from dora.wire import messages as m
 
 
+def trained_tokens(s: m.TrainSample) -> int:
+    """The tokens of a trajectory the loss sees: the model's own (an episode's environment tokens are not)."""
+    return len(s.token_ids) if s.loss_mask is None else int(s.loss_mask.sum())
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TrainerConfig:
     lr: float = 1e-4
@@ -84,8 +89,9 @@ class TorchTrainer:
         adv = group_advantages(rewards, groups, scale_by_std=self.loss_cfg.scale_by_std, eps=self.loss_cfg.eps)
         flat = uniform_groups(rewards, groups)
         keep = ~flat[groups] if self.loss_cfg.filter_uniform_groups else torch.ones(len(rows), dtype=torch.bool)
+        keep &= torch.tensor([trained_tokens(s) > 0 for _, s, _ in rows])  # an episode masked whole trains nothing
         kept_rows = int(keep.sum())
-        kept_tokens = sum(len(s.token_ids) for (_, s, _), k in zip(rows, keep.tolist(), strict=True) if k)
+        kept_tokens = sum(trained_tokens(s) for (_, s, _), k in zip(rows, keep.tolist(), strict=True) if k)
         self.opt.zero_grad(set_to_none=True)
         sums: dict[str, float] = {"clip_fraction": 0.0, "ratio_mean": 0.0, "loss": 0.0}
         ratio_min, ratio_max, tokens = float("inf"), float("-inf"), 0.0
@@ -166,11 +172,13 @@ class TorchTrainer:
             pattn[u, : len(p)] = 1
         tokens = torch.zeros((len(rows), longest), dtype=torch.long)
         beh = torch.zeros((len(rows), longest), dtype=torch.float32)
-        mask = torch.zeros((len(rows), longest), dtype=torch.float32)
+        real = torch.zeros((len(rows), longest), dtype=torch.long)  # attended to: every token, the env's too
+        mask = torch.zeros((len(rows), longest), dtype=torch.float32)  # trained on: the model's tokens only
         for b, ((_, s, _), n) in enumerate(zip(rows, lengths, strict=True)):
             tokens[b, :n] = torch.from_numpy(s.token_ids.astype("int64"))
             beh[b, :n] = torch.from_numpy(s.logprobs.astype("float32"))
-            mask[b, :n] = 1
+            real[b, :n] = 1
+            mask[b, :n] = 1 if s.loss_mask is None else torch.from_numpy(s.loss_mask.astype("float32"))
         dev = self.device
         autocast = self.bf16 and self.world == 1  # sharded: the FSDP2 policy casts instead
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
@@ -182,7 +190,7 @@ class TorchTrainer:
                 index = which.to(dev)
                 cache = DynamicCache(ddp_cache_data=[(layer.keys[index], layer.values[index])
                                                      for layer in out.past_key_values.layers])  # fmt: skip
-                attn = torch.cat([pattn[which], mask[:, :-1].long()], 1)
+                attn = torch.cat([pattn[which], real[:, :-1]], 1)
                 positions = plen[which][:, None] + torch.arange(longest - 1)[None]
                 rest = self.model(input_ids=tokens[:, :-1].to(dev), attention_mask=attn.to(dev),
                                   position_ids=positions.to(dev), past_key_values=cache, use_cache=True)  # fmt: skip
