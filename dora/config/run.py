@@ -200,6 +200,20 @@ class TaskSection:
     chat_template: bool = False
     """Render each prompt with the model folder's chat template (with the generation prompt); false: the
     prompt text as it is."""
+    env: str | None = None
+    """`module:Class`: a multi-turn environment (see dora.envs): each sample is an episode of assistant turns and
+    environment answers, scored by the environment (task.reward is not used). Needs chat_template = true."""
+    max_turns: int = 8
+    """env: assistant turns per episode at most (the environment scores the last one, then the episode ends)."""
+    max_episode_tokens: int = 1024
+    """env: tokens per episode at most, the environment's included; rollout.max_tokens bounds each turn."""
+    turn_end: tuple[str, ...] = ("<|im_end|>",)
+    """env: tokens (their text, each one token of the vocabulary) that end an assistant turn, besides EOS."""
+    env_timeout_s: float = 10.0
+    """env: an environment call (reset or step) taking longer ends its episode (reason: timeout)."""
+    env_failure: str = "zero"
+    """env: an episode whose environment failed (raised, timed out, answered junk) scores 0 and is trained
+    (zero), or is kept out of the loss (mask); either way its group is trained whole and the failure counted."""
 
     def __post_init__(self) -> None:
         if self.dataset is not None and self.name == "synthetic":
@@ -215,6 +229,15 @@ class TaskSection:
             raise ConfigError(f"task.max_prompt_tokens must be >= 1 or unset; got {self.max_prompt_tokens}")
         if self.messages_field is not None and not self.chat_template:
             raise ConfigError("task.messages_field (chat turns) needs task.chat_template = true")
+        if self.env is not None and not self.chat_template:
+            raise ConfigError("task.env (multi-turn episodes) needs task.chat_template = true")
+        if self.env_failure not in ("zero", "mask"):
+            raise ConfigError(f"task.env_failure must be 'zero' or 'mask'; got {self.env_failure!r}")
+        for name in ("max_turns", "max_episode_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"task.{name} must be >= 1; got {getattr(self, name)}")
+        if not self.env_timeout_s > 0:
+            raise ConfigError(f"task.env_timeout_s must be > 0; got {self.env_timeout_s}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

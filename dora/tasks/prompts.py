@@ -33,12 +33,19 @@ class TaskRun:
         if not path.is_file():
             raise ConfigError(f"no tokenizer.json in {tokenizer_dir}")
         self.tokenizer = Tokenizer.from_file(str(path))
+        self.section = task
         self.renderer = Renderer(tokenizer_dir, task.chat_template)
         self.system = ({"role": "system", "content": task.system_prompt},) if task.system_prompt else ()
+        self.env: type | None = None
+        """The environment class (task.env): items are episodes, their prompts its opening turns."""
+        if task.env is not None:
+            from dora import envs
+
+            self.env = envs.resolve(task.env)
         spec = task.reward or rewards.DEFAULT.get(task.name)
-        if spec is None:
+        if spec is None and self.env is None:
             raise ConfigError(f"task {task.name!r} needs task.reward (a module:function scoring a completion)")
-        self.reward = rewards.resolve(spec)
+        self.reward = rewards.resolve(spec) if spec else None
         self.timeout_s = task.reward_timeout_s
         self.about: dict[str, Any] = {"task": task.name}
         """What the task is, for the start report, the journal and the metrics."""
@@ -52,7 +59,10 @@ class TaskRun:
         self.rows = datasets.check_rows(raw, columns, where=task.dataset, prompt_field=task.prompt_field,
                                         messages_field=task.messages_field, answer_field=task.answer_field,
                                         system_prompt=task.system_prompt)  # fmt: skip
-        self.texts = [self.renderer.render(r.messages, f"{task.dataset} row {r.index}") for r in self.rows]
+        if self.env is None:
+            self.texts = [self.renderer.render(r.messages, f"{task.dataset} row {r.index}") for r in self.rows]
+        else:
+            self.texts = [self._episode(self._row_source(r.index)).prompt for r in range(len(self.rows))]
         lengths = [len(self.tokenizer.encode(t).ids) for t in self.texts]
         kept, filtered = datasets.kept_rows(self.rows, lambda r: lengths[r.index], task.max_prompt_tokens)
         self.epochs = datasets.Epochs(kept, task.seed)
@@ -64,8 +74,33 @@ class TaskRun:
                           fingerprint=digest.hexdigest()[:16])  # fmt: skip
         self.item = self._from_dataset
 
+    def _episode(self, item: tasks.Item) -> tasks.Item:
+        """An episode's item: its prompt is the environment's opening turns, rendered. ``meta["source"]`` is the
+        item ``reset`` was given, so a worker makes the same opening on its own instance. A reset that fails
+        here leaves the plain prompt (the worker's reset fails the same way and ends the episode, scored 0)."""
+        from dora import envs
+
+        assert self.env is not None
+        where = f"{item.task} item {item.index}"
+        try:
+            opening = envs.messages(self.env().reset(item), f"{self.env.__name__}.reset")
+            error = ""
+        except Exception as e:  # the environment is user code: its failure ends the episode, not the process
+            opening, error = [*self.system, {"role": "user", "content": item.prompt}], f"{type(e).__name__}: {e}"
+        meta = {**item.meta, "source": item, "messages": opening, "reset_error": error}
+        return tasks.Item(task=item.task, index=item.index, prompt=self.renderer.render(opening, where),
+                          answer=item.answer, meta=meta)  # fmt: skip
+
+    def _row_source(self, row: int) -> tasks.Item:
+        """Row ``row`` as an environment's item: its last user turn as the prompt, and its answer."""
+        turns = self.rows[row].messages
+        prompt = next((t["content"] for t in reversed(turns) if t["role"] == "user"), "")
+        return tasks.Item(task="dataset", index=row, prompt=prompt, answer=self.rows[row].answer, meta={"row": row})
+
     def _generated(self, group: int) -> tasks.Item:
         item = self.task.item(group)
+        if self.env is not None:
+            return self._episode(item)
         text = self.renderer.render((*self.system, {"role": "user", "content": item.prompt}), f"item {group}")
         return item if text == item.prompt else tasks.Item(task=item.task, index=item.index, prompt=text,
                                                            answer=item.answer, meta=item.meta)  # fmt: skip
@@ -78,6 +113,8 @@ class TaskRun:
 
     def row_item(self, row: int) -> tasks.Item:
         """Row ``row`` of the dataset as an item, outside any epoch order (evaluation reads rows in file order)."""
+        if self.env is not None:
+            return self._episode(self._row_source(row))
         return tasks.Item(task="dataset", index=row, prompt=self.texts[row], answer=self.rows[row].answer,
                           meta={"row": row})  # fmt: skip
 
@@ -92,6 +129,8 @@ class TaskRun:
         return self._score(self.row_item(row), tokens)
 
     def _score(self, item: tasks.Item, tokens: list[int]) -> rewards.Scored:
+        if self.reward is None:
+            raise ConfigError("an environment's task scores episodes, not completions (task.reward is unset)")
         text = self.tokenizer.decode(list(tokens), skip_special_tokens=True)
         return rewards.score(self.reward, text, item, timeout_s=self.timeout_s)
 

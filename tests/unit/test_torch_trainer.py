@@ -31,10 +31,11 @@ def sampled_batch(model_dir) -> m.TrainBatch:
         done += engine.step()
     groups = []
     for g, prompt in enumerate(PROMPTS):
+        end = {s.key: Finish.LENGTH if s.finish is None else s.finish for s in done}
         mine = sorted((s for s in done if s.group_id == g), key=lambda s: s.index)
         samples = tuple(m.TrainSample(index=s.index, token_ids=np.array(s.tokens, np.int32),
                                       logprobs=np.array(s.logprobs, np.float32), reward=float(sum(s.tokens) % 5),
-                                      finish=s.finish or Finish.LENGTH) for s in mine)  # fmt: skip
+                                      finish=end[s.key]) for s in mine)  # fmt: skip
         groups.append(m.TrainGroup(group_id=g, version=0, prompt_ids=np.array(prompt, np.int32), samples=samples))
     return m.TrainBatch(step=0, groups=tuple(groups))
 

@@ -34,6 +34,12 @@ class StepWorkerEngine:
         """(round, row) -> the request and its finished samples. Evaluation sequences run beside the training
         ones under group ids below zero (-1 - row), never reported as training samples."""
         self.evaluated: list[m.EvalFinished] = []
+        self.episodes = None
+        """Multi-turn episodes (task.env), driven on this engine (``dora.rollout.episodes``)."""
+        if task.env is not None:
+            from dora.rollout.episodes import Episodes
+
+            self.episodes = Episodes(engine, task)
 
     @property
     def tokens_generated(self) -> int:
@@ -44,7 +50,7 @@ class StepWorkerEngine:
         return self.engine.version
 
     def busy(self) -> bool:
-        return len(self.engine) > 0
+        return len(self.engine) > 0 or bool(self.episodes)
 
     def load_seconds(self) -> float:
         return 0.0  # loading happens in ``loaded``, synchronously
@@ -56,16 +62,22 @@ class StepWorkerEngine:
         self.engine.load_weights(version, uri.removeprefix("file://"), sha256 or None)
 
     def submit(self, gen: m.Generate, now: float) -> None:
+        if self.episodes is not None:
+            return self.episodes.submit(gen)
         self.engine.submit(group_id=gen.group_id, attempt=gen.attempt, prompt=gen.prompt_ids.tolist(),
                            n=gen.n_samples, max_tokens=gen.max_tokens, temperature=gen.temperature,
                            top_p=gen.top_p, seed=gen.seed)  # fmt: skip
 
     def export(self, group: int, attempt: int, now: float) -> list[m.RequestState]:
+        if self.episodes is not None:
+            return self.episodes.export(group, attempt)
         return [m.RequestState(index=st["index"], token_ids=st["token_ids"], logprobs=st["logprobs"],
                                rng_state=st["rng_state"], kv=st["kv"])
                 for st in self.engine.export(group, attempt)]  # fmt: skip
 
     def import_(self, mig: m.MigrateIn, now: float) -> None:
+        if self.episodes is not None:
+            return self.episodes.import_(mig)
         states = [{"index": r.index, "token_ids": r.token_ids, "logprobs": r.logprobs, "rng_state": r.rng_state,
                    "kv": r.kv} for r in mig.requests]  # fmt: skip
         self.engine.import_(group_id=mig.group_id, attempt=mig.attempt, prompt=mig.prompt_ids.tolist(),
@@ -73,15 +85,29 @@ class StepWorkerEngine:
                             top_p=mig.top_p)  # fmt: skip
 
     def cancel(self, group: int, attempt: int, now: float) -> None:
+        if self.episodes is not None:
+            return self.episodes.cancel(group, attempt)
         self.engine.cancel(group, attempt)
 
     def advance(self, now: float) -> None:
-        if self.busy() and self.engine.version is not None:
-            for seq in self.engine.step():
-                if seq.group_id >= 0:
-                    self.finished.append(seq)
-                else:
-                    self._eval_sample(seq)
+        if self.episodes is not None:
+            self.episodes.advance(self._evaluated_step)
+            self.finished += self.episodes.take_finished()
+        elif self.busy() and self.engine.version is not None:
+            for seq in self._evaluated_step():
+                self.finished.append(seq)
+
+    def _evaluated_step(self) -> list[Any]:
+        """One engine step; the held-out evaluation samples it finished are taken here, the rest returned."""
+        if not len(self.engine) or self.engine.version is None:
+            return []
+        done = []
+        for seq in self.engine.step():
+            if seq.group_id >= 0:
+                done.append(seq)
+            else:
+                self._eval_sample(seq)
+        return done
 
     # ------------------------------------------------------------------ held-out evaluation
 
@@ -135,15 +161,19 @@ class StepWorkerEngine:
         return done
 
     def next_event_s(self) -> float | None:
-        return 0.0 if self.busy() else None
+        if len(self.engine):
+            return 0.0
+        return 0.002 if self.busy() else None  # episodes waiting on their environment only: look again soon
 
     def result(self, s: Any, broker_epoch: int) -> m.SampleFinished:
+        if self.episodes is not None:
+            return self.episodes.result(s, broker_epoch)
         scored = self.task.score(s.group_id, s.tokens)
         return m.SampleFinished(
             group_id=s.group_id, attempt=s.attempt, index=s.index,
             segments=np.array([[self.engine.version, len(s.tokens)]], dtype=np.int32),
             token_ids=np.array(s.tokens, dtype=np.int32), logprobs=np.array(s.logprobs, dtype=np.float32),
-            reward=scored.reward, finish=s.finish or Finish.LENGTH, broker_epoch=broker_epoch,
+            reward=scored.reward, finish=Finish.LENGTH if s.finish is None else s.finish, broker_epoch=broker_epoch,
             reward_components=scored.components, reward_error=scored.reason,
         )  # fmt: skip
 
@@ -151,6 +181,8 @@ class StepWorkerEngine:
         return self.engine.load()
 
     def clear(self) -> None:
+        if self.episodes is not None:
+            self.episodes.clear()
         for group, attempt in self.engine.groups():
             self.engine.cancel(group, attempt)
         self.finished.clear()

@@ -135,37 +135,54 @@ class TorchEngine:
 
     def export(self, group_id: int, attempt: int, *, with_kv: bool = True) -> list[dict[str, Any]]:
         """Remove the group's unfinished samples and return their state (prefix, log-probs, RNG, KV)."""
-        out = []
-        for seq in self._take(group_id, attempt):
-            state: dict[str, Any] = {
-                "index": seq.index,
-                "token_ids": np.array(seq.tokens, dtype=np.int32),
-                "logprobs": np.array(seq.logprobs, dtype=np.float32),
-                "rng_state": seq.generator.get_state().numpy().tobytes(),
-                "kv": (),
-            }
-            if with_kv and seq.kv is not None:
-                state["kv"] = tuple(t.cpu().numpy() for pair in seq.kv for t in pair)
-            out.append(state)
-        return out
+        return [self.state(seq, with_kv=with_kv) for seq in self._take(group_id, attempt)]
+
+    def state(self, seq: Sequence, *, with_kv: bool = True) -> dict[str, Any]:
+        """What ``import_`` resumes a sequence from: prefix, log-probs, loss mask, RNG state, KV (an episode's
+        sequence between turns too: its kept cache)."""
+        state: dict[str, Any] = {
+            "index": seq.index,
+            "token_ids": np.array(seq.tokens, dtype=np.int32),
+            "logprobs": np.array(seq.logprobs, dtype=np.float32),
+            "mask": np.array(seq.mask, dtype=np.uint8),
+            "rng_state": seq.generator.get_state().numpy().tobytes(),
+            "kv": (),
+        }
+        if with_kv and seq.kv is not None:
+            state["kv"] = tuple(t.cpu().numpy() for pair in seq.kv for t in pair)
+        return state
 
     def import_(self, *, group_id: int, attempt: int, prompt: list[int], requests: list[dict[str, Any]],
-                max_tokens: int, temperature: float = 1.0, top_p: float = 1.0) -> None:  # fmt: skip
-        """Resume exported samples here: with their KV cache as is, or re-prefilled from prompt + prefix."""
+                max_tokens: int, temperature: float = 1.0, top_p: float = 1.0, stops: frozenset[int] = frozenset(),
+                keep_kv: bool = False) -> list[Sequence]:  # fmt: skip
+        """Resume exported samples here: with their KV cache as is, or re-prefilled from prompt + prefix.
+
+        An episode's state (``keep_kv``) may carry ``mask`` and ``turn_start`` (where its open turn began); one
+        with ``paused`` set ended its turn and waits on its environment: it is returned, not queued, and its
+        next turn starts with ``extend``. Returns the sequences made, in the order of ``requests``."""
+        out = []
         for st in requests:
             g = torch.Generator(device="cpu")
             g.set_state(torch.frombuffer(bytearray(st["rng_state"]), dtype=torch.uint8))
+            tokens = [int(x) for x in st["token_ids"]]
+            mask = st.get("mask")
             seq = Sequence(group_id=group_id, attempt=attempt, index=st["index"], prompt=list(prompt),
-                           max_tokens=max_tokens, temperature=temperature, top_p=top_p, generator=g,
-                           tokens=[int(x) for x in st["token_ids"]],
-                           logprobs=[float(x) for x in st["logprobs"]])  # fmt: skip
+                           max_tokens=max_tokens, temperature=temperature, top_p=top_p, generator=g, tokens=tokens,
+                           logprobs=[float(x) for x in st["logprobs"]],
+                           mask=[1] * len(tokens) if mask is None or not len(mask) else [int(x) for x in mask],
+                           turn_start=int(st.get("turn_start", 0)), stops=stops, keep_kv=keep_kv)  # fmt: skip
+            out.append(seq)
             kv = st.get("kv") or ()
             if kv and seq.tokens:
                 t = [torch.from_numpy(np.array(a)).to(self.device) for a in kv]
                 seq.kv = [(t[2 * i], t[2 * i + 1]) for i in range(len(t) // 2)]
-                self.running.append(seq) if len(self.running) < self.max_slots else self.waiting.appendleft(seq)
+            if st.get("paused"):
+                seq.finish = Finish.STOP
+            elif seq.kv is not None and seq.kv[0][0].shape[1] == seq.positions and len(self.running) < self.max_slots:
+                self.running.append(seq)
             else:
-                self.waiting.appendleft(seq)  # re-prefilled when admitted
+                self.waiting.appendleft(seq)  # (re-)prefilled, or its cache caught up, when admitted
+        return out
 
     def cancel(self, group_id: int, attempt: int) -> None:
         self._take(group_id, attempt)
