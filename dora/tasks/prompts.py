@@ -62,7 +62,7 @@ class TaskRun:
         if self.env is None:
             self.texts = [self.renderer.render(r.messages, f"{task.dataset} row {r.index}") for r in self.rows]
         else:
-            self.texts = [self._episode(self._row_source(r.index)).prompt for r in range(len(self.rows))]
+            self.texts = [self._episode(self._row_source(r)).prompt for r in range(len(self.rows))]
         lengths = [len(self.tokenizer.encode(t).ids) for t in self.texts]
         kept, filtered = datasets.kept_rows(self.rows, lambda r: lengths[r.index], task.max_prompt_tokens)
         self.epochs = datasets.Epochs(kept, task.seed)
