@@ -81,8 +81,10 @@ class Episodes:
 
     # ------------------------------------------------------------------ requests
 
-    def submit(self, gen: m.Generate) -> None:
-        item = self.task.item(gen.group_id)
+    def submit(self, gen: m.Generate, item: Item | None = None) -> None:
+        """Start the lease's episodes (``item``: the task's item of another kind of request, e.g. a held-out
+        row; default the group's)."""
+        item = item or self.task.item(gen.group_id)
         budget = min(gen.max_tokens, self.cfg.max_episode_tokens)
         seqs = self.engine.submit(group_id=gen.group_id, attempt=gen.attempt, prompt=gen.prompt_ids.tolist(),
                                   n=gen.n_samples, max_tokens=budget, temperature=gen.temperature,
@@ -265,11 +267,16 @@ class Episodes:
             group_id=seq.group_id, attempt=seq.attempt, index=seq.index,
             segments=np.array([[self.engine.version, len(seq.tokens)]], dtype=np.int32),
             token_ids=np.array(seq.tokens, np.int32), logprobs=np.array(seq.logprobs, np.float32),
-            reward=0.0 if ep.reason else ep.reward, finish=finish, broker_epoch=broker_epoch,
+            reward=score(ep)[0], finish=finish, broker_epoch=broker_epoch,
             reward_components={"turns": float(len(ep.turns)), "env_failed": float(bool(ep.reason))},
             reward_error=ep.reason, loss_mask=np.zeros_like(mask) if masked else mask,
             turns=turns[:0] if masked else turns,
         )  # fmt: skip
+
+
+def score(ep: Episode) -> tuple[float, str]:
+    """An ended episode's reward (0 when its environment failed) and the failure, if any."""
+    return (0.0, ep.reason) if ep.reason else (ep.reward, "")
 
 
 def failure(e: BaseException, timeout_s: float) -> str:

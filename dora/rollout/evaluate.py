@@ -12,8 +12,11 @@ no part in what the broker dispatches or trains.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
+
+import numpy as np
 
 from dora.tasks.heldout import summarize
 from dora.tasks.prompts import TaskRun
@@ -26,6 +29,10 @@ def evaluate(engine: Any, task: TaskRun, *, samples: int = 1, temperature: float
         raise ValueError("eval: samples must be >= 1, and 1 with greedy decoding (temperature 0)")
     started = time.perf_counter()
     rows = task.rows[:limit] if limit else task.rows
+    if task.env is not None:
+        out = asyncio.run(_episodes(engine, task, rows, samples=samples, temperature=temperature,
+                                    max_tokens=max_tokens, seed=seed))  # fmt: skip
+        return {**out, "seconds": round(time.perf_counter() - started, 3)}
     for r in rows:
         prompt = task.tokenizer.encode(task.texts[r.index]).ids
         engine.submit(group_id=r.index, attempt=0, prompt=prompt, n=samples, max_tokens=max_tokens,
@@ -47,4 +54,37 @@ def evaluate(engine: Any, task: TaskRun, *, samples: int = 1, temperature: float
         lengths.append([len(s.tokens) for s in done[r.index]])
     out: dict[str, Any] = summarize(per_row, lengths)
     out.update(reward_failures=float(failed), seconds=round(time.perf_counter() - started, 3))
+    return out
+
+
+async def _episodes(engine: Any, task: TaskRun, rows: list[Any], *, samples: int, temperature: float, max_tokens: int,
+                    seed: int) -> dict[str, Any]:  # fmt: skip
+    """An environment's task: each row's ``samples`` episodes, scored by the environment (a success is a reward of
+    at least 1). Runs on its own event loop, from a process's main thread (dora run, dora eval)."""
+    from dora.rollout.episodes import Episodes, score
+    from dora.wire import messages as m
+
+    episodes = Episodes(engine, task)
+    for r in rows:
+        prompt = np.array(task.tokenizer.encode(task.texts[r.index]).ids, np.int32)
+        episodes.submit(m.Generate(group_id=r.index, attempt=0, version=engine.version or 0, prompt_ids=prompt,
+                                   n_samples=samples, max_tokens=max_tokens, temperature=temperature, seed=seed),
+                        task.row_item(r.index))  # fmt: skip
+    done: dict[int, list[Any]] = {r.index: [] for r in rows}
+    while len(episodes):
+        episodes.advance()
+        for ep in episodes.take_finished():
+            done[ep.seq.group_id].append(ep)
+        await asyncio.sleep(0 if len(engine) else 0.002)
+    for ep in episodes.take_finished():
+        done[ep.seq.group_id].append(ep)
+    per_row, lengths, failed = [], [], 0
+    for r in rows:
+        eps = sorted(done[r.index], key=lambda e: e.seq.index)
+        scored = [score(ep) for ep in eps]
+        failed += sum(bool(reason) for _, reason in scored)
+        per_row.append([reward for reward, _ in scored])
+        lengths.append([len(ep.seq.tokens) for ep in eps])
+    out: dict[str, Any] = summarize(per_row, lengths)
+    out.update(reward_failures=float(failed), turns=float(np.mean([len(e.turns) for v in done.values() for e in v])))
     return out

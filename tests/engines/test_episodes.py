@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import pathlib
 import time
 
 import numpy as np
@@ -201,3 +202,50 @@ def test_a_bad_environment_spec_is_one_clear_error(tiny_model):
         worker(tiny_model, "Counting", turn_end=("not one token",))
     with pytest.raises(ConfigError, match="env_failure"):
         dataclasses.replace(TaskSection(), env_failure="drop")
+
+
+GUESS = pathlib.Path(__file__).resolve().parents[2] / "examples" / "data" / "guess" / "test.jsonl"
+
+
+class Oracle:
+    """The guessing game, answered right at once when the turn says the secret's parity matches (reward 1), and
+    never otherwise: a success rate the test knows from the secrets alone."""
+
+    def __init__(self) -> None:
+        self.secret = 0
+
+    def reset(self, item):
+        self.secret = int(item.answer)
+        return [{"role": "user", "content": item.prompt}]
+
+    def step(self, action):
+        return [], float(self.secret % 2 == 0), True
+
+
+def test_held_out_evaluation_of_an_environment_scores_its_episodes(tiny_model):
+    from dora.rollout.evaluate import evaluate
+
+    section = TaskSection(dataset=str(GUESS), prompt_field="question", tokenizer=str(tiny_model), chat_template=True,
+                          env=f"{HERE}:Oracle")  # fmt: skip
+    task = TaskRun(section, str(tiny_model))
+    out = evaluate(TorchEngine(tiny_model, version=0), task, max_tokens=4, limit=20)
+    even = sum(int(r.answer) % 2 == 0 for r in task.rows[:20])
+    assert out["rows"] == 20 and out["accuracy"] == even / 20 and out["turns"] == 1.0 and out["reward_failures"] == 0
+
+
+async def test_a_workers_evaluation_round_runs_episodes(tiny_model):
+    section = TaskSection(dataset=str(GUESS), prompt_field="question", tokenizer=str(tiny_model), chat_template=True,
+                          env=f"{HERE}:Oracle")  # fmt: skip
+    task = TaskRun(section, str(tiny_model))
+    w = StepWorkerEngine(TorchEngine(tiny_model, version=3), task, held_out=task)
+    for row in range(4):
+        assert w.evaluate(m.Evaluate(version=3, round=1, row=row, prompt_ids=task.prompt_ids(row), n_samples=2,
+                                     max_tokens=4, temperature=1.0, seed=row), 0.0)  # fmt: skip
+    got = []
+    while len(got) < 4:
+        w.advance(0.0)
+        got += w.take_evaluated()
+        await asyncio.sleep(0.002)
+    assert not w.take_finished(), "evaluation is never training traffic"
+    for e in sorted(got, key=lambda e: e.row):
+        assert e.rewards.tolist() == [float(int(task.rows[e.row].answer) % 2 == 0)] * 2 and e.failed == 0

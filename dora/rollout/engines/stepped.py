@@ -92,7 +92,8 @@ class StepWorkerEngine:
     def advance(self, now: float) -> None:
         if self.episodes is not None:
             self.episodes.advance(self._evaluated_step)
-            self.finished += self.episodes.take_finished()
+            for ep in self.episodes.take_finished():
+                self.finished.append(ep) if ep.seq.group_id >= 0 else self._eval_sample(ep)
         elif self.busy() and self.engine.version is not None:
             for seq in self._evaluated_step():
                 self.finished.append(seq)
@@ -103,7 +104,7 @@ class StepWorkerEngine:
             return []
         done = []
         for seq in self.engine.step():
-            if seq.group_id >= 0:
+            if seq.group_id >= 0 or seq.keep_kv:  # an episode's turn, held-out or not: the episode goes on
                 done.append(seq)
             else:
                 self._eval_sample(seq)
@@ -119,6 +120,12 @@ class StepWorkerEngine:
         if (msg.round, msg.row) in self.eval_open:
             return True  # a copy of a request in progress
         self.eval_open[(msg.round, msg.row)] = (msg, [])
+        if self.episodes is not None:  # the row's episodes, with the held-out row's environment opening
+            gen = m.Generate(group_id=-1 - msg.row, attempt=msg.round, version=msg.version, prompt_ids=msg.prompt_ids,
+                             n_samples=msg.n_samples, max_tokens=msg.max_tokens, temperature=msg.temperature,
+                             seed=msg.seed)  # fmt: skip
+            self.episodes.submit(gen, self.held_out.row_item(msg.row))
+            return True
         self.engine.submit(group_id=-1 - msg.row, attempt=msg.round, prompt=msg.prompt_ids.tolist(),
                            n=msg.n_samples, max_tokens=msg.max_tokens, temperature=msg.temperature,
                            seed=msg.seed)  # fmt: skip
@@ -130,30 +137,37 @@ class StepWorkerEngine:
     def drop_evaluations(self) -> None:
         """Cancel every evaluation request (weights swapped under them: partial mode's interrupt)."""
         for (round_, row), _ in self.eval_open.items():
-            self.engine.cancel(-1 - row, round_)
+            (self.episodes or self.engine).cancel(-1 - row, round_)
         self.eval_open.clear()
 
     def take_evaluated(self) -> list[m.EvalFinished]:
         done, self.evaluated = self.evaluated, []
         return done
 
-    def _eval_sample(self, seq: Any) -> None:
+    def _eval_sample(self, sample: Any) -> None:
+        """A finished held-out sample (a sequence, or an episode whose environment scored it)."""
+        seq = getattr(sample, "seq", sample)
         key = (seq.attempt, -1 - seq.group_id)
         if key not in self.eval_open:
             return
         msg, samples = self.eval_open[key]
-        samples.append(seq)
+        samples.append(sample)
         if len(samples) < msg.n_samples:
             return
         del self.eval_open[key]
         assert self.held_out is not None
-        samples.sort(key=lambda s: s.index)
-        scored = [self.held_out.score_row(msg.row, s.tokens) for s in samples]
+        samples.sort(key=lambda s: getattr(s, "seq", s).index)
+        if self.episodes is not None:
+            from dora.rollout.episodes import score
+
+            scored = [score(ep) for ep in samples]
+        else:
+            scored = [(x.reward, x.reason) for x in (self.held_out.score_row(msg.row, s.tokens) for s in samples)]
         self.evaluated.append(m.EvalFinished(
             version=msg.version, round=msg.round, row=msg.row,
-            rewards=np.array([x.reward for x in scored], dtype=np.float32),
-            lengths=np.array([len(s.tokens) for s in samples], dtype=np.int32),
-            failed=sum(bool(x.reason) for x in scored),
+            rewards=np.array([reward for reward, _ in scored], dtype=np.float32),
+            lengths=np.array([len(getattr(s, "seq", s).tokens) for s in samples], dtype=np.int32),
+            failed=sum(bool(reason) for _, reason in scored),
         ))  # fmt: skip
 
     def take_finished(self) -> list[Any]:
