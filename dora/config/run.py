@@ -406,6 +406,9 @@ class SftSection:
     """Seeds torch and the order of the rows in each epoch."""
     threads: int = 0
     """torch CPU threads; 0 = all of this machine's cores."""
+    trace_field: str | None = None
+    """task.env: the dataset column holding each row's recorded episode after the opening (chat turns); the
+    assistant turns are trained on (max_answer_tokens bounds their tokens), the environment's are context."""
 
     def __post_init__(self) -> None:
         for key in ("epochs", "batch_size", "max_answer_tokens"):

@@ -45,14 +45,29 @@ class Guess:
         return [{"role": "user", "content": "higher" if guess < self.secret else "lower"}], None, False
 
 
+def bisection(secret: int) -> list[dict[str, str]]:
+    """The episode of a player who always guesses the middle of what is left (at most 7 turns)."""
+    low, high, turns = LOW, HIGH, []
+    while True:
+        guess = (low + high) // 2
+        turns.append({"role": "assistant", "content": str(guess)})
+        if guess == secret:
+            return turns
+        turns.append({"role": "user", "content": "higher" if guess < secret else "lower"})
+        low, high = (guess + 1, high) if guess < secret else (low, guess - 1)
+
+
 def write_rows(folder: str | pathlib.Path, *, train: int = 2000, test: int = 200, seed: int = 0) -> None:
+    """``train.jsonl`` and ``test.jsonl``: ``question``, ``answer`` (the secret) and ``trace`` (a bisecting
+    player's episode, for a warm start)."""
     out = pathlib.Path(folder)
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     for name, n in (("train", train), ("test", test)):
         with open(out / f"{name}.jsonl", "w") as f:
             for secret in rng.integers(LOW, HIGH + 1, size=n):
-                f.write(json.dumps({"question": "Your guess?", "answer": str(int(secret))}) + "\n")
+                row = {"question": "Your guess?", "answer": str(int(secret)), "trace": bisection(int(secret))}
+                f.write(json.dumps(row) + "\n")
 
 
 if __name__ == "__main__":

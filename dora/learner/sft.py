@@ -49,6 +49,9 @@ class Example:
     row: int
     ids: tuple[int, ...]
     prompt_len: int
+    trained: tuple[bool, ...] | None = None
+    """Per token after the prompt, whether the loss covers it (an episode: the assistant's turns, not the
+    environment's); None: all of them."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -116,7 +119,56 @@ def collate(batch: Sequence[Example], pad_id: int) -> tuple[torch.Tensor, torch.
     for b, e in enumerate(batch):
         ids[b, : len(e.ids)] = torch.tensor(e.ids)
         labels[b, e.prompt_len : len(e.ids)] = ids[b, e.prompt_len : len(e.ids)]
+        if e.trained is not None:
+            labels[b, e.prompt_len : len(e.ids)][~torch.tensor(e.trained, dtype=torch.bool)] = IGNORE
     return ids, labels
+
+
+def encode_episodes(run: TaskRun, field: str, max_answer_tokens: int) -> Examples:
+    """An environment's task: each kept row's opening (the prompt RL sends), then its recorded episode (column
+    ``field``: the chat turns after the opening). Assistant turns are trained on, each with the turn's end token;
+    the environment's turns are context, rendered exactly as a worker renders them between turns."""
+    from dora.rollout.episodes import observation_text, stop_ids
+    from dora.tasks import datasets
+
+    assert run.env is not None and run.epochs is not None
+    stop = stop_ids(run, run.section.turn_end)
+    if not stop:
+        raise ConfigError("sft.trace_field needs task.turn_end: the token that ends an assistant turn")
+    said = run.tokenizer.decode([stop[0]], skip_special_tokens=False)
+    raw, _ = datasets.read_table(run.section.dataset, run.section.split)
+    items, truncated, answer_tokens = [], 0, 0
+    for i in run.epochs.kept.tolist():
+        trace = raw[i].get(field)
+        if (
+            not isinstance(trace, list)
+            or not trace
+            or any(not isinstance(t, dict) or not isinstance(t.get("content"), str) for t in trace)
+        ):
+            raise ConfigError(f"{run.section.dataset} row {i}: {field!r} must be a list of {{role, content}} turns")
+        chat = list(run.row_item(i).meta["messages"])
+        ids, trained = list(run.tokenizer.encode(run.texts[i]).ids), []
+        prompt_len = len(ids)
+        for k, turn in enumerate(trace):
+            if turn.get("role") != "assistant":
+                continue
+            if chat[-1]["role"] == "assistant":  # the environment's turns since the last assistant turn
+                before = next(j for j in range(k - 1, -1, -1) if trace[j].get("role") == "assistant")
+                observation = [dict(t) for t in trace[before + 1 : k]]
+                text = observation_text(run.renderer, chat[:-1], observation, said)
+                env = run.tokenizer.encode(text, add_special_tokens=False).ids
+                ids, trained = ids + env, trained + [False] * len(env)
+                chat += observation
+            model = [*run.tokenizer.encode(turn["content"], add_special_tokens=False).ids, stop[0]]
+            ids, trained = ids + model, trained + [True] * len(model)
+            chat.append({"role": "assistant", "content": turn["content"]})
+        if sum(trained) > max_answer_tokens:
+            truncated += 1
+            keep = next(j for j in range(len(trained)) if sum(trained[: j + 1]) == max_answer_tokens) + 1
+            ids, trained = ids[: prompt_len + keep], trained[:keep]
+        answer_tokens += sum(trained)
+        items.append(Example(row=i, ids=tuple(ids), prompt_len=prompt_len, trained=tuple(trained)))
+    return Examples(items=items, truncated=truncated, answer_tokens=answer_tokens)
 
 
 def answer_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -242,7 +294,12 @@ def run(cfg: RunConfig) -> pathlib.Path:
     task = TaskRun(cfg.task, cfg.task.tokenizer or str(start))
     torch.set_num_threads(sft.threads or os.cpu_count() or 1)
     model = load_model(start)
-    data = encode(task, eos_id(model), sft.max_answer_tokens)
+    if task.env is not None:
+        if not sft.trace_field:
+            raise ConfigError("dora sft on an environment's task needs sft.trace_field (recorded episodes to imitate)")
+        data = encode_episodes(task, sft.trace_field, sft.max_answer_tokens)
+    else:
+        data = encode(task, eos_id(model), sft.max_answer_tokens)
     vocab = model.get_input_embeddings().num_embeddings
     if max(max(e.ids) for e in data.items) >= vocab:
         raise ConfigError(f"the tokenizer of {cfg.task.tokenizer or start} has ids past the model's {vocab} embeddings")

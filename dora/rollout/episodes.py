@@ -38,6 +38,7 @@ from dora.tasks.prompts import TaskRun
 from dora.tasks.tasks import Item
 from dora.wire import messages as m
 
+Messages = list[dict[str, str]]
 ACTION = "\u27e6dora:action\u27e7"
 """Stands for the sampled turn while the history is rendered: the observation's text is what follows it."""
 
@@ -223,22 +224,20 @@ class Episodes:
         assert ep.ready is not None
         await ep.ready
         answer = envs.answer(await self._run(ep.env.step, action))
-        turn = {"role": "assistant", "content": ACTION}
+        turn = {"role": "assistant", "content": action}
         if answer.done or not answer.observation:
             if not answer.done:
                 raise envs.EnvError("step answered no observation and not done")
-            ep.messages += [{**turn, "content": action}]
+            ep.messages.append(turn)
             return answer, []
-        try:
-            text = self.task.renderer.render([*ep.messages, turn, *answer.observation])
-        except ConfigError as e:
-            raise envs.EnvError(f"the observation does not render: {e}") from None
-        after = text[text.rindex(ACTION) + len(ACTION) :]
-        last = ep.seq.tokens[-1]
+        last, said = ep.seq.tokens[-1], ""
         if ep.seq.finish is Finish.STOP and last in self.stops:
             said = self.task.tokenizer.decode([last], skip_special_tokens=False)
-            after = after.removeprefix(said)  # the model ended its turn itself: the template's end is said
-        ep.messages += [{**turn, "content": action}, *answer.observation]
+        try:
+            after = observation_text(self.task.renderer, ep.messages, answer.observation, said)
+        except ConfigError as e:
+            raise envs.EnvError(f"the observation does not render: {e}") from None
+        ep.messages += [turn, *answer.observation]
         tokens = self.task.tokenizer.encode(after, add_special_tokens=False).ids
         if not tokens:
             raise envs.EnvError("the observation rendered to no tokens")
@@ -272,6 +271,14 @@ class Episodes:
             reward_error=ep.reason, loss_mask=np.zeros_like(mask) if masked else mask,
             turns=turns[:0] if masked else turns,
         )  # fmt: skip
+
+
+def observation_text(renderer: Any, chat: Messages, observation: Messages, said: str = "") -> str:
+    """What the chat template puts between an assistant turn (the one after ``chat``) and the next one: the turn's
+    end (but ``said``, the end the model sampled itself), the observation's turns, the next turn's start. A
+    placeholder stands for the turn's content, so the text does not depend on what the model said."""
+    text = renderer.render([*chat, {"role": "assistant", "content": ACTION}, *observation])
+    return text[text.rindex(ACTION) + len(ACTION) :].removeprefix(said)
 
 
 def score(ep: Episode) -> tuple[float, str]:

@@ -293,3 +293,35 @@ def test_help_lists_sft_and_never_imports_torch():
     assert "HEAVY []" in r.stdout and "sft.out" in r.stdout, r.stdout + r.stderr
     r = subprocess.run([sys.executable, "-m", "dora", "--help"], capture_output=True, text=True, timeout=60)
     assert "sft" in r.stdout and "warm start" in r.stdout
+
+
+def test_recorded_episodes_train_the_assistant_turns_with_the_workers_rendering(tiny_model, tmp_path):
+    """An environment's rows: the opening is the RL prompt, each assistant turn and its end token are trained on,
+    and the tool's turn in between is context, rendered exactly as a worker appends it after a sampled turn."""
+    from dora.rollout.episodes import observation_text
+
+    rows = tmp_path / "calc.jsonl"
+    rows.write_text("".join((ROOT / "examples/data/calculator/train.jsonl").read_text().splitlines(True)[:4]))
+    run = TaskRun(load(RunConfig, overrides=[f"task.dataset={rows}", "task.prompt_field=question",
+                                             "task.chat_template=true", "task.env=dora.envs.calculator:Calculator",
+                                             "sft.trace_field=trace"]).task, str(tiny_model))  # fmt: skip
+    data = sft.encode_episodes(run, "trace", max_answer_tokens=64)
+    tool, alone = data.items[0], data.items[1]
+    decode = run.tokenizer.decode
+    for e in (tool, alone):
+        assert list(e.ids[: e.prompt_len]) == run.tokenizer.encode(run.texts[e.row]).ids
+    after = tool.ids[tool.prompt_len :]
+    trained = [t for t, keep in zip(after, tool.trained, strict=True) if keep]
+    context = [t for t, keep in zip(after, tool.trained, strict=True) if not keep]
+    answer = run.rows[0].answer
+    question = run.rows[0].messages[-1]["content"].rstrip("=")
+    assert decode(trained, skip_special_tokens=False) == f"calc {question}<|im_end|>answer {answer}<|im_end|>"
+    chat = [*run.row_item(0).meta["messages"], {"role": "assistant", "content": f"calc {question}"}]
+    expected = observation_text(run.renderer, chat[:-1], [{"role": "tool", "content": f"= {answer}"}], "<|im_end|>")
+    rendered = f"\n<|im_start|>tool\n= {answer}<|im_end|>\n<|im_start|>assistant\n"
+    assert decode(context, skip_special_tokens=False) == expected == rendered
+    assert all(alone.trained) and decode(list(alone.ids[alone.prompt_len :]), skip_special_tokens=False) == (
+        f"answer {run.rows[1].answer}<|im_end|>"
+    )
+    _, labels = sft.collate([tool], pad_id=0)
+    assert (labels[0] != sft.IGNORE).sum() == sum(tool.trained)
