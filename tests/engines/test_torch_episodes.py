@@ -37,18 +37,19 @@ def test_an_episode_turn_continues_on_its_kept_cache_as_a_fresh_prefix_would(tin
     assert all(s.kv is not None and s.kv[0][0].shape[1] == s.positions for s in ended)
     first = [len(s.tokens) for s in seqs]
     states = [s.generator.get_state() for s in seqs]
-    for s in seqs:
-        e.extend(s, OBS)
-        assert s.mask[-len(OBS) :] == [0] * len(OBS) and s.logprobs[-len(OBS) :] == [0.0] * len(OBS)
+    answers = [OBS, OBS[:2]]  # answers of different lengths, caught up in one padded pass
+    for s, obs in zip(seqs, answers, strict=True):
+        e.extend(s, obs)
+        assert s.mask[-len(obs) :] == [0] * len(obs) and s.logprobs[-len(obs) :] == [0.0] * len(obs)
     if crowd:
         e.submit(group_id=9, attempt=2, prompt=[5, 6], n=2, max_tokens=30, seed=2)
     drain(e)
-    for s, n, state in zip(seqs, first, states, strict=True):
-        assert s.mask == [1] * n + [0] * len(OBS) + [1] * (len(s.tokens) - n - len(OBS))
-        assert s.turn_start == n + len(OBS) and len(s.tokens) > n + len(OBS)
+    for s, n, state, obs in zip(seqs, first, states, answers, strict=True):
+        assert s.mask == [1] * n + [0] * len(obs) + [1] * (len(s.tokens) - n - len(obs))
+        assert s.turn_start == n + len(obs) and len(s.tokens) > n + len(obs)
         # the reference: the whole prefix re-prefilled from scratch, the sampler where the turn left it
         ref = TorchEngine(tiny_model, version=0)
-        prefix = s.tokens[: n + len(OBS)]
+        prefix = s.tokens[: n + len(obs)]
         ref.import_(group_id=2, attempt=1, prompt=PROMPT,
                     requests=[{"index": s.index, "token_ids": prefix, "logprobs": [0.0] * len(prefix),
                                "rng_state": state.numpy().tobytes(), "kv": ()}],

@@ -213,9 +213,7 @@ class TorchEngine:
         while self.waiting and len(self.running) + len(admitted) < self.max_slots:
             admitted.append(self.waiting.popleft())
         self._prefill([s for s in admitted if s.kv is None])
-        for seq in admitted:
-            if seq.kv is not None and seq.kv[0][0].shape[1] < seq.positions:
-                self._catch_up(seq)
+        self._catch_up([s for s in admitted if s.kv is not None and s.kv[0][0].shape[1] < s.positions])
         done = [s for s in admitted if s.finish is not None]
         self.running += [s for s in admitted if s.finish is None]
         if self.running:
@@ -256,17 +254,38 @@ class TorchEngine:
         if first:
             self._sample(first, torch.stack(last))
 
-    def _catch_up(self, seq: Sequence) -> None:
-        """Prefill the tokens an episode's sequence gained since its cache was made (the end of its last turn and
-        the environment's answer, but the newest token), on top of that cache."""
+    def _catch_up(self, seqs: list[Sequence]) -> None:
+        """Prefill the tokens episodes' sequences gained since their caches were made (the end of the last turn and
+        the environment's answer, but the newest token), on top of those caches, in one forward pass: caches
+        left-padded to the longest, new tokens right-padded, both masked; position ids continue each cache."""
+        if not seqs:
+            return
         from transformers import DynamicCache
 
-        have = seq.kv[0][0].shape[1]
-        feed = (seq.prompt + seq.tokens)[have : seq.positions]
-        cache = DynamicCache(ddp_cache_data=[(k[None], v[None]) for k, v in seq.kv])
-        out = self.model(input_ids=torch.tensor([feed], device=self.device), past_key_values=cache, use_cache=True,
-                         position_ids=torch.arange(have, seq.positions, device=self.device)[None])  # fmt: skip
-        seq.kv = [(layer.keys[0], layer.values[0]) for layer in out.past_key_values.layers]
+        have = [s.kv[0][0].shape[1] for s in seqs]
+        feeds = [(s.prompt + s.tokens)[h : s.positions] for s, h in zip(seqs, have, strict=True)]
+        past, width = max(have), max(map(len, feeds))
+        data = []
+        for layer in range(len(seqs[0].kv)):
+            k0 = seqs[0].kv[layer][0]
+            keys = k0.new_zeros((len(seqs), k0.shape[0], past, k0.shape[2]))
+            values = keys.clone()
+            for b, s in enumerate(seqs):
+                keys[b, :, past - have[b] :], values[b, :, past - have[b] :] = s.kv[layer]
+            data.append((keys, values))
+        ids = torch.zeros((len(seqs), width), dtype=torch.long)
+        mask = torch.zeros((len(seqs), past + width), dtype=torch.long)
+        for b, (h, feed) in enumerate(zip(have, feeds, strict=True)):
+            ids[b, : len(feed)] = torch.tensor(feed)
+            mask[b, past - h : past + len(feed)] = 1
+        positions = torch.tensor(have)[:, None] + torch.arange(width)[None]
+        out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                         position_ids=positions.to(self.device), past_key_values=DynamicCache(ddp_cache_data=data),
+                         use_cache=True)  # fmt: skip
+        for b, (s, h, feed) in enumerate(zip(seqs, have, feeds, strict=True)):
+            span = slice(past - h, past + len(feed))
+            s.kv = [(layer.keys[b, :, span].clone(), layer.values[b, :, span].clone())
+                    for layer in out.past_key_values.layers]  # fmt: skip
 
     def _keep(self, seqs: list[Sequence]) -> None:
         """Copy the rows of the last decode batch's cache that belong to ``seqs`` (episodes whose turn just ended)
