@@ -8,13 +8,13 @@ import pathlib
 import pytest
 
 from dora.broker.journal import Journal
-from dora.ops.audit import audit_run, main
+from dora.ops.audit import audit_run, main, render
 
 B = 2  # groups per step
 
 
 def write_run(root: pathlib.Path, steps: list[list[tuple[int, int]]], *, mode: str = "dora", k: int = 1,
-              journal_steps: int | None = None, mixed: int = 0, restarts: int = 0) -> None:  # fmt: skip
+              journal_steps: int | None = None, mixed: int = 0, restarts: int = 0, turns: int = 0) -> None:  # fmt: skip
     """A run whose step ``s`` trained ``steps[s]``: (group id, dispatch version) pairs, 4 samples each."""
     shape = {"mode": mode, "max_staleness": k, "train_groups": B, "group_size": 4}
     journal = Journal(root / "journal.jsonl")
@@ -40,6 +40,7 @@ def write_run(root: pathlib.Path, steps: list[list[tuple[int, int]]], *, mode: s
                         "staleness": staleness,
                         "versions": sorted({v for _, v in groups}),
                         "mixed": mixed if s == 0 else 0,
+                        "turns": turns,
                     }
                 )
                 + "\n"
@@ -80,6 +81,18 @@ def test_partial_mode_reports_its_mixed_trajectories_without_failing(tmp_path: p
     write_run(tmp_path, GOOD, mode="partial", mixed=5)
     r = audit_run(tmp_path / "journal.jsonl", tmp_path / "audit.jsonl")
     assert r.ok and any("5 mixed-version trajectories" in n for n in r.notes)
+
+
+def test_episode_turns_are_counted_and_reported(tmp_path: pathlib.Path) -> None:
+    write_run(tmp_path, GOOD, turns=5)
+    r = audit_run(tmp_path / "journal.jsonl", tmp_path / "audit.jsonl", total_steps=3)
+    assert r.ok and r.turns == 15
+    text = render(r)
+    assert "episode turns checked one by one: 15" in text and "one policy version per trajectory and per turn" in text
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    write_run(plain, GOOD)  # single-turn runs say nothing of turns
+    assert "turn" not in render(audit_run(plain / "journal.jsonl", plain / "audit.jsonl", total_steps=3))
 
 
 def test_a_journal_one_step_ahead_of_the_learner_is_a_note(tmp_path: pathlib.Path) -> None:
