@@ -4,16 +4,14 @@ Items are long sums and products (the built-in ``arithmetic`` task's: ``"48213+9
 The model may write ``calc <expression>`` (digits, + - * and parentheses) and the tool answers ``= <value>``;
 it ends the episode with ``answer <number>``, scored 1 when the number is the item's answer and 0 otherwise. A
 turn with neither gets a reminder of the two forms. A blocking ``step`` (the worker runs it in a thread pool).
+Its rows, with recorded episodes for a warm start: ``python -m dora.tasks.tool_rows FOLDER``.
 """
 
 from __future__ import annotations
 
 import ast
-import json
 import operator
-import pathlib
 import re
-import sys
 from typing import Any
 
 SYSTEM = "Use the calculator: write calc then an expression, and it answers. Finish with answer then the number."
@@ -64,37 +62,3 @@ class Calculator:
                 said = f"error: {e}"
             return [{"role": "tool", "content": said}], None, False
         return [{"role": "user", "content": "Write calc <expression>, or answer <number>."}], None, False
-
-
-def trace(item: Any, tool: bool) -> list[dict[str, str]]:
-    """A right episode for ``item`` after its opening: with the calculator, or the answer alone."""
-    a = {"role": "assistant", "content": f"answer {item.answer}"}
-    if not tool:
-        return [a]
-    return [{"role": "assistant", "content": f"calc {item.prompt.rstrip('=')}"},
-            {"role": "tool", "content": f"= {item.answer}"}, a]  # fmt: skip
-
-
-def write_rows(folder: str | pathlib.Path, *, train: int = 2000, test: int = 300) -> None:
-    """``train.jsonl`` and ``test.jsonl`` (``question``, ``answer``, ``trace``: a recorded right episode, with
-    the calculator in every other row and the answer alone in the rest) from two seeds of the arithmetic
-    task; a test question also in train is left out."""
-    from dora.tasks.tasks import Arithmetic
-
-    out = pathlib.Path(folder)
-    out.mkdir(parents=True, exist_ok=True)
-    seen: set[str] = set()
-    for name, n, seed in (("train", train, 0), ("test", test, 1)):
-        task, rows, i = Arithmetic(seed=seed), [], 0
-        while len(rows) < n:
-            item, i = task.item(i), i + 1
-            if item.prompt in seen:
-                continue
-            seen.add(item.prompt)
-            rows.append({"question": item.prompt, "answer": item.answer, "trace": trace(item, len(rows) % 2 == 0)})
-        with open(out / f"{name}.jsonl", "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
-
-
-if __name__ == "__main__":
-    write_rows(sys.argv[1] if len(sys.argv) > 1 else "examples/data/calculator")

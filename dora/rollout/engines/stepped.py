@@ -36,7 +36,7 @@ class StepWorkerEngine:
         self.evaluated: list[m.EvalFinished] = []
         self.episodes = None
         """Multi-turn episodes (task.env), driven on this engine (``dora.rollout.episodes``)."""
-        if task.env is not None:
+        if getattr(task, "env", None) is not None:  # a custom task without environments has no env
             from dora.rollout.episodes import Episodes
 
             self.episodes = Episodes(engine, task)
