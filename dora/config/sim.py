@@ -104,6 +104,10 @@ class EngineSection:
     credit_slots: int = 0
     """Sequences leased to a replica at once (its credit; every engine's, unless rollout.slots is set); 0 =
     2 x max_slots, so a queue waits in the engine."""
+    keep_kv: bool = True
+    """`dora sim`, multi-turn episodes: one waiting on a tool call keeps its KV cache (prefix caching; running
+    sequences evict it, oldest first, when they need the room); False = it re-prefills its whole context
+    when it resumes."""
 
     def __post_init__(self) -> None:
         if (
@@ -179,8 +183,28 @@ class WorkloadSection:
     """Median prompt length in tokens."""
     prompt_sigma: float = 0.3
     """Lognormal sigma of prompt lengths."""
+    turns: float = 1.0
+    """`dora sim`: median assistant turns per episode, scaled by the prompt's difficulty. With max_turns > 1,
+    median/sigma/components give the tokens of each turn, cap those of the whole episode, and every turn but
+    the last ends in a tool call. The live sim engine runs an episode as one turn of its total length."""
+    turns_sigma: float = 0.0
+    """Lognormal sigma of the turn count."""
+    max_turns: int = 1
+    """Most assistant turns in an episode (1 = single-turn, the default)."""
+    tool_s: float = 0.0
+    """Median seconds of one tool call, on the wall clock: the episode holds its lease but no decode slot."""
+    tool_sigma: float = 0.0
+    """Lognormal sigma of tool-call seconds."""
+    observation_tokens: float = 0.0
+    """Median tokens a tool result appends to the episode (prefilled when it resumes; trained, not sampled)."""
+    observation_sigma: float = 0.0
+    """Lognormal sigma of observation tokens."""
 
     def __post_init__(self) -> None:
+        if self.max_turns < 1 or not 1 <= self.turns <= self.max_turns:
+            raise ConfigError(f"workload: need 1 <= turns <= max_turns; got {self.turns} and {self.max_turns}")
+        if min(self.turns_sigma, self.tool_s, self.tool_sigma, self.observation_tokens, self.observation_sigma) < 0:
+            raise ConfigError("workload: turns_sigma, tool_s, tool_sigma, observation_tokens, observation_sigma >= 0")
         if self.distribution == "mixture" and not self.components:
             raise ConfigError("workload.distribution = 'mixture' needs [[workload.components]]")
         if self.distribution == "lognormal" and self.components:

@@ -9,6 +9,10 @@ The core (``dora.core.core.Core``) makes every decision; this module only advanc
   context at ``transfer_bytes_per_s`` (or nothing, then the target re-prefills).
 - **Trainer.** A batch of ``T`` tokens trains for ``step_fixed_s + T * gpu_s_per_token / trainer_gpus``,
   then publishes for ``publish_s``.
+- **Tools.** An agentic episode that ends a turn waits ``tools_s`` seconds of wall clock on its tool
+  call (also while a colocated fleet trains: tools run on CPUs), holding its lease but no decode slot;
+  then its observation tokens are prefilled (its whole context too without a KV cache) and its next
+  turn queues on whichever worker holds it by then. The trainer trains observation tokens as context.
 - **Placement.** ``colocated``: every accelerator is a rollout worker, and rollout pauses while the
   same accelerators train; the engines' weights and KV caches survive the training phase at no cost
   (offloading them to host memory and back is not modelled; it would cost sync, partial and dora
@@ -30,6 +34,7 @@ from dora.config.sim import SimConfig
 from dora.core.core import Core
 from dora.core.events import Action, Assign, Cancel, DeliverBatch, Event, Lease, MigrateIn, MigrateOut, Tick
 from dora.ids import Mode, WorkerId
+from dora.sim.engine import Request
 from dora.sim.workload import from_section
 from dora.sim.world import World
 
@@ -40,8 +45,11 @@ class StepRecord:
     delivered_s: float
     published_s: float = 0.0
     tokens: int = 0
-    """Prompt + response tokens trained."""
+    """Prompt + response tokens trained (plus tool observations, for agentic episodes)."""
     response_tokens: int = 0
+    episodes: int = 0
+    turns: int = 0
+    """Assistant turns of the batch's episodes (multi-turn workloads; 0 otherwise)."""
     bubble: float = 0.0
     """(max - mean) / max of the batch's response lengths."""
 
@@ -58,6 +66,8 @@ class Totals:
     """Integral of running sequences over time (all workers)."""
     capacity_s: float = 0.0
     """Integral of (workers x max_slots) over the time rollout could run."""
+    tool_wait_s: float = 0.0
+    """Integral of episodes waiting on a tool call over time (all workers)."""
 
     def minus(self, other: Totals) -> Totals:
         return Totals(*(getattr(self, f) - getattr(other, f) for f in Totals.__slots__))
@@ -92,6 +102,10 @@ class Outcome:
     worker_moves: int
     preemptions: int
     max_live_versions: int
+    resume_prefill_tokens: int = 0
+    """Context re-prefilled because an episode resumed after a tool call without its KV cache."""
+    kv_evictions: int = 0
+    """Parked episodes' KV caches evicted for running sequences."""
     timeline: dict[str, list[tuple[float, float, int, str]]] = field(default_factory=dict)
 
 
@@ -127,9 +141,10 @@ class Simulation:
             group_size=self.cfg.core.group_size, train_groups=self.cfg.core.train_groups,
             max_staleness=self.cfg.core.staleness, workload=from_section(cfg.workload, cfg.run.seed),
             mixed_versions_allowed=self.cfg.core.in_flight_swap, max_running=self.eng.max_slots,
-            kv_budget_tokens=self.eng.kv_budget_tokens, kv_transfer=self.eng.kv_transfer,
+            kv_budget_tokens=self.eng.kv_budget_tokens, kv_transfer=self.eng.kv_transfer, keep_kv=self.eng.keep_kv,
         )  # fmt: skip
         self.world.before_change = self._advance
+        self.world.on_turn_end = self._tool_call
         self.now = 0.0
         self._queue: list[tuple[float, int, str, object]] = []
         self._seq = itertools.count()
@@ -143,6 +158,8 @@ class Simulation:
         self._running: dict[WorkerId, int] = {}
         self._n_busy = 0
         self._n_running = 0
+        self._parked: dict[WorkerId, int] = {}
+        self._n_parked = 0
         self._paused = False
         self._training = False
         self._acct_t = 0.0
@@ -206,7 +223,8 @@ class Simulation:
                     self._touched.add(a.worker_id)
                 case MigrateOut():
                     w = self.world.workers[a.worker_id]
-                    tokens = sum(r.context for r in w.exporting.get(a.group_id, (0, []))[1])
+                    reqs = w.exporting.get(a.group_id, (0, []))[1]
+                    tokens = sum(r.context for r in reqs if r.has_kv or r.turn == 0)  # no cache, nothing to ship
                     ship = (
                         tokens * self.eng.kv_bytes_per_token / self.eng.transfer_bytes_per_s
                         if self.eng.kv_transfer
@@ -220,9 +238,16 @@ class Simulation:
     def _start_training(self, batch: DeliverBatch) -> None:
         lengths = [sum(n for _, n in s.segments) for g in batch.groups for s in g.samples]
         prompts = sum(self.world.workload.prompt_len(g.group_id) * len(g.samples) for g in batch.groups)
+        turns = observations = 0
+        if self.world.workload.multi_turn:  # tool results are trained as context (loss-masked)
+            for g in batch.groups:
+                for s in g.samples:
+                    n, obs = self.world.episodes.pop((g.group_id, s.payload, s.index))
+                    turns += n
+                    observations += obs
         longest = max(lengths, default=0)
-        rec = StepRecord(step=batch.step, delivered_s=self.now, tokens=sum(lengths) + prompts,
-                         response_tokens=sum(lengths),
+        rec = StepRecord(step=batch.step, delivered_s=self.now, tokens=sum(lengths) + prompts + observations,
+                         response_tokens=sum(lengths), episodes=len(lengths), turns=turns,
                          bubble=(longest - sum(lengths) / len(lengths)) / longest if longest else 0.0)  # fmt: skip
         self.steps.append(rec)
         for delay, victim in self._faults_at_step.get(batch.step, ()):
@@ -248,6 +273,7 @@ class Simulation:
             t.rollout_only_s += dt * (active and not self._training)
             t.trainer_busy_s += dt * self._training
             t.slot_s += dt * self._n_running * (not self._paused)
+            t.tool_wait_s += dt * self._n_parked
             if not self._paused:
                 t.capacity_s += dt * self._n_alive * self.eng.max_slots
         self._acct_t = self.now
@@ -299,6 +325,9 @@ class Simulation:
         self._n_running += running - old
         self._n_busy += (running > 0) - (old > 0)
         self._running[worker] = running
+        parked = len(w.engine.parked)
+        self._n_parked += parked - self._parked.get(worker, 0)
+        self._parked[worker] = parked
         if self.record_timeline:
             kind = "dead" if not w.alive else "load" if w.loading is not None else "busy" if len(w.engine) else "idle"
             version = w.loading if w.loading is not None else (w.loaded if w.loaded is not None else -1)
@@ -308,6 +337,11 @@ class Simulation:
                 if prev is not None and self.now > prev[0]:
                     self.timeline.setdefault(worker, []).append((prev[0], self.now, prev[1], prev[2]))
                 self._state[worker] = (self.now, *state)
+
+    def _tool_call(self, worker: WorkerId, r: Request) -> None:
+        """An episode ended a turn on ``worker``: its tool answers after the call's seconds of wall clock."""
+        self._at(self.now + r.tools_s[r.turn - 1], "tool", r)
+        self._touched.add(worker)
 
     # ------------------------------------------------------------------ run
 
@@ -353,6 +387,8 @@ class Simulation:
             rebalances=self.core.rebalances, worker_moves=self.moves,
             preemptions=sum(w.engine.preemptions for w in self.world.workers.values()),
             max_live_versions=self.max_alive, timeline=self.timeline,
+            resume_prefill_tokens=sum(w.engine.resume_prefill for w in self.world.workers.values()),
+            kv_evictions=sum(w.engine.evictions for w in self.world.workers.values()),
         )  # fmt: skip
 
     def _dispatch(self, kind: str, arg: object) -> None:
@@ -375,6 +411,11 @@ class Simulation:
                 w = self.world.workers[worker]
                 if w.alive and group in w.exporting:
                     self._feed(self.world.finish_export(worker, group))
+            case "tool":
+                worker = self.world.tool_returned(arg)  # type: ignore[arg-type]
+                if worker is not None:
+                    self._touched.add(worker)
+                    self._feed(None)
             case "trained":
                 self._finish_training()
             case "tick":

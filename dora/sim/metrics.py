@@ -68,6 +68,11 @@ def summarize(o: Outcome, cfg: SimConfig) -> dict[str, Any]:
         "max_live_versions": o.max_live_versions,
         "ideal_step_time_s": ideal,
         "fraction_of_ideal": ideal / step_time if step_time else 0.0,
+        "turns_per_episode": sum(s.turns for s in window) / max(1, sum(s.episodes for s in window)) or 1.0,
+        "mean_running": d.slot_s / elapsed,
+        "mean_waiting_on_tools": d.tool_wait_s / elapsed,
+        "resume_prefill_tokens": o.resume_prefill_tokens,
+        "kv_evictions": o.kv_evictions,
     }
 
 

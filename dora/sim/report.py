@@ -63,3 +63,32 @@ def print_table(rows: list[dict[str, Any]], console: Console | None = None) -> N
         "re-run: groups re-run whole after a worker died. Disaggregated modes: rollout+trainer GPUs.",
         style="dim",
     )
+    if any(m.get("turns_per_episode", 1.0) > 1.0 for m in rows):
+        print_episodes(rows, console)
+
+
+def print_episodes(rows: list[dict[str, Any]], console: Console) -> None:
+    """Agentic runs: where the episodes spent their time, and what resuming after tool calls cost."""
+    sync = next((r["throughput_tokens_per_s"] for r in rows if r["mode"] == "sync"), None)
+    partial = next((r["throughput_tokens_per_s"] for r in rows if r["mode"] == "partial"), None)
+    table = Table(title="multi-turn episodes (steady state)")
+    cols = ("mode", "vs sync", "vs partial", "turns/episode", "running seqs", "waiting on tools", "trainer idle",
+            "re-prefill after tools", "KV evictions", "C1 violations")  # fmt: skip
+    for col in cols:
+        table.add_column(col, justify="left" if col == "mode" else "right")
+    for m in rows:
+        tps = m["throughput_tokens_per_s"]
+        table.add_row(
+            m["mode"], f"{tps / sync:.2f}x" if sync else "-", f"{tps / partial:.2f}x" if partial else "-",
+            f"{m['turns_per_episode']:.2f}", f"{m['mean_running']:.0f}", f"{m['mean_waiting_on_tools']:.0f}",
+            f"{m['trainer_idle_fraction']:.0%}", f"{m['resume_prefill_tokens'] / 1e6:.1f}M", str(m["kv_evictions"]),
+            str(m["c1_violations"]),
+        )  # fmt: skip
+    console.print(table)
+    console.print(
+        "running seqs / waiting on tools: mean sequences decoding / episodes waiting on a tool call, whole fleet. "
+        "re-prefill after tools: context re-prefilled by episodes that resumed without their KV cache (evicted, "
+        "keep_kv = false, or a weight swap). C1 violations: episodes with a token from a version other than their "
+        "dispatch version (whole run).",
+        style="dim",
+    )

@@ -6,6 +6,16 @@ answers for every sample. Each sample then draws its length from a lognormal aro
 component's median scaled by the difficulty, capped at ``cap``. A re-run of a group (after a worker
 death) draws fresh lengths, as a real regeneration would. Everything is a pure function of
 (seed, group, sample, attempt), so runs are reproducible and every mode sees the same prompts.
+
+Agentic (multi-turn) workloads, ``max_turns > 1``: a sample is an **episode** of several assistant
+turns. Its turn count is a lognormal around ``turns`` x the prompt's difficulty (a hard task takes
+more tool calls as well as longer turns), rounded into [1, max_turns]; each turn's tokens are drawn
+like a single-turn answer (component, difficulty, sigma) and the episode's model tokens are capped
+at ``cap`` (the turn that reaches it is cut and ends the episode). Every turn but the last ends in a
+tool call of lognormal seconds whose result appends lognormal observation tokens. The turn count and
+turn lengths come from one random stream, tool seconds and observations from another, and every
+draw is made whatever its median, so a sweep over tool latency keeps the same turns and tokens.
+With ``max_turns = 1`` none of this runs: lengths are exactly the single-turn ones.
 """
 
 from __future__ import annotations
@@ -25,6 +35,22 @@ class Component:
     sigma: float = 1.18
 
 
+@dataclass(frozen=True, slots=True)
+class Episode:
+    """One sample of an agentic workload: assistant turns separated by tool calls."""
+
+    turns: tuple[int, ...]
+    """Model tokens of each assistant turn (all >= 1)."""
+    observations: tuple[int, ...] = ()
+    """Tokens each tool result appends to the context, one per turn but the last."""
+    tools_s: tuple[float, ...] = ()
+    """Seconds of each tool call, one per turn but the last."""
+
+    @property
+    def length(self) -> int:
+        return sum(self.turns)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Workload:
     """``lognormal``: one component; ``mixture``: several (e.g. bimodal agentic workloads)."""
@@ -37,12 +63,31 @@ class Workload:
     """Median prompt length."""
     prompt_sigma: float = 0.3
     seed: int = 0
+    turns: float = 1.0
+    """Median assistant turns per episode (scaled by the prompt's difficulty)."""
+    turns_sigma: float = 0.0
+    max_turns: int = 1
+    """1: single-turn samples (the default); more: agentic episodes."""
+    tool_s: float = 0.0
+    """Median seconds of one tool call."""
+    tool_sigma: float = 0.0
+    observation_tokens: float = 0.0
+    """Median tokens of one tool result."""
+    observation_sigma: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.components or any(c.weight <= 0 or c.median <= 0 or c.sigma < 0 for c in self.components):
             raise ValueError("workload components need weight > 0, median > 0 and sigma >= 0")
         if self.cap < 1 or self.prompt_tokens < 1:
             raise ValueError("workload cap and prompt_tokens must be >= 1")
+        if self.max_turns < 1 or not 1 <= self.turns <= self.max_turns:
+            raise ValueError("workload turns must be in [1, max_turns]")
+        if min(self.turns_sigma, self.tool_s, self.tool_sigma, self.observation_tokens, self.observation_sigma) < 0:
+            raise ValueError("workload tool and observation medians and every sigma must be >= 0")
+
+    @property
+    def multi_turn(self) -> bool:
+        return self.max_turns > 1
 
     @classmethod
     def lognormal(cls, median: float = 1200.0, sigma: float = 1.18, **kw: object) -> Workload:
@@ -60,10 +105,35 @@ class Workload:
         return comp, rng.lognormvariate(0.0, self.difficulty_sigma)
 
     def length(self, group: int, index: int, attempt: int) -> int:
+        """Output tokens of a sample (of an episode: all its turns)."""
+        if self.multi_turn:
+            return self.episode(group, index, attempt).length
         comp, difficulty = self._prompt(group)
         rng = random.Random(f"{self.seed}:{group}:{index}:{attempt}")
         raw = rng.lognormvariate(math.log(comp.median * difficulty), comp.sigma)
         return max(1, min(self.cap, round(raw)))
+
+    def episode(self, group: int, index: int, attempt: int) -> Episode:
+        """The sample's turns, tool calls and observations (one turn of ``length`` when single-turn)."""
+        if not self.multi_turn:
+            return Episode(turns=(self.length(group, index, attempt),))
+        comp, difficulty = self._prompt(group)
+        rng = random.Random(f"{self.seed}:episode:{group}:{index}:{attempt}")
+        n = max(1, min(self.max_turns, round(_lognormal(rng, self.turns * difficulty, self.turns_sigma))))
+        turns: list[int] = []
+        total = 0
+        for _ in range(n):
+            tokens = max(1, min(self.cap - total, round(_lognormal(rng, comp.median * difficulty, comp.sigma))))
+            turns.append(tokens)
+            total += tokens
+            if total >= self.cap:  # cut by length: the episode ends here
+                break
+        tools = random.Random(f"{self.seed}:tools:{group}:{index}:{attempt}")
+        observations, tools_s = [], []
+        for _ in range(len(turns) - 1):
+            observations.append(round(_lognormal(tools, self.observation_tokens, self.observation_sigma)))
+            tools_s.append(_lognormal(tools, self.tool_s, self.tool_sigma))
+        return Episode(turns=tuple(turns), observations=tuple(observations), tools_s=tuple(tools_s))
 
     def prompt_len(self, group: int) -> int:
         rng = random.Random(f"{self.seed}:prompt:{group}")
@@ -72,6 +142,11 @@ class Workload:
     def mean_length(self, samples: int = 20_000) -> float:
         """Monte-Carlo mean output length (for documentation and ideal-time bounds)."""
         return sum(self.length(g // 16, g % 16, 0) for g in range(samples)) / samples
+
+
+def _lognormal(rng: random.Random, median: float, sigma: float) -> float:
+    """``median * exp(sigma * z)``; draws ``z`` even when the median is 0, so later draws do not shift."""
+    return median * math.exp(sigma * rng.normalvariate(0.0, 1.0))
 
 
 def from_section(section: WorkloadSection, seed: int) -> Workload:
@@ -83,6 +158,10 @@ def from_section(section: WorkloadSection, seed: int) -> Workload:
     )
     try:
         return Workload(components=comps, difficulty_sigma=section.difficulty_sigma, cap=section.cap,
-                        prompt_tokens=section.prompt_tokens, prompt_sigma=section.prompt_sigma, seed=seed)  # fmt: skip
+                        prompt_tokens=section.prompt_tokens, prompt_sigma=section.prompt_sigma, seed=seed,
+                        turns=section.turns, turns_sigma=section.turns_sigma, max_turns=section.max_turns,
+                        tool_s=section.tool_s, tool_sigma=section.tool_sigma,
+                        observation_tokens=section.observation_tokens,
+                        observation_sigma=section.observation_sigma)  # fmt: skip
     except ValueError as e:
         raise ConfigError(f"workload: {e}") from None

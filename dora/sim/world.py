@@ -6,12 +6,18 @@ core's actions into that state and that state back into events. It records every
 version the worker *actually* had loaded, so a scheduling bug in the core shows up as a C1/C3
 violation in the learner's checks here, independently of the core's own assertions.
 
+Agentic episodes: an episode that ends a turn waits on its tool call inside its worker's engine,
+holding its lease (the core still counts it in flight) but no decode slot. ``on_turn_end`` tells the
+driver, which owns the clock, and calls ``tool_returned`` when the result is back; without a driver
+the tool answers at once. A migration takes waiting episodes along (same version only, as always).
+
 Two drivers use it: the discrete-event simulator (``dora.sim.des``, virtual time) and the property
 tests (hypothesis chooses which enabled event happens next).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -95,6 +101,7 @@ class World:
         max_running: int | None = None,
         kv_budget_tokens: int | None = None,
         kv_transfer: bool = True,
+        keep_kv: bool = True,
     ) -> None:
         self.group_size = group_size
         self.train_groups = train_groups
@@ -106,12 +113,20 @@ class World:
         self.kv_budget_tokens = kv_budget_tokens if kv_budget_tokens is not None else 1 << 62
         self.kv_transfer = kv_transfer
         """Migration carries the KV cache (no re-prefill on the target)."""
+        self.keep_kv = keep_kv
+        """An episode waiting on a tool call keeps its KV cache (see ``dora.sim.engine``)."""
+        self.on_turn_end: Callable[[WorkerId, Request], None] | None = None
+        """Called when an episode ends a turn and its tool call starts (None: the tool answers at once)."""
+        self.episodes: dict[tuple[int, int, int], tuple[int, int]] = {}
+        """(group, attempt, index) of finished multi-turn episodes -> (turns, observation tokens), for the trainer."""
         self.workers: dict[WorkerId, SimWorker] = {}
         self.learner = Learner()
         self.retired: set[int] = set()
         self.sent: list[SampleFinished] = []
         """Every result ever sent, for replaying late or duplicated messages."""
         self.migrated_requests = 0
+        self.migrated_waiting = 0
+        """Migrated episodes that were waiting on a tool call (their state went along)."""
         self.migrated_tokens = 0
         self.reprefill_tokens = 0
         self.refused = Counter[str]()
@@ -133,12 +148,7 @@ class World:
                         raise WorldError(f"lease of version {a.version} to {w.worker_id} serving {w.loaded}")
                     if len(w.engine) + a.n_samples > w.slots:
                         raise WorldError(f"{w.worker_id} leased beyond its {w.slots} slots")
-                    prompt = self.workload.prompt_len(a.group_id)
-                    reqs = [
-                        Request(a.group_id, a.attempt, i, self.workload.length(a.group_id, i, a.attempt), prompt)
-                        for i in range(a.n_samples)
-                    ]
-                    w.prefill_debt += w.engine.submit(reqs)
+                    w.prefill_debt += w.engine.submit(self._requests(a))
                 case Assign():
                     w = self._live(a.worker_id)
                     if w is None:
@@ -160,8 +170,11 @@ class World:
                         raise WorldError(f"migration of version {a.version} into {w.worker_id} serving {w.loaded}")
                     reqs: list[Request] = a.state
                     for r in reqs:
-                        r.has_kv = self.kv_transfer
-                        if not self.kv_transfer:
+                        r.holder = w.worker_id
+                        self.migrated_waiting += r.waiting_tool
+                        held = r.has_kv or r.turn == 0  # an episode between turns may have dropped its cache
+                        r.has_kv = self.kv_transfer and held
+                        if held and not self.kv_transfer:
                             self.reprefill_tokens += round(r.context)
                     self.migrated_requests += a.n_requests
                     self.migrated_tokens += round(sum(r.context for r in reqs))
@@ -183,6 +196,24 @@ class World:
                     self.refused[a.reason] += 1
                 case RunFinished():
                     self.learner.finished = True
+
+    def _requests(self, a: Lease) -> list[Request]:
+        prompt = self.workload.prompt_len(a.group_id)
+        if not self.workload.multi_turn:
+            reqs = [
+                Request(a.group_id, a.attempt, i, self.workload.length(a.group_id, i, a.attempt), prompt)
+                for i in range(a.n_samples)
+            ]
+        else:
+            reqs = []
+            for i in range(a.n_samples):
+                ep = self.workload.episode(a.group_id, i, a.attempt)
+                ends = tuple(itertools.accumulate(ep.turns))
+                reqs.append(Request(a.group_id, a.attempt, i, ends[-1], prompt, ends=ends if len(ends) > 1 else (),
+                                    observations=ep.observations, tools_s=ep.tools_s))  # fmt: skip
+        for r in reqs:
+            r.holder = a.worker_id
+        return reqs
 
     def _live(self, worker: WorkerId) -> SimWorker | None:
         w = self.workers.get(worker)
@@ -221,7 +252,7 @@ class World:
     def join(self, slots: int) -> WorkerJoined:
         self._ids += 1
         wid = WorkerId(f"w{self._ids}")
-        engine = Engine(self.max_running or slots, self.kv_budget_tokens)
+        engine = Engine(self.max_running or slots, self.kv_budget_tokens, keep_kv=self.keep_kv)
         self.workers[wid] = SimWorker(worker_id=wid, slots=slots, engine=engine)
         return WorkerJoined(worker_id=wid, slots=slots)
 
@@ -270,6 +301,14 @@ class World:
             return []
         finished, prefill = w.engine.run_for(steps)
         w.prefill_debt += prefill
+        for r in w.engine.take_turn_ends():
+            if self.on_turn_end is not None:
+                self.on_turn_end(worker, r)
+            else:
+                w.prefill_debt += w.engine.resume(r)
+        if self.workload.multi_turn:
+            for r in finished:
+                self.episodes[(r.group_id, r.attempt, r.index)] = (len(r.ends) or 1, sum(r.observations))
         done = [
             SampleFinished(worker_id=worker, group_id=GroupId(r.group_id), attempt=r.attempt, index=r.index,
                            segments=r.segments(), payload=r.attempt)
@@ -277,6 +316,18 @@ class World:
         ]  # fmt: skip
         self.sent.extend(done)
         return done
+
+    def tool_returned(self, r: Request) -> WorkerId | None:
+        """An episode's tool result is back. It resumes on the worker holding it (returned), or on the worker
+        a migration in transit takes it to; if its lease was voided meanwhile, nothing happens."""
+        r.tool_back = True
+        w = self.workers.get(r.holder)  # type: ignore[arg-type]
+        if w is None or not w.alive or not w.engine.is_parked(r):
+            return None
+        if self.before_change is not None:
+            self.before_change(w.worker_id)
+        w.prefill_debt += w.engine.resume(r)
+        return w.worker_id
 
     def request_batch(self) -> BatchRequested:
         self.learner.waiting = True
@@ -308,4 +359,4 @@ class World:
 
     def busy(self) -> bool:
         """Anything in the fleet that can still make progress on its own."""
-        return any(w.decoding or w.loading is not None or w.exporting for w in self.alive_workers())
+        return any(w.decoding or w.loading is not None or w.exporting or w.engine.parked for w in self.alive_workers())
