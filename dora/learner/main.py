@@ -73,10 +73,20 @@ def main(argv: list[str]) -> int:
         for sig in (signal.SIGTERM, signal.SIGUSR1):  # rank 0 decides when to stop, and tells them
             signal.signal(sig, signal.SIG_IGN)
         trainer, _ = make_trainer(cfg, loss_fn, str(device))
+        code = 1
         try:
-            return follow(trainer)
+            code = follow(trainer)
+        except BaseException:  # reported here: the exit below skips the interpreter's own report
+            import traceback
+
+            traceback.print_exc()
         finally:
             leave()
+            # a follower holds nothing to save (rank 0 checkpoints): leave now, before exit-time destructors,
+            # where gloo's threads can still abort a clean rank ("terminate called without an active exception")
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
     discover = lambda: resolve_endpoint(args.broker, cluster)  # noqa: E731
     try:
         return uvloop.run(serve(cfg, endpoint, args.trainer, world, discover=discover, cluster=cluster,

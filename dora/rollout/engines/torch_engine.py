@@ -262,17 +262,9 @@ class TorchEngine:
             return
         from transformers import DynamicCache
 
-        have = [s.kv[0][0].shape[1] for s in seqs]
+        data, have = left_padded(seqs)
         feeds = [(s.prompt + s.tokens)[h : s.positions] for s, h in zip(seqs, have, strict=True)]
         past, width = max(have), max(map(len, feeds))
-        data = []
-        for layer in range(len(seqs[0].kv)):
-            k0 = seqs[0].kv[layer][0]
-            keys = k0.new_zeros((len(seqs), k0.shape[0], past, k0.shape[2]))
-            values = keys.clone()
-            for b, s in enumerate(seqs):
-                keys[b, :, past - have[b] :], values[b, :, past - have[b] :] = s.kv[layer]
-            data.append((keys, values))
         ids = torch.zeros((len(seqs), width), dtype=torch.long)
         mask = torch.zeros((len(seqs), past + width), dtype=torch.long)
         for b, (h, feed) in enumerate(zip(have, feeds, strict=True)):
@@ -340,21 +332,12 @@ class TorchEngine:
         self._sample(seqs, out.logits[:, -1])
 
     def _padded(self, seqs: list[Sequence]) -> tuple[Any, torch.Tensor]:
-        """A batch cache from the sequences' own caches, left-padded to the longest, and its mask."""
+        """A batch cache from the sequences' own caches, left-padded to the longest, and its mask (one more column
+        for the token about to be fed)."""
         from transformers import DynamicCache
 
-        lengths = [s.positions for s in seqs]
+        data, lengths = left_padded(seqs)
         longest = max(lengths)
-        data = []
-        for layer in range(len(seqs[0].kv)):
-            k0 = seqs[0].kv[layer][0]
-            keys = k0.new_zeros((len(seqs), k0.shape[0], longest, k0.shape[2]))
-            values = keys.clone()
-            for b, s in enumerate(seqs):
-                k, v = s.kv[layer]
-                keys[b, :, longest - k.shape[1] :] = k
-                values[b, :, longest - v.shape[1] :] = v
-            data.append((keys, values))
         mask = torch.ones((len(seqs), longest + 1), dtype=torch.long, device=self.device)
         for b, n in enumerate(lengths):
             mask[b, : longest - n] = 0
@@ -386,6 +369,22 @@ class TorchEngine:
                 s.finish = Finish.STOP
             elif len(s.tokens) - s.turn_start >= s.max_tokens:
                 s.finish = Finish.LENGTH
+
+
+def left_padded(seqs: list[Sequence]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[int]]:
+    """Per layer (keys, values) of the sequences' own caches stacked into a batch, each left-padded with zeros to
+    the longest; and each one's cache length."""
+    lengths = [s.kv[0][0].shape[1] for s in seqs]
+    longest = max(lengths)
+    data = []
+    for layer in range(len(seqs[0].kv)):
+        k0 = seqs[0].kv[layer][0]
+        keys = k0.new_zeros((len(seqs), k0.shape[0], longest, k0.shape[2]))
+        values = keys.clone()
+        for b, (s, n) in enumerate(zip(seqs, lengths, strict=True)):
+            keys[b, :, longest - n :], values[b, :, longest - n :] = s.kv[layer]
+        data.append((keys, values))
+    return data, lengths
 
 
 def hash_seed(seed: int, index: int) -> int:
