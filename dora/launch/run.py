@@ -94,8 +94,8 @@ def main(argv: list[str]) -> int:
         cfg = load(RunConfig, path=args.config, env=os.environ, env_prefix="DORA_", overrides=args.set)
         if cfg.core.total_steps is None:
             raise ConfigError("dora run needs core.total_steps")
-        if cfg.task.env is not None and cfg.run.engine != "torch":
-            raise ConfigError(f"task.env: episodes run on run.engine = 'torch', not {cfg.run.engine!r} (yet)")
+        if cfg.task.env is not None and cfg.run.engine == "sim":
+            raise ConfigError("task.env: multi-turn episodes run on run.engine = 'torch' or 'vllm', not 'sim'")
         rundir = pathlib.Path(cfg.run.dir) / time.strftime("%Y%m%d-%H%M%S")
         rundir.mkdir(parents=True, exist_ok=False)
         data = prepare(cfg, rundir)

@@ -1,9 +1,10 @@
-"""Multi-turn episodes on a step-driven engine (torch): assistant turns, environment calls, one version.
+"""Multi-turn episodes on a step-driven engine (torch, vllm): assistant turns, environment calls, one version.
 
 Each sample of a group is an episode. The engine samples an assistant turn until EOS, a ``task.turn_end``
 token or the turn's token budget; the sequence then leaves the decode batch (its slot goes to other
-sequences) and keeps its keys and values. The environment's ``step`` runs meanwhile, as a task on the
-worker's event loop (a coroutine) or in a thread pool (a plain function), within ``task.env_timeout_s``.
+sequences) and keeps its keys and values (torch; vLLM leaves them to its prefix cache). The environment's
+``step`` runs meanwhile, as a task on the worker's event loop (a coroutine) or in a thread pool (a plain
+function), within ``task.env_timeout_s``.
 Its observation is rendered with the chat template after the turn just sampled, encoded and appended
 (loss mask 0, log-prob 0), and the next turn starts on the same sequence, prefilling only the new tokens.
 
@@ -73,7 +74,7 @@ class Episodes:
         self.task = task
         self.cfg: TaskSection = task.section
         if not callable(getattr(engine, "extend", None)):
-            raise ConfigError(f"task.env: the {engine.name} engine does not run multi-turn episodes; torch does")
+            raise ConfigError(f"task.env: the {engine.name} engine does not run multi-turn episodes (torch, vllm do)")
         self.stops = frozenset(stop_ids(task, self.cfg.turn_end))
         self.open: dict[tuple[int, int, int], Episode] = {}
         self.finished: list[Episode] = []
@@ -199,7 +200,9 @@ class Episodes:
 
     def _end(self, ep: Episode, finish: Finish, reason: str = "") -> None:
         self._close(ep)
-        ep.seq.finish, ep.seq.kv, ep.reason = finish, None, reason
+        ep.seq.finish, ep.reason = finish, reason
+        if hasattr(ep.seq, "kv"):
+            ep.seq.kv = None  # the torch engine's kept cache: the episode is over
         if reason:
             self.failures[reason.split(":")[0]] += 1
         self.finished.append(ep)

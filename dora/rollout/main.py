@@ -49,8 +49,8 @@ def main(argv: list[str]) -> int:
             if cfg.task.name == "synthetic":
                 raise ConfigError(f"--engine {args.engine} needs a real task: set task.dataset, or task.name "
                                   "(arithmetic, countdown)")  # fmt: skip
-        if cfg.task.env is not None and args.engine != "torch":
-            raise ConfigError(f"task.env: multi-turn episodes run on --engine torch, not {args.engine} (yet)")
+        if cfg.task.env is not None and args.engine == "sim":
+            raise ConfigError("task.env: multi-turn episodes run on --engine torch or vllm, not sim")
         if args.engine == "vllm":
             try:
                 import vllm  # noqa: F401

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 
+import numpy as np
 import pytest
 import torch
 
@@ -147,3 +148,28 @@ def test_weights_reload_in_place_verified_and_outputs_follow_them(new_engine, re
     finally:
         reference.load_state_dict(original)
         e.load_weights(0, tmp_path / "v0.safetensors", None)  # the shared engine goes back to version 0
+
+
+def test_an_episode_turn_ends_at_a_stop_and_the_next_sees_the_environments_tokens(new_engine, reference):
+    """Each engine's episode path: a turn ends at a stop token (or its budget), ``extend`` appends environment tokens
+    (mask 0, log-prob 0) and the next turn is sampled on the whole context: its behaviour log-probs are the
+    reference model's on prompt + every token so far, environment tokens included."""
+    engine = new_engine()
+    stops = frozenset(range(200, 600))  # a wide stop set: turns end after a few tokens
+    seqs = engine.submit(group_id=4, attempt=1, prompt=PROMPT, n=2, max_tokens=8, temperature=1.0, seed=5,
+                         stops=stops, keep_kv=True)  # fmt: skip
+    obs = [33, 34, 35]
+    for turn in range(3):
+        ended = run(engine)
+        assert sorted(k[2] for k in ended) == [0, 1]
+        for s in seqs:
+            assert s.finish is not None and (s.tokens[-1] in stops or len(s.tokens) - s.turn_start == 8)
+            assert s.finish == (Finish.STOP if s.tokens[-1] in stops else Finish.LENGTH)
+            if turn < 2:
+                engine.extend(s, obs)
+    for s in seqs:
+        model = np.array(s.mask, bool)
+        assert len(s.mask) == len(s.tokens) and (~model).sum() == 2 * len(obs)
+        assert np.all(np.array(s.logprobs)[~model] == 0.0)
+        ref = logprobs_of(reference, PROMPT, s.tokens, 1.0).numpy()
+        np.testing.assert_allclose(np.array(s.logprobs)[model], ref[model], atol=TOLERANCE[engine.name])

@@ -1,7 +1,8 @@
-"""A live multi-turn run: broker, 2 torch workers running guessing-game episodes, the torch learner."""
+"""A live multi-turn run: broker, 2 torch or vLLM workers running guessing-game episodes, the torch learner."""
 
 from __future__ import annotations
 
+import importlib.util
 import pathlib
 
 import pytest
@@ -14,15 +15,18 @@ pytestmark = pytest.mark.timeout(300)
 GUESS = pathlib.Path(__file__).resolve().parents[2] / "examples" / "data" / "guess" / "train.jsonl"
 
 
-def test_episodes_train_with_one_version_per_turn_and_every_group_once(tmp_path, tiny_model):
+@pytest.mark.parametrize("engine", ["torch", pytest.param("vllm", marks=[pytest.mark.vllm, pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="the vllm extra is not installed")])])  # fmt: skip
+def test_episodes_train_with_one_version_per_turn_and_every_group_once(tmp_path, tiny_model, engine):
     steps = 4
     task = {"name": "dataset", "dataset": str(GUESS), "prompt_field": "question", "chat_template": True,
             "env": "dora.envs.guess:Guess", "max_turns": 4, "max_episode_tokens": 96, "reward": None}  # fmt: skip
-    overrides = torch_run(tmp_path, tiny_model, steps, min_workers=2, max_tokens=6, task=task)
+    overrides = torch_run(tmp_path, tiny_model, steps, min_workers=2, max_tokens=6, task=task,
+                          rollout={"kv_cache_mib": 64, "max_model_len": 1024})  # fmt: skip
     with cluster(tmp_path, overrides) as c:
         c.start_broker()
         for i in range(2):
-            c.start_worker(f"w{i}", "torch", "--model", str(tiny_model))
+            c.start_worker(f"w{i}", engine, "--model", str(tiny_model))
         c.spawn("learner", "learner", "--trainer", "torch", "--broker", str(tmp_path / "broker.json"))
         assert c.wait("learner", 250) == 0, c.log("learner")[-3000:] + c.log("w0")[-3000:]
         assert c.wait("broker", 15) == 0, c.log("broker")[-3000:]

@@ -32,7 +32,7 @@ def torch_run(tmp_path: pathlib.Path, tiny_model: pathlib.Path, steps: int, *, m
         "learner": {"model": str(tiny_model), "store": str(tmp_path / "store"), "lr": 1e-3},
     }  # fmt: skip
     for section, values in sections.items():
-        overrides[section].update(values)
+        overrides.setdefault(section, {}).update(values)
     return overrides
 
 

@@ -13,6 +13,9 @@ and pages the KV cache itself.
 - **Weights**: ``load_weights`` checks the file's sha256, then reloads the tensors in place with
   ``reload_weights``, with no restart. A mismatch is refused, and so is a load while requests run.
   The prefix cache is reset, because its entries were computed with the old weights.
+- **Episodes** (``keep_kv``): a turn ends at EOS, a stop token or the turn's budget; ``extend`` appends the
+  environment's tokens and queues the next turn as a new request on the whole context, whose computed
+  prefix vLLM's prefix cache keeps.
 - **Migration**: vLLM cannot hand over a request's KV cache or sampler state. ``export`` aborts the
   request and returns its token prefix and log-probs. ``import_`` re-prefills prompt + prefix on a
   worker holding the same version, so the continuation is exact in distribution (C1 holds). Its
@@ -38,7 +41,8 @@ from dora.rollout.engines.torch_engine import hash_seed, read_weights
 class Request(Sample):
     seed: int
     prefix: int = 0
-    """Tokens generated elsewhere before a migration (the rest comes from this engine's request)."""
+    """Tokens it had when its current vLLM request was made (an earlier turn's, or another worker's before a
+    migration); the rest comes from that request."""
 
 
 class VllmEngine:
@@ -76,38 +80,77 @@ class VllmEngine:
 
     # ------------------------------------------------------------------ requests
 
-    def _add(self, req: Request, prompt: list[int]) -> None:
+    def _add(self, req: Request) -> None:
+        """Queue what is left of ``req``'s current turn as one vLLM request on prompt + everything so far (vLLM's
+        prefix cache keeps what an earlier turn computed)."""
         from vllm import SamplingParams
 
-        params = SamplingParams(max_tokens=req.max_tokens - req.prefix, temperature=req.temperature, top_p=req.top_p,
-                                seed=hash_seed(req.seed, req.index + 7919 * req.prefix), logprobs=0)  # fmt: skip
+        req.prefix = len(req.tokens)
+        params = SamplingParams(max_tokens=req.max_tokens - (req.prefix - req.turn_start), temperature=req.temperature,
+                                top_p=req.top_p, seed=hash_seed(req.seed, req.index + 7919 * req.prefix), logprobs=0,
+                                stop_token_ids=sorted(req.stops))  # fmt: skip
         rid = f"{req.group_id}:{req.attempt}:{req.index}:{uuid.uuid4().hex[:8]}"
         self.requests[rid] = req
-        self.engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+        self.engine.add_request(rid, {"prompt_token_ids": req.prompt + req.tokens}, params)
 
     def submit(self, *, group_id: int, attempt: int, prompt: list[int], n: int, max_tokens: int,
-               temperature: float = 1.0, top_p: float = 1.0, seed: int = 0) -> None:  # fmt: skip
+               temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, stops: frozenset[int] = frozenset(),
+               keep_kv: bool = False) -> list[Request]:  # fmt: skip
+        """Queue ``n`` samples; ``stops``: token ids besides EOS that end a turn; ``keep_kv``: episodes (their next
+        turn starts with ``extend``)."""
         if self.version is None:
             raise EngineError("no weights loaded")
+        out = []
         for i in range(n):
-            self._add(Request(group_id=group_id, attempt=attempt, index=i, prompt=list(prompt), max_tokens=max_tokens,
-                              temperature=temperature, top_p=top_p, seed=seed), list(prompt))  # fmt: skip
+            req = Request(group_id=group_id, attempt=attempt, index=i, prompt=list(prompt), max_tokens=max_tokens,
+                          temperature=temperature, top_p=top_p, seed=seed, stops=stops, keep_kv=keep_kv)  # fmt: skip
+            out.append(req)
+            self._add(req)
+        return out
+
+    def extend(self, req: Request, tokens: list[int]) -> None:
+        """Start an episode's next turn: append the environment's tokens (mask 0, log-prob 0) to a request whose
+        turn ended, and queue the turn."""
+        if req.finish is None or not tokens:
+            raise EngineError("extend needs a request whose turn ended, and at least one token")
+        req.tokens += tokens
+        req.logprobs += [0.0] * len(tokens)
+        req.mask += [0] * len(tokens)
+        req.finish = None
+        req.turn_start = len(req.tokens)
+        self._add(req)
+
+    def state(self, req: Request, *, with_kv: bool = False) -> dict[str, Any]:
+        """Its prefix, log-probs, loss mask and seed (vLLM keeps its KV to itself)."""
+        return {"index": req.index, "token_ids": np.array(req.tokens, dtype=np.int32),
+                "logprobs": np.array(req.logprobs, dtype=np.float32), "mask": np.array(req.mask, dtype=np.uint8),
+                "rng_state": req.seed.to_bytes(8, "little"), "kv": ()}  # fmt: skip
 
     def export(self, group_id: int, attempt: int, *, with_kv: bool = False) -> list[dict[str, Any]]:
-        """Abort the group's requests; their prefix and log-probs travel (vLLM keeps its KV to itself)."""
-        return [{"index": r.index, "token_ids": np.array(r.tokens, dtype=np.int32),
-                 "logprobs": np.array(r.logprobs, dtype=np.float32), "rng_state": r.seed.to_bytes(8, "little"),
-                 "kv": ()} for r in self._take(group_id, attempt)]  # fmt: skip
+        """Abort the group's requests; their state travels."""
+        return [self.state(r) for r in self._take(group_id, attempt)]
 
     def import_(self, *, group_id: int, attempt: int, prompt: list[int], requests: list[dict[str, Any]],
-                max_tokens: int, temperature: float = 1.0, top_p: float = 1.0) -> None:  # fmt: skip
+                max_tokens: int, temperature: float = 1.0, top_p: float = 1.0, stops: frozenset[int] = frozenset(),
+                keep_kv: bool = False) -> list[Request]:  # fmt: skip
+        """Re-prefill prompt + prefix and go on; an episode's state may carry ``mask`` and ``turn_start``, and one
+        ``paused`` between turns is returned, not queued (``extend`` starts its next turn)."""
+        out = []
         for st in requests:
             tokens = [int(x) for x in st["token_ids"]]
             seed = int.from_bytes(st["rng_state"][:8], "little") if st.get("rng_state") else 0
+            mask = st.get("mask")
             req = Request(group_id=group_id, attempt=attempt, index=st["index"], prompt=list(prompt),
                           max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, tokens=tokens,
-                          logprobs=[float(x) for x in st["logprobs"]], prefix=len(tokens))  # fmt: skip
-            self._add(req, list(prompt) + tokens)
+                          logprobs=[float(x) for x in st["logprobs"]], stops=stops, keep_kv=keep_kv,
+                          mask=[1] * len(tokens) if mask is None or not len(mask) else [int(x) for x in mask],
+                          turn_start=int(st.get("turn_start", 0)))  # fmt: skip
+            out.append(req)
+            if st.get("paused"):
+                req.finish = Finish.STOP
+            else:
+                self._add(req)
+        return out
 
     def cancel(self, group_id: int, attempt: int) -> None:
         self._take(group_id, attempt)
@@ -137,6 +180,7 @@ class VllmEngine:
             for j, token in enumerate(new, start=len(req.tokens) - req.prefix):
                 req.tokens.append(int(token))
                 req.logprobs.append(float(c.logprobs[j][token].logprob))
+                req.mask.append(1)
             self.tokens_generated += len(new)
             if out.finished:
                 req.finish = Finish.STOP if c.finish_reason == "stop" else Finish.LENGTH
