@@ -7,8 +7,9 @@ Per seed, exactly what the README's first command runs, with the seed set everyw
 ``dora sft --config CFG`` (``sft.seed``: the order of the rows, torch's initial state) writing its own
 model folder, then ``dora run --config CFG`` from it (``run.seed``, ``task.seed``: sampling and the
 order of the prompts). The held-out figures are the ones ``dora run`` itself records in the run's
-``eval.jsonl`` (lines ``"by": "dora run"``): the warm start (version 0) and the final version, greedy, on
-the test rows of ``eval.dataset`` (all of them unless ``eval.limit`` says otherwise).
+``eval.jsonl`` (lines ``"by": "dora run"``): the warm start (version 0) and the final version, sampled as
+[eval] says (greedy in examples/arithmetic.toml; at T = 1, 4 samples a row, in examples/envs/calculator.toml),
+on the test rows of ``eval.dataset`` (all of them unless ``eval.limit`` says otherwise).
 
 Printed and written to OUT/quickstart.json: per seed the accuracy before and after and the wall-clock of
 each command; over seeds the mean ± SE (stdev / sqrt(n)) of before, after and the rise, and the rise in
