@@ -31,7 +31,7 @@ from dora.config import ConfigError
 from dora.config.run import RunConfig
 from dora.core.core import Core
 from dora.ids import WorkerId
-from dora.tasks.heldout import summarize
+from dora.tasks.heldout import row_seed, summarize
 from dora.tasks.prompts import eval_task
 from dora.wire import messages as m
 
@@ -87,7 +87,7 @@ class EvalRounds:
                 r.out[row] = (w, now)
                 sends.append((w, m.Evaluate(version=version, round=version, row=row, prompt_ids=self.prompts[row],
                                             n_samples=self.samples, max_tokens=self.max_tokens,
-                                            temperature=self.temperature, seed=self.seed)))  # fmt: skip
+                                            temperature=self.temperature, seed=row_seed(self.seed, row))))  # fmt: skip
         return sends
 
     def _unsent(self, r: Round, now: float) -> list[int]:

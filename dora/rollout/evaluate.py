@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from dora.tasks.heldout import summarize
+from dora.tasks.heldout import row_seed, summarize
 from dora.tasks.prompts import TaskRun
 
 
@@ -36,7 +36,7 @@ def evaluate(engine: Any, task: TaskRun, *, samples: int = 1, temperature: float
     for r in rows:
         prompt = task.tokenizer.encode(task.texts[r.index]).ids
         engine.submit(group_id=r.index, attempt=0, prompt=prompt, n=samples, max_tokens=max_tokens,
-                      temperature=temperature, seed=seed)  # fmt: skip
+                      temperature=temperature, seed=row_seed(seed, r.index))  # fmt: skip
     done: dict[int, list[Any]] = {r.index: [] for r in rows}
     left = len(rows) * samples
     while left:
@@ -68,7 +68,8 @@ async def _episodes(engine: Any, task: TaskRun, rows: list[Any], *, samples: int
     for r in rows:
         prompt = np.array(task.tokenizer.encode(task.texts[r.index]).ids, np.int32)
         episodes.submit(m.Generate(group_id=r.index, attempt=0, version=engine.version or 0, prompt_ids=prompt,
-                                   n_samples=samples, max_tokens=max_tokens, temperature=temperature, seed=seed),
+                                   n_samples=samples, max_tokens=max_tokens, temperature=temperature,
+                                   seed=row_seed(seed, r.index)),
                         task.row_item(r.index))  # fmt: skip
     done: dict[int, list[Any]] = {r.index: [] for r in rows}
     while len(episodes):

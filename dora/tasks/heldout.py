@@ -17,6 +17,13 @@ CORRECT = 1.0
 """A completion whose reward reaches this is correct."""
 
 
+def row_seed(seed: int, row: int) -> int:
+    """The sampling seed of held-out row ``row``: one per row. With one seed for every row, sample i of each row
+    would draw the same uniform numbers, so a sampled success rate would move in steps of 1/samples as the
+    policy's probabilities cross those few draws, not with the probabilities themselves."""
+    return seed * 1_000_003 + row
+
+
 def pass_at_k(n: int, c: int, k: int) -> float:
     """The probability that at least one of k samples drawn without replacement from n (c correct) is correct."""
     if not 0 <= c <= n or not 1 <= k <= n:

@@ -117,3 +117,25 @@ def test_dora_eval_reads_a_store_version_and_checks_its_digest(tmp_path, tiny_mo
 def test_dora_eval_bad_input_is_one_line(tiny_model, args, message):
     r = dora_eval("--model", str(tiny_model), *args)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_sampled_rows_draw_independent_samples(tiny_model, tmp_path):
+    """Rows sampled at a temperature get a seed each: with one seed for all, the same prompt in two rows would get
+    the same completion, and a sampled success rate would move in steps of 1/samples."""
+    rows = tmp_path / "same.jsonl"
+    rows.write_text((json.dumps({"question": "What is 1 + 1?", "answer": "2"}) + "\n") * 6)
+    cfg = load(RunConfig, overrides=[f"task.dataset={rows}", "task.prompt_field=question", "task.reward=numeric",
+                                     f"eval.dataset={rows}", f"task.tokenizer={tiny_model}"])  # fmt: skip
+    task = eval_task(cfg, str(tiny_model))
+    engine = TorchEngine(tiny_model, version=0)
+    made: list[list[int]] = []
+    step = engine.step
+
+    def record():
+        done = step()
+        made.extend(s.tokens for s in done)
+        return done
+
+    engine.step = record
+    evaluate(engine, task, samples=1, temperature=1.0, max_tokens=12, seed=3)
+    assert len(made) == 6 and len({tuple(t) for t in made}) > 1
