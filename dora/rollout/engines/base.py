@@ -61,6 +61,17 @@ class Sample:
     def key(self) -> tuple[int, int, int]:
         return self.group_id, self.attempt, self.index
 
+    def observe(self, tokens: list[int]) -> None:
+        """Append an environment's tokens (not sampled: mask 0, log-prob 0) to a sample whose turn ended, and open
+        its next turn (an engine's ``extend`` then queues it)."""
+        if self.finish is None or not tokens:
+            raise EngineError("extend needs a sequence whose turn ended, and at least one token")
+        self.tokens += tokens
+        self.logprobs += [0.0] * len(tokens)
+        self.mask += [0] * len(tokens)
+        self.finish = None
+        self.turn_start = len(self.tokens)
+
 
 class WorkerEngine(Protocol):
     name: str

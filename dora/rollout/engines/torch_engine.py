@@ -124,13 +124,7 @@ class TorchEngine:
     def extend(self, seq: Sequence, tokens: list[int]) -> None:
         """Start an episode's next turn: append the environment's tokens (not sampled: mask 0, log-prob 0) to a
         sequence whose turn ended, and queue it. Its cache is kept; the new tokens are prefilled on top of it."""
-        if seq.finish is None or not tokens:
-            raise EngineError("extend needs a sequence whose turn ended, and at least one token")
-        seq.tokens += tokens
-        seq.logprobs += [0.0] * len(tokens)
-        seq.mask += [0] * len(tokens)
-        seq.finish = None
-        seq.turn_start = len(seq.tokens)
+        seq.observe(tokens)
         self.waiting.append(seq)
 
     def export(self, group_id: int, attempt: int, *, with_kv: bool = True) -> list[dict[str, Any]]:

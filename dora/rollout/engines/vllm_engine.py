@@ -111,13 +111,7 @@ class VllmEngine:
     def extend(self, req: Request, tokens: list[int]) -> None:
         """Start an episode's next turn: append the environment's tokens (mask 0, log-prob 0) to a request whose
         turn ended, and queue the turn."""
-        if req.finish is None or not tokens:
-            raise EngineError("extend needs a request whose turn ended, and at least one token")
-        req.tokens += tokens
-        req.logprobs += [0.0] * len(tokens)
-        req.mask += [0] * len(tokens)
-        req.finish = None
-        req.turn_start = len(req.tokens)
+        req.observe(tokens)
         self._add(req)
 
     def state(self, req: Request, *, with_kv: bool = False) -> dict[str, Any]:
