@@ -249,3 +249,16 @@ async def test_a_workers_evaluation_round_runs_episodes(tiny_model):
     assert not w.take_finished(), "evaluation is never training traffic"
     for e in sorted(got, key=lambda e: e.row):
         assert e.rewards.tolist() == [float(int(task.rows[e.row].answer) % 2 == 0)] * 2 and e.failed == 0
+
+
+def test_dora_run_refuses_a_bad_environment_in_one_line(tiny_model, tmp_path):
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-m", "dora", "run", "--config", str(root / "examples/envs/guess.toml"),
+                          "--set", "task.env=nowhere:Env", "--set", f"rollout.model={tiny_model}",
+                          "--set", f"run.dir={tmp_path}", "--set", f"task.dataset={GUESS}"],
+                         capture_output=True, text=True, cwd=root, timeout=120)  # fmt: skip
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1] == "dora run: task.env 'nowhere:Env': No module named 'nowhere'"
