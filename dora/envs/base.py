@@ -26,7 +26,6 @@ keeps such episodes out of the loss.
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -64,10 +63,6 @@ def resolve(spec: str) -> type:
         if not callable(getattr(cls, method, None)):
             raise ConfigError(f"task.env = {spec!r}: the class has no {method}() method")
     return cls
-
-
-def is_async(env: Any) -> bool:
-    return inspect.iscoroutinefunction(env.step)
 
 
 def messages(value: Any, what: str) -> Messages:

@@ -128,8 +128,9 @@ def encode_episodes(run: TaskRun, field: str, max_answer_tokens: int) -> Example
     """An environment's task: each kept row's opening (the prompt RL sends), then its recorded episode (column
     ``field``: the chat turns after the opening). Assistant turns are trained on, each with the turn's end token;
     the environment's turns are context, rendered exactly as a worker renders them between turns."""
-    from dora.rollout.episodes import observation_text, stop_ids
     from dora.tasks import datasets
+    from dora.tasks.prompts import stop_ids
+    from dora.tasks.templates import observation_text
 
     assert run.env is not None and run.epochs is not None
     stop = stop_ids(run, run.section.turn_end)

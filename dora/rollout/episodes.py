@@ -35,13 +35,10 @@ from dora import envs
 from dora.config import ConfigError
 from dora.config.run import TaskSection
 from dora.ids import Finish
-from dora.tasks.prompts import TaskRun
+from dora.tasks.prompts import TaskRun, stop_ids
 from dora.tasks.tasks import Item
+from dora.tasks.templates import observation_text
 from dora.wire import messages as m
-
-Messages = list[dict[str, str]]
-ACTION = "\u27e6dora:action\u27e7"
-"""Stands for the sampled turn while the history is rendered: the observation's text is what follows it."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -276,14 +273,6 @@ class Episodes:
         )  # fmt: skip
 
 
-def observation_text(renderer: Any, chat: Messages, observation: Messages, said: str = "") -> str:
-    """What the chat template puts between an assistant turn (the one after ``chat``) and the next one: the turn's
-    end (but ``said``, the end the model sampled itself), the observation's turns, the next turn's start. A
-    placeholder stands for the turn's content, so the text does not depend on what the model said."""
-    text = renderer.render([*chat, {"role": "assistant", "content": ACTION}, *observation])
-    return text[text.rindex(ACTION) + len(ACTION) :].removeprefix(said)
-
-
 def score(ep: Episode) -> tuple[float, str]:
     """An ended episode's reward (0 when its environment failed) and the failure, if any."""
     return (0.0, ep.reason) if ep.reason else (ep.reward, "")
@@ -296,14 +285,3 @@ def failure(e: BaseException, timeout_s: float) -> str:
     if isinstance(e, envs.EnvError):
         return f"env malformed: {e}"
     return f"env raised: {type(e).__name__}: {e}"[:300]
-
-
-def stop_ids(task: TaskRun, texts: tuple[str, ...]) -> list[int]:
-    """The token ids of ``task.turn_end``; a text that is not one token of the vocabulary is a ConfigError."""
-    out = []
-    for text in texts:
-        token = task.tokenizer.token_to_id(text)
-        if token is None:
-            raise ConfigError(f"task.turn_end {text!r} is not a token of the model's vocabulary")
-        out.append(token)
-    return out

@@ -84,10 +84,9 @@ class TaskRun:
         where = f"{item.task} item {item.index}"
         try:
             opening = envs.messages(self.env().reset(item), f"{self.env.__name__}.reset")
-            error = ""
-        except Exception as e:  # the environment is user code: its failure ends the episode, not the process
-            opening, error = [*self.system, {"role": "user", "content": item.prompt}], f"{type(e).__name__}: {e}"
-        meta = {**item.meta, "source": item, "messages": opening, "reset_error": error}
+        except Exception:  # the environment is user code: its failure ends the episode, not the process
+            opening = [*self.system, {"role": "user", "content": item.prompt}]
+        meta = {**item.meta, "source": item, "messages": opening}
         return tasks.Item(task=item.task, index=item.index, prompt=self.renderer.render(opening, where),
                           answer=item.answer, meta=meta)  # fmt: skip
 
@@ -133,6 +132,18 @@ class TaskRun:
             raise ConfigError("an environment's task scores episodes, not completions (task.reward is unset)")
         text = self.tokenizer.decode(list(tokens), skip_special_tokens=True)
         return rewards.score(self.reward, text, item, timeout_s=self.timeout_s)
+
+
+def stop_ids(task: TaskRun, texts: tuple[str, ...]) -> list[int]:
+    """The token ids of ``texts`` (task.turn_end); a text that is not one token of the vocabulary is a
+    ConfigError."""
+    out = []
+    for text in texts:
+        token = task.tokenizer.token_to_id(text)
+        if token is None:
+            raise ConfigError(f"task.turn_end {text!r} is not a token of the model's vocabulary")
+        out.append(token)
+    return out
 
 
 def prompt_source(cfg) -> tuple[Callable[[int], np.ndarray], dict[str, Any]]:  # cfg: RunConfig

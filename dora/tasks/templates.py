@@ -52,3 +52,16 @@ class Renderer:
                 f"{where}: the chat template of {self.model_dir} rendered {type(text).__name__}, not text"
             )
         return text
+
+
+ACTION = "\u27e6dora:action\u27e7"
+"""Stands for an assistant turn's content while a chat is rendered (``observation_text``)."""
+
+
+def observation_text(renderer: Renderer, chat: Messages, observation: Messages, said: str = "") -> str:
+    """What the chat template puts between an assistant turn (the one after ``chat``) and the next one: the turn's
+    end (but ``said``, the end the model sampled itself), the observation's turns, the next turn's start. A
+    placeholder stands for the turn's content, so the text does not depend on what the model said. A worker
+    appends this after each turn of an episode, and `dora sft` renders recorded episodes with it."""
+    text = renderer.render([*chat, {"role": "assistant", "content": ACTION}, *observation])
+    return text[text.rindex(ACTION) + len(ACTION) :].removeprefix(said)

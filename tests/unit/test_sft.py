@@ -298,7 +298,7 @@ def test_help_lists_sft_and_never_imports_torch():
 def test_recorded_episodes_train_the_assistant_turns_with_the_workers_rendering(tiny_model, tmp_path):
     """An environment's rows: the opening is the RL prompt, each assistant turn and its end token are trained on,
     and the tool's turn in between is context, rendered exactly as a worker appends it after a sampled turn."""
-    from dora.rollout.episodes import observation_text
+    from dora.tasks.templates import observation_text
 
     rows = tmp_path / "calc.jsonl"
     rows.write_text("".join((ROOT / "examples/data/calculator/train.jsonl").read_text().splitlines(True)[:4]))
