@@ -3,8 +3,9 @@
 Each sample of a group is an episode. The engine samples an assistant turn until EOS, a ``task.turn_end``
 token or the turn's token budget; the sequence then leaves the decode batch (its slot goes to other
 sequences) and keeps its keys and values (torch; vLLM leaves them to its prefix cache). The environment's
-``step`` runs meanwhile, as a task on the worker's event loop (a coroutine) or in a thread pool (a plain
-function), within ``task.env_timeout_s``.
+``step`` runs meanwhile, as a task on the worker's event loop (a coroutine) or on a daemon thread of its
+own (a plain function, so a call that never returns cannot keep the worker from exiting), within
+``task.env_timeout_s``.
 Its observation is rendered with the chat template after the turn just sampled, encoded and appended
 (loss mask 0, log-prob 0), and the next turn starts on the same sequence, prefilling only the new tokens.
 
@@ -23,9 +24,10 @@ is all 0, so the learner keeps it out of the loss. Its group is trained whole ei
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
+import threading
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,7 +78,6 @@ class Episodes:
         self.open: dict[tuple[int, int, int], Episode] = {}
         self.finished: list[Episode] = []
         self.failures: Counter[str] = Counter()
-        self.pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="env")
 
     # ------------------------------------------------------------------ requests
 
@@ -247,8 +248,7 @@ class Episodes:
         timeout = self.cfg.env_timeout_s
         if inspect.iscoroutinefunction(fn):
             return await asyncio.wait_for(fn(*args), timeout)
-        loop = asyncio.get_running_loop()
-        return await asyncio.wait_for(loop.run_in_executor(self.pool, fn, *args), timeout)
+        return await asyncio.wait_for(in_thread(fn, *args), timeout)
 
     # ------------------------------------------------------------------ results
 
@@ -271,6 +271,32 @@ class Episodes:
             reward_error=ep.reason, loss_mask=np.zeros_like(mask) if masked else mask,
             turns=turns[:0] if masked else turns,
         )  # fmt: skip
+
+
+def in_thread(fn: Any, *args: Any) -> asyncio.Future:
+    """``fn(*args)`` on a daemon thread of its own, as a future of the running loop. A pool's threads are
+    joined at exit, so one hung call would hold the process open; an abandoned daemon thread does not."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def settle(value: Any, error: BaseException | None) -> None:
+        if fut.done():  # timed out and abandoned
+            return
+        if error is None:
+            fut.set_result(value)
+        else:
+            fut.set_exception(error)
+
+    def call() -> None:
+        try:
+            value, error = fn(*args), None
+        except BaseException as e:  # handed to the awaiting episode, which scores it
+            value, error = None, e
+        with contextlib.suppress(RuntimeError):  # the loop closed while the call ran: nobody waits for it
+            loop.call_soon_threadsafe(settle, value, error)
+
+    threading.Thread(target=call, name="env", daemon=True).start()
+    return fut
 
 
 def score(ep: Episode) -> tuple[float, str]:

@@ -57,6 +57,11 @@ class Hangs(Counting):
         return [], 1.0, True
 
 
+class HangsForever(Counting):
+    def step(self, action):
+        time.sleep(3600)
+
+
 class Junk(Counting):
     async def step(self, action):
         return [{"role": 3}], 1.0, False
@@ -249,6 +254,27 @@ async def test_a_workers_evaluation_round_runs_episodes(tiny_model):
     assert not w.take_finished(), "evaluation is never training traffic"
     for e in sorted(got, key=lambda e: e.row):
         assert e.rewards.tolist() == [float(int(task.rows[e.row].answer) % 2 == 0)] * 2 and e.failed == 0
+
+
+def test_a_blocking_call_that_never_returns_does_not_hold_the_worker_at_exit(tiny_model):
+    import subprocess
+    import sys
+
+    script = f"""
+import asyncio, pathlib
+from tests.engines import test_episodes as t
+
+async def main():
+    w = t.worker(pathlib.Path({str(tiny_model)!r}), "HangsForever")
+    w.submit(t.lease(w, 6), 0.0)
+    print(sorted({{r.reward_error for r in await t.run(w, until=2)}}))
+
+asyncio.run(main())
+"""
+    root = pathlib.Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=root, timeout=90)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "['env timeout: no answer within 0.3 s']"
 
 
 def test_dora_run_refuses_a_bad_environment_in_one_line(tiny_model, tmp_path):
