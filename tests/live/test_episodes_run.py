@@ -1,12 +1,15 @@
-"""A live multi-turn run: broker, 2 torch or vLLM workers running guessing-game episodes, the torch learner."""
+"""A live multi-turn run: broker, 2 torch or vLLM workers running guessing-game episodes, the torch learner;
+and a run whose slow tools keep episodes open across publishes, so the orchestrator migrates them."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import pathlib
 
 import pytest
 
+from dora.envs.guess import Guess
 from tests.live.cluster import cluster
 from tests.live.test_model_run import torch_run
 
@@ -37,4 +40,44 @@ def test_episodes_train_with_one_version_per_turn_and_every_group_once(tmp_path,
         assert all(r["mixed"] == 0 for r in audit)
         published = c.events("broker", "train_step")
         assert [r["version"] for r in published] == list(range(1, steps + 1))
+        assert not [r for w in ("w0", "w1") for r in c.events(w) if r.get("level") == "error"]
+
+
+class SlowGuess(Guess):
+    """The guessing game behind a tool whose latency depends on the secret (0.1 to 0.4 s a call), so both
+    workers hold open episodes (waiting on their tools) when a version is published."""
+
+    async def step(self, action):
+        await asyncio.sleep(0.1 * (1 + self.secret % 4))
+        return await super().step(action)
+
+
+def test_episodes_migrated_between_workers_of_one_version_train_with_one_version_per_turn(tmp_path, tiny_model):
+    steps = 6
+    task = {"name": "dataset", "dataset": str(GUESS), "prompt_field": "question", "chat_template": True,
+            "env": f"{__name__}:SlowGuess", "max_turns": 4, "max_episode_tokens": 96, "reward": None}  # fmt: skip
+    overrides = torch_run(tmp_path, tiny_model, steps, min_workers=2, max_tokens=6, task=task,
+                          rollout={"kv_cache_mib": 64, "max_model_len": 1024},
+                          engine={"max_slots": 32, "credit_slots": 32})  # fmt: skip
+    overrides["core"]["max_staleness"] = 2  # 12 groups in flight: both workers hold open ones at a publish
+    with cluster(tmp_path, overrides) as c:
+        c.start_broker()
+        for i in range(2):
+            c.start_worker(f"w{i}", "torch", "--model", str(tiny_model))
+        c.spawn("learner", "learner", "--trainer", "torch", "--broker", str(tmp_path / "broker.json"))
+        assert c.wait("learner", 250) == 0, c.log("learner")[-3000:] + c.log("w0")[-3000:]
+        assert c.wait("broker", 15) == 0, c.log("broker")[-3000:]
+        audit = c.check_exactly_once()
+        assert all(r["mixed"] == 0 for r in audit) and sum(r["turns"] for r in audit) > 4 * 4 * steps
+        assigned: dict[str, int] = {}
+        moved: set[int] = set()
+        for r in c.events("broker"):
+            if r["event"] == "worker_assigned":
+                assigned[r["worker"]] = r["version"]
+            elif r["event"] == "migration":  # C1: only between workers that hold the same weights
+                assert assigned[r["source"]] == assigned[r["target"]] == r["version"] and r["source"] != r["target"]
+                assert r["requests"] >= 1 and r["tokens_moved"] > 0
+                moved.add(r["group_id"])
+        assert moved, "no episode was migrated"
+        assert moved <= {g for r in audit for g in r["groups"]}, "a migrated group was not trained"
         assert not [r for w in ("w0", "w1") for r in c.events(w) if r.get("level") == "error"]
