@@ -13,7 +13,7 @@ from typing import Literal
 from dora.config import ConfigError, CoreConfig
 from dora.ids import Mode
 
-Placement = Literal["colocated", "disaggregated"]
+Placement = Literal["colocated", "disaggregated", "elastic"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -50,22 +50,36 @@ class ClusterSection:
     """Accelerators per inference-engine replica (one rollout worker = one DP group)."""
     rollout_gpus: int | None = None
     """Disaggregated placement: accelerators in the rollout pool (the rest train). None = search the
-    split with the best steady-state throughput for each mode, and report it."""
+    split with the best steady-state throughput for each mode, and report it. Elastic placement: the
+    accelerators that roll out (default all); those beyond them only train."""
+    elastic_gpus: int | None = None
+    """Elastic placement: of the rollout accelerators, those that also train: they roll out while the
+    trainer waits for a batch and yield for each train step; the others (standalone) always roll out.
+    None = search the count with the best steady-state throughput. Colocated is every accelerator
+    elastic, disaggregated none."""
+    host_link_bytes_per_s: float = 0.0
+    """Accelerator <-> host memory bandwidth per accelerator, paid by role switches (colocated, elastic):
+    engine weights and held KV offloaded at a yield and loaded back, the trainer's state around each
+    step. 0 = role switches cost nothing."""
     placement: dict[str, Placement] = field(
         default_factory=lambda: {"sync": "colocated", "one_step": "disaggregated", "partial": "colocated",
                                  "dora": "disaggregated", "drop_stale": "disaggregated"}
     )  # fmt: skip
-    """Per mode: colocated (every accelerator alternates rollout and training) or disaggregated (a rollout pool
-    and a trainer pool); a mode not listed is disaggregated."""
+    """Per mode: colocated (every accelerator alternates rollout and training), disaggregated (a rollout pool
+    and a trainer pool) or elastic (standalone rollout workers plus elastic ones that also train); a mode
+    not listed is disaggregated."""
 
     def __post_init__(self) -> None:
         if self.gpus_per_worker < 1 or self.total_gpus < 2 * self.gpus_per_worker:
             raise ConfigError("cluster.total_gpus must hold at least two workers of cluster.gpus_per_worker")
-        if self.rollout_gpus is not None and not (
-            self.gpus_per_worker <= self.rollout_gpus < self.total_gpus
-            and self.rollout_gpus % self.gpus_per_worker == 0
-        ):
-            raise ConfigError("cluster.rollout_gpus must be a multiple of gpus_per_worker below total_gpus")
+        for key in ("rollout_gpus", "elastic_gpus"):
+            gpus = getattr(self, key)
+            if gpus is not None and not (
+                self.gpus_per_worker <= gpus <= self.total_gpus and gpus % self.gpus_per_worker == 0
+            ):
+                raise ConfigError(f"cluster.{key} must be a multiple of gpus_per_worker, at most total_gpus")
+        if self.host_link_bytes_per_s < 0:
+            raise ConfigError("cluster.host_link_bytes_per_s must be >= 0")
         bad = sorted(set(self.placement) - {m.value for m in Mode})
         if bad:
             raise ConfigError(f"cluster.placement: unknown mode {bad[0]!r}")
@@ -108,6 +122,14 @@ class EngineSection:
     """`dora sim`, multi-turn episodes: one waiting on a tool call keeps its KV cache (prefix caching; running
     sequences evict it, oldest first, when they need the room); False = it re-prefills its whole context
     when it resumes."""
+    weight_bytes: float = 0.0
+    """`dora sim`, role switches: bytes of one replica's weights, offloaded to host memory when it yields to
+    the trainer and loaded back when it resumes the same version (see cluster.host_link_bytes_per_s)."""
+    wake_s: float = 0.0
+    """`dora sim`: fixed seconds for a replica to take its accelerators back after a yield."""
+    yield_kv: Literal["offload", "drop"] = "offload"
+    """`dora sim`: what a yielding replica does with the KV cache of the requests it holds: offload it to
+    host memory and back, or drop it and re-prefill them when it resumes."""
 
     def __post_init__(self) -> None:
         if (
@@ -118,7 +140,8 @@ class EngineSection:
             or self.kv_budget_tokens < 1
         ):
             raise ConfigError("engine: tpot_base_s > 0, tpot_per_seq_s >= 0, max_slots >= 1, kv_budget_tokens >= 1")
-        if min(self.prefill_s_per_token, self.kv_bytes_per_token, self.load_s, self.credit_slots) < 0:
+        if min(self.prefill_s_per_token, self.kv_bytes_per_token, self.load_s, self.credit_slots,
+               self.weight_bytes, self.wake_s) < 0:  # fmt: skip
             raise ConfigError("engine: costs must be >= 0")
         if self.transfer_bytes_per_s <= 0:
             raise ConfigError("engine.transfer_bytes_per_s must be > 0")
@@ -142,9 +165,12 @@ class TrainerSection:
     """Seconds of each train step that do not depend on the batch's tokens."""
     publish_s: float = 1.0
     """Seconds to publish a version after its step (weight transfer to the store)."""
+    state_bytes: float = 0.0
+    """Bytes of the trainer's state (parameters, gradients, optimizer), loaded from host memory before each
+    step and offloaded after it when the trainer shares its accelerators (colocated, elastic)."""
 
     def __post_init__(self) -> None:
-        if min(self.gpu_s_per_token, self.step_fixed_s, self.publish_s) < 0:
+        if min(self.gpu_s_per_token, self.step_fixed_s, self.publish_s, self.state_bytes) < 0:
             raise ConfigError("trainer: costs must be >= 0")
 
     def train_s(self, tokens: int, gpus: int) -> float:

@@ -10,6 +10,15 @@ After each event the core (1) applies the event, (2) hands a batch to a waiting 
 deadline rule allows, (3) lets the orchestrator move workers, (4) dispatches work, (5) retires
 versions, and in strict mode (6) re-checks every invariant from scratch, raising
 ``InvariantViolation`` on a bug.
+
+Elastic workers share their accelerators with the trainer (DESIGN.md §8). When a batch is taken, each
+one hands its running groups to standalone workers of the same version that have room (a migration:
+C1 holds because the weights are identical) and is told to ``Yield``: it pauses whatever it still holds.
+The batch is delivered once every elastic worker has yielded (the trainer has its accelerators). After
+the step is published each yielded worker comes back: one that holds groups ``Resume``s the version it
+served, so they go on under the same weights (C1); one that holds none is assigned the newest version.
+Held groups keep their deadlines; the feasibility invariant counts them like any running group, so C2
+and C3 hold as before. All workers elastic is colocated training; none is disaggregated.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from dora.core.events import (
     MigrationExported,
     Outbox,
     Refused,
+    Resume,
     Retire,
     RunFinished,
     SampleFinished,
@@ -40,9 +50,11 @@ from dora.core.events import (
     WeightsPublished,
     WorkerJoined,
     WorkerLost,
+    Yield,
+    Yielded,
 )
 from dora.core.ledger import InvariantViolation, Ledger
-from dora.core.scheduler import Flight, GroupState, Scheduler
+from dora.core.scheduler import Flight, GroupState, Scheduler, Worker
 from dora.core.transfer import TransferQueue
 from dora.ids import GroupId, Mode, WorkerId
 
@@ -77,6 +89,10 @@ class Core:
         self.rebalances = 0
         self.fleet_ready = cfg.min_workers <= 0
         """True once min_workers workers have joined; leasing starts then and never stops for it again."""
+        self.yielding: set[WorkerId] = set()
+        """Elastic workers told to yield for the batch taken that have not answered yet."""
+        self.held: DeliverBatch | None = None
+        """The batch taken, delivered once every elastic worker has yielded."""
 
     # ------------------------------------------------------------------ entry point
 
@@ -125,13 +141,13 @@ class Core:
         """Apply one event; True if it is a trigger for a full re-partition."""
         sched = self.scheduler
         match event:
-            case WorkerJoined(worker_id=w, slots=slots):
+            case WorkerJoined(worker_id=w, slots=slots, elastic=elastic):
                 if w in sched.workers:  # a restarted process under the same id: its old leases are void
                     self._lose(w, out)
                 if slots < self.cfg.group_size:
                     out.emit(Refused(reason=f"slots {slots} < group_size {self.cfg.group_size}", worker_id=w))
                     return False
-                sched.join(w, slots)
+                sched.join(w, slots, elastic=elastic)
                 self._assign(w, out)
                 return self.cfg.mode is Mode.DORA
             case WorkerLost(worker_id=w):
@@ -154,6 +170,9 @@ class Core:
                     return False
                 if worker.ready:  # a repeat: the report came twice
                     return False
+                if worker.yielded:  # a load that ended after the yield: the worker reloads when it comes back
+                    out.emit(Refused(reason="load_while_yielded", worker_id=w))
+                    return False
                 worker.ready = True
                 self.ledger.mark_loaded(v)
                 return False
@@ -171,6 +190,13 @@ class Core:
             case MigrationExported(worker_id=w, group_id=g, attempt=a, n_requests=n, state=state):
                 sched.exported(w, g, a, n, state, out)
                 return False
+            case Yielded(worker_id=w):
+                if w not in self.yielding:
+                    out.emit(Refused(reason="unexpected_yield", worker_id=w))
+                    return False
+                self.yielding.discard(w)
+                self._hand_over(out)
+                return False
             case LoadReported(worker_id=w, kv_use=kv):
                 return self.cfg.mode is Mode.DORA and w in sched.workers and kv >= self.cfg.kv_rebalance_threshold
             case Tick():
@@ -180,12 +206,17 @@ class Core:
                     out.emit(Refused(reason=f"unexpected_publish v{v}"))
                     return False
                 self.ledger.publish(v)
+                for worker in sorted(sched.workers.values(), key=lambda x: x.order):
+                    if worker.yielded:
+                        self._wake(worker, out)
                 if self.cfg.in_flight_swap:
                     for w in list(sched.workers):
                         self._assign(w, out, interrupt=True)
                 return self.cfg.mode is Mode.DORA
             case BatchRequested(step=step):
                 pending = self.transfer.in_training
+                if self.held is not None and step == self.held.step:
+                    return False  # it goes out once the elastic workers have yielded
                 if pending is not None and step == pending.step:
                     out.emit(DeliverBatch(step=pending.step, groups=pending.groups, redelivery=True))
                 elif step == self.transfer.step and step == self.ledger.newest and pending is None:
@@ -203,6 +234,61 @@ class Core:
     def _lose(self, worker: WorkerId, out: Outbox) -> None:
         self.scheduler.lose(worker, out)
         self.ledger.unpin(worker)
+        if worker in self.yielding:
+            self.yielding.discard(worker)
+            self._hand_over(out)
+
+    def _yield_elastic(self, batch: DeliverBatch, out: Outbox) -> None:
+        """The batch is taken: elastic workers hand what they can to standalone peers of their version and
+        yield; the batch goes out when they all have (at once if there are none)."""
+        sched = self.scheduler
+        elastic = [w for w in sorted(sched.workers.values(), key=lambda x: x.order) if w.elastic and not w.yielded]
+        if not elastic:
+            out.emit(batch)
+            return
+        peers = [w for w in sched.workers.values() if not w.elastic and w.ready and not w.leaving]
+        for w in elastic:
+            if not self.cfg.in_flight_swap:  # partial swaps every worker's weights at the publish anyway
+                self._evacuate(w, peers, out)
+            sched.set_leaving(w, False)
+            w.yielded, w.ready = True, False
+            self.yielding.add(w.worker_id)
+            out.emit(Yield(worker_id=w.worker_id))
+        self.held = batch
+
+    def _evacuate(self, worker: Worker, peers: list[Worker], out: Outbox) -> None:
+        """Migrate the worker's running groups to standalone workers of its version with room; the rest stay
+        held (paused) on it."""
+        sched = self.scheduler
+        version = self.ledger.version_of(worker.worker_id)
+        views = [orchestrator.WorkerView(worker_id=p.worker_id, version=version, free=p.free, groups=(),
+                                         settled=True, order=p.order)
+                 for p in peers if self.ledger.version_of(p.worker_id) == version]  # fmt: skip
+        running = tuple(
+            (g, sched.unfinished(sched.flights[g]))
+            for g in sorted(worker.groups)
+            if sched.flights[g].state is GroupState.RUNNING
+        )
+        for gid, dst in orchestrator.place_some(running, views):
+            sched.migrate(sched.flights[gid], sched.workers[dst], out)
+
+    def _hand_over(self, out: Outbox) -> None:
+        if self.held is not None and not self.yielding:
+            out.emit(self.held)
+            self.held = None
+
+    def _wake(self, worker: Worker, out: Outbox) -> None:
+        """A yielded worker comes back after the publish: it resumes the version it holds groups of (C1),
+        or loads the newest one."""
+        worker.yielded = False
+        version = self.ledger.version_of(worker.worker_id)
+        assert version is not None
+        holds = worker.groups or worker.incoming
+        if version == self.ledger.newest or (holds and not self.cfg.in_flight_swap):
+            out.emit(Resume(worker_id=worker.worker_id, version=version))
+        elif not self.cfg.in_flight_swap:
+            self._assign(worker.worker_id, out)
+        # in_flight_swap (partial): the publish swaps every worker, this one included, to the newest weights
 
     def _assign(self, worker: WorkerId, out: Outbox, *, interrupt: bool = False) -> None:
         """Pin ``worker`` to the newest version and tell it to load those weights."""
@@ -234,13 +320,13 @@ class Core:
         for g in batch.groups:
             self.ledger.remove_group(g.version)
         self.learner_waiting = False
-        out.emit(batch)
+        self._yield_elastic(batch, out)
 
     def _orchestrate(self, out: Outbox, *, full: bool) -> None:
         sched = self.scheduler
         # Workers that finished handing over their groups load the newest weights now.
         for w in [sched.workers[name] for name in sorted(sched.leaving & sched.idle)]:
-            if not w.groups:
+            if not w.groups and not w.incoming:
                 self._assign(w.worker_id, out)
         if full:
             self.rebalances += 1
@@ -257,7 +343,10 @@ class Core:
                 order=w.order,
             )
             for w in candidates
-            if (v := self.ledger.version_of(w.worker_id)) is not None and (full or v != newest)
+            if (v := self.ledger.version_of(w.worker_id)) is not None
+            and (full or v != newest)
+            and not w.yielded
+            and not w.incoming  # a group is on its way to it: it keeps its version until the group lands
         ]
         if not views:
             return
@@ -323,3 +412,10 @@ class Core:
         running = [f for f in self.scheduler.flights.values() if f.state is not GroupState.QUEUED]
         if any(f.version not in self.ledger.alive() for f in running):
             raise InvariantViolation("a running group's version is retired")
+        workers = self.scheduler.workers
+        if any(w not in workers or not workers[w].yielded for w in self.yielding):
+            raise InvariantViolation(f"yielding {sorted(self.yielding)} includes a worker not told to yield")
+        if (self.held is None) != (not self.yielding):
+            raise InvariantViolation("a batch is held with no yield awaited, or a yield is awaited for no batch")
+        if self.held is not None and self.held is not self.transfer.in_training:
+            raise InvariantViolation("the held batch is not the one taken for training")

@@ -24,6 +24,8 @@ class WorkerJoined:
     worker_id: WorkerId
     slots: int
     """Sequences the worker runs at once (its credit); a group takes group_size of them."""
+    elastic: bool = False
+    """It shares its accelerators with the trainer: it yields them for every train step (see ``Yield``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -80,6 +82,13 @@ class MigrationExported:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Yielded:
+    """An elastic worker paused the requests it still holds and handed its accelerators to the trainer."""
+
+    worker_id: WorkerId
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class LoadReported:
     worker_id: WorkerId
     kv_use: float
@@ -116,6 +125,7 @@ Event = (
     | SampleFinished
     | SamplesFinished
     | MigrationExported
+    | Yielded
     | LoadReported
     | Tick
     | WeightsPublished
@@ -145,6 +155,24 @@ class Assign:
     worker_id: WorkerId
     version: int
     interrupt: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Yield:
+    """Elastic worker: pause every request still held (their state kept, to go on under the same weights) and
+    hand the accelerators to the trainer for one train step; answer with ``Yielded``."""
+
+    worker_id: WorkerId
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Resume:
+    """A yielded worker takes its accelerators back, reloads ``version`` (the weights it served) and goes on
+    with the requests it held; answer with ``WeightsLoaded``. (A worker that held nothing gets an ``Assign``
+    of the newest version instead.)"""
+
+    worker_id: WorkerId
+    version: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -230,7 +258,9 @@ class RunFinished:
     steps: int
 
 
-Action = Lease | Assign | MigrateOut | MigrateIn | Cancel | DeliverBatch | Retire | Refused | RunFinished
+Action = (
+    Lease | Assign | Yield | Resume | MigrateOut | MigrateIn | Cancel | DeliverBatch | Retire | Refused | RunFinished
+)
 
 
 @dataclass(slots=True)

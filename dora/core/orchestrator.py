@@ -100,6 +100,23 @@ def plan(workers: list[WorkerView], pending: dict[int, int], newest: int, *, ful
     return out
 
 
+def place_some(
+    groups: tuple[tuple[GroupId, int], ...], peers: list[WorkerView]
+) -> list[tuple[GroupId, WorkerId]]:
+    """First-fit-decreasing of ``(group, unfinished samples)`` onto ``peers`` (one version): as many as fit,
+    the largest first; each goes to the peer with the most room left. What does not fit is left out."""
+    free = {p.worker_id: p.free for p in peers}
+    order = {p.worker_id: p.order for p in peers}
+    placed: list[tuple[GroupId, WorkerId]] = []
+    for gid, n in sorted(groups, key=lambda g: (-g[1], g[0])):
+        fits = [w for w in free if free[w] >= n]
+        if fits:
+            dst = max(fits, key=lambda w: (free[w], -order[w]))
+            free[dst] -= n
+            placed.append((gid, dst))
+    return placed
+
+
 def _load(w: WorkerView) -> int:
     return sum(n for _, n in w.groups)
 

@@ -66,6 +66,12 @@ class Worker:
     """Weights of the pinned version are loaded."""
     leaving: bool = False
     """Handing its groups to peers of its version before it loads the newest weights."""
+    elastic: bool = False
+    """Shares its accelerators with the trainer and yields them for every train step."""
+    yielded: bool = False
+    """Told to yield (or yielded): its accelerators are the trainer's until the step is published."""
+    incoming: int = 0
+    """Groups migrating to it, not yet exported by their source: it must keep its version until they land."""
     groups: set[GroupId] = field(default_factory=set)
 
     @property
@@ -160,9 +166,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ workers
 
-    def join(self, worker: WorkerId, slots: int) -> Worker:
+    def join(self, worker: WorkerId, slots: int, *, elastic: bool = False) -> Worker:
         self._joined += 1
-        w = Worker(worker_id=worker, slots=slots, order=self._joined)
+        w = Worker(worker_id=worker, slots=slots, order=self._joined, elastic=elastic)
         self.workers[worker] = w
         self.idle.add(worker)
         return w
@@ -216,6 +222,7 @@ class Scheduler:
                     out.emit(Cancel(worker_id=holder.worker_id, group_id=flight.group_id, attempt=flight.attempt))
         if flight.target is not None and flight.target in self.workers:
             self.workers[flight.target].used -= self.unfinished(flight)
+            self.workers[flight.target].incoming -= 1
         flight.state = GroupState.QUEUED
         flight.attempt = None
         flight.worker = None
@@ -357,6 +364,8 @@ class Scheduler:
         """A finished group leaves the scheduler (its slots are already free)."""
         if flight.worker is not None and flight.worker in self.workers:
             self._unhold(self.workers[flight.worker], flight.group_id)
+        if flight.target is not None and flight.target in self.workers:  # it finished while migrating
+            self.workers[flight.target].incoming -= 1
         del self.flights[flight.group_id]
         self.wave.discard(flight.group_id)
 
@@ -375,6 +384,7 @@ class Scheduler:
         flight.state = GroupState.MIGRATING
         flight.target = target.worker_id
         target.used += self.unfinished(flight)
+        target.incoming += 1
         out.emit(
             MigrateOut(
                 worker_id=src,
@@ -405,6 +415,7 @@ class Scheduler:
         self._unhold(src, group)
         src.used -= n_requests
         self._hold(dst, group)
+        dst.incoming -= 1
         flight.worker = dst.worker_id
         flight.target = None
         flight.state = GroupState.RUNNING
@@ -431,6 +442,7 @@ class Scheduler:
         mode, where workers swap weights under running requests by design).
         """
         used = {w: 0 for w in self.workers}
+        incoming = {w: 0 for w in self.workers}
         holders: dict[GroupId, WorkerId] = {}
         for f in self.flights.values():
             if f.state is GroupState.QUEUED:
@@ -448,7 +460,12 @@ class Scheduler:
             used[f.worker] += self.unfinished(f)
             if f.target is not None:
                 used[f.target] += self.unfinished(f)
+                incoming[f.target] += 1
         for w in self.workers.values():
+            if w.incoming != incoming[w.worker_id]:
+                raise InvariantViolation(f"{w.worker_id}: {w.incoming} migrations in recorded, {incoming[w.worker_id]}")
+            if w.yielded and w.ready:
+                raise InvariantViolation(f"{w.worker_id} yielded its accelerators but counts as ready")
             if used[w.worker_id] != w.used:
                 raise InvariantViolation(f"{w.worker_id}: {w.used} slots recorded, {used[w.worker_id]} held")
             if w.used > w.slots:

@@ -13,11 +13,18 @@ The core (``dora.core.core.Core``) makes every decision; this module only advanc
   call (also while a colocated fleet trains: tools run on CPUs), holding its lease but no decode slot;
   then its observation tokens are prefilled (its whole context too without a KV cache) and its next
   turn queues on whichever worker holds it by then. The trainer trains observation tokens as context.
-- **Placement.** ``colocated``: every accelerator is a rollout worker, and rollout pauses while the
-  same accelerators train; the engines' weights and KV caches survive the training phase at no cost
-  (offloading them to host memory and back is not modelled; it would cost sync, partial and dora
-  alike, and partial still re-prefills after its weight swap). ``disaggregated``: ``rollout_gpus``
-  serve rollout, the rest train, both at once.
+- **Placement.** Rollout workers are standalone (always roll out) or elastic (roll out while the trainer
+  waits for a batch, yield their accelerators for each train step). The core decides the yields
+  (``dora.core.core``): elastic workers hand running groups to standalone peers of their version, the
+  rest pause, and the batch starts training once all have yielded; after the publish they come back.
+  ``colocated``: every accelerator is an elastic worker. ``disaggregated``: ``rollout_gpus`` are
+  standalone workers and the rest train. ``elastic``: ``elastic_gpus`` of the rollout workers are
+  elastic, the others standalone; the trainer has the elastic accelerators plus any not rolling out.
+- **Role switches** (``cluster.host_link_bytes_per_s``; free when 0). A yield offloads the replica's
+  weights (``engine.weight_bytes``) and the KV of what it holds (or drops it, ``engine.yield_kv``) to
+  host memory; coming back costs ``engine.wake_s`` plus loading them back (resume, same version) or
+  ``load_s`` (assigned the newest). A trainer that shares its accelerators loads its state
+  (``trainer.state_bytes``, split over its accelerators) before each step and offloads it after.
 
 Between two events a replica's batch is constant, so its progress is exact (no time stepping).
 """
@@ -32,7 +39,19 @@ from dataclasses import dataclass, field
 
 from dora.config.sim import SimConfig
 from dora.core.core import Core
-from dora.core.events import Action, Assign, Cancel, DeliverBatch, Event, Lease, MigrateIn, MigrateOut, Tick
+from dora.core.events import (
+    Action,
+    Assign,
+    Cancel,
+    DeliverBatch,
+    Event,
+    Lease,
+    MigrateIn,
+    MigrateOut,
+    Resume,
+    Tick,
+    Yield,
+)
 from dora.ids import Mode, WorkerId
 from dora.sim.engine import Request
 from dora.sim.workload import from_section
@@ -82,6 +101,7 @@ class Outcome:
     placement: str
     rollout_workers: int
     trainer_gpus: int
+    elastic_workers: int
     wall_s: float
     steps: list[StepRecord]
     totals_at_step: list[Totals]
@@ -106,6 +126,8 @@ class Outcome:
     """Context re-prefilled because an episode resumed after a tool call without its KV cache."""
     kv_evictions: int = 0
     """Parked episodes' KV caches evicted for running sequences."""
+    yields: int = 0
+    """Times an elastic worker yielded its accelerators to the trainer."""
     timeline: dict[str, list[tuple[float, float, int, str]]] = field(default_factory=dict)
 
 
@@ -118,6 +140,7 @@ class Simulation:
         mode: Mode,
         *,
         rollout_gpus: int | None = None,
+        elastic_gpus: int | None = None,
         deaths: tuple[tuple[float, int], ...] | None = None,
         strict: bool = False,
         timeline: bool = False,
@@ -126,15 +149,25 @@ class Simulation:
         self.mode = mode
         cl = cfg.cluster
         self.placement = cl.placement_of(mode)
+        g = cl.gpus_per_worker
         if self.placement == "colocated":
-            self.n_workers = cl.total_gpus // cl.gpus_per_worker
-            self.trainer_gpus = cl.total_gpus
+            self.n_workers = self.n_elastic = cl.total_gpus // g
+        elif self.placement == "elastic":
+            self.n_workers = (rollout_gpus or cl.rollout_gpus or cl.total_gpus) // g
+            eg = elastic_gpus or cl.elastic_gpus or self.n_workers * g // 2
+            self.n_elastic = min(self.n_workers, eg // g)
         else:
             rg = rollout_gpus or cl.rollout_gpus or cl.total_gpus // 2
-            self.n_workers = max(1, rg // cl.gpus_per_worker)
-            self.trainer_gpus = cl.total_gpus - self.n_workers * cl.gpus_per_worker
-            if self.trainer_gpus < 1:
-                raise ValueError(f"no accelerator left to train: {rg} of {cl.total_gpus} serve rollout")
+            self.n_workers, self.n_elastic = max(1, rg // g), 0
+        self.trainer_gpus = cl.total_gpus - (self.n_workers - self.n_elastic) * g
+        if self.trainer_gpus < 1 or self.n_workers < 1:
+            raise ValueError(f"no accelerator left to train or to roll out: {self.n_workers} workers of {g} GPUs, "
+                             f"{self.n_elastic} elastic, of {cl.total_gpus}")  # fmt: skip
+        link = cl.host_link_bytes_per_s
+        self.worker_link = link * g
+        """Host-memory bytes/s of one replica (0: role switches are free)."""
+        self.switch_s = 2 * cfg.trainer.state_bytes / (self.trainer_gpus * link) if link and self.n_elastic else 0.0
+        """The trainer's state onto its shared accelerators before a step and off them after it."""
         self.eng = cfg.engine
         self.core = Core(self.cfg.core, strict=strict)
         self.world = World(
@@ -142,6 +175,7 @@ class Simulation:
             max_staleness=self.cfg.core.staleness, workload=from_section(cfg.workload, cfg.run.seed),
             mixed_versions_allowed=self.cfg.core.in_flight_swap, max_running=self.eng.max_slots,
             kv_budget_tokens=self.eng.kv_budget_tokens, kv_transfer=self.eng.kv_transfer, keep_kv=self.eng.keep_kv,
+            yield_kv=self.eng.yield_kv,
         )  # fmt: skip
         self.world.before_change = self._advance
         self.world.on_turn_end = self._tool_call
@@ -160,7 +194,12 @@ class Simulation:
         self._n_running = 0
         self._parked: dict[WorkerId, int] = {}
         self._n_parked = 0
-        self._paused = False
+        self._serving: dict[WorkerId, bool] = {}
+        self._n_serving = 0
+        """Alive workers that hold their accelerators (not yielded to the trainer)."""
+        self._offloaded: dict[WorkerId, float] = {}
+        """Bytes a yielded worker put in host memory (weights, held KV), loaded back when it resumes."""
+        self.yields = 0
         self._training = False
         self._acct_t = 0.0
         self.totals = Totals()
@@ -168,7 +207,6 @@ class Simulation:
         self.steps: list[StepRecord] = []
         self.max_alive = 1
         self.moves = 0
-        self._n_alive = 0
         self._trained_samples: list[list] = []
         self.record_timeline = timeline
         self.timeline: dict[str, list[tuple[float, float, int, str]]] = {}
@@ -219,7 +257,18 @@ class Simulation:
                     self._touched.add(a.worker_id)
                 case Assign():
                     self.moves += 1
-                    self._at(self.now + self.eng.load_s, "loaded", (a.worker_id, a.version))
+                    self._at(self.now + self._woken(a.worker_id) + self.eng.load_s, "loaded", (a.worker_id, a.version))
+                    self._touched.add(a.worker_id)
+                case Yield():
+                    self.yields += 1
+                    w = self.world.workers[a.worker_id]
+                    held = w.engine.kv_used() + w.engine.parked_kv if self.eng.yield_kv == "offload" else 0.0
+                    self._offloaded[a.worker_id] = self.eng.weight_bytes + held * self.eng.kv_bytes_per_token
+                    self._at(self.now + self._over_link(self._offloaded[a.worker_id]), "yielded", a.worker_id)
+                    self._touched.add(a.worker_id)
+                case Resume():
+                    back = self._woken(a.worker_id) + self._over_link(self._offloaded.pop(a.worker_id, 0.0))
+                    self._at(self.now + back, "loaded", (a.worker_id, a.version))
                     self._touched.add(a.worker_id)
                 case MigrateOut():
                     w = self.world.workers[a.worker_id]
@@ -234,6 +283,17 @@ class Simulation:
                     self._touched.add(a.worker_id)
                 case DeliverBatch(redelivery=False):
                     self._start_training(a)
+
+    def _over_link(self, nbytes: float) -> float:
+        return nbytes / self.worker_link if self.worker_link else 0.0
+
+    def _woken(self, worker: WorkerId) -> float:
+        """The wake-up a worker coming back from a yield pays before its load (0 for any other load)."""
+        w = self.world.workers[worker]
+        if not w.woken:
+            return 0.0
+        w.woken = False
+        return self.eng.wake_s
 
     def _start_training(self, batch: DeliverBatch) -> None:
         lengths = [sum(n for _, n in s.segments) for g in batch.groups for s in g.samples]
@@ -254,13 +314,7 @@ class Simulation:
             self._at(self.now + delay, "kill", victim)
         self._account()
         self._training = True
-        if self.placement == "colocated":  # the same accelerators now train: rollout stops
-            for w in list(self.world.workers):
-                self._advance(w)
-            self._paused = True
-            for w in list(self.world.workers):
-                self._touched.add(w)
-        train_s = self.cfg.trainer.train_s(rec.tokens, self.trainer_gpus) + self.cfg.trainer.publish_s
+        train_s = self.cfg.trainer.train_s(rec.tokens, self.trainer_gpus) + self.switch_s + self.cfg.trainer.publish_s
         self._at(self.now + train_s, "trained")
 
     def _account(self) -> None:
@@ -268,18 +322,17 @@ class Simulation:
         if dt > 0:
             t = self.totals
             t.t += dt
-            active = self._n_busy > 0 and not self._paused
+            active = self._n_busy > 0
             t.rollout_active_s += dt * active
             t.rollout_only_s += dt * (active and not self._training)
             t.trainer_busy_s += dt * self._training
-            t.slot_s += dt * self._n_running * (not self._paused)
+            t.slot_s += dt * self._n_running
             t.tool_wait_s += dt * self._n_parked
-            if not self._paused:
-                t.capacity_s += dt * self._n_alive * self.eng.max_slots
+            t.capacity_s += dt * self._n_serving * self.eng.max_slots
         self._acct_t = self.now
 
     def _decoding(self, worker: WorkerId) -> bool:
-        return not self._paused and self.world.workers[worker].decoding
+        return self.world.workers[worker].decoding
 
     def _advance(self, worker: WorkerId) -> None:
         """Bring one worker up to ``now``: pay prefill debt, then decode; finished samples go to the inbox."""
@@ -328,8 +381,12 @@ class Simulation:
         parked = len(w.engine.parked)
         self._n_parked += parked - self._parked.get(worker, 0)
         self._parked[worker] = parked
+        serving = w.alive and not w.yielded
+        self._n_serving += serving - self._serving.get(worker, False)
+        self._serving[worker] = serving
         if self.record_timeline:
-            kind = "dead" if not w.alive else "load" if w.loading is not None else "busy" if len(w.engine) else "idle"
+            kind = ("dead" if not w.alive else "train" if w.yielded else "load" if w.loading is not None
+                    else "busy" if len(w.engine) else "idle")  # fmt: skip
             version = w.loading if w.loading is not None else (w.loaded if w.loaded is not None else -1)
             state = (version, kind)
             prev = self._state.get(worker)
@@ -346,9 +403,8 @@ class Simulation:
     # ------------------------------------------------------------------ run
 
     def run(self, max_events: int = 50_000_000) -> Outcome:
-        for _ in range(self.n_workers):
-            self._n_alive += 1
-            self._feed(self.world.join(self.eng.credit))
+        for i in range(self.n_workers):  # standalone workers first (join order breaks the core's ties)
+            self._feed(self.world.join(self.eng.credit, elastic=i >= self.n_workers - self.n_elastic))
         self._feed(self.world.request_batch())
         self._at(self.cfg.run.tick_s, "tick")
         for _ in range(max_events):
@@ -375,7 +431,8 @@ class Simulation:
         trained_lengths = [sum(n for _, n in s.segments) for b in self._trained_samples for s in b]
         return Outcome(
             mode=self.mode, staleness_bound=self.cfg.core.staleness, placement=self.placement,
-            rollout_workers=self.n_workers, trainer_gpus=self.trainer_gpus, wall_s=self.now, steps=self.steps,
+            rollout_workers=self.n_workers, trainer_gpus=self.trainer_gpus, elastic_workers=self.n_elastic,
+            wall_s=self.now, steps=self.steps,
             totals_at_step=self.totals_at_step, staleness=lr.staleness, c1_violations=lr.c1_violations,
             mixed_version_trajectories=lr.mixed_version_trajectories, trained=list(lr.trained),
             dropped_lengths=[sum(n for _, n in s.segments) for g in tq.dropped for s in g.samples],
@@ -388,7 +445,7 @@ class Simulation:
             preemptions=sum(w.engine.preemptions for w in self.world.workers.values()),
             max_live_versions=self.max_alive, timeline=self.timeline,
             resume_prefill_tokens=sum(w.engine.resume_prefill for w in self.world.workers.values()),
-            kv_evictions=sum(w.engine.evictions for w in self.world.workers.values()),
+            kv_evictions=sum(w.engine.evictions for w in self.world.workers.values()), yields=self.yields,
         )  # fmt: skip
 
     def _dispatch(self, kind: str, arg: object) -> None:
@@ -406,6 +463,11 @@ class Simulation:
                     self._feed(self.world.finish_load(worker))
                     self._touched.add(worker)
                     self._feed(None)
+            case "yielded":
+                w = self.world.workers[arg]  # type: ignore[index]
+                if w.alive and w.yield_pending:
+                    self._advance(arg)  # type: ignore[arg-type]
+                    self._feed(self.world.finish_yield(arg))  # type: ignore[arg-type]
             case "export":
                 worker, group = arg  # type: ignore[misc]
                 w = self.world.workers[worker]
@@ -428,14 +490,12 @@ class Simulation:
                 if live:
                     victim = live[int(arg) % len(live)]  # type: ignore[call-overload]
                     self._advance(victim.worker_id)
-                    self._n_alive -= 1
                     self._feed(self.world.kill(victim.worker_id))
                     self._touched.add(victim.worker_id)
-                    self._at(self.now + self.cfg.run.restart_s, "join")
+                    self._at(self.now + self.cfg.run.restart_s, "join", victim.elastic)
                     self._feed(None)
-            case "join":
-                self._n_alive += 1
-                self._feed(self.world.join(self.eng.credit))
+            case "join":  # a restarted worker, in the role it had
+                self._feed(self.world.join(self.eng.credit, elastic=bool(arg)))
 
     def _finish_training(self) -> None:
         batch = self.world.learner.batch
@@ -444,11 +504,6 @@ class Simulation:
         self.steps[-1].published_s = self.now
         self._training = False
         self.totals_at_step.append(Totals(*(getattr(self.totals, f) for f in Totals.__slots__)))
-        if self._paused:
-            self._paused = False
-            for w in self.world.workers:
-                self._last[w] = self.now
-                self._touched.add(w)
         self._feed(self.world.publish())
         if not self.world.learner.finished:
             self._feed(self.world.request_batch())

@@ -278,6 +278,18 @@ class Engine:
         self.parked_kv = 0.0
         self.turn_ends.clear()
 
+    def drop_kv(self) -> int:
+        """Every cache is dropped (the accelerator's memory goes to another use); returns the tokens the
+        running requests must re-prefill. Waiting and parked requests re-prefill when admitted."""
+        tokens = sum(round(r.prompt_len + self.counter - r.offset) for r in self.running.values())
+        for r in self.waiting:
+            r.has_kv = False
+        for r in self.parked.values():
+            r.has_kv = False
+        self.parked_kv = 0.0
+        self._cached.clear()
+        return tokens
+
     def swap_weights(self, version: int) -> int:
         """Load ``version`` under the current requests (partial mode); returns tokens to re-prefill."""
         self.version = version

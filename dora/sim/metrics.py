@@ -39,6 +39,8 @@ def summarize(o: Outcome, cfg: SimConfig) -> dict[str, Any]:
         "rollout_workers": o.rollout_workers,
         "rollout_gpus": o.rollout_workers * cfg.cluster.gpus_per_worker,
         "trainer_gpus": o.trainer_gpus,
+        "elastic_workers": o.elastic_workers,
+        "yields": o.yields,
         "steps": len(o.steps),
         "warmup_steps": warm,
         "wall_s": o.wall_s,
@@ -82,10 +84,13 @@ def ideal_step_time(o: Outcome, cfg: SimConfig, window: list) -> float:
     per_sample = response / (cfg.core.train_groups * cfg.core.group_size)
     prompt = fmean(s.tokens - s.response_tokens for s in window) / (cfg.core.train_groups * cfg.core.group_size)
     slots = max(1.0, min(e.max_slots, e.kv_budget_tokens / (prompt + per_sample / 2)))
-    rate = o.rollout_workers * slots / e.step_s(round(slots))
-    rollout = response / rate
+    rate = slots / e.step_s(round(slots))  # tokens/s of one worker, always full
     train = cfg.trainer.train_s(round(fmean(s.tokens for s in window)), o.trainer_gpus) + cfg.trainer.publish_s
-    return rollout + train if o.placement == "colocated" else max(rollout, train)
+    if not o.elastic_workers:
+        return max(response / (o.rollout_workers * rate), train)
+    # Standalone workers roll out through the step; all of them while the trainer waits.
+    standalone = o.rollout_workers - o.elastic_workers
+    return train + max(0.0, response - standalone * rate * train) / (o.rollout_workers * rate)
 
 
 def dropped_by_length(o: Outcome) -> dict[str, float]:

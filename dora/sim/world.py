@@ -11,6 +11,11 @@ holding its lease (the core still counts it in flight) but no decode slot. ``on_
 driver, which owns the clock, and calls ``tool_returned`` when the result is back; without a driver
 the tool answers at once. A migration takes waiting episodes along (same version only, as always).
 
+Elastic workers (``join(elastic=True)``): on ``Yield`` a worker pauses what it holds (decoding stops;
+its KV is kept for the resume, or dropped with ``yield_kv = "drop"`` and re-prefilled then) until the
+driver reports ``finish_yield``; ``Resume`` (same version) or ``Assign`` (newest) brings it back through a
+load, which the driver finishes with ``finish_load``.
+
 Two drivers use it: the discrete-event simulator (``dora.sim.des``, virtual time) and the property
 tests (hypothesis chooses which enabled event happens next).
 """
@@ -35,6 +40,7 @@ from dora.core.events import (
     MigrateOut,
     MigrationExported,
     Refused,
+    Resume,
     Retire,
     RunFinished,
     SampleFinished,
@@ -42,6 +48,8 @@ from dora.core.events import (
     WeightsPublished,
     WorkerJoined,
     WorkerLost,
+    Yield,
+    Yielded,
 )
 from dora.ids import AttemptId, GroupId, WorkerId
 from dora.sim.engine import Engine, Request
@@ -64,6 +72,15 @@ class SimWorker:
     alive: bool = True
     prefill_debt: int = 0
     """Tokens to prefill before decoding resumes (new requests, re-prefill after a swap or a migration)."""
+    elastic: bool = False
+    yielded: bool = False
+    """Its accelerators are the trainer's: nothing decodes."""
+    yield_pending: bool = False
+    """Told to yield and not yet reported done (``finish_yield``)."""
+    woken: bool = False
+    """Came back from a yield with the last action (the driver adds the wake-up to its load)."""
+    resume_debt: int = 0
+    """Tokens to re-prefill when it comes back (its KV was dropped at the yield)."""
 
     @property
     def requests(self) -> list[Request]:
@@ -71,7 +88,7 @@ class SimWorker:
 
     @property
     def decoding(self) -> bool:
-        return self.alive and self.loading is None and bool(self.engine.running)
+        return self.alive and self.loading is None and not self.yielded and bool(self.engine.running)
 
 
 @dataclass(slots=True)
@@ -102,6 +119,7 @@ class World:
         kv_budget_tokens: int | None = None,
         kv_transfer: bool = True,
         keep_kv: bool = True,
+        yield_kv: str = "offload",
     ) -> None:
         self.group_size = group_size
         self.train_groups = train_groups
@@ -115,6 +133,8 @@ class World:
         """Migration carries the KV cache (no re-prefill on the target)."""
         self.keep_kv = keep_kv
         """An episode waiting on a tool call keeps its KV cache (see ``dora.sim.engine``)."""
+        self.yield_kv = yield_kv
+        """What a yielding worker does with the KV of what it holds: "offload" (to host memory) or "drop"."""
         self.on_turn_end: Callable[[WorkerId, Request], None] | None = None
         """Called when an episode ends a turn and its tool call starts (None: the tool answers at once)."""
         self.episodes: dict[tuple[int, int, int], tuple[int, int]] = {}
@@ -153,10 +173,28 @@ class World:
                     w = self._live(a.worker_id)
                     if w is None:
                         continue
+                    self._wake(w)
                     if len(w.engine) and not a.interrupt:
                         raise WorldError(f"{w.worker_id} told to swap weights under {len(w.engine)} requests")
                     if a.version in self.retired:
                         raise WorldError(f"{w.worker_id} told to load retired version {a.version}")
+                    w.loading = a.version
+                case Yield():
+                    w = self._live(a.worker_id)
+                    if w is None:
+                        continue
+                    if not w.elastic or w.yielded:
+                        raise WorldError(f"{w.worker_id} told to yield (elastic={w.elastic}, yielded={w.yielded})")
+                    w.yielded = w.yield_pending = True
+                    if self.yield_kv == "drop":
+                        w.resume_debt += w.engine.drop_kv()
+                case Resume():
+                    w = self._live(a.worker_id)
+                    if w is None:
+                        continue
+                    if not w.yielded or w.loaded != a.version:
+                        raise WorldError(f"{w.worker_id} told to resume {a.version} (serving {w.loaded})")
+                    self._wake(w)
                     w.loading = a.version
                 case MigrateOut():
                     w = self._live(a.worker_id)
@@ -215,6 +253,13 @@ class World:
             r.holder = a.worker_id
         return reqs
 
+    @staticmethod
+    def _wake(w: SimWorker) -> None:
+        if w.yielded:
+            if w.yield_pending:
+                raise WorldError(f"{w.worker_id} called back before it finished yielding")
+            w.yielded, w.woken = False, True
+
     def _live(self, worker: WorkerId) -> SimWorker | None:
         w = self.workers.get(worker)
         if w is None or not w.alive:
@@ -249,12 +294,12 @@ class World:
 
     # ------------------------------------------------------------------ events the world produces
 
-    def join(self, slots: int) -> WorkerJoined:
+    def join(self, slots: int, *, elastic: bool = False) -> WorkerJoined:
         self._ids += 1
         wid = WorkerId(f"w{self._ids}")
         engine = Engine(self.max_running or slots, self.kv_budget_tokens, keep_kv=self.keep_kv)
-        self.workers[wid] = SimWorker(worker_id=wid, slots=slots, engine=engine)
-        return WorkerJoined(worker_id=wid, slots=slots)
+        self.workers[wid] = SimWorker(worker_id=wid, slots=slots, engine=engine, elastic=elastic)
+        return WorkerJoined(worker_id=wid, slots=slots, elastic=elastic)
 
     def kill(self, worker: WorkerId) -> WorkerLost:
         w = self.workers[worker]
@@ -275,14 +320,26 @@ class World:
         w = self.workers[worker]
         if w.loading is None:
             raise WorldError(f"{worker} is not loading")
+        resumed = w.loading == w.loaded
         w.loaded, w.loading = w.loading, None
-        if len(w.engine):  # partial mode: interrupted requests resume on the new weights after re-prefill
+        if resumed:  # back from a yield under the same weights: what it held goes on (C1)
+            w.prefill_debt += w.resume_debt
+            self.reprefill_tokens += w.resume_debt
+            w.resume_debt = 0
+        elif len(w.engine):  # partial mode: interrupted requests resume on the new weights after re-prefill
             tokens = w.engine.swap_weights(w.loaded)
             self.reprefill_tokens += tokens
             w.prefill_debt += tokens
         else:
             w.engine.version = w.loaded
         return WeightsLoaded(worker_id=worker, version=w.loaded)
+
+    def finish_yield(self, worker: WorkerId) -> Yielded:
+        w = self.workers[worker]
+        if not w.yield_pending:
+            raise WorldError(f"{worker} is not yielding")
+        w.yield_pending = False
+        return Yielded(worker_id=worker)
 
     def finish_export(self, worker: WorkerId, group: GroupId) -> MigrationExported:
         w = self.workers[worker]
@@ -359,4 +416,5 @@ class World:
 
     def busy(self) -> bool:
         """Anything in the fleet that can still make progress on its own."""
-        return any(w.decoding or w.loading is not None or w.exporting or w.engine.parked for w in self.alive_workers())
+        return any(w.decoding or w.loading is not None or w.exporting or w.engine.parked or w.yield_pending
+                   for w in self.alive_workers())  # fmt: skip

@@ -77,6 +77,9 @@ class Harness:
             self.feed(self.world.request_batch())
             return True
         for w in self.world.alive_workers():
+            if w.yield_pending:
+                self.feed(self.world.finish_yield(w.worker_id))
+                return True
             if w.loading is not None:
                 self.feed(self.world.finish_load(w.worker_id))
                 return True

@@ -3,7 +3,8 @@
 Hypothesis chooses, step by step, which worker decodes and how far (so lengths and completion
 orders are arbitrary on top of heavy-tailed draws), when workers die, restart or rejoin under the
 same id, when a lease's command is lost on the way, when the learner asks, trains, publishes or
-crashes, when old results are replayed, and when the orchestrator's timer and load triggers fire;
+crashes, when old results are replayed, when the orchestrator's timer and load triggers fire, and
+which workers are elastic (yield their accelerators for each train step) and when their yields end;
 in every mode and for K in {0, 1, 2, 3}.
 
 Checked after every step: the core's own invariants from scratch (strict mode), at most K + 1
@@ -43,8 +44,9 @@ class CoreMachine(RuleBasedStateMachine):
         watermark=st.one_of(st.none(), st.integers(1, 8)),
         seed=st.integers(0, 2**16),
         sigma=st.floats(0.2, 2.0),
+        elastic=st.lists(st.booleans(), min_size=5, max_size=5),
     )
-    def setup(self, mode, k, train_groups, group_size, steps, workers, slot_groups, watermark, seed, sigma):
+    def setup(self, mode, k, train_groups, group_size, steps, workers, slot_groups, watermark, seed, sigma, elastic):
         cfg = CoreConfig(
             mode=mode,
             max_staleness=k,
@@ -60,8 +62,8 @@ class CoreMachine(RuleBasedStateMachine):
                 median=8, sigma=sigma, difficulty_sigma=0.7, cap=200, seed=seed, prompt_tokens=4
             ),
         )
-        for _ in range(workers):
-            self.h.feed(self.h.world.join(self.h.slots))
+        for i in range(workers):
+            self.h.feed(self.h.world.join(self.h.slots, elastic=elastic[i]))
 
     # ------------------------------------------------------------------ fleet
 
@@ -84,6 +86,12 @@ class CoreMachine(RuleBasedStateMachine):
             w = exporting[pick % len(exporting)]
             self.h.feed(self.h.world.finish_export(w.worker_id, next(iter(w.exporting))))
 
+    @rule(pick=st.integers(0, 10**6))
+    def finish_yield(self, pick):
+        yielding = [w for w in self.h.world.alive_workers() if w.yield_pending]
+        if yielding:
+            self.h.feed(self.h.world.finish_yield(yielding[pick % len(yielding)].worker_id))
+
     @precondition(lambda self: len(self.h.world.alive_workers()) > 0)
     @rule(pick=st.integers(0, 10**6))
     def kill_worker(self, pick):
@@ -91,9 +99,9 @@ class CoreMachine(RuleBasedStateMachine):
         self.h.feed(self.h.world.kill(live[pick % len(live)].worker_id))
 
     @precondition(lambda self: len(self.h.world.alive_workers()) < 6)
-    @rule()
-    def join_worker(self):
-        self.h.feed(self.h.world.join(self.h.slots))
+    @rule(elastic=st.booleans())
+    def join_worker(self, elastic):
+        self.h.feed(self.h.world.join(self.h.slots, elastic=elastic))
 
     @precondition(lambda self: len(self.h.world.alive_workers()) > 0)
     @rule(pick=st.integers(0, 10**6))
@@ -104,7 +112,9 @@ class CoreMachine(RuleBasedStateMachine):
         w.engine.clear()
         w.exporting.clear()
         w.loaded = w.loading = None
-        self.h.feed(WorkerJoined(worker_id=w.worker_id, slots=w.slots))
+        w.yielded = w.yield_pending = False
+        w.resume_debt = 0
+        self.h.feed(WorkerJoined(worker_id=w.worker_id, slots=w.slots, elastic=w.elastic))
 
     @precondition(lambda self: len(self.h.world.sent) > 0)
     @rule(pick=st.integers(0, 10**6))
@@ -178,6 +188,7 @@ class CoreMachine(RuleBasedStateMachine):
             event(f"events={min(self.h.events // 100 * 100, 1000)}+")
             event(f"requeued={'yes' if core.scheduler.stats_requeued else 'no'}")
             event(f"migrated={'yes' if core.scheduler.stats_migrated_groups else 'no'}")
+            event(f"elastic workers={sum(w.elastic for w in self.h.world.workers.values())}")
             event(f"max live versions={self.h.max_alive}")
             for reason in core.refusals:
                 event(f"refused {reason.split()[0]}")

@@ -2,7 +2,8 @@
 
 Where the stateful machine lets hypothesis pick adversarial orders, these runs keep time realistic
 (continuous batching with slot and KV limits, preemption, prefill, weight loads, migrations, learner
-steps, both placements) so that several versions really are alive at once and the orchestrator
+steps, every placement: elastic workers yield to the trainer, paying role switches, with their KV
+offloaded or dropped) so that several versions really are alive at once and the orchestrator
 really migrates. Each run must end (liveness), train every group of the run exactly once (C2),
 keep staleness <= K (C3) and one version per trajectory (C1, except the partial baseline, which
 must report its violations), with at most K + 1 versions alive.
@@ -38,7 +39,9 @@ def check_run(o, cfg, mode: Mode) -> None:
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     mode=st.sampled_from(KEEPERS),
-    colocated=st.booleans(),
+    placement=st.sampled_from(["disaggregated", "colocated", "elastic"]),
+    elastic=st.integers(1, 8),
+    yield_kv=st.sampled_from(["offload", "drop"]),
     k=st.integers(0, 3),
     train_groups=st.integers(1, 8),
     group_size=st.integers(1, 4),
@@ -56,19 +59,27 @@ def check_run(o, cfg, mode: Mode) -> None:
     seed=st.integers(0, 2**20),
 )
 def test_simulated_runs_keep_every_invariant(
-    mode, colocated, k, train_groups, group_size, steps, workers, slot_groups, running_frac, kv, watermark,
-    legacy_fill, sigma, load_s, train_s, deaths, seed,
+    mode, placement, elastic, yield_kv, k, train_groups, group_size, steps, workers, slot_groups, running_frac, kv,
+    watermark, legacy_fill, sigma, load_s, train_s, deaths, seed,
 ):  # fmt: skip
     credit = slot_groups * group_size
     cfg = small(
         workers=workers, credit=credit, max_running=max(1, round(credit * running_frac)), steps=steps, k=k,
         train_groups=train_groups, group_size=group_size, watermark=watermark, legacy_fill=legacy_fill, sigma=sigma,
         load_s=load_s, train_s=train_s, tick_s=1.5, restart_s=2.0, seed=seed, prefill_s_per_token=1e-3,
-        kv_budget_tokens=kv or 1 << 40, placement={m.value: "colocated" for m in Mode} if colocated else None,
+        kv_budget_tokens=kv or 1 << 40, placement={m.value: placement for m in Mode},
     )  # fmt: skip
+    cfg = replace(  # role switches cost about a second: offloads, wake-up, trainer state
+        cfg,
+        cluster=replace(cfg.cluster, elastic_gpus=min(elastic, workers), host_link_bytes_per_s=1e9),
+        engine=replace(cfg.engine, weight_bytes=1e9, wake_s=0.5, kv_bytes_per_token=1e6, yield_kv=yield_kv),
+        trainer=replace(cfg.trainer, state_bytes=1e9),
+    )
     o = Simulation(cfg, mode, deaths=tuple(sorted(deaths)), strict=True).run()
     check_run(o, cfg, mode)
-    event(f"mode={mode.value}")
+    if placement != "disaggregated" and not deaths:
+        assert o.yields == o.elastic_workers * steps, "every elastic worker yields for every step"
+    event(f"mode={mode.value} placement={placement}")
     event(f"migrated={'yes' if o.migrated_requests else 'no'}")
     event(f"re-run={'yes' if o.requeued else 'no'}")
     event(f"preempted={'yes' if o.preemptions else 'no'}")
