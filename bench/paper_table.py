@@ -6,7 +6,8 @@
 
 Each run is the same `dora.core.core.Core` the broker runs, driven by the simulator. Only the
 64-GPU synchronous run was calibrated (bench/calibrate.py); everything else printed is a prediction.
-Disaggregated modes get their best rollout/trainer split (searched, then stated). Sweeps reuse each
+Disaggregated modes get their best rollout/trainer split, and the elastic variant its best number of
+elastic workers (searched, then stated). Sweeps reuse each
 mode's split fraction from the 64-GPU table so that only the swept condition changes.
 """
 
@@ -42,6 +43,7 @@ VARIANTS: list[tuple[str, Mode, list[str]]] = [
     ("partial", Mode.PARTIAL, []),
     ("dora", Mode.DORA, []),
     ("dora colocated", Mode.DORA, ["cluster.placement.dora=colocated"]),
+    ("dora elastic", Mode.DORA, ["cluster.placement.dora=elastic"]),
     ("dora no legacy fill", Mode.DORA, ["core.legacy_fill=false"]),
     ("drop_stale", Mode.DROP_STALE, []),
 ]
@@ -83,7 +85,7 @@ def print_table(gpus: int, rows: dict[str, dict[str, Any]]) -> None:
     for name, m in rows.items():
         paper = PAPER[gpus].get(m["mode"]) if name == m["mode"] else None
         p_step, p_tps, p_ro = paper or (None, None, None)
-        where = "colocated" if m["placement"] == "colocated" else f"{m['rollout_gpus']}+{m['trainer_gpus']}"
+        where = _where(m)
         print(f"| {name} | {where} | {m['step_time_s'] / 60:.2f} / {_fmt(p_step, '.2f')} | "
               f"{m['throughput_tokens_per_s']:,.0f} / {_fmt(p_tps, ',.0f')} | "
               f"{m['rollout_only_fraction']:.0%} / {_fmt(p_ro, '.0%')} | {m['throughput_tokens_per_s'] / sync:.2f}x | "
@@ -97,6 +99,16 @@ def print_table(gpus: int, rows: dict[str, dict[str, Any]]) -> None:
     if ds:
         buckets = ", ".join(f"{k}: {v:.0%}" for k, v in ds["dropped_fraction_by_length"].items())
         print(f"drop_stale dropped {ds['dropped_groups']} groups; share of samples dropped by length: {buckets}")
+
+
+def _where(m: dict[str, Any]) -> str:
+    """The placement in GPUs: colocated, rollout+trainer, or standalone + elastic (the trainer's GPUs)."""
+    if m["placement"] == "colocated":
+        return "colocated"
+    if m["placement"] == "elastic":
+        elastic = m["elastic_workers"] * m["rollout_gpus"] // m["rollout_workers"]
+        return f"{m['rollout_gpus'] - elastic} standalone + {elastic} elastic"
+    return f"{m['rollout_gpus']}+{m['trainer_gpus']}"
 
 
 def _fmt(value: float | None, spec: str) -> str:

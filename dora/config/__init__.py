@@ -58,6 +58,11 @@ class CoreConfig:
     min_workers: int = 1
     """No group is leased until this many rollout workers have joined, so that a fleet started together
     shares the first versions instead of the fastest starter taking them all."""
+    deadlines: str = "fixed"
+    """fixed: a group dispatched on version v must be trained by step v + K. adaptive: its deadline is the
+    earliest step in [v + 1, v + K] that admission allows (fresh data while the fleet keeps up), and it is
+    moved one step later, never past v + K, only when that lets a waiting trainer take its batch now.
+    K stays the hard bound either way; K = 0 is synchronous training in both."""
 
     def __post_init__(self) -> None:
         try:
@@ -71,6 +76,8 @@ class CoreConfig:
         _at_least("min_workers", self.min_workers, 1)
         if self.rollout_groups is not None:
             _at_least("rollout_groups", self.rollout_groups, 1)
+        if self.deadlines not in ("fixed", "adaptive"):
+            raise ConfigError(f"deadlines must be fixed or adaptive; got {self.deadlines!r}")
         if self.total_steps is not None:
             _at_least("total_steps", self.total_steps, 1)
         if not 0.0 < self.kv_rebalance_threshold <= 1.0:

@@ -93,6 +93,10 @@ class Core:
         """Elastic workers told to yield for the batch taken that have not answered yet."""
         self.held: DeliverBatch | None = None
         """The batch taken, delivered once every elastic worker has yielded."""
+        self.extended = 0
+        """Deadlines moved a step later so that a waiting trainer could take its batch (adaptive deadlines)."""
+        self.requested_at = 0.0
+        """When the learner asked for the batch it waits for."""
 
     # ------------------------------------------------------------------ entry point
 
@@ -220,6 +224,8 @@ class Core:
                 if pending is not None and step == pending.step:
                     out.emit(DeliverBatch(step=pending.step, groups=pending.groups, redelivery=True))
                 elif step == self.transfer.step and step == self.ledger.newest and pending is None:
+                    if not self.learner_waiting:
+                        self.requested_at = self.now
                     self.learner_waiting = True
                 else:
                     out.emit(Refused(reason=f"bad_step {step} (next is {self.transfer.step})"))
@@ -237,6 +243,42 @@ class Core:
         if worker in self.yielding:
             self.yielding.discard(worker)
             self._hand_over(out)
+
+    def _adapt(self, *, waited: bool, surplus: int) -> None:
+        """Adaptive deadlines: the admission horizon h in [1, K] (new groups get deadlines <= v + h) grows by
+        one after a batch the trainer had to wait for, and shrinks by one after a batch taken on request with
+        a whole further batch already finished (``surplus``: finished groups left). A fleet that keeps up
+        gets a small pool of fresh groups; one that does not, the whole window. (By Little's law the
+        unconsumed pool, up to (h + 1) x B groups, sets the mean staleness.)"""
+        k, sched = self.cfg.staleness, self.scheduler
+        if waited:
+            sched.horizon = min(k, sched.horizon + 1)
+        elif surplus >= self.cfg.train_groups:
+            sched.horizon = max(min(1, k), sched.horizon - 1)
+
+    def _extend_and_take(self) -> DeliverBatch | None:
+        """Adaptive deadlines: the trainer waits on groups due now that still run. Move each one's deadline a
+        step later where v + K allows, if that lets the batch be taken now; otherwise change nothing.
+        Moving groups from deadline s to s + 1 keeps the feasibility invariant (the counts at every later
+        deadline are unchanged) and ``take`` still keeps it for s + 1, so C2, C3 and liveness hold."""
+        s, B = self.step, self.cfg.train_groups
+        if len(self.transfer) < B or not self.transfer.waiting_on(self.ledger.deadline_counts()):
+            return None
+        movable = [f for f in self.scheduler.due(s) if f.version + self.cfg.staleness > s]
+        if not movable:
+            return None
+        for f in movable:
+            self.ledger.move_group((f.version, s), (f.version, s + 1))
+            f.deadline = s + 1
+        batch = self.transfer.take(self.ledger.deadline_counts())
+        if batch is None:  # it would not help yet: keep the data fresh
+            for f in movable:
+                self.ledger.remove_group(f.version, s + 1)
+                self.ledger.add_group(f.version, s)
+                f.deadline = s
+            return None
+        self.extended += len(movable)
+        return batch
 
     def _yield_elastic(self, batch: DeliverBatch, out: Outbox) -> None:
         """The batch is taken: elastic workers hand what they can to standalone peers of their version and
@@ -304,7 +346,9 @@ class Core:
 
     def _finished(self, flight: Flight) -> None:
         samples = tuple(flight.done[i] for i in range(self.cfg.group_size))
-        self.transfer.add(TrainGroup(group_id=flight.group_id, version=flight.version, samples=samples))
+        self.transfer.add(
+            TrainGroup(group_id=flight.group_id, version=flight.version, samples=samples, deadline=flight.deadline)
+        )
 
     def _deliver(self, out: Outbox) -> None:
         if not self.learner_waiting or self.transfer.in_training is not None:
@@ -313,13 +357,17 @@ class Core:
             return
         if self.cfg.drops_stale:
             for g in self.transfer.expire():
-                self.ledger.remove_group(g.version)
+                self.ledger.remove_group(g.version, g.deadline)
         batch = self.transfer.take(self.ledger.deadline_counts())
+        if batch is None and self.cfg.deadlines == "adaptive":
+            batch = self._extend_and_take()
         if batch is None:
             return
         for g in batch.groups:
-            self.ledger.remove_group(g.version)
+            self.ledger.remove_group(g.version, g.deadline)
         self.learner_waiting = False
+        if self.cfg.deadlines == "adaptive":
+            self._adapt(waited=self.now > self.requested_at, surplus=len(self.transfer))
         self._yield_elastic(batch, out)
 
     def _orchestrate(self, out: Outbox, *, full: bool) -> None:
@@ -394,11 +442,14 @@ class Core:
         if not self.cfg.drops_stale and not deadline.feasible(counts, self.step, self.cfg.train_groups):
             raise InvariantViolation(f"feasibility broken at step {self.step}: {counts}")
         owed = Counter[int]()
+        k = self.cfg.staleness
         for f in self.scheduler.flights.values():
-            owed[f.version] += 1
+            owed[f.deadline] += 1
+            if not f.version <= f.deadline <= f.version + k:
+                raise InvariantViolation(f"group {f.group_id} of version {f.version}: deadline {f.deadline}, K {k}")
         for d, groups in self.transfer.pending_by_deadline().items():
-            owed[d - self.cfg.staleness] += groups
-        expect = {v + self.cfg.staleness: n for v, n in owed.items() if n}
+            owed[d] += groups
+        expect = {d: n for d, n in owed.items() if n}
         if expect != counts:
             raise InvariantViolation(f"ledger counts {counts} != groups owed {expect}")
         created = self.scheduler.cursor - self.start_cursor + self.scheduler.reissued

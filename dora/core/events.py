@@ -221,6 +221,8 @@ class TrainGroup:
     group_id: GroupId
     version: int
     samples: tuple[TrainSample, ...]
+    deadline: int
+    """The last step allowed to train it: in [version, version + K]."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -54,6 +54,9 @@ class Ledger:
         self._state: dict[int, VersionState] = {initial_version: VersionState.PUBLISHED}
         self._pins: dict[WorkerId, int] = {}
         self._unconsumed: Counter[int] = Counter()
+        """Unconsumed groups per dispatch version (a version with any is not retired)."""
+        self._by_deadline: Counter[int] = Counter()
+        """Unconsumed groups per deadline (the feasibility invariant's counts)."""
 
     # ------------------------------------------------------------------ queries
 
@@ -74,8 +77,8 @@ class Ledger:
         return self._unconsumed[version]
 
     def deadline_counts(self) -> dict[int, int]:
-        """{deadline: unconsumed groups}; deadline = dispatch version + K."""
-        return {v + self.max_staleness: n for v, n in self._unconsumed.items() if n}
+        """{deadline: unconsumed groups}."""
+        return {d: n for d, n in self._by_deadline.items() if n}
 
     # ------------------------------------------------------------------ transitions
 
@@ -103,23 +106,29 @@ class Ledger:
     def unpin(self, worker: WorkerId) -> None:
         self._pins.pop(worker, None)
 
-    def add_group(self, version: int) -> None:
+    def add_group(self, version: int, deadline: int) -> None:
         if self.state(version) is VersionState.RETIRED:
             raise InvariantViolation(f"group dispatched on retired version {version}")
+        if not version <= deadline <= version + self.max_staleness:
+            raise InvariantViolation(f"deadline {deadline} of a version-{version} group is outside [v, v + K]")
         self._unconsumed[version] += 1
+        self._by_deadline[deadline] += 1
 
-    def move_group(self, old: int, new: int) -> None:
-        if new < old:
-            raise InvariantViolation(f"group moved to an older version ({old} -> {new})")
-        self.remove_group(old)
-        self.add_group(new)
+    def move_group(self, old: tuple[int, int], new: tuple[int, int]) -> None:
+        """A group's (version, deadline) changes: a re-run on a newer version, or a deadline extended.
+        Both only ever move later, which never breaks the feasibility invariant."""
+        if new[0] < old[0] or new[1] < old[1]:
+            raise InvariantViolation(f"group moved earlier ({old} -> {new})")
+        self.remove_group(*old)
+        self.add_group(*new)
 
-    def remove_group(self, version: int) -> None:
-        if self._unconsumed[version] <= 0:
-            raise InvariantViolation(f"consuming a group of version {version} that has none")
-        self._unconsumed[version] -= 1
-        if not self._unconsumed[version]:
-            del self._unconsumed[version]
+    def remove_group(self, version: int, deadline: int) -> None:
+        if self._unconsumed[version] <= 0 or self._by_deadline[deadline] <= 0:
+            raise InvariantViolation(f"consuming a group of version {version}, deadline {deadline}, that has none")
+        for counts, key in ((self._unconsumed, version), (self._by_deadline, deadline)):
+            counts[key] -= 1
+            if not counts[key]:
+                del counts[key]
 
     def collect_retired(self) -> list[int]:
         """Retire every version that is superseded, unserved and fully consumed; return them, oldest first."""

@@ -100,9 +100,7 @@ def plan(workers: list[WorkerView], pending: dict[int, int], newest: int, *, ful
     return out
 
 
-def place_some(
-    groups: tuple[tuple[GroupId, int], ...], peers: list[WorkerView]
-) -> list[tuple[GroupId, WorkerId]]:
+def place_some(groups: tuple[tuple[GroupId, int], ...], peers: list[WorkerView]) -> list[tuple[GroupId, WorkerId]]:
     """First-fit-decreasing of ``(group, unfinished samples)`` onto ``peers`` (one version): as many as fit,
     the largest first; each goes to the peer with the most room left. What does not fit is left out."""
     free = {p.worker_id: p.free for p in peers}

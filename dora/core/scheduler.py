@@ -44,8 +44,10 @@ class Flight:
 
     group_id: GroupId
     version: int
-    """Dispatch version; for a queued re-run, the version of its last lease (its deadline floor)."""
+    """Dispatch version; for a queued re-run, the version of its last lease."""
     state: GroupState
+    deadline: int = 0
+    """The last step allowed to train it (for a queued re-run: its floor, the deadline it had)."""
     attempt: AttemptId | None = None
     worker: WorkerId | None = None
     target: WorkerId | None = None
@@ -106,6 +108,8 @@ class Scheduler:
         self.leaving: set[WorkerId] = set()
         self.pending: dict[int, int] = {}
         """Unfinished samples of leased groups per version (R_v), kept incrementally."""
+        self.horizon = cfg.staleness
+        """New groups get deadlines at most v + horizon (K, or less under adaptive deadlines; see Core)."""
         self.stats_requeued = 0
         self.stats_migrated_groups = 0
         self.stats_migrated_requests = 0
@@ -255,7 +259,9 @@ class Scheduler:
             if worker is None:
                 break
             flight = self.flights[self.queue.popleft()]
-            self.ledger.move_group(flight.version, newest)
+            later = max(flight.deadline, newest + self._first_offset())
+            self.ledger.move_group((flight.version, flight.deadline), (newest, later))
+            flight.deadline = later
             self.lease(flight, worker, newest, out)
         if self.queue:
             return
@@ -273,20 +279,39 @@ class Scheduler:
             if not (self.cfg.mode is Mode.DORA and self.cfg.legacy_fill and self._legacy_fill(step, out)):
                 break
 
+    def _first_offset(self) -> int:
+        """The earliest deadline a group dispatched on v may get, as v + this: K (fixed), or 1 (adaptive)."""
+        k = self.cfg.staleness
+        return min(1, k) if self.cfg.deadlines == "adaptive" and not self.cfg.drops_stale else k
+
+    def pick_deadline(self, version: int, step: int) -> int | None:
+        """The earliest deadline in [v + first offset, v + horizon] that admission allows; None if none does."""
+        last = version + self.horizon
+        if self.cfg.drops_stale:
+            return last
+        counts = self.ledger.deadline_counts()
+        for d in range(max(version + self._first_offset(), step), last + 1):
+            if deadline.admits(counts, step, self.cfg.train_groups, d):
+                return d
+        return None
+
     def _fresh(self, version: int, step: int, out: Outbox) -> bool:
         """Lease one new group on ``version`` if admission and capacity allow."""
-        if not self.cfg.drops_stale and not deadline.admits(
-            self.ledger.deadline_counts(), step, self.cfg.train_groups, version + self.cfg.staleness
-        ):
+        d = self.pick_deadline(version, step)
+        if d is None:
             return False
         worker = self.pick_worker(version, self.cfg.group_size)
         if worker is None:
             return False
         flight = self.new_flight()
-        self.ledger.add_group(version)
-        flight.version = version
+        self.ledger.add_group(version, d)
+        flight.version, flight.deadline = version, d
         self.lease(flight, worker, version, out)
         return True
+
+    def due(self, step: int) -> list[Flight]:
+        """Unfinished groups whose deadline is ``step``."""
+        return [f for f in self.flights.values() if f.deadline == step]
 
     def _legacy_fill(self, step: int, out: Outbox) -> bool:
         """dora: one new group into an idle slot of a middle version whose deadline is not the next step."""

@@ -58,7 +58,7 @@ class TransferQueue:
 
     def add(self, group: TrainGroup) -> None:
         self._seq += 1
-        d = group.version + self.max_staleness
+        d = group.deadline
         if d < self.step and not self.drop_stale:
             raise InvariantViolation(f"group {group.group_id} finished after its deadline {d} (step {self.step})")
         self._by_deadline.setdefault(d, []).append(Finished(group=group, seq=self._seq))
@@ -105,9 +105,6 @@ class TransferQueue:
         self.step += 1
         return batch
 
-    def _deadline(self, f: Finished) -> int:
-        return f.group.version + self.max_staleness
-
     def _consume(self, batch: DeliverBatch) -> None:
         """Per-batch and per-trajectory assertions (exact size, whole groups, C1, C3), then the histogram."""
         if len(batch.groups) != self.train_groups:
@@ -119,10 +116,10 @@ class TransferQueue:
             raise InvariantViolation(f"batch {batch.step} mixes group sizes {sorted(sizes)}")
         for g in batch.groups:
             lag = batch.step - g.version
-            if not 0 <= lag <= self.max_staleness:
+            if not 0 <= lag <= self.max_staleness or (batch.step > g.deadline and not self.drop_stale):
                 raise InvariantViolation(
-                    f"C3: group {g.group_id} of version {g.version} consumed at step {batch.step} "
-                    f"(staleness {lag} > K = {self.max_staleness})"
+                    f"C3: group {g.group_id} of version {g.version} (deadline {g.deadline}) consumed at step "
+                    f"{batch.step} (staleness {lag}, K = {self.max_staleness})"
                 )
             for s in g.samples:
                 versions = {v for v, n in s.segments if n > 0} or {g.version}

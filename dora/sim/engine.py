@@ -247,6 +247,10 @@ class Engine:
         self._resume(r)
         return self._admit()
 
+    def admit(self) -> int:
+        """Admit waiting requests that now fit (after ``remove`` freed room); returns prefill tokens."""
+        return self._admit()
+
     def take_turn_ends(self) -> list[Request]:
         out, self.turn_ends = self.turn_ends, []
         return out

@@ -1,4 +1,5 @@
-"""Run one mode on one configuration, choosing the rollout/trainer split where the config leaves it open."""
+"""Run one mode on one configuration, choosing the rollout/trainer split (disaggregated) or the number of
+elastic workers (elastic) where the config leaves it open."""
 
 from __future__ import annotations
 
@@ -17,34 +18,46 @@ class ModeResult:
     metrics: dict[str, Any]
     outcome: Outcome
     split_search: list[tuple[int, float]]
-    """(rollout GPUs, steady-state tokens/s) of every split tried, when the split was searched."""
+    """(GPUs, steady-state tokens/s) of every split tried, when it was searched: rollout GPUs of a
+    disaggregated placement, elastic GPUs of an elastic one."""
 
 
 def simulate(cfg: SimConfig, mode: Mode, *, timeline: bool = False, strict: bool = False) -> ModeResult:
     searched: list[tuple[int, float]] = []
-    rollout_gpus = cfg.cluster.rollout_gpus
-    if cfg.cluster.placement_of(mode) == "disaggregated" and rollout_gpus is None:
+    cl = cfg.cluster
+    rollout_gpus, elastic_gpus = cl.rollout_gpus, cl.elastic_gpus
+    key = "rollout_gpus"
+    if cl.placement_of(mode) == "disaggregated" and rollout_gpus is None:
         rollout_gpus, searched = best_split(cfg, mode)
-    o = Simulation(cfg, mode, rollout_gpus=rollout_gpus, strict=strict, timeline=timeline).run()
+    elif cl.placement_of(mode) == "elastic" and elastic_gpus is None:
+        elastic_gpus, searched = best_split(cfg, mode, key := "elastic_gpus")
+    o = Simulation(cfg, mode, rollout_gpus=rollout_gpus, elastic_gpus=elastic_gpus, strict=strict,
+                   timeline=timeline).run()  # fmt: skip
     m = summarize(o, cfg)
     if searched:
-        m["split_search"] = [{"rollout_gpus": g, "throughput_tokens_per_s": t} for g, t in searched]
+        m["split_search"] = [{key: g, "throughput_tokens_per_s": t} for g, t in searched]
     return ModeResult(mode=mode, metrics=m, outcome=o, split_search=searched)
 
 
-def best_split(cfg: SimConfig, mode: Mode, grid: int = 7) -> tuple[int, list[tuple[int, float]]]:
-    """The rollout pool size with the best steady-state throughput, on short runs: a coarse grid over
-    the whole range, then every worker count next to the best point (the curve is noisy, so no
-    bracketing search is trusted). Every split tried is returned, so the choice can be reported."""
+def best_split(
+    cfg: SimConfig, mode: Mode, key: str = "rollout_gpus", grid: int = 7
+) -> tuple[int, list[tuple[int, float]]]:
+    """The rollout pool size (``key = "rollout_gpus"``) or the number of elastic accelerators
+    (``"elastic_gpus"``) with the best steady-state throughput, on short runs: a coarse grid over the
+    whole range, then every worker count next to the best point (the curve is noisy, so no bracketing
+    search is trusted). Every split tried is returned, so the choice can be reported."""
     g = cfg.cluster.gpus_per_worker
     steps = min(cfg.run.steps, max(cfg.run.warmup_steps + 3, 5))
     probe = replace(cfg, run=replace(cfg.run, steps=steps, warmup_steps=min(cfg.run.warmup_steps, steps - 2)))
-    top = cfg.cluster.total_gpus // g - 1
+    if key == "rollout_gpus":
+        top = cfg.cluster.total_gpus // g - 1
+    else:  # elastic: from one elastic worker to all of the rollout workers
+        top = (cfg.cluster.rollout_gpus or cfg.cluster.total_gpus) // g
     seen: dict[int, float] = {}
 
     def rate(workers: int) -> float:
         if workers not in seen:
-            o = Simulation(probe, mode, rollout_gpus=workers * g).run()
+            o = Simulation(probe, mode, **{key: workers * g}).run()
             seen[workers] = summarize(o, probe)["throughput_tokens_per_s"]
         return seen[workers]
 

@@ -200,6 +200,7 @@ class World:
                     w = self._live(a.worker_id)
                     if w is not None:
                         w.exporting[a.group_id] = (a.attempt, w.engine.remove(a.group_id, a.attempt))
+                        w.prefill_debt += w.engine.admit()  # what waited behind the group runs now
                 case MigrateIn():
                     w = self._live(a.worker_id)
                     if w is None:
@@ -222,6 +223,7 @@ class World:
                     if w is not None:
                         w.engine.remove(a.group_id, a.attempt)
                         w.exporting.pop(a.group_id, None)
+                        w.prefill_debt += w.engine.admit()
                 case DeliverBatch():
                     self._receive(a)
                 case Retire():
@@ -312,6 +314,7 @@ class World:
         """The lease's command never reached the worker (or its export's answer was lost): it holds nothing of it."""
         w = self.workers[worker]
         w.engine.remove(group, attempt)
+        w.prefill_debt += w.engine.admit()
         if w.exporting.get(group, (None,))[0] == attempt:
             del w.exporting[group]
         return LeaseLost(worker_id=worker, group_id=group, attempt=attempt)

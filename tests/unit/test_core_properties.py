@@ -5,7 +5,7 @@ orders are arbitrary on top of heavy-tailed draws), when workers die, restart or
 same id, when a lease's command is lost on the way, when the learner asks, trains, publishes or
 crashes, when old results are replayed, when the orchestrator's timer and load triggers fire, and
 which workers are elastic (yield their accelerators for each train step) and when their yields end;
-in every mode and for K in {0, 1, 2, 3}.
+in every mode, for K in {0, 1, 2, 3}, with fixed and adaptive deadlines.
 
 Checked after every step: the core's own invariants from scratch (strict mode), at most K + 1
 live versions, and liveness (something can still move). At the end the run is driven to completion:
@@ -45,9 +45,13 @@ class CoreMachine(RuleBasedStateMachine):
         seed=st.integers(0, 2**16),
         sigma=st.floats(0.2, 2.0),
         elastic=st.lists(st.booleans(), min_size=5, max_size=5),
+        deadlines=st.sampled_from(["fixed", "adaptive"]),
     )
-    def setup(self, mode, k, train_groups, group_size, steps, workers, slot_groups, watermark, seed, sigma, elastic):
+    def setup(
+        self, mode, k, train_groups, group_size, steps, workers, slot_groups, watermark, seed, sigma, elastic, deadlines
+    ):
         cfg = CoreConfig(
+            deadlines=deadlines,
             mode=mode,
             max_staleness=k,
             train_groups=train_groups,
@@ -184,7 +188,8 @@ class CoreMachine(RuleBasedStateMachine):
             self.h.drain()
             self.h.check_end()
             core = self.h.core
-            event(f"mode={self.h.cfg.mode.value} K={self.h.cfg.staleness}")
+            event(f"mode={self.h.cfg.mode.value} K={self.h.cfg.staleness} deadlines={self.h.cfg.deadlines}")
+            event(f"deadlines extended={'yes' if core.extended else 'no'}")
             event(f"events={min(self.h.events // 100 * 100, 1000)}+")
             event(f"requeued={'yes' if core.scheduler.stats_requeued else 'no'}")
             event(f"migrated={'yes' if core.scheduler.stats_migrated_groups else 'no'}")

@@ -13,7 +13,7 @@ def test_lifecycle_published_live_draining_retired():
     led.pin("a", 0)
     led.mark_loaded(0)
     assert led.state(0) is VersionState.LIVE
-    led.add_group(0)
+    led.add_group(0, 1)
     led.publish(1)
     assert led.state(1) is VersionState.PUBLISHED and led.newest == 1
     led.pin("b", 1)
@@ -22,7 +22,7 @@ def test_lifecycle_published_live_draining_retired():
     assert led.collect_retired() == []  # v0 still has a worker and an unconsumed group
     led.pin("a", 1)
     assert led.collect_retired() == []  # ... and still an unconsumed group
-    led.remove_group(0)
+    led.remove_group(0, 1)
     assert led.collect_retired() == [0]
     assert led.state(0) is VersionState.RETIRED and led.alive() == [1]
     assert led.collect_retired() == [], "a version is retired once"
@@ -44,7 +44,7 @@ def test_retire_condition(pinned, groups, newest_too, retired):
     if pinned:
         led.pin("w", 0)
     if groups:
-        led.add_group(0)
+        led.add_group(0, 3)
     assert (led.collect_retired() == [0]) is retired
 
 
@@ -75,18 +75,25 @@ def test_structural_violations_raise():
     with pytest.raises(InvariantViolation, match="retired"):
         led.pin("w", 0)
     with pytest.raises(InvariantViolation, match="retired"):
-        led.add_group(0)
+        led.add_group(0, 0)
     with pytest.raises(InvariantViolation, match="has none"):
-        led.remove_group(1)
-    led.add_group(1)
-    with pytest.raises(InvariantViolation, match="older"):
-        led.move_group(1, 0)
+        led.remove_group(1, 1)
+    led.add_group(1, 1)
+    with pytest.raises(InvariantViolation, match="earlier"):
+        led.move_group((1, 1), (0, 0))
 
 
-def test_deadline_counts_are_version_plus_k():
+def test_deadline_counts_are_per_deadline_within_v_to_v_plus_k():
     led = Ledger(max_staleness=2)
-    led.add_group(0)
-    led.add_group(0)
+    led.add_group(0, 2)
+    led.add_group(0, 1)
     led.publish(1)
-    led.add_group(1)
-    assert led.deadline_counts() == {2: 2, 3: 1}
+    led.add_group(1, 3)
+    led.add_group(1, 2)
+    assert led.deadline_counts() == {1: 1, 2: 2, 3: 1}
+    led.move_group((0, 1), (0, 2))  # a deadline extended
+    assert led.deadline_counts() == {2: 3, 3: 1}
+    with pytest.raises(InvariantViolation, match="outside"):
+        led.add_group(1, 4)
+    with pytest.raises(InvariantViolation, match="earlier"):
+        led.move_group((1, 3), (1, 2))

@@ -42,6 +42,7 @@ def check_run(o, cfg, mode: Mode) -> None:
     placement=st.sampled_from(["disaggregated", "colocated", "elastic"]),
     elastic=st.integers(1, 8),
     yield_kv=st.sampled_from(["offload", "drop"]),
+    deadlines=st.sampled_from(["fixed", "adaptive"]),
     k=st.integers(0, 3),
     train_groups=st.integers(1, 8),
     group_size=st.integers(1, 4),
@@ -59,8 +60,8 @@ def check_run(o, cfg, mode: Mode) -> None:
     seed=st.integers(0, 2**20),
 )
 def test_simulated_runs_keep_every_invariant(
-    mode, placement, elastic, yield_kv, k, train_groups, group_size, steps, workers, slot_groups, running_frac, kv,
-    watermark, legacy_fill, sigma, load_s, train_s, deaths, seed,
+    mode, placement, elastic, yield_kv, deadlines, k, train_groups, group_size, steps, workers, slot_groups,
+    running_frac, kv, watermark, legacy_fill, sigma, load_s, train_s, deaths, seed,
 ):  # fmt: skip
     credit = slot_groups * group_size
     cfg = small(
@@ -71,6 +72,7 @@ def test_simulated_runs_keep_every_invariant(
     )  # fmt: skip
     cfg = replace(  # role switches cost about a second: offloads, wake-up, trainer state
         cfg,
+        core=replace(cfg.core, deadlines=deadlines),
         cluster=replace(cfg.cluster, elastic_gpus=min(elastic, workers), host_link_bytes_per_s=1e9),
         engine=replace(cfg.engine, weight_bytes=1e9, wake_s=0.5, kv_bytes_per_token=1e6, yield_kv=yield_kv),
         trainer=replace(cfg.trainer, state_bytes=1e9),
@@ -79,7 +81,7 @@ def test_simulated_runs_keep_every_invariant(
     check_run(o, cfg, mode)
     if placement != "disaggregated" and not deaths:
         assert o.yields == o.elastic_workers * steps, "every elastic worker yields for every step"
-    event(f"mode={mode.value} placement={placement}")
+    event(f"mode={mode.value} placement={placement} deadlines={deadlines}")
     event(f"migrated={'yes' if o.migrated_requests else 'no'}")
     event(f"re-run={'yes' if o.requeued else 'no'}")
     event(f"preempted={'yes' if o.preemptions else 'no'}")

@@ -1,0 +1,96 @@
+"""Adaptive deadlines: each group gets the earliest deadline in [v + 1, v + K] that admission allows, and a
+due group still running moves a step later (never past v + K) only when that lets a waiting trainer take its
+batch now. K = 0 stays synchronous training, exactly."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from dora.config import CoreConfig
+from dora.core.core import Core
+from dora.core.events import (
+    BatchRequested,
+    DeliverBatch,
+    Lease,
+    SampleFinished,
+    WeightsLoaded,
+    WeightsPublished,
+    WorkerJoined,
+)
+from dora.ids import Mode
+from dora.sim.des import Simulation
+from tests.unit.simcfg import small
+
+
+def of(actions, kind):
+    return [a for a in actions if isinstance(a, kind)]
+
+
+def done(core: Core, lease: Lease, now: float = 0.0) -> list:
+    return core.handle(now, SampleFinished(worker_id=lease.worker_id, group_id=lease.group_id, attempt=lease.attempt,
+                                         index=0, segments=((lease.version, 4),)))  # fmt: skip
+
+
+def test_groups_get_the_earliest_admissible_deadline():
+    core = Core(CoreConfig(mode=Mode.DORA, max_staleness=3, train_groups=1, group_size=1, deadlines="adaptive"))
+    core.handle(0, WorkerJoined(worker_id="w", slots=8))
+    leases = of(core.handle(0, WeightsLoaded(worker_id="w", version=0)), Lease)
+    deadlines = [core.scheduler.flights[x.group_id].deadline for x in leases]
+    # (d - s + 1) x B groups fit under each deadline d: 2 by step 1, one more by each later step; K = 3 ends it
+    assert deadlines == [1, 1, 2, 3]
+    fixed = Core(CoreConfig(mode=Mode.DORA, max_staleness=3, train_groups=1, group_size=1))
+    fixed.handle(0, WorkerJoined(worker_id="w", slots=8))
+    leases = of(fixed.handle(0, WeightsLoaded(worker_id="w", version=0)), Lease)
+    assert [fixed.scheduler.flights[x.group_id].deadline for x in leases] == [3, 3, 3, 3], "the same admission room"
+
+
+def test_a_running_due_group_moves_later_only_to_spare_the_trainer_a_wait():
+    core = Core(CoreConfig(mode=Mode.DORA, max_staleness=2, train_groups=1, group_size=1, rollout_groups=2,
+                           deadlines="adaptive"))  # fmt: skip
+    core.handle(0, WorkerJoined(worker_id="w", slots=4))
+    g0, g1 = of(core.handle(0, WeightsLoaded(worker_id="w", version=0)), Lease)
+    assert [core.scheduler.flights[x.group_id].deadline for x in (g0, g1)] == [1, 1]
+    core.handle(0, BatchRequested(step=0))
+    acts = done(core, g1, now=1.0)  # step 0 takes g1 (the trainer waited); g0 (deadline 1) still runs
+    (b0,) = of(acts, DeliverBatch)
+    (g2,) = of(acts, Lease)
+    assert core.scheduler.flights[g2.group_id].deadline == 2, "step 1's room is g0's: the next deadline"
+    core.handle(1, WeightsPublished(version=1))
+    assert not of(core.handle(1, BatchRequested(step=1)), DeliverBatch), "nothing finished: the trainer waits"
+    assert core.scheduler.flights[g0.group_id].deadline == 1, "no move that does not help"
+    (b1,) = of(done(core, g2, now=2.0), DeliverBatch)  # moving g0 to step 2 lets step 1 take g2 now
+    assert [g.group_id for g in b1.groups] == [g2.group_id] and core.extended == 1
+    assert core.scheduler.flights[g0.group_id].deadline == 2 == g0.version + 2, "never past v + K"
+    core.handle(2, WeightsPublished(version=2))
+    core.handle(2, BatchRequested(step=2))
+    assert core.transfer.waiting_on(core.ledger.deadline_counts()) == 1, "now step 2 must wait for g0"
+    (b2,) = of(done(core, g0, now=3.0), DeliverBatch)
+    assert g0.group_id in [g.group_id for g in b2.groups] and b0.step == 0
+
+
+def run(cfg, mode: Mode, deadlines: str):
+    c = replace(cfg, core=replace(cfg.core, deadlines=deadlines))
+    return Simulation(c, mode, strict=True).run()
+
+
+@pytest.mark.parametrize("mode", [Mode.SYNC, Mode.DORA])
+@pytest.mark.parametrize("placement", ["disaggregated", "colocated"])
+def test_k0_is_synchronous_training_exactly_under_either_rule(mode, placement):
+    cfg = small(workers=4, credit=8, steps=6, k=0, train_groups=4, group_size=2, sigma=1.5, seed=3,
+                placement={m.value: placement for m in Mode})  # fmt: skip
+    fixed, adaptive = run(cfg, mode, "fixed"), run(cfg, mode, "adaptive")
+    assert (adaptive.wall_s, adaptive.trained, adaptive.staleness) == (fixed.wall_s, fixed.trained, fixed.staleness)
+    assert set(adaptive.staleness) == {0}
+
+
+def test_a_fleet_that_keeps_up_trains_fresher_data_under_adaptive_deadlines():
+    cfg = small(workers=8, credit=16, steps=12, k=3, train_groups=4, group_size=4, sigma=1.0, seed=7, train_s=4.0)
+    fixed, adaptive = run(cfg, Mode.DORA, "fixed"), run(cfg, Mode.DORA, "adaptive")
+
+    def mean(hist):
+        return sum(k * n for k, n in hist.items()) / sum(hist.values())
+
+    assert max(adaptive.staleness) <= 3 and max(fixed.staleness) <= 3
+    assert mean(adaptive.staleness) < mean(fixed.staleness)
