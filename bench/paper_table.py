@@ -23,7 +23,7 @@ from typing import Any
 from dora.config import load
 from dora.config.sim import SimConfig
 from dora.ids import Mode
-from dora.sim.plots import staleness, throughput_bars, timeline, xy_plot
+from dora.sim.plots import pareto, staleness, throughput_bars, timeline, xy_plot
 from dora.sim.runner import ModeResult, simulate
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -44,6 +44,7 @@ VARIANTS: list[tuple[str, Mode, list[str]]] = [
     ("dora", Mode.DORA, []),
     ("dora colocated", Mode.DORA, ["cluster.placement.dora=colocated"]),
     ("dora elastic", Mode.DORA, ["cluster.placement.dora=elastic"]),
+    ("dora elastic adaptive", Mode.DORA, ["cluster.placement.dora=elastic", "core.deadlines=adaptive"]),
     ("dora no legacy fill", Mode.DORA, ["core.legacy_fill=false"]),
     ("drop_stale", Mode.DROP_STALE, []),
 ]
@@ -76,6 +77,35 @@ def table(gpus: int, out: pathlib.Path, steps: int | None) -> dict[str, Any]:
     return rows
 
 
+def frontier(gpus: int, elastic: dict[str, Any], out: pathlib.Path, extra: list[str]) -> dict[str, Any]:
+    """Throughput against mean consumed staleness: fixed K = 1, 2, 3 and adaptive deadlines with K = 3, all on
+    the elastic placement the table found (the same workers, so only the deadline policy changes)."""
+    g = elastic["rollout_gpus"] // elastic["rollout_workers"]
+    place = ["cluster.placement.dora=elastic", f"cluster.elastic_gpus={elastic['elastic_workers'] * g}", *extra]
+    points: dict[str, dict[str, Any]] = {}
+    for name, ov in [(f"fixed K={k}", [f"core.max_staleness={k}"]) for k in (1, 2, 3)] + [
+        ("adaptive K=3", ["core.max_staleness=3", "core.deadlines=adaptive"])
+    ]:
+        m = run(CONFIGS[gpus], Mode.DORA, place + ov).metrics
+        points[name] = {k: m[k] for k in ("throughput_tokens_per_s", "mean_staleness", "step_time_s",
+                                          "max_staleness_consumed", "c1_violations", "dropped_groups")}  # fmt: skip
+    print(f"\n#### {gpus} GPUs: throughput vs staleness (dora, {elastic['elastic_workers'] * g} of "
+          f"{elastic['rollout_gpus']} GPUs elastic)\n")  # fmt: skip
+    print("| policy | tokens/s | mean staleness | max staleness | C1 viol. | dropped |")
+    print("|---|---|---|---|---|---|")
+    for name, m in points.items():
+        print(f"| {name} | {m['throughput_tokens_per_s']:,.0f} | {m['mean_staleness']:.2f} | "
+              f"{m['max_staleness_consumed']} | {m['c1_violations']} | {m['dropped_groups']} |")  # fmt: skip
+    a, k2, k3 = points["adaptive K=3"], points["fixed K=2"], points["fixed K=3"]
+    dominates = (a["throughput_tokens_per_s"] >= k3["throughput_tokens_per_s"]
+                 and a["mean_staleness"] <= k2["mean_staleness"])  # fmt: skip
+    print(f"\nadaptive K=3 dominates (tokens/s >= fixed K=3's and staleness <= fixed K=2's): "
+          f"{'yes' if dominates else 'no'} ({a['throughput_tokens_per_s'] / k3['throughput_tokens_per_s']:.3f}x "
+          f"K=3's tokens/s at {a['mean_staleness']:.2f} vs K=2's {k2['mean_staleness']:.2f})")  # fmt: skip
+    pareto(points, out / f"pareto_{gpus}gpu.png", title=f"paper-{gpus}gpu")
+    return points
+
+
 def print_table(gpus: int, rows: dict[str, dict[str, Any]]) -> None:
     sync = rows["sync"]["throughput_tokens_per_s"]
     print(f"\n### {gpus} GPUs: ours beside the paper's Table A (steady state, steps after warm-up)\n")
@@ -95,6 +125,12 @@ def print_table(gpus: int, rows: dict[str, dict[str, Any]]) -> None:
     print(f"\ndora / sync = {d / sync:.2f}x (paper {PAPER[gpus]['dora'][1] / PAPER[gpus]['sync'][1]:.2f}x), "
           f"dora / partial = {d / p:.2f}x (paper {PAPER[gpus]['dora'][1] / PAPER[gpus]['partial'][1]:.2f}x); "
           f"best dora variant ({best['variant']}) / sync = {best['throughput_tokens_per_s'] / sync:.2f}x")  # fmt: skip
+    ro = best["rollout_only_fraction"]
+    target = {64: 1.65, 128: 2.12}[gpus]
+    print(
+        f"targets: best dora / sync {best['throughput_tokens_per_s'] / sync:.2f}x (>= {target}), "
+        f"/ partial {best['throughput_tokens_per_s'] / p:.2f}x (>= 1.1), rollout-only {ro:.0%} (<= 12%)"
+    )
     ds = rows.get("drop_stale")
     if ds:
         buckets = ", ".join(f"{k}: {v:.0%}" for k, v in ds["dropped_fraction_by_length"].items())
@@ -214,7 +250,9 @@ def main(argv: list[str]) -> int:
     fractions: dict[str, float] = {"dora": 0.5625, "one_step": 0.5625, "drop_stale": 0.5}
     if args.only != "sweeps":
         for gpus in (64, 128):
-            report[f"paper_{gpus}gpu"] = table(gpus, out, args.steps)
+            report[f"paper_{gpus}gpu"] = rows = table(gpus, out, args.steps)
+            extra = [f"run.steps={args.steps}"] if args.steps else []
+            report[f"pareto_{gpus}gpu"] = frontier(gpus, rows["dora elastic"], out, extra)
         fractions = split_fractions(report["paper_64gpu"])
     if args.only != "table":
         report["sweeps"] = sweeps(out, args.sweep_steps, fractions)

@@ -211,7 +211,7 @@ class BrokerActor:
         )
         if hello.role is m.Role.ROLLOUT:
             ready = self.core.fleet_ready
-            self.feed(ev.WorkerJoined(worker_id=WorkerId(identity.decode()), slots=hello.slots))
+            self.feed(ev.WorkerJoined(worker_id=WorkerId(identity.decode()), slots=hello.slots, elastic=hello.elastic))
             if self.core.fleet_ready and not ready:
                 log.info("fleet_ready", workers=len(self.core.scheduler.workers))
         elif hello.role is m.Role.LEARNER:
@@ -244,6 +244,9 @@ class BrokerActor:
                 self.links.send(peer, m.ResultAcks(acks=self.on_samples(peer, msg.samples)))
             case m.WeightsLoaded() if rollout:
                 self.feed(ev.WeightsLoaded(worker_id=w, version=msg.version))
+            case m.Yielded() if rollout:
+                log.info("worker_yielded", worker=w)
+                self.feed(ev.Yielded(worker_id=w))
             case m.MigrationExported() if rollout:
                 peer.migrate_out.pop((msg.group_id, msg.attempt), None)
                 self.feed(
@@ -327,6 +330,13 @@ class BrokerActor:
                 log.info("worker_assigned", worker=a.worker_id, version=a.version, interrupt=a.interrupt)
                 uri, sha = self.weights.get(a.version, (f"sim://v{a.version}", "0" * 64))
                 self.links.command(a.worker_id, m.Assign(version=a.version, uri=uri, sha256=sha, interrupt=a.interrupt))
+            case ev.Yield():
+                held = len(self.core.scheduler.workers[a.worker_id].groups)
+                log.info("yield_requested", worker=a.worker_id, held_groups=held)
+                self.links.command(a.worker_id, m.Yield())
+            case ev.Resume():
+                log.info("worker_resumed", worker=a.worker_id, version=a.version)
+                self.links.command(a.worker_id, m.Resume(version=a.version))
             case ev.MigrateOut():
                 self.links.command(
                     a.worker_id,

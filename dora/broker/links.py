@@ -52,6 +52,10 @@ class Peer:
     """The last Assign sent to it."""
     migrate_out: dict[tuple[int, int], m.MigrateOut] = field(default_factory=dict)
     """MigrateOut sent to it and not yet answered."""
+    yield_cmd: m.Yield | None = None
+    """The last Yield sent to it (elastic workers)."""
+    resume: m.Resume | None = None
+    """The last Resume sent to it (elastic workers)."""
 
 
 def user_id(frames: list[Any]) -> str | None:
@@ -90,6 +94,10 @@ class Links:
                 peer.lease_seq[(msg.group_id, msg.attempt)] = msg.seq
             case m.Assign():
                 peer.assign = msg
+            case m.Yield():
+                peer.yield_cmd = msg
+            case m.Resume():
+                peer.resume = msg
             case m.MigrateOut():
                 peer.migrate_out[(msg.group_id, msg.attempt)] = msg
         self.send(peer, msg)

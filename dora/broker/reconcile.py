@@ -6,8 +6,8 @@ or is loading. From that, one function mends each kind of loss:
 - a lease whose command the worker saw go by but does not hold was lost: the core re-queues the group
   whole (``LeaseLost``; C2 holds because the group is re-run, never dropped);
 - a void lease the worker still works on gets its ``Cancel`` again;
-- a lost ``MigrateOut`` or ``Assign`` is sent again;
-- a lost ``WeightsLoaded`` is taken from the heartbeat.
+- a lost ``MigrateOut``, ``Assign``, ``Yield`` or ``Resume`` is sent again;
+- a lost ``WeightsLoaded`` or ``Yielded`` is taken from the heartbeat.
 """
 
 from __future__ import annotations
@@ -61,12 +61,30 @@ def reconcile(
         elif key in held and out.seq <= hb.seen:
             counters["migrate_out sent again"] += 1
             command(w, out)
-    pinned = core.ledger.version_of(w)
-    if pinned is None or worker.ready or peer.assign is None or peer.assign.version != pinned:
+    if w in core.yielding:
+        if hb.yielded:  # it yielded, and the Yielded was lost
+            counters["yielded taken from a heartbeat"] += 1
+            feed(ev.Yielded(worker_id=w))
+        elif peer.yield_cmd is not None and peer.yield_cmd.seq <= hb.seen:
+            counters["yield sent again"] += 1
+            command(w, peer.yield_cmd)
         return
-    if hb.version == pinned and hb.loading < 0:  # it loaded them, and the WeightsLoaded was lost
+    if worker.yielded:
+        return
+    pinned = core.ledger.version_of(w)
+    resumed = (
+        peer.resume is not None
+        and peer.resume.version == pinned
+        and (peer.assign is None or peer.resume.seq > peer.assign.seq)
+    )
+    if pinned is None or worker.ready or (not resumed and (peer.assign is None or peer.assign.version != pinned)):
+        return
+    if hb.version == pinned and hb.loading < 0 and not hb.yielded:  # it loaded them; the WeightsLoaded was lost
         counters["weights_loaded taken from a heartbeat"] += 1
         feed(ev.WeightsLoaded(worker_id=w, version=pinned))
-    elif pinned not in (hb.version, hb.loading) and peer.assign.seq <= hb.seen:
+    elif resumed and hb.yielded and peer.resume.seq <= hb.seen:  # type: ignore[union-attr]
+        counters["resume sent again"] += 1
+        command(w, peer.resume)
+    elif not resumed and pinned not in (hb.version, hb.loading) and peer.assign.seq <= hb.seen:  # type: ignore[union-attr]
         counters["assign sent again"] += 1
         command(w, peer.assign)

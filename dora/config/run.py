@@ -162,6 +162,9 @@ class RolloutSection:
     """vllm: KV cache memory, always explicit (vLLM on CPU would otherwise take most of the machine)."""
     max_model_len: int = 4096
     """vllm: the longest prompt + completion it accepts, in tokens."""
+    elastic: bool = False
+    """This worker shares its accelerators (on CPU: its cores) with the learner: the broker asks it to yield them
+    for each train step; it pauses what it holds meanwhile and goes on, on the same weights, after the publish."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -91,6 +91,8 @@ class RolloutActor:
         were sent for (every completion of an evaluation row comes from one version, like a trajectory's)."""
         self.eval_dropped = 0
         """Evaluate requests dropped: for a version this worker is not serving, or it cannot evaluate."""
+        self.yielded = False
+        """Elastic: its accelerators are the trainer's; the engine is paused (``Yield`` until ``Resume``/``Assign``)."""
 
     async def run(self, stop: asyncio.Event) -> int:
         backoff = 1.0
@@ -145,6 +147,7 @@ class RolloutActor:
                     slurm_job_id=self.cluster.job_id,
                     slots=self.slots,
                     engine=self.engine.name,
+                    elastic=self.cfg.rollout.elastic,
                 )
             )
             heard = self.clock()
@@ -217,7 +220,20 @@ class RolloutActor:
                 self.epoch = msg.broker_epoch
                 log.info("registered", broker_epoch=msg.broker_epoch, newest_version=msg.newest_version)
             case m.Assign():
+                self.wake(now)
                 self.on_assign(msg, now)
+            case m.Yield():
+                self.engine.advance(now)
+                self.report_finished()  # what finished before the yield goes out first
+                self.engine.paused = True
+                self.yielded = True
+                log.info("yielded", version=self.version)
+                self.send(m.Yielded())
+            case m.Resume() if msg.version == self.version:
+                self.wake(now)
+                self.send(m.WeightsLoaded(version=msg.version, load_s=0.0))
+            case m.Resume():
+                log.error("resume_of_another_version", version=msg.version, serving=self.version)
             case m.Generate() | m.MigrateIn() if not self.takes(msg):
                 pass
             case m.Generate():
@@ -267,6 +283,14 @@ class RolloutActor:
                 pass
             case _:
                 log.warning("unexpected_message", kind=type(msg).__name__)
+
+    def wake(self, now: float) -> None:
+        """Take the accelerators back after a yield (the engine's clock restarts now: no progress meanwhile)."""
+        if self.yielded:
+            self.engine.advance(now)  # paused: moves its clock only
+            self.engine.paused = False
+            self.yielded = False
+            log.info("resumed", version=self.version)
 
     def on_assign(self, msg: m.Assign, now: float) -> None:
         if self.loading is not None and self.loading[0] == msg.version:
@@ -321,7 +345,8 @@ class RolloutActor:
     def heartbeat(self) -> m.Heartbeat:
         running, kv = self.engine.load()
         return m.Heartbeat(
-            tokens_generated=self.engine.tokens_generated, running=running, kv_use=kv, seen=self.seen,
+            tokens_generated=self.engine.tokens_generated, running=0 if self.yielded else running, kv_use=kv,
+            seen=self.seen, yielded=self.yielded,
             holding=np.array(sorted(self.leases), dtype=np.int64).reshape(-1, 2), version=self.version,
             loading=self.loading[0] if self.loading is not None else self.deferred.version if self.deferred else -1,
         )  # fmt: skip

@@ -37,9 +37,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--config", metavar="FILE.toml")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--time-scale", type=float, help="real seconds per simulated second (overrides run.time_scale)")
+    p.add_argument("--elastic", action="store_true", help="share the accelerators with the learner (rollout.elastic)")
     args = p.parse_args(argv)
     overrides = [*args.set, *([f"run.time_scale={args.time_scale}"] if args.time_scale else [])]
     overrides += [f"rollout.model={args.model}"] if args.model else []
+    overrides += ["rollout.elastic=true"] if args.elastic else []
     try:
         cfg = load(RunConfig, path=args.config, env=os.environ, env_prefix="DORA_", overrides=overrides)
         cluster = ClusterInfo.from_env(os.environ)

@@ -101,6 +101,20 @@ def xy_plot(
     return _save(fig, path)
 
 
+def pareto(points: dict[str, dict[str, Any]], path: pathlib.Path, *, title: str) -> pathlib.Path:
+    """Throughput against mean consumed staleness, one labelled point per policy (up and left is better)."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, m in points.items():
+        x, y = m["mean_staleness"], m["throughput_tokens_per_s"]
+        ax.scatter([x], [y], s=40, color="#d62728" if "adaptive" in name else "#1f77b4")
+        ax.annotate(name, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    ax.set_xlabel("mean staleness at consumption (versions)")
+    ax.set_ylabel("tokens / s (steady state)")
+    ax.set_title(f"throughput vs staleness — {title}", fontsize=10)
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
 def _save(fig: Any, path: pathlib.Path) -> pathlib.Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -67,6 +67,8 @@ class Hello:
     engine: str = ""
     learner_version: int | None = None
     """Learner: the version its weights hold (0 fresh, a checkpoint's when resumed); None without weights."""
+    elastic: bool = False
+    """Rollout: it shares its accelerators with the trainer and yields them for each train step."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -103,6 +105,8 @@ class Heartbeat:
     """Rollout: the version whose weights are loaded (-1: none)."""
     loading: int = -1
     """Rollout: the version being loaded now (-1: none)."""
+    yielded: bool = False
+    """Rollout (elastic): its accelerators are the trainer's now; its requests are paused."""
 
     def __post_init__(self) -> None:
         _non_negative("tokens_generated", self.tokens_generated)
@@ -236,6 +240,29 @@ class Assign:
     uri: str
     sha256: str
     interrupt: bool = False
+    seq: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Yield:
+    """Elastic worker: pause what it holds and hand its accelerators to the trainer; answer ``Yielded``."""
+
+    KIND: ClassVar[str] = "yield"
+    seq: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Yielded:
+    KIND: ClassVar[str] = "yielded"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Resume:
+    """A yielded worker takes its accelerators back and goes on serving ``version`` (the weights it holds) with
+    the requests it kept; answer ``WeightsLoaded``."""
+
+    KIND: ClassVar[str] = "resume"
+    version: int
     seq: int = 0
 
 
@@ -422,7 +449,7 @@ class StatusReply:
 MESSAGES: tuple[type, ...] = (
     Hello, Reject, Welcome, Heartbeat, Goodbye, Disconnect,
     Generate, SampleFinished, SamplesFinished, ResultAck, ResultAcks,
-    Assign, WeightsLoaded, MigrateOut, MigrationExported, MigrateIn,
+    Assign, WeightsLoaded, Yield, Yielded, Resume, MigrateOut, MigrationExported, MigrateIn,
     Cancel, RetireVersion, Evaluate, EvalFinished,
     RequestBatch, TrainBatch, WeightsPublished, PublishAck,
     StatusRequest, StatusReply,

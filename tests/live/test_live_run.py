@@ -55,6 +55,32 @@ def test_twenty_step_dora_run_with_three_workers_keeps_every_invariant_and_migra
                 assert r["requests"] >= 1 and r["tokens_moved"] >= 0
 
 
+def test_an_elastic_worker_yields_for_every_step_and_every_group_is_trained_once(tmp_path):
+    """Two standalone sim workers and one elastic: the broker holds each batch until the elastic worker has
+    yielded, and the worker comes back on the version it holds groups of (Resume) or on the newest (Assign)."""
+    with cluster(tmp_path, {"core": {"min_workers": 3}}) as c:
+        c.start_broker()
+        for i in range(2):
+            c.start_worker(f"w{i}")
+        c.start_worker("e", "sim", "--elastic")
+        c.start_learner()
+        assert c.wait("learner", 120) == 0, c.log("learner")[-3000:]
+        assert c.wait("broker", 15) == 0, c.log("broker")[-3000:]
+        c.check_exactly_once()
+        steps = c.cfg["core"]["total_steps"]
+        events = c.events("broker")
+        asked = [r for r in events if r["event"] == "yield_requested"]
+        yielded = [r for r in events if r["event"] == "worker_yielded"]
+        assert len(asked) == len(yielded) == steps and all("rollout/e/" in r["worker"] for r in asked)
+        back = [r for r in events if r["event"] in ("worker_resumed", "worker_assigned") and "/e/" in r["worker"]]
+        assert len(back) >= steps - 1, "it comes back after every publish"
+        order = [r["event"] for r in events if r["event"] in ("worker_yielded", "train_step")]
+        assert order[:2] == ["worker_yielded", "train_step"], "the first batch waited for the yield"
+        assert not c.events("broker", "group_failed") and not c.events("e", "resume_of_another_version")
+        worker = [r["event"] for r in c.events("e") if r["event"] in ("yielded", "resumed")]
+        assert worker.count("yielded") == steps and worker.count("resumed") >= steps - 1
+
+
 def test_status_shows_the_run(tmp_path):
     with cluster(tmp_path, {"core": {"total_steps": 200}}) as c:
         c.start(workers=2)

@@ -121,6 +121,9 @@ def canonical() -> dict[str, Any]:
         ),
         m.Assign(version=4, uri="file:///weights/v4", sha256="ab" * 32, interrupt=False, seq=2),
         m.WeightsLoaded(version=4, load_s=0.125),
+        m.Yield(seq=5),
+        m.Yielded(),
+        m.Resume(version=4, seq=6),
         m.MigrateOut(group_id=12, attempt=5, version=3, target="rollout-1", seq=4),
         m.MigrationExported(group_id=12, attempt=5, requests=(req,)),
         m.MigrateIn(

@@ -75,6 +75,8 @@ class Sample:
 
 class WorkerEngine(Protocol):
     name: str
+    paused: bool
+    """Set while an elastic worker has yielded its accelerators: ``advance`` makes no progress."""
 
     @property
     def tokens_generated(self) -> int: ...

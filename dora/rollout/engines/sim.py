@@ -112,7 +112,7 @@ class SimEngine:
     def next_event_s(self) -> float | None:
         """Real seconds until the next request finishes (or the KV cache fills); None when idle."""
         steps = self.engine.steps_to_next()
-        if steps is None or self.engine.version is None:
+        if steps is None or self.engine.version is None or self.paused:
             return None
         return (self.debt_s + steps * self.cfg.step_s(len(self.engine.running))) * self.scale
 

@@ -30,6 +30,8 @@ class StepWorkerEngine:
         self.task = task
         self.held_out = held_out
         self.finished: list[Any] = []
+        self.paused = False
+        """Yielded to the trainer (elastic): nothing decodes; environments already called may still answer."""
         self.eval_open: dict[tuple[int, int], tuple[m.Evaluate, list[Any]]] = {}
         """(round, row) -> the request and its finished samples. Evaluation sequences run beside the training
         ones under group ids below zero (-1 - row), never reported as training samples."""
@@ -90,6 +92,8 @@ class StepWorkerEngine:
         self.engine.cancel(group, attempt)
 
     def advance(self, now: float) -> None:
+        if self.paused:
+            return
         if self.episodes is not None:
             self.episodes.advance(self._evaluated_step)
             for ep in self.episodes.take_finished():
@@ -175,6 +179,8 @@ class StepWorkerEngine:
         return done
 
     def next_event_s(self) -> float | None:
+        if self.paused:
+            return None
         if len(self.engine):
             return 0.0
         return 0.002 if self.busy() else None  # episodes waiting on their environment only: look again soon
