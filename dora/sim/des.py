@@ -87,6 +87,8 @@ class Totals:
     """Integral of (workers x max_slots) over the time rollout could run."""
     tool_wait_s: float = 0.0
     """Integral of episodes waiting on a tool call over time (all workers)."""
+    busy_worker_s: float = 0.0
+    """Integral of workers decoding over time."""
 
     def minus(self, other: Totals) -> Totals:
         return Totals(*(getattr(self, f) - getattr(other, f) for f in Totals.__slots__))
@@ -328,6 +330,7 @@ class Simulation:
             t.trainer_busy_s += dt * self._training
             t.slot_s += dt * self._n_running
             t.tool_wait_s += dt * self._n_parked
+            t.busy_worker_s += dt * self._n_busy
             t.capacity_s += dt * self._n_serving * self.eng.max_slots
         self._acct_t = self.now
 

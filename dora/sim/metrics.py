@@ -31,6 +31,10 @@ def summarize(o: Outcome, cfg: SimConfig) -> dict[str, Any]:
     tokens = sum(s.tokens for s in window)
     step_time = elapsed / len(window)
     ideal = ideal_step_time(o, cfg, window)
+    # The accelerator-seconds a step used (workers decoding, the trainer training), spread over every accelerator:
+    # the step time if nothing ever idled, at the decode rates this run reached.
+    train_busy_gpu_s = d.trainer_busy_s * o.trainer_gpus
+    packing_bound = (d.busy_worker_s * cfg.cluster.gpus_per_worker + train_busy_gpu_s) / cfg.cluster.total_gpus
     dropped = len(o.dropped_lengths) // max(cfg.core.group_size, 1)
     return {
         "mode": o.mode.value,
@@ -70,6 +74,8 @@ def summarize(o: Outcome, cfg: SimConfig) -> dict[str, Any]:
         "max_live_versions": o.max_live_versions,
         "ideal_step_time_s": ideal,
         "fraction_of_ideal": ideal / step_time if step_time else 0.0,
+        "packing_bound_s": packing_bound / len(window),
+        "fraction_of_packing_bound": packing_bound / elapsed,
         "turns_per_episode": sum(s.turns for s in window) / max(1, sum(s.episodes for s in window)) or 1.0,
         "mean_running": d.slot_s / elapsed,
         "mean_waiting_on_tools": d.tool_wait_s / elapsed,
