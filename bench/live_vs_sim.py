@@ -1,13 +1,16 @@
 """The same small dora run, live (real processes, sim engine in scaled real time) and in `dora sim`.
 
     python bench/live_vs_sim.py [--workers 3] [--steps 20] [--time-scale 0.02] [--out DIR]
+                                [--elastic N] [--deadlines fixed|adaptive]
 
 Both read one run config. The live run is `dora broker` + `dora rollout --engine sim` ×W +
 `dora learner --trainer sim`, on loopback; its per-step times are read from the broker's canonical
 `train_step` log lines and divided by the time scale. The simulation drives the same core on a
 virtual clock with the same engine, trainer and workload models (one accelerator per worker, the
-learner's `sim_gpus` for training). Printed side by side: steady-state step time, staleness
-histogram (share of trajectories), migrations; and the orchestration overhead of the live broker:
+learner's `sim_gpus` for training). With ``--elastic N`` the last N workers are elastic (`dora rollout
+--elastic`; in the simulation, the elastic placement) and the learner trains on its `sim_gpus` plus
+their N accelerators. Printed side by side: steady-state step time, staleness histogram (share of
+trajectories), migrations, role switches; and the orchestration overhead of the live broker:
 time in the core's decisions (orchestration and migration planning run inside them) / wall time.
 Targets: step times and staleness shares agree within 15%; overhead <= 2%.
 """
@@ -36,19 +39,22 @@ from dora.sim.metrics import summarize  # noqa: E402
 WARMUP = 2
 
 
-def config(steps: int, time_scale: float, workers: int) -> dict[str, dict]:
+def config(steps: int, time_scale: float, workers: int, elastic: int, deadlines: str) -> dict[str, dict]:
     """examples/live/sim.toml, with this run's size and pace."""
     cfg = tomllib.loads((ROOT / "examples" / "live" / "sim.toml").read_text())
     cfg["run"]["time_scale"] = time_scale
     cfg["core"]["total_steps"] = steps
+    cfg["core"]["deadlines"] = deadlines
+    cfg["learner"]["sim_gpus"] = cfg["learner"].get("sim_gpus", 1) + elastic  # elastic accelerators train too
     cfg["core"]["min_workers"] = workers  # the simulated fleet is there from t = 0 too
     cfg["log"]["format"] = "json"
     cfg["learner"].pop("audit_file", None)
     return cfg
 
 
-def sim_config(cfg: RunConfig, workers: int) -> SimConfig:
-    """The live run as a simulation: one accelerator per worker, the learner's sim_gpus training."""
+def sim_config(cfg: RunConfig, workers: int, elastic: int) -> SimConfig:
+    """The live run as a simulation: one accelerator per worker, the learner's sim_gpus training (of them,
+    ``elastic`` are the elastic workers' own)."""
     return SimConfig(
         run=RunSection(
             steps=cfg.core.total_steps or 1,
@@ -58,10 +64,11 @@ def sim_config(cfg: RunConfig, workers: int) -> SimConfig:
         ),
         core=cfg.core,
         cluster=ClusterSection(
-            total_gpus=workers + cfg.learner.sim_gpus,
+            total_gpus=workers + cfg.learner.sim_gpus - elastic,
             gpus_per_worker=1,
             rollout_gpus=workers,
-            placement={m.value: "disaggregated" for m in Mode},
+            elastic_gpus=elastic or None,
+            placement={m.value: "elastic" if elastic else "disaggregated" for m in Mode},
         ),
         engine=cfg.engine,
         trainer=cfg.trainer,
@@ -80,18 +87,27 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--time-scale", type=float, default=0.02, help="real seconds per simulated second")
     p.add_argument("--out", help="run directory for the live logs (default: a temp dir)")
+    p.add_argument("--elastic", type=int, default=0, help="how many of the workers are elastic")
+    p.add_argument("--deadlines", choices=["fixed", "adaptive"], default="fixed")
     args = p.parse_args()
+    if not 0 <= args.elastic <= args.workers:
+        p.error("--elastic must be between 0 and --workers")
     rundir = pathlib.Path(args.out or tempfile.mkdtemp(prefix="dora-live-vs-sim-"))
-    raw = config(args.steps, args.time_scale, args.workers)
+    raw = config(args.steps, args.time_scale, args.workers, args.elastic, args.deadlines)
     run = LocalRun(rundir, raw)
     cfg = load(RunConfig, path=str(run.config))
 
-    sim = Simulation(sim_config(cfg, args.workers), Mode.DORA).run()
-    sm = summarize(sim, sim_config(cfg, args.workers))
+    simcfg = sim_config(cfg, args.workers, args.elastic)
+    sim = Simulation(simcfg, Mode.DORA).run()
+    sm = summarize(sim, simcfg)
 
-    print(f"live run: {args.workers} workers, {args.steps} steps, time scale {args.time_scale:g}; logs in {rundir}")
+    print(f"live run: {args.workers} workers ({args.elastic} elastic), {args.steps} steps, {args.deadlines} deadlines, "
+          f"time scale {args.time_scale:g}; logs in {rundir}")  # fmt: skip
     try:
-        run.start(args.workers)
+        run.start_broker()
+        for i in range(args.workers):  # standalone first, as the simulation joins them
+            run.start_worker(f"w{i}", "sim", *(["--elastic"] if i >= args.workers - args.elastic else []))
+        run.start_learner()
         rc = run.wait("learner", timeout_s=60 + 5 * args.steps * 60 * args.time_scale * 10)
         run.wait("broker", timeout_s=30)
     finally:
@@ -115,6 +131,7 @@ def main() -> int:
         print(f"| staleness {k} (share) | {live_hist.get(k, 0):.3f} | {sim_hist.get(k, 0):.3f} | "
               f"{abs(live_hist.get(k, 0) - sim_hist.get(k, 0)):.3f} |")  # fmt: skip
     print(f"| migrated groups | {finished['migrated_groups']} | {sim.migrated_groups} | |")
+    print(f"| role switches (yields) | {len(run.events('broker', 'worker_yielded'))} | {sim.yields} | |")
     print(
         f"\nbroker decision time {sum(finished['decision_s'].values()):.3f} s of {finished['elapsed_s']:.1f} s wall "
         f"= {100 * overhead:.2f}% (target <= 2%); by event: {json.dumps(finished['decision_s'])}"
