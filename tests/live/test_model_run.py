@@ -114,6 +114,26 @@ def test_a_torch_learner_trains_and_workers_load_every_published_version(tmp_pat
         assert not [r for w in ("w0", "w1") for r in c.events(w) if r.get("level") == "error"]
 
 
+def test_an_elastic_torch_worker_yields_the_cores_for_every_learner_step(tmp_path, tiny_model):
+    """One standalone and one elastic torch worker beside the torch learner on the same cores: each batch goes
+    out only once the elastic worker has paused, and it goes on after the publish; every group trained once."""
+    steps = 4
+    overrides = torch_run(tmp_path, tiny_model, steps, min_workers=2, max_tokens=16)
+    with cluster(tmp_path, overrides) as c:
+        c.start_broker()
+        c.start_worker("w0", "torch", "--model", str(tiny_model))
+        c.start_worker("e", "torch", "--model", str(tiny_model), "--elastic")
+        c.spawn("learner", "learner", "--trainer", "torch", "--broker", str(tmp_path / "broker.json"))
+        assert c.wait("learner", 200) == 0, c.log("learner")[-3000:]
+        assert c.wait("broker", 15) == 0, c.log("broker")[-3000:]
+        c.check_exactly_once()
+        marks = [r["event"] for r in c.events("broker") if r["event"] in ("worker_yielded", "train_step")]
+        assert marks == ["worker_yielded", "train_step"] * steps, "each step trained after the elastic worker paused"
+        mine = [r["event"] for r in c.events("e") if r["event"] in ("yielded", "resumed")]
+        assert mine[: 2 * (steps - 1)] == ["yielded", "resumed"] * (steps - 1), mine
+        assert not [r for w in ("w0", "e") for r in c.events(w) if r.get("level") == "error"]
+
+
 def test_a_killed_torch_learner_resumes_from_its_checkpoint_and_trains_no_group_twice(tmp_path, tiny_model):
     """kill -9 the learner mid-run; a new one loads the newest checkpoint (model, optimizer, RNG, trained
     group ids), takes the weights it published after that checkpoint from the store, and finishes the run:
