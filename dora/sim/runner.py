@@ -65,7 +65,8 @@ def best_split(
     best = max(coarse, key=rate)
     step = max(1, (top - 1) // (grid - 1))
     while step >= 1:
-        best = max(range(max(1, best - step), min(top, best + step) + 1, max(1, step // 2) or 1), key=rate)
+        around = range(max(1, best - step), min(top, best + step) + 1, max(1, step // 2) or 1)
+        best = max([best, *around], key=rate)  # the best so far stays a candidate
         if step == 1:
             break
         step //= 2
