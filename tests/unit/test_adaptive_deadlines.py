@@ -22,10 +22,7 @@ from dora.core.events import (
 from dora.ids import Mode
 from dora.sim.des import Simulation
 from tests.unit.simcfg import small
-
-
-def of(actions, kind):
-    return [a for a in actions if isinstance(a, kind)]
+from tests.unit.test_core import of
 
 
 def done(core: Core, lease: Lease, now: float = 0.0) -> list:
