@@ -45,8 +45,8 @@ MUTANTS = [
     Mutant(
         "admission-bound",
         "dora/core/scheduler.py",
-        "if not self.cfg.drops_stale and not deadline.admits(",
-        "if False and not deadline.admits(",
+        "if deadline.admits(counts",
+        "if True or deadline.admits(counts",
         "fresh groups are dispatched without the deadline admission check",
     ),
     Mutant(
