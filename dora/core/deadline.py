@@ -1,7 +1,8 @@
 """Deadline arithmetic: the rule that keeps C2 (nothing dropped), C3 (staleness <= K) and liveness together.
 
-A group dispatched on version ``v`` gets the deadline ``d = v + K``: the last learner step allowed to
-consume it. With ``s`` the next step the learner will consume and ``B`` groups per batch, the
+A group dispatched on version ``v`` gets a deadline ``d``: the last learner step allowed to consume it,
+``v + K`` (fixed), or with adaptive deadlines the earliest admissible step in ``[v + 1, v + K]``.
+With ``s`` the next step the learner will consume and ``B`` groups per batch, the
 **feasibility invariant** is
 
     for every d >= s:   #{unconsumed groups with deadline <= d}  <=  (d - s + 1) * B

@@ -155,7 +155,7 @@ class RolloutActor:
             while not stop.is_set() and not self.finished:
                 now = self.clock()
                 waits = [next_beat - now, heard + self.silence_s - now]
-                if (nxt := self.engine.next_event_s()) is not None:
+                if not self.yielded and (nxt := self.engine.next_event_s()) is not None:
                     waits.append(nxt)
                 if self.loading is not None:
                     waits.append(self.loading[1] - now)
@@ -183,7 +183,8 @@ class RolloutActor:
                         log.error("weights_refused", version=version, error=str(e))
                         raise Reconnect(f"could not load v{version}") from None
                     self.send(m.WeightsLoaded(version=version, load_s=self.engine.load_seconds()))
-                self.engine.advance(now)
+                if not self.yielded:  # a yielded worker's accelerators are the learner's, whatever its engine
+                    self.engine.advance(now)
                 self.report_finished()
                 if self.deferred is not None and not self.evaluating():
                     deferred, self.deferred = self.deferred, None

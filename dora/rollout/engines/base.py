@@ -76,7 +76,8 @@ class Sample:
 class WorkerEngine(Protocol):
     name: str
     paused: bool
-    """Set while an elastic worker has yielded its accelerators: ``advance`` makes no progress."""
+    """Set while an elastic worker has yielded its accelerators (the worker does not call ``advance`` then); an
+    engine whose progress follows the clock skips the paused time when the worker wakes it."""
 
     @property
     def tokens_generated(self) -> int: ...
