@@ -82,6 +82,9 @@ class BrokerActor:
         self.trained_tokens = 0
         self.step_started = clock()
         self.done = asyncio.Event()
+        self.closing_until: float | None = None
+        """Set when the run is finished while held-out rounds are still open: the broker says goodbye once they
+        close, or at this time (then they are reported dropped)."""
         self.lag_s: deque[float] = deque(maxlen=4096)
         """How late the heartbeat timer ran, per beat: the event loop's lag (the latest 4,096 beats)."""
         self.metrics = BrokerMetrics(self)
@@ -117,6 +120,8 @@ class BrokerActor:
                 next_tick = now + self.cfg.broker.tick_s
                 self.feed(ev.Tick())
             self.evals.tick(now)  # rows go out as soon as a round's version has a ready worker
+            if self.closing_until is not None and (not self.evals.open(now) or now >= self.closing_until):
+                self.finish()
             retry_ms = 1 if self.flush() else min(2 * retry_ms, 50)
             self.links.count_handshake_failures()
         self.links.close()
@@ -364,9 +369,19 @@ class BrokerActor:
                          decision_s={k: round(v, 4) for k, v in self.decision_s.most_common()},
                          migrated_groups=self.core.scheduler.stats_migrated_groups)  # fmt: skip
                 if self.cfg.broker.exit_when_done:
-                    for peer in list(self.peers.values()):
-                        self.links.send(peer, m.Goodbye(reason="run finished"))
-                    self.done.set()
+                    if self.evals.open(self.clock()):  # the rounds the run asked for are reported, not lost at the end
+                        self.closing_until = self.clock() + self.evals.drain_s
+                        log.info("waiting_for_eval_rounds", until_s=round(self.evals.drain_s, 1))
+                    else:
+                        self.finish()
+
+    def finish(self) -> None:
+        """The run is over: open held-out rounds are reported dropped, every peer is told goodbye, the loop ends."""
+        self.evals.abandon()
+        for peer in list(self.peers.values()):
+            self.links.send(peer, m.Goodbye(reason="run finished"))
+        self.closing_until = None
+        self.done.set()
 
     def deliver(self, batch: ev.DeliverBatch) -> None:
         learner = self.peers.get(self.learner) if self.learner else None

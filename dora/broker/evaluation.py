@@ -16,6 +16,11 @@ evaluation requests keeps its version until they are done, so the rows already o
 weights even after the core has retired that version. A row goes again to some worker of the version when
 its worker is lost or no answer came within ``retry_s`` (requests are unnumbered and answers idempotent: a
 row's first answer counts); a round with a row that no worker of its version can take any more is dropped.
+
+When the last step is published the broker waits (as long as a row may take, ``retry_s``) for the rounds
+that can still close before it lets the workers go, so the last rounds asked for are reported: a run ending
+faster than its workers answer would otherwise lose them without a word. What is still open then is dropped
+(under way) or ends unstarted (no row ever sent, such as the final version's when no worker loaded it).
 """
 
 from __future__ import annotations
@@ -119,6 +124,26 @@ class EvalRounds:
             for row in [row for row, (w, _) in r.out.items() if w == worker]:
                 del r.out[row]
 
+    def answerable(self, serving: Mapping[int, Sequence[WorkerId]], now: float) -> bool:
+        """Whether an open round can still close: each of its rows left is out at a worker (not for too long)
+        or its version has a ready worker to take it. ``serving``: version -> its ready workers."""
+        return any(serving.get(v) or not self._unsent(r, now) for v, r in self.rounds.items())
+
+    def abandon(self) -> tuple[list[int], list[int]]:
+        """Close every open round (the run is over and its workers leave): those under way are dropped, those
+        not started yet (no row sent, e.g. the final version's, which its workers never loaded) simply end.
+        The versions (dropped, not started)."""
+        dropped = sorted(v for v, r in self.rounds.items() if r.results or r.out)
+        unstarted = sorted(v for v in self.rounds if v not in dropped)
+        for v in dropped:
+            log.warning("eval_round_dropped", version=v, answered=len(self.rounds[v].results), rows=len(self.prompts),
+                        reason="run ended")  # fmt: skip
+        if unstarted:
+            log.info("eval_rounds_not_started", versions=unstarted, reason="run ended")
+        self.rounds.clear()
+        self.dropped += dropped
+        return dropped, unstarted
+
     def drop_retired(self, alive: Callable[[int], bool], now: float) -> list[int]:
         """Drop the rounds of versions no longer alive that still have a row to send (no worker can take it on
         that version any more; rows already out still come back); the versions dropped."""
@@ -166,6 +191,24 @@ class BrokerEval:
             self.report({"version": version, "dropped": True})
         for worker, msg in self.rounds.plan(now, serving(self.core, self.rounds.rounds)):
             self.send(worker, msg)
+
+    @property
+    def drain_s(self) -> float:
+        """How long the end of the run waits for open rounds at most: as long as one row may take to answer."""
+        return self.rounds.retry_s if self.rounds is not None else 0.0
+
+    def open(self, now: float) -> bool:
+        """Whether a round is open that can still close: the broker waits for it at the end of the run, so the
+        last rounds the run asked for are reported rather than lost."""
+        if self.rounds is None or not self.rounds.rounds:
+            return False
+        return self.rounds.answerable(serving(self.core, self.rounds.rounds), now)
+
+    def abandon(self) -> None:
+        """The run is over and the wait for open rounds ran out: each is reported dropped."""
+        if self.rounds is not None:
+            for version in self.rounds.abandon()[0]:
+                self.report({"version": version, "dropped": True})
 
     def finished(self, msg: m.EvalFinished) -> None:
         if self.rounds is not None and (result := self.rounds.finished(msg)) is not None:

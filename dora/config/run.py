@@ -368,7 +368,8 @@ class EvalSection:
 
     every_steps: int = 0
     """During a run, the rollout workers evaluate every this many versions (and version 0), each round on
-    exactly one version, outside every training decision; 0: only `dora run`'s before and after."""
+    exactly one version, outside every training decision; 0: only `dora run`'s before and after. A round under
+    way when the last step is published is waited for before the workers are let go."""
 
     def __post_init__(self) -> None:
         if self.samples < 1 or self.temperature < 0 or (self.temperature == 0 and self.samples > 1):

@@ -174,7 +174,7 @@ def test_sigusr1_drains_the_learner_to_a_checkpoint_and_sigterm_checkpoints_on_t
     learner resumes from exactly that checkpoint, and the run ends with every group trained once."""
     from dora.ops.audit import audit_run
 
-    steps = 9
+    steps = 20  # room to spare: the batches already out when w0 stops are trained before the SIGTERM
     ckpt = tmp_path / "ckpt"
     overrides = torch_run(
         tmp_path,
@@ -211,6 +211,7 @@ def test_sigusr1_drains_the_learner_to_a_checkpoint_and_sigterm_checkpoints_on_t
             time.sleep(0.2)
             if len(c.events("broker", "train_step")) != last:
                 settled, last = time.monotonic(), len(c.events("broker", "train_step"))
+        assert last < steps, "the run ended before the SIGTERM: nothing left to test"
         c.signal("learner2", signal.SIGTERM)
         assert c.wait("learner2", 30) == 0, c.log("learner2")[-3000:]
         c.signal("w0", signal.SIGCONT)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -167,3 +168,67 @@ async def test_a_dropped_round_is_counted_and_on_the_timeline_never_in_the_eval_
     assert {"event": "eval_round_dropped", "version": 3} in [{k: e[k] for k in ("event", "version") if k in e}
                                                              for e in events]  # fmt: skip
     assert (tmp_path / "eval.jsonl").read_text() == ""
+
+
+def test_an_open_round_can_close_while_its_rows_are_out_or_its_version_has_a_ready_worker():
+    r = rounds(every=1)
+    r.published(2, 0.0)
+    assert r.answerable({2: [WorkerId("a")]}, 0.0) and not r.answerable({}, 0.0)  # rows left, nobody to take them
+    r.plan(0.0, {2: [WorkerId("a")]})
+    assert r.answerable({}, 1.0)  # every row out: the answers may still come
+    assert not r.answerable({}, 3.5)  # out too long, and no worker of the version left
+    r.published(3, 4.0)
+    assert r.abandon() == ([2], [3]) and r.rounds == {} and r.dropped == [2]  # round 3 never started
+
+
+async def end_of_run(tmp_path, retry_s: float, answer_rows: bool):
+    """A one-step run whose worker holds the version-0 round's rows when the step is published; the worker
+    answers them (``answer_rows``) or never does. What the broker writes, and how long after the rows reached
+    the worker it says goodbye."""
+    import asyncio
+    import contextlib
+    import json
+
+    from tests.unit.test_broker_actor import Fake, finished, running_broker
+
+    path = tmp_path / "eval.jsonl"
+    evals = rounds(every=1, samples=1)
+    evals.retry_s = retry_s
+    async with running_broker(f"broker.eval_file={path}", "core.total_steps=1", evals=evals) as (actor, ep, ctx):
+        w = Fake(ctx, ep, "rollout/a/1")
+        await w.worker(slots=64)
+        learner = Fake(ctx, ep, "learner/x")
+        await learner.hello(m.Role.LEARNER)
+        await learner.send(m.RequestBatch(step=0))
+        asks = [await w.recv(m.Evaluate) for _ in range(ROWS)]
+        asked = asyncio.get_running_loop().time()
+        batch = None
+        while batch is None:
+            gen = await w.recv(m.Generate)
+            for i in range(gen.n_samples):
+                await w.send(finished(gen, i, epoch=7))
+            with contextlib.suppress(TimeoutError):
+                batch = await learner.recv(m.TrainBatch, timeout_s=0.2)
+        assert batch.step == 0
+        await learner.send(m.WeightsPublished(version=1, uri="", sha256=""))
+        if answer_rows:
+            with pytest.raises(TimeoutError):  # the run is over, but the round is still open
+                await learner.recv(m.Goodbye, timeout_s=0.5)
+            for a in asks:
+                await w.send(answer(a, 1))
+        await learner.recv(m.Goodbye, timeout_s=retry_s + 5)
+        waited = asyncio.get_running_loop().time() - asked
+        await asyncio.wait_for(actor.done.wait(), 5)
+        lines = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+        dropped = actor.metrics.registry.get_sample_value("dora_eval_rounds_dropped_total")
+    return lines, dropped, waited
+
+
+async def test_the_end_of_the_run_waits_for_an_open_round_then_says_goodbye(tmp_path):
+    lines, dropped, _ = await end_of_run(tmp_path, retry_s=30.0, answer_rows=True)
+    assert [(x["version"], x["rows"], x["accuracy"]) for x in lines] == [(0, ROWS, 1.0)] and dropped == 0
+
+
+async def test_a_round_still_unanswered_when_the_wait_runs_out_is_reported_dropped(tmp_path):
+    lines, dropped, waited = await end_of_run(tmp_path, retry_s=1.0, answer_rows=False)
+    assert lines == [] and dropped == 1 and waited >= 0.8  # the rows' answers were awaited retry_s
