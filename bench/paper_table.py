@@ -64,6 +64,7 @@ def table(gpus: int, out: pathlib.Path, steps: int | None) -> dict[str, Any]:
         r = run(CONFIGS[gpus], mode, overrides + extra, timeline_on=name in ("sync", "dora", "partial"))
         r.metrics["variant"] = name
         r.metrics["sim_seconds"] = time.perf_counter() - t0
+        r.metrics["decision_s_per_step"] = r.outcome.decision_s / max(1, len(r.outcome.steps))  # wall clock
         rows[name], results[name] = r.metrics, r
         print(f"  {gpus} GPUs {name:>20}: {r.metrics['step_time_s'] / 60:6.2f} min/step "
               f"({r.metrics['sim_seconds']:.0f}s to simulate)", file=sys.stderr, flush=True)  # fmt: skip
@@ -135,6 +136,28 @@ def print_table(gpus: int, rows: dict[str, dict[str, Any]]) -> None:
     if ds:
         buckets = ", ".join(f"{k}: {v:.0%}" for k, v in ds["dropped_fraction_by_length"].items())
         print(f"drop_stale dropped {ds['dropped_groups']} groups; share of samples dropped by length: {buckets}")
+
+
+# The paper's 64 -> 128 GPU throughput ratios (paper.md, Table A): sync 1.13x, partial 1.25x, DORA 1.46x.
+PAPER_SCALING = {"sync": 1.13, "partial": 1.25, "dora": 1.46}
+
+
+def scaling(small: dict[str, dict[str, Any]], big: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Throughput 64 -> 128 GPUs per variant beside the paper's, and what orchestration cost per step: the
+    wall-clock seconds the core spent deciding, measured on the production core at each fleet size."""
+    print("\n### 64 -> 128 GPUs\n")
+    print("| variant | throughput 128 / 64: ours / paper | step min 64 -> 128 | core decisions s/step 64 -> 128 |")
+    print("|---|---|---|---|")
+    out: dict[str, Any] = {}
+    for name, m in small.items():
+        b = big[name]
+        ratio = b["throughput_tokens_per_s"] / m["throughput_tokens_per_s"]
+        out[name] = {"throughput_ratio": ratio, "paper": PAPER_SCALING.get(name),
+                     "decision_s_per_step": (m["decision_s_per_step"], b["decision_s_per_step"])}  # fmt: skip
+        print(f"| {name} | {ratio:.2f}x / {_fmt(PAPER_SCALING.get(name), '.2f')}{'x' if name in PAPER_SCALING else ''}"
+              f" | {m['step_time_s'] / 60:.2f} -> {b['step_time_s'] / 60:.2f} | "
+              f"{m['decision_s_per_step']:.3f} -> {b['decision_s_per_step']:.3f} |")  # fmt: skip
+    return out
 
 
 def _where(m: dict[str, Any]) -> str:
@@ -253,6 +276,7 @@ def main(argv: list[str]) -> int:
             report[f"paper_{gpus}gpu"] = rows = table(gpus, out, args.steps)
             extra = [f"run.steps={args.steps}"] if args.steps else []
             report[f"pareto_{gpus}gpu"] = frontier(gpus, rows["dora elastic"], out, extra)
+        report["scaling"] = scaling(report["paper_64gpu"], report["paper_128gpu"])
         fractions = split_fractions(report["paper_64gpu"])
     if args.only != "table":
         report["sweeps"] = sweeps(out, args.sweep_steps, fractions)

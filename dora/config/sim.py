@@ -7,6 +7,7 @@ error. ``examples/sim/*.toml`` document where each number comes from.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -156,8 +157,10 @@ class EngineSection:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TrainerSection:
-    """The sim trainer's timing model: a train step takes step_fixed_s + tokens x gpu_s_per_token / trainer
-    GPUs, then publish_s."""
+    """The sim trainer's timing model. ``data_parallel = "fluid"``: a train step takes step_fixed_s + tokens x
+    gpu_s_per_token / trainer GPUs, then publish_s. Otherwise the batch's sequences are trained in
+    ``updates_per_step`` optimizer updates, each split over the data-parallel replicas (``model_parallel_gpus``
+    accelerators each) and ended by a barrier, so every update lasts as long as its busiest replica."""
 
     gpu_s_per_token: float = 0.001
     """Accelerator-seconds of training per token of the batch."""
@@ -168,13 +171,61 @@ class TrainerSection:
     state_bytes: float = 0.0
     """Bytes of the trainer's state (parameters, gradients, optimizer), loaded from host memory before each
     step and offloaded after it when the trainer shares its accelerators (colocated, elastic)."""
+    data_parallel: Literal["fluid", "count", "tokens"] = "fluid"
+    """How an update's sequences go to the data-parallel replicas. ``fluid``: work divides perfectly over the
+    accelerators (no replica waits for another); ``count``: each replica takes an equal number of consecutive
+    sequences, in the batch's order (a plain data loader's split); ``tokens``: balanced by tokens, longest
+    sequence first to the least loaded replica."""
+    updates_per_step: int = 1
+    """Optimizer updates per train step (mini-batches of the batch's sequences, in order); each ends with a
+    barrier across the data-parallel replicas. Not used when fluid."""
+    model_parallel_gpus: int = 1
+    """Accelerators of one data-parallel replica (tensor x pipeline parallel). The trainer has
+    trainer GPUs // this many replicas; accelerators left over idle. Not used when fluid."""
 
     def __post_init__(self) -> None:
         if min(self.gpu_s_per_token, self.step_fixed_s, self.publish_s, self.state_bytes) < 0:
             raise ConfigError("trainer: costs must be >= 0")
+        if self.updates_per_step < 1 or self.model_parallel_gpus < 1:
+            raise ConfigError("trainer.updates_per_step and trainer.model_parallel_gpus must be >= 1")
+        if self.data_parallel not in ("fluid", "count", "tokens"):
+            raise ConfigError(f"trainer.data_parallel must be fluid, count or tokens; got {self.data_parallel!r}")
 
     def train_s(self, tokens: int, gpus: int) -> float:
+        """The fluid step: ``tokens`` spread perfectly over ``gpus``."""
         return self.step_fixed_s + tokens * self.gpu_s_per_token / gpus
+
+    def replicas(self, gpus: int) -> int:
+        """Data-parallel replicas of a trainer of ``gpus`` accelerators (0: too few for one)."""
+        return gpus if self.data_parallel == "fluid" else gpus // self.model_parallel_gpus
+
+    def batch_train_s(self, sequences: list[int], gpus: int) -> float:
+        """A step on a batch of sequences of these token counts (in the batch's order) on ``gpus``."""
+        if self.data_parallel == "fluid":
+            return self.train_s(sum(sequences), gpus)
+        dp = self.replicas(gpus)
+        if dp < 1:
+            raise ConfigError(f"the trainer has {gpus} accelerators, fewer than one data-parallel replica "
+                              f"(trainer.model_parallel_gpus = {self.model_parallel_gpus})")  # fmt: skip
+        n, u = len(sequences), min(self.updates_per_step, max(1, len(sequences)))
+        busiest = 0
+        for i in range(u):
+            update = sequences[i * n // u : (i + 1) * n // u]
+            busiest += max(replica_loads(update, dp, self.data_parallel), default=0)
+        return self.step_fixed_s + busiest * self.gpu_s_per_token / self.model_parallel_gpus
+
+
+def replica_loads(sequences: list[int], replicas: int, split: str) -> list[int]:
+    """Tokens each data-parallel replica trains of one update's ``sequences``: ``count``, consecutive equal
+    shares (sizes differ by at most one); ``tokens``, longest first to the least loaded."""
+    if split == "count":
+        n = len(sequences)
+        return [sum(sequences[r * n // replicas : (r + 1) * n // replicas]) for r in range(replicas)]
+    loads = [(0, r) for r in range(replicas)]
+    for length in sorted(sequences, reverse=True):
+        load, r = heapq.heappop(loads)
+        heapq.heappush(loads, (load + length, r))
+    return [load for load, _ in loads]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -8,7 +8,10 @@ The core (``dora.core.core.Core``) makes every decision; this module only advanc
   decoding; a version change costs ``load_s``; a migration ships ``kv_bytes_per_token`` per token of
   context at ``transfer_bytes_per_s`` (or nothing, then the target re-prefills).
 - **Trainer.** A batch of ``T`` tokens trains for ``step_fixed_s + T * gpu_s_per_token / trainer_gpus``,
-  then publishes for ``publish_s``.
+  then publishes for ``publish_s``; or, with ``trainer.data_parallel`` other than fluid, in
+  ``updates_per_step`` updates, each as long as its busiest data-parallel replica (a barrier per update:
+  the fewer sequences a replica gets, the more a long one makes the others wait, a cost that grows with
+  the fleet).
 - **Tools.** An agentic episode that ends a turn waits ``tools_s`` seconds of wall clock on its tool
   call (also while a colocated fleet trains: tools run on CPUs), holding its lease but no decode slot;
   then its observation tokens are prefilled (its whole context too without a KV cache) and its next
@@ -34,9 +37,11 @@ from __future__ import annotations
 import heapq
 import itertools
 import random
+import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
+from dora.config import ConfigError
 from dora.config.sim import SimConfig
 from dora.core.core import Core
 from dora.core.events import (
@@ -71,6 +76,8 @@ class StepRecord:
     """Assistant turns of the batch's episodes (multi-turn workloads; 0 otherwise)."""
     bubble: float = 0.0
     """(max - mean) / max of the batch's response lengths."""
+    train_s: float = 0.0
+    """Seconds the trainer computed on the batch (the role switch and the publish not counted)."""
 
 
 @dataclass(slots=True)
@@ -128,6 +135,9 @@ class Outcome:
     """Context re-prefilled because an episode resumed after a tool call without its KV cache."""
     kv_evictions: int = 0
     """Parked episodes' KV caches evicted for running sequences."""
+    decision_s: float = 0.0
+    """Wall-clock seconds the core took deciding, over the whole run (what orchestration costs at this fleet
+    size, measured on the production core)."""
     yields: int = 0
     """Times an elastic worker yielded its accelerators to the trainer."""
     timeline: dict[str, list[tuple[float, float, int, str]]] = field(default_factory=dict)
@@ -165,6 +175,9 @@ class Simulation:
         if self.trainer_gpus < 1 or self.n_workers < 1:
             raise ValueError(f"no accelerator left to train or to roll out: {self.n_workers} workers of {g} GPUs, "
                              f"{self.n_elastic} elastic, of {cl.total_gpus}")  # fmt: skip
+        if cfg.trainer.replicas(self.trainer_gpus) < 1:
+            raise ConfigError(f"the trainer's {self.trainer_gpus} accelerators make no data-parallel replica of "
+                              f"trainer.model_parallel_gpus = {cfg.trainer.model_parallel_gpus}")  # fmt: skip
         link = cl.host_link_bytes_per_s
         self.worker_link = link * g
         """Host-memory bytes/s of one replica (0: role switches are free)."""
@@ -202,6 +215,8 @@ class Simulation:
         self._offloaded: dict[WorkerId, float] = {}
         """Bytes a yielded worker put in host memory (weights, held KV), loaded back when it resumes."""
         self.yields = 0
+        self.decision_s = 0.0
+        """Wall-clock seconds spent in the core's decisions."""
         self._training = False
         self._acct_t = 0.0
         self.totals = Totals()
@@ -242,7 +257,9 @@ class Simulation:
         try:
             while self._inbox or self._touched:
                 while self._inbox:
+                    started = time.perf_counter()
                     actions = self.core.handle(self.now, self._inbox.popleft())
+                    self.decision_s += time.perf_counter() - started
                     self.world.apply(actions)
                     self._react(actions)
                     self.max_alive = max(self.max_alive, len(self.core.ledger.alive()))
@@ -299,24 +316,28 @@ class Simulation:
 
     def _start_training(self, batch: DeliverBatch) -> None:
         lengths = [sum(n for _, n in s.segments) for g in batch.groups for s in g.samples]
-        prompts = sum(self.world.workload.prompt_len(g.group_id) * len(g.samples) for g in batch.groups)
-        turns = observations = 0
+        sequences = [self.world.workload.prompt_len(g.group_id) + sum(n for _, n in s.segments)
+                     for g in batch.groups for s in g.samples]  # fmt: skip
+        turns = 0
         if self.world.workload.multi_turn:  # tool results are trained as context (loss-masked)
+            i = 0
             for g in batch.groups:
                 for s in g.samples:
                     n, obs = self.world.episodes.pop((g.group_id, s.payload, s.index))
                     turns += n
-                    observations += obs
+                    sequences[i] += obs
+                    i += 1
         longest = max(lengths, default=0)
-        rec = StepRecord(step=batch.step, delivered_s=self.now, tokens=sum(lengths) + prompts + observations,
+        rec = StepRecord(step=batch.step, delivered_s=self.now, tokens=sum(sequences),
                          response_tokens=sum(lengths), episodes=len(lengths), turns=turns,
-                         bubble=(longest - sum(lengths) / len(lengths)) / longest if longest else 0.0)  # fmt: skip
+                         bubble=(longest - sum(lengths) / len(lengths)) / longest if longest else 0.0,
+                         train_s=self.cfg.trainer.batch_train_s(sequences, self.trainer_gpus))  # fmt: skip
         self.steps.append(rec)
         for delay, victim in self._faults_at_step.get(batch.step, ()):
             self._at(self.now + delay, "kill", victim)
         self._account()
         self._training = True
-        train_s = self.cfg.trainer.train_s(rec.tokens, self.trainer_gpus) + self.switch_s + self.cfg.trainer.publish_s
+        train_s = rec.train_s + self.switch_s + self.cfg.trainer.publish_s
         self._at(self.now + train_s, "trained")
 
     def _account(self) -> None:
@@ -449,6 +470,7 @@ class Simulation:
             max_live_versions=self.max_alive, timeline=self.timeline,
             resume_prefill_tokens=sum(w.engine.resume_prefill for w in self.world.workers.values()),
             kv_evictions=sum(w.engine.evictions for w in self.world.workers.values()), yields=self.yields,
+            decision_s=self.decision_s,
         )  # fmt: skip
 
     def _dispatch(self, kind: str, arg: object) -> None:

@@ -91,7 +91,7 @@ def ideal_step_time(o: Outcome, cfg: SimConfig, window: list) -> float:
     prompt = fmean(s.tokens - s.response_tokens for s in window) / (cfg.core.train_groups * cfg.core.group_size)
     slots = max(1.0, min(e.max_slots, e.kv_budget_tokens / (prompt + per_sample / 2)))
     rate = slots / e.step_s(round(slots))  # tokens/s of one worker, always full
-    train = cfg.trainer.train_s(round(fmean(s.tokens for s in window)), o.trainer_gpus) + cfg.trainer.publish_s
+    train = fmean(s.train_s for s in window) + cfg.trainer.publish_s
     if not o.elastic_workers:
         return max(response / (o.rollout_workers * rate), train)
     # Standalone workers roll out through the step; all of them while the trainer waits.

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from dora.config import ConfigError
 from dora.config.sim import SimConfig
 from dora.ids import Mode
 from dora.sim.des import Outcome, Simulation
@@ -57,8 +58,12 @@ def best_split(
 
     def rate(workers: int) -> float:
         if workers not in seen:
-            o = Simulation(probe, mode, **{key: workers * g}).run()
-            seen[workers] = summarize(o, probe)["throughput_tokens_per_s"]
+            try:
+                o = Simulation(probe, mode, **{key: workers * g}).run()
+            except ConfigError:  # e.g. too few trainer accelerators for one data-parallel replica
+                seen[workers] = 0.0
+            else:
+                seen[workers] = summarize(o, probe)["throughput_tokens_per_s"]
         return seen[workers]
 
     coarse = sorted({max(1, min(top, round(1 + i * (top - 1) / (grid - 1)))) for i in range(grid)})
