@@ -76,3 +76,25 @@ def test_the_split_search_skips_splits_that_leave_the_trainer_without_a_replica(
     best, tried = best_split(cfg, Mode.DORA)
     assert {g: t for g, t in tried if 8 - g < 3} and all(t == 0.0 for g, t in tried if 8 - g < 3)
     assert 8 - best >= 3 and dict(tried)[best] > 0
+
+
+def test_the_live_sim_trainer_takes_the_same_model_as_the_simulator():
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from dora.config import load
+    from dora.config.run import RunConfig
+    from dora.learner.trainers.sim import SimTrainer
+
+    cfg = load(RunConfig, overrides=["run.time_scale=0.001", "learner.sim_gpus=4", "trainer.data_parallel=count",
+                                     "trainer.model_parallel_gpus=2", "trainer.updates_per_step=2",
+                                     "trainer.gpu_s_per_token=1.0", "trainer.step_fixed_s=0"])  # fmt: skip
+
+    def sample(n: int) -> SimpleNamespace:
+        return SimpleNamespace(token_ids=np.zeros(n, np.int32))
+
+    batch = SimpleNamespace(groups=[SimpleNamespace(samples=[sample(10), sample(1)]),
+                                    SimpleNamespace(samples=[sample(1), sample(1)])])  # fmt: skip
+    # updates [10, 1] and [1, 1] on two replicas of two accelerators: (10 + 1) / 2 seconds, scaled
+    assert SimTrainer(cfg).train(batch)["train_s"] == pytest.approx(5.5 * 0.001)

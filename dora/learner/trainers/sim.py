@@ -1,7 +1,8 @@
 """The sim trainer: `dora learner --trainer sim`, the learner without torch.
 
-A step takes the trainer timing model's time for the batch's tokens (``[trainer]``: ``step_fixed_s +
-tokens x gpu_s_per_token / learner.sim_gpus``, then ``publish_s``), scaled by ``run.time_scale``, and
+A step takes the trainer timing model's time for the batch's sequences (``[trainer]``: ``step_fixed_s +
+tokens x gpu_s_per_token / learner.sim_gpus`` when fluid, else each update as long as its busiest
+data-parallel replica; then ``publish_s``), scaled by ``run.time_scale``, and
 publishes ``sim://v<N>`` with a sha256 named after the version. There are no weights, so there is
 nothing to checkpoint, restore or adopt. Everything else a learner does (the protocol, the batch
 checks, the audit) is the learner actor's, the same as with the torch trainer.
@@ -24,8 +25,8 @@ class SimTrainer:
         self.cfg = cfg
 
     def train(self, batch: m.TrainBatch) -> dict[str, float]:
-        tokens = sum(len(s.token_ids) for g in batch.groups for s in g.samples)
-        train_s = self.cfg.trainer.train_s(tokens, self.cfg.learner.sim_gpus) * self.cfg.run.time_scale
+        sequences = [len(s.token_ids) for g in batch.groups for s in g.samples]
+        train_s = self.cfg.trainer.batch_train_s(sequences, self.cfg.learner.sim_gpus) * self.cfg.run.time_scale
         time.sleep(train_s)
         return {"train_s": train_s}
 
