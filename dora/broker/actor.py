@@ -376,7 +376,8 @@ class BrokerActor:
                         self.finish()
 
     def finish(self) -> None:
-        """The run is over: open held-out rounds are reported dropped, every peer is told goodbye, the loop ends."""
+        """The run is over: held-out rounds still under way are reported dropped, every peer is told goodbye, the
+        loop ends."""
         self.evals.abandon()
         for peer in list(self.peers.values()):
             self.links.send(peer, m.Goodbye(reason="run finished"))
