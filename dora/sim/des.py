@@ -173,7 +173,7 @@ class Simulation:
             self.n_workers, self.n_elastic = max(1, rg // g), 0
         self.trainer_gpus = cl.total_gpus - (self.n_workers - self.n_elastic) * g
         if self.trainer_gpus < 1 or self.n_workers < 1:
-            raise ValueError(f"no accelerator left to train or to roll out: {self.n_workers} workers of {g} GPUs, "
+            raise ConfigError(f"no accelerator left to train or to roll out: {self.n_workers} workers of {g} GPUs, "
                              f"{self.n_elastic} elastic, of {cl.total_gpus}")  # fmt: skip
         if cfg.trainer.replicas(self.trainer_gpus) < 1:
             raise ConfigError(f"the trainer's {self.trainer_gpus} accelerators make no data-parallel replica of "

@@ -54,7 +54,11 @@ def main(argv: list[str]) -> int:
     results = []
     for mode in modes:
         t0 = time.perf_counter()
-        results.append(simulate(cfg, mode, timeline=bool(args.plots)))
+        try:
+            results.append(simulate(cfg, mode, timeline=bool(args.plots)))
+        except ConfigError as e:  # a placement the cluster cannot make (e.g. no trainer replica left)
+            print(f"dora sim: {mode.value}: {e}", file=sys.stderr)
+            return 2
         m = results[-1].metrics
         print(f"{mode.value:>10}: {cfg.run.steps} steps in {time.perf_counter() - t0:.1f}s "
               f"({m['placement']}, {m['rollout_gpus']} rollout / {m['trainer_gpus']} trainer GPUs)",

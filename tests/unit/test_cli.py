@@ -65,7 +65,10 @@ def test_sim_runs_all_modes_and_reports_the_invariants(tmp_path):
     [(["--set", "core.train_groups=0"], "train_groups"),
      (["--set", "engine.max_slot=3"], "unknown key 'engine.max_slot'"),
      (["--config", "/nonexistent/x.toml"], "not found"), (["--mode", "async"], "invalid choice"),
-     (["--set", "cluster.placement.dora=elsewhere"], "placement.dora must be one of")],
+     (["--set", "cluster.placement.dora=elsewhere"], "placement.dora must be one of"),
+     (["--mode", "sync", "--set", "trainer.data_parallel=count", "--set", "trainer.model_parallel_gpus=99"],
+      "no data-parallel replica"),
+     (["--set", "trainer.data_parallel=ring"], "trainer.data_parallel must be")],
 )  # fmt: skip
 def test_sim_bad_input_is_one_clear_error(args, fragment):
     r = dora("sim", *args)
