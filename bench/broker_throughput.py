@@ -53,6 +53,11 @@ def sample(gen: m.Generate, index: int, epoch: int, ids: np.ndarray, lps: np.nda
                             logprobs=lps, reward=1.0, finish=Finish.STOP, broker_epoch=epoch)  # fmt: skip
 
 
+def finished(gen: m.Generate, epoch: int, ids: np.ndarray, lps: np.ndarray) -> m.SamplesFinished:
+    """The whole group finished at once: one message of ``gen.n_samples`` samples, as a real worker coalesces."""
+    return m.SamplesFinished(samples=tuple(sample(gen, i, epoch, ids, lps) for i in range(gen.n_samples)))
+
+
 def fake_worker(endpoint: str, name: str, slots: int, tokens: int, until: float) -> None:
     ctx = zmq.Context()
     s = ctx.socket(zmq.DEALER)
@@ -73,9 +78,8 @@ def fake_worker(endpoint: str, name: str, slots: int, tokens: int, until: float)
                 epoch = msg.broker_epoch
             case m.Assign():
                 s.send_multipart(codec.encode(m.WeightsLoaded(version=msg.version)))
-            case m.Generate():  # the whole group finished at once: one message, as a real worker coalesces
-                done = tuple(sample(msg, i, epoch, ids, lps) for i in range(msg.n_samples))
-                s.send_multipart(codec.encode(m.SamplesFinished(samples=done)), copy=False)
+            case m.Generate():
+                s.send_multipart(codec.encode(finished(msg, epoch, ids, lps)), copy=False)
             case m.MigrateOut():  # its groups are already done: nothing left to hand over
                 s.send_multipart(codec.encode(m.MigrationExported(group_id=msg.group_id, attempt=msg.attempt,
                                                                   requests=())))  # fmt: skip
@@ -170,7 +174,7 @@ def echo_client(endpoint: str, tokens: int, seconds: float, window: int, out: mp
     s.connect(endpoint)
     gen = m.Generate(group_id=1, attempt=1, version=0, prompt_ids=np.zeros(1, np.int32), n_samples=G, max_tokens=1)
     ids, lps = (np.arange(tokens) % 50_000).astype(np.int32), np.full(tokens, -0.7, np.float32)
-    frames = codec.encode(m.SamplesFinished(samples=tuple(sample(gen, i, 0, ids, lps) for i in range(G))))
+    frames = codec.encode(finished(gen, 0, ids, lps))
     time.sleep(0.5)
     sent = got = 0
     end = time.time() + seconds
