@@ -165,7 +165,7 @@ class BrokerActor:
             self.links.send_raw(identity, m.StatusReply(snapshot=self.snapshot()))
             return
         if peer is None:
-            if isinstance(msg, m.SampleFinished | m.SamplesFinished):  # a worker declared dead, back with old work
+            if isinstance(msg, m.SamplesFinished):  # a worker declared dead, back with old work
                 self.counters["refused result from an unregistered peer"] += 1
                 if self.counters["refused result from an unregistered peer"] % 100 == 1:
                     log.warning("late_result_refused", peer=identity.decode(errors="replace"))
@@ -243,10 +243,8 @@ class BrokerActor:
             case m.Heartbeat():
                 self.links.send(peer, m.Heartbeat())
                 self.liveness.progressed(w, self.clock(), 0, busy=False)
-            case m.SampleFinished() if rollout:
-                self.links.send(peer, self.on_samples(peer, (msg,))[0])
             case m.SamplesFinished() if rollout:
-                self.links.send(peer, m.ResultAcks(acks=self.on_samples(peer, msg.samples)))
+                self.links.send(peer, m.ResultAcks(acks=self.on_samples(peer, msg)))
             case m.WeightsLoaded() if rollout:
                 self.feed(ev.WeightsLoaded(worker_id=w, version=msg.version))
             case m.Yielded() if rollout:
@@ -275,13 +273,15 @@ class BrokerActor:
             case _:
                 self.malformed[f"unexpected {type(msg).__name__} from {peer.role.value}"] += 1
 
-    def on_samples(self, peer: Peer, msgs: tuple[m.SampleFinished, ...]) -> tuple[m.ResultAck, ...]:
-        """Hand finished samples to the core as one event; the answer for each, in order."""
-        current = [x for x in msgs if x.broker_epoch == self.epoch]
-        if len(current) < len(msgs):
-            self.counters["refused old broker epoch"] += len(msgs) - len(current)
-        actions = self.feed(translate.samples_event(WorkerId(peer.identity.decode()), current)) if current else []
-        return translate.result_acks(msgs, self.epoch, actions)
+    def on_samples(self, peer: Peer, msg: m.SamplesFinished) -> tuple[m.ResultAck, ...]:
+        """Hand a message's finished samples to the core as one event; the answer for each, in order."""
+        headers = msg.samples
+        current = [x for x in headers if x.broker_epoch == self.epoch]
+        if len(current) < len(headers):
+            self.counters["refused old broker epoch"] += len(headers) - len(current)
+        worker = WorkerId(peer.identity.decode())
+        actions = self.feed(translate.samples_event(worker, msg, current)) if current else []
+        return translate.result_acks(headers, self.epoch, actions)
 
     def on_published(self, peer: Peer, msg: m.WeightsPublished) -> None:
         if msg.version == self.core.ledger.newest and msg.version in self.weights:
@@ -295,7 +295,7 @@ class BrokerActor:
         if self.journal is not None:  # durable before it takes effect, and before the learner may checkpoint it
             self.journal.step(msg.version, msg.uri, msg.sha256, [g.group_id for g in batch.groups])
         self.weights[msg.version] = (msg.uri, msg.sha256)
-        self.trained_tokens += sum(len(s.payload.token_ids) for g in batch.groups for s in g.samples)
+        self.trained_tokens += sum(s.payload[0].tokens for g in batch.groups for s in g.samples)
         self.links.send(peer, m.PublishAck(version=msg.version))  # ahead of the run's end, which says goodbye
         actions = self.feed(ev.WeightsPublished(version=msg.version))
         if any(isinstance(a, ev.Refused) for a in actions):

@@ -264,7 +264,7 @@ def reward_failures(samples: Sequence[ev.SampleFinished], actions: Sequence[ev.A
         if refused[key] > 0:
             refused[key] -= 1
             continue
-        error = getattr(s.payload, "reward_error", "")
+        error = s.payload[0].reward_error
         if error:
             counts[f"{REWARD_FAILED}{failure_reason(error)})"] += 1
     return counts
@@ -290,8 +290,9 @@ def reward_stats(groups: Sequence[ev.TrainGroup]) -> dict[str, Any]:
     failed, sums, counts = 0, collections.defaultdict(float), collections.Counter[str]()
     for g in groups:
         for s in g.samples:
-            failed += bool(getattr(s.payload, "reward_error", ""))
-            for name, part in getattr(s.payload, "reward_components", {}).items():
+            head: m.SampleHeader = s.payload[0]
+            failed += bool(head.reward_error)
+            for name, part in head.reward_components.items():
                 sums[name] += part
                 counts[name] += 1
     means = {name: round(sums[name] / counts[name], 6) for name in sorted(sums)}

@@ -1,7 +1,7 @@
 """Between the wire's words and the core's: finished samples in as core events, core actions out as messages.
 
 Pure functions, no sockets: the actor calls them and sends what they return. A prompt's token ids and
-a sample's arrays are the payloads the core never looks at; they are attached here.
+a sample's packed arrays are the payloads the core never looks at; they are attached here.
 """
 
 from __future__ import annotations
@@ -15,24 +15,28 @@ from dora.config.run import LiveRun
 from dora.core import events as ev
 from dora.ids import WorkerId
 from dora.wire import messages as m
+from dora.wire import packed
 
 Prompts = Callable[[int], np.ndarray]
 """group id -> the prompt's token ids."""
 
 
-def samples_event(worker: WorkerId, msgs: Sequence[m.SampleFinished]) -> ev.Event:
-    """One core event for the finished samples of one message (at least one)."""
+def samples_event(worker: WorkerId, msg: m.SamplesFinished, headers: Sequence[m.SampleHeader]) -> ev.Event:
+    """One core event for finished samples (``headers``, at least one, of ``msg``). Each sample's payload is its
+    header and the message that carries its packed arrays, which the broker forwards to the learner unread."""
     events = tuple(
         ev.SampleFinished(worker_id=worker, group_id=x.group_id, attempt=x.attempt, index=x.index,
-                          segments=tuple(map(tuple, x.segments.tolist())), finish=x.finish, payload=x)
-        for x in msgs
+                          segments=x.segments, finish=x.finish, payload=(x, msg))
+        for x in headers
     )  # fmt: skip
     return events[0] if len(events) == 1 else ev.SamplesFinished(samples=events)
 
 
-def result_acks(msgs: Sequence[m.SampleFinished], epoch: int, actions: Sequence[ev.Action]) -> tuple[m.ResultAck, ...]:
+def result_acks(msgs: Sequence[m.SampleHeader], epoch: int, actions: Sequence[ev.Action]) -> tuple[m.ResultAck, ...]:
     """The answer to each sample of a message, in order: refused if it is of an older broker epoch (never fed
     to the core) or if the core refused it among ``actions``; a copy later in the message is the one refused."""
+    if all(x.broker_epoch == epoch for x in msgs) and not any(isinstance(a, ev.Refused) for a in actions):
+        return tuple(m.ResultAck(group_id=x.group_id, attempt=x.attempt, index=x.index, accepted=True) for x in msgs)
     refused: dict[tuple[int, int, int], list[str]] = {}
     for a in actions:
         if isinstance(a, ev.Refused) and a.index is not None:
@@ -84,15 +88,6 @@ def migrate_in(a: ev.MigrateIn, run: LiveRun, prompts: Prompts) -> m.MigrateIn:
 
 
 def train_batch(batch: ev.DeliverBatch, prompts: Prompts) -> m.TrainBatch:
-    """The learner's batch: each group's prompt and its samples' arrays, as the workers sent them."""
-    groups = []
-    for g in batch.groups:
-        samples = []
-        for s in g.samples:
-            p: m.SampleFinished = s.payload
-            samples.append(m.TrainSample(index=s.index, token_ids=p.token_ids, logprobs=p.logprobs, reward=p.reward,
-                                         finish=p.finish, segments=p.segments, loss_mask=p.loss_mask,
-                                         turns=p.turns))  # fmt: skip
-        groups.append(m.TrainGroup(group_id=g.group_id, version=g.version, prompt_ids=prompts(g.group_id),
-                                   samples=tuple(samples)))  # fmt: skip
-    return m.TrainBatch(step=batch.step, groups=tuple(groups), redelivery=batch.redelivery)
+    """The learner's batch: each group's prompt, its samples' headers, and their payloads as the workers sent them."""
+    groups = [(g.group_id, g.version, prompts(g.group_id), [s.payload for s in g.samples]) for g in batch.groups]
+    return packed.batch_message(batch.step, groups, redelivery=batch.redelivery)

@@ -38,7 +38,7 @@ from dora.config import ConfigError
 from dora.config.run import RunConfig
 from dora.learner.checks import InvariantBroken, check_batch
 from dora.learner.trainers import Trainer
-from dora.wire import codec
+from dora.wire import codec, packed
 from dora.wire import messages as m
 
 log = structlog.get_logger()
@@ -80,7 +80,7 @@ class LearnerActor:
         """A step was trained and not published (cut short by a stop): the weights are past ``version``."""
         self.drain = asyncio.Event()
         """Set: leave at the next step boundary (after checkpointing). ``run`` may be handed its own."""
-        self.unacked: tuple[int, m.TrainBatch, dict[str, Any]] | None = None
+        self.unacked: tuple[int, m.Batch, dict[str, Any]] | None = None
         """The step published and not yet acknowledged: (version, batch, facts)."""
         self.awaiting: tuple[float, Any] | None = None
         """The request whose answer is awaited (Hello, RequestBatch or WeightsPublished) and when it was sent:
@@ -170,7 +170,7 @@ class LearnerActor:
                                 log.warning("stale_batch_ignored", step=msg.step, version=self.version)
                                 continue
                             self.awaiting = None
-                            await self.train(sock, msg, stop)
+                            await self.train(sock, packed.unpack_batch(msg), stop)
                             heard = self.clock()  # what came meanwhile is still queued: read it before judging
                         case m.PublishAck() if self.unacked is not None and msg.version == self.version:
                             await self.commit(sock, stop)
@@ -199,6 +199,9 @@ class LearnerActor:
             return 0
         except InvariantBroken as e:
             log.error("invariant_broken", error=str(e))
+            return 3
+        except packed.CorruptBatch as e:  # nothing of it is trained: the payload is not what the worker sent
+            log.error("batch_corrupt", step=e.step, group_id=e.group_id, index=e.index, error=str(e))
             return 3
         finally:
             sock.close(linger=0)
@@ -268,7 +271,7 @@ class LearnerActor:
             self.version = resumed["version"] if resumed else 0
         log.warning("step_rolled_back", step=batch.step, version=self.version)
 
-    def _step(self, batch: m.TrainBatch) -> tuple[str, str, float, dict[str, float]]:
+    def _step(self, batch: m.Batch) -> tuple[str, str, float, dict[str, float]]:
         """Train on the batch and publish version ``self.version + 1`` (blocking: run in a thread)."""
         metrics = self.trainer.train(batch)
         uri, sha, publish_s = self.trainer.publish(self.version + 1)
@@ -283,7 +286,7 @@ class LearnerActor:
         result = task.result()
         return None if stop.is_set() else result
 
-    async def train(self, sock: zmq.asyncio.Socket, batch: m.TrainBatch, stop: asyncio.Event) -> None:
+    async def train(self, sock: zmq.asyncio.Socket, batch: m.Batch, stop: asyncio.Event) -> None:
         core = self.cfg.core
         facts = check_batch(
             batch,

@@ -21,7 +21,7 @@ class InvariantBroken(RuntimeError):
 
 
 def check_batch(
-    batch: m.TrainBatch, *, step: int, groups: int, group_size: int, k: int, mixed_ok: bool,
+    batch: m.Batch, *, step: int, groups: int, group_size: int, k: int, mixed_ok: bool,
     trained: set[int] | frozenset[int] = frozenset(),
 ) -> dict[str, Any]:  # fmt: skip
     """Raise InvariantBroken unless the batch is exact, whole, new (no group in ``trained``), fresh enough and

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from dora.actor.cluster import ClusterInfo
-from dora.wire import codec
+from dora.wire import codec, packed
 from dora.wire import messages as m
 
 TRAIN, PUBLISH, STOP, CHECKPOINT, ADOPT, RESTORE = 1, 2, 3, 4, 5, 6
@@ -103,8 +103,8 @@ class Leader:
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
 
-    def train(self, batch: m.TrainBatch) -> dict[str, float]:
-        _send(TRAIN, pack(codec.encode(batch)))
+    def train(self, batch: m.Batch) -> dict[str, float]:
+        _send(TRAIN, pack(codec.encode(packed.pack_batch(batch))))
         return self.trainer.train(batch)
 
     def publish(self, version: int) -> tuple[str, str, float] | None:
@@ -137,7 +137,7 @@ def follow(trainer: Any) -> int:
     while True:
         kind, payload = _receive()
         if kind == TRAIN:
-            trainer.train(codec.decode(unpack(payload)))
+            trainer.train(packed.unpack_batch(codec.decode(unpack(payload))))
             steps += 1
         elif kind == PUBLISH:
             trainer.publish(int.from_bytes(payload, "little"))

@@ -35,7 +35,7 @@ from dora.actor.security import HINT, Keys
 from dora.config import ConfigError
 from dora.config.run import RunConfig
 from dora.rollout.engines.base import EngineError, WorkerEngine
-from dora.wire import codec
+from dora.wire import codec, packed
 from dora.wire import messages as m
 
 log = structlog.get_logger()
@@ -273,8 +273,6 @@ class RolloutActor:
             case m.Goodbye():
                 log.info("broker_finished", reason=msg.reason)
                 self.finished = True
-            case m.ResultAck():
-                self.acked(msg)
             case m.ResultAcks():
                 for ack in msg.acks:
                     self.acked(ack)
@@ -376,10 +374,8 @@ class RolloutActor:
         self.send_results([self.unacked[key][0] for key in due])
 
     def send_results(self, results: list[m.SampleFinished]) -> None:
-        if len(results) == 1:
-            self.send(results[0])
-        elif results:
-            self.send(m.SamplesFinished(samples=tuple(results)))
+        if results:
+            self.send(packed.pack_samples(results))
 
     def send(self, msg: Any) -> None:
         assert self.sock is not None

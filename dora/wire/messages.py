@@ -12,6 +12,7 @@ and to read why it was turned away.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, ClassVar
@@ -20,11 +21,15 @@ import numpy as np
 
 from dora.ids import AttemptId, Finish, GroupId, WorkerId
 
-WIRE_VERSION = 5
+WIRE_VERSION = 6
 """2: PublishAck (the broker acknowledges a publish once it is journalled; the learner waits for it).
 3: lease reconciliation: the broker numbers its commands to a worker (``seq``); a worker applies them in
 order or not at all and its heartbeats say the highest number seen, the leases it holds and its version.
-4: held-out evaluation by the rollout workers (``Evaluate``, ``EvalFinished``), outside every lease."""
+4: held-out evaluation by the rollout workers (``Evaluate``, ``EvalFinished``), outside every lease.
+5: episodes: a loss mask and per-turn spans on finished samples, migrated requests and train samples.
+6: finished samples and train batches travel as headers beside packed payload frames, one per array kind
+(``dora.wire.packed``): the broker decodes the headers only and forwards the frames as received; the single
+``SampleFinished`` and ``ResultAck`` kinds are gone (one sample travels as a SamplesFinished of one)."""
 
 Array = np.ndarray
 """Sent out of band as a raw frame; received as a read-only view on the frame's memory."""
@@ -160,7 +165,9 @@ class Generate:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SampleFinished:
-    KIND: ClassVar[str] = "sample_finished"
+    """A finished sample as an engine hands it to its worker (in process). It travels packed: a ``SampleHeader``
+    in a ``SamplesFinished``, its arrays in that message's payload frames (``dora.wire.packed.pack_samples``)."""
+
     group_id: GroupId
     attempt: AttemptId
     index: int
@@ -203,19 +210,86 @@ def _episode_arrays(token_ids: Array, loss_mask: Array | None, turns: Array | No
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class SampleHeader:
+    """A finished sample without its arrays: all the broker decides on. Its token ids, log-probs and (when
+    ``masked``) loss mask are ``[offset, offset + tokens)`` of the packed arrays that travel beside it."""
+
+    group_id: GroupId
+    attempt: AttemptId
+    index: int
+    segments: tuple[tuple[int, int], ...]
+    """(version, tokens) runs in generation order; one run when C1 holds."""
+    reward: float
+    finish: Finish
+    offset: int
+    tokens: int
+    checksum: int
+    """xxh3-64 of the sample's packed token ids, log-probs and (when masked) loss mask: the learner checks it."""
+    masked: bool = False
+    turns: tuple[tuple[int, int, int], ...] | None = None
+    """(start, end, version) of each assistant turn of an episode; None: one turn."""
+    gen_time_s: float = 0.0
+    broker_epoch: int = 0
+    reward_components: dict[str, float] = field(default_factory=dict)
+    reward_error: str = ""
+
+    def __post_init__(self) -> None:  # on every sample the broker takes: one test for the common case
+        if self.index < 0 or self.offset < 0 or self.tokens < 0 or not math.isfinite(self.reward):
+            for name in ("index", "offset", "tokens"):
+                _non_negative(name, getattr(self, name))
+            _finite("reward", self.reward)
+        for name, part in self.reward_components.items():
+            _finite(f"reward_components[{name!r}]", part)
+
+
+PACKED_DTYPES = {"token_ids": np.dtype("<i4"), "logprobs": np.dtype("<f4"), "loss_mask": np.dtype("|u1")}
+"""The one dtype of each packed array kind."""
+
+
+def _packed_arrays(token_ids: Array, logprobs: Array, loss_mask: Array | None) -> int:
+    """Check one payload source (its three arrays, 1-D, of the packed dtypes and one length); return the length."""
+    for name, arr in (("token_ids", token_ids), ("logprobs", logprobs), ("loss_mask", loss_mask)):
+        if arr is not None and (arr.dtype != PACKED_DTYPES[name] or arr.ndim != 1 or len(arr) != len(token_ids)):
+            raise ValueError(f"packed {name} must be 1-D {PACKED_DTYPES[name]} of {len(token_ids)}, got "
+                             f"{arr.dtype} {arr.shape}")  # fmt: skip
+    return len(token_ids)
+
+
+def _spans(headers: tuple[SampleHeader, ...], sizes: Sequence[int], masks: Sequence[bool], sources: Sequence[int],
+           where: str) -> None:  # fmt: skip
+    """Every header's tokens lie inside its source; a masked one's source carries a loss mask."""
+    for h, k in zip(headers, sources, strict=True):
+        if not 0 <= k < len(sizes) or h.offset + h.tokens > sizes[k]:
+            raise ValueError(f"{where}: sample {h.group_id}/{h.index} spans [{h.offset}, {h.offset + h.tokens}) "
+                             "outside its payload")  # fmt: skip
+        if h.masked and not masks[k]:
+            raise ValueError(f"{where}: sample {h.group_id}/{h.index} is masked but its payload has no loss mask")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SamplesFinished:
-    """Several finished samples in one message: what a worker's engine finished since it last reported.
-    The broker takes them in order, exactly as if each came alone, and answers with one ResultAcks."""
+    """What a worker's engine finished since it last reported: headers, and each array kind packed into one frame
+    (``dora.wire.packed``). The broker decodes the headers only and forwards the frames to the learner untouched;
+    it takes the samples in order, exactly as if each came alone, and answers with one ResultAcks."""
 
     KIND: ClassVar[str] = "samples_finished"
-    samples: tuple[SampleFinished, ...]
+    samples: tuple[SampleHeader, ...]
+    token_ids: Array
+    """int32, every sample's token ids one after the other."""
+    logprobs: Array
+    """float32, one per token."""
+    loss_mask: Array | None = None
+    """uint8, one per token; present when some sample is masked (an unmasked sample's part is all 1)."""
+
+    def __post_init__(self) -> None:
+        n = _packed_arrays(self.token_ids, self.logprobs, self.loss_mask)
+        _spans(self.samples, (n,), (self.loss_mask is not None,), (0,) * len(self.samples), "samples_finished")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ResultAck:
     """The broker took (or refused, with a reason) a result; the worker may forget it."""
 
-    KIND: ClassVar[str] = "result_ack"
     group_id: GroupId
     attempt: AttemptId
     index: int
@@ -381,6 +455,58 @@ class RequestBatch:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class BatchGroup:
+    """One group of a TrainBatch: its prompt's span of the batch's packed prompts, and its samples' headers with,
+    for each, the payload source of the batch that holds its arrays."""
+
+    group_id: GroupId
+    version: int
+    prompt_offset: int
+    prompt_tokens: int
+    samples: tuple[SampleHeader, ...]
+    sources: tuple[int, ...]
+    """Per sample: the index into the batch's ``token_ids``/``logprobs``/``loss_mask`` sources."""
+
+    def __post_init__(self) -> None:
+        if len(self.sources) != len(self.samples):
+            raise ValueError(f"group {self.group_id}: {len(self.sources)} sources for {len(self.samples)} samples")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainBatch:
+    """The learner's batch on the wire. The samples' arrays are the workers' packed payloads as the broker received
+    them (a source per SamplesFinished it drew from: one frame per array kind); ``dora.wire.packed.unpack_batch``
+    checks them and gives the learner its ``Batch``."""
+
+    KIND: ClassVar[str] = "train_batch"
+    step: int
+    groups: tuple[BatchGroup, ...]
+    prompt_ids: Array
+    """int32, every group's prompt one after the other."""
+    token_ids: tuple[Array, ...] = ()
+    logprobs: tuple[Array, ...] = ()
+    loss_mask: tuple[Array | None, ...] = ()
+    redelivery: bool = False
+
+    def __post_init__(self) -> None:
+        if not len(self.token_ids) == len(self.logprobs) == len(self.loss_mask):
+            raise ValueError("a train batch needs token_ids, logprobs and loss_mask for every source")
+        sizes = [_packed_arrays(*arrays) for arrays in zip(self.token_ids, self.logprobs, self.loss_mask, strict=True)]
+        masks = [mask is not None for mask in self.loss_mask]
+        if self.prompt_ids.dtype != PACKED_DTYPES["token_ids"] or self.prompt_ids.ndim != 1:
+            raise ValueError(
+                f"packed prompt_ids must be 1-D int32, got {self.prompt_ids.dtype} {self.prompt_ids.shape}"
+            )
+        for g in self.groups:
+            if g.prompt_offset < 0 or g.prompt_tokens < 0 or g.prompt_offset + g.prompt_tokens > len(self.prompt_ids):
+                raise ValueError(f"group {g.group_id}: prompt span outside the batch's prompts")
+            _spans(g.samples, sizes, masks, g.sources, f"group {g.group_id}")
+
+
+# ---------------------------------------------------------------- the learner's batch, unpacked (in process)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TrainSample:
     index: int
     token_ids: Array
@@ -407,8 +533,9 @@ class TrainGroup:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class TrainBatch:
-    KIND: ClassVar[str] = "train_batch"
+class Batch:
+    """A TrainBatch unpacked and checked: every array a read-only view on the received frames."""
+
     step: int
     groups: tuple[TrainGroup, ...]
     redelivery: bool = False
@@ -448,7 +575,7 @@ class StatusReply:
 
 MESSAGES: tuple[type, ...] = (
     Hello, Reject, Welcome, Heartbeat, Goodbye, Disconnect,
-    Generate, SampleFinished, SamplesFinished, ResultAck, ResultAcks,
+    Generate, SamplesFinished, ResultAcks,
     Assign, WeightsLoaded, Yield, Yielded, Resume, MigrateOut, MigrationExported, MigrateIn,
     Cancel, RetireVersion, Evaluate, EvalFinished,
     RequestBatch, TrainBatch, WeightsPublished, PublishAck,

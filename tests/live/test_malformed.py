@@ -12,7 +12,7 @@ import zmq
 
 from dora.ids import Finish
 from dora.ops.status import fetch
-from dora.wire import codec
+from dora.wire import codec, packed
 from dora.wire import messages as m
 from tests.live.cluster import cluster
 from tests.live.test_faults import wait_until
@@ -27,11 +27,13 @@ def hello(name: str, slots: int) -> m.Hello:
                    slots=slots, engine="fuzz")  # fmt: skip
 
 
-def sample(group: int, attempt: int, epoch: int) -> m.SampleFinished:
+def sample(group: int, attempt: int, epoch: int) -> m.SamplesFinished:
     ids = np.arange(8, dtype=np.int32)
-    return m.SampleFinished(group_id=group, attempt=attempt, index=0, segments=np.array([[0, 8]], dtype=np.int32),
-                            token_ids=ids, logprobs=np.zeros(8, np.float32), reward=1.0, finish=Finish.STOP,
-                            broker_epoch=epoch)  # fmt: skip
+    return packed.pack_samples([
+        m.SampleFinished(group_id=group, attempt=attempt, index=0, segments=np.array([[0, 8]], dtype=np.int32),
+                         token_ids=ids, logprobs=np.zeros(8, np.float32), reward=1.0, finish=Finish.STOP,
+                         broker_epoch=epoch)
+    ])  # fmt: skip
 
 
 def drain(sock: zmq.Socket) -> list:
@@ -81,7 +83,7 @@ def test_ten_thousand_bad_frames_during_a_run(tmp_path):
                 frames = [bytes(f) for f in valid[i % len(valid)]]
                 frames[1] = struct.pack(">H", m.WIRE_VERSION + 1 + i % 50)
                 stranger.send_multipart(frames)
-            wrong_kind = [m.RequestBatch(step=0), m.TrainBatch(step=0, groups=()),
+            wrong_kind = [m.RequestBatch(step=0), m.TrainBatch(step=0, groups=(), prompt_ids=np.zeros(0, np.int32)),
                           m.WeightsPublished(version=99, uri="x", sha256="0" * 64)]  # fmt: skip
             for i in range(WRONG_KIND):  # well-formed, but not something a rollout worker may say
                 peer.send_multipart(codec.encode(wrong_kind[i % len(wrong_kind)]))
@@ -96,7 +98,7 @@ def test_ten_thousand_bad_frames_during_a_run(tmp_path):
 
             def all_acks():
                 replies.extend(drain(peer))
-                return sum(isinstance(x, m.ResultAck) for x in replies) >= UNLEASED
+                return sum(len(x.acks) for x in replies if isinstance(x, m.ResultAcks)) >= UNLEASED
 
             wait_until(all_acks, 30, "an answer to every result")
             peer.send_multipart(codec.encode(m.Goodbye(reason="fuzz done")))
@@ -104,7 +106,7 @@ def test_ten_thousand_bad_frames_during_a_run(tmp_path):
         finally:
             ctx.destroy(linger=0)
 
-        acks = [x for x in replies if isinstance(x, m.ResultAck)]
+        acks = [a for x in replies if isinstance(x, m.ResultAcks) for a in x.acks]
         assert len(acks) == UNLEASED and not any(a.accepted for a in acks)
         delta = {k: after["malformed"].get(k, 0) - before["malformed"].get(k, 0) for k in after["malformed"]}
         assert delta.get("decode", 0) == RANDOM + TRUNCATED, delta

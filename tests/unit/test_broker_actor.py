@@ -22,7 +22,7 @@ from dora.config import load
 from dora.config.run import RunConfig
 from dora.core.core import Core
 from dora.ids import Finish
-from dora.wire import codec
+from dora.wire import codec, packed
 from dora.wire import messages as m
 
 pytestmark = pytest.mark.timeout(30)
@@ -43,7 +43,14 @@ class Fake:
         self.backlog: list[Any] = []
 
     async def send(self, msg: Any) -> None:
+        if isinstance(msg, m.SampleFinished):  # one finished sample travels as a message of one
+            msg = packed.pack_samples([msg])
         await self.sock.send_multipart(codec.encode(msg))
+
+    async def ack(self) -> m.ResultAck:
+        """The answer to a message of one finished sample."""
+        (ack,) = (await self.recv(m.ResultAcks)).acks
+        return ack
 
     async def recv(self, kind: type | tuple[type, ...] = object, timeout_s: float = 5.0) -> Any:
         """The next message of ``kind``; others are kept, in order, for a later call."""
@@ -125,10 +132,10 @@ async def test_results_are_acked_and_whole_groups_reach_the_learner():
             gen = await w.recv(m.Generate)
             for i in range(G):
                 await w.send(finished(gen, i, epoch=7))
-                ack = await w.recv(m.ResultAck)
+                ack = await w.ack()
                 assert ack.accepted and (ack.group_id, ack.index) == (gen.group_id, i)
             seen.add(gen.group_id)
-        batch = await learner.recv(m.TrainBatch)
+        batch = packed.unpack_batch(await learner.recv(m.TrainBatch))
         assert batch.step == 0 and len(batch.groups) == B
         for g in batch.groups:
             assert g.version == 0 and sorted(s.index for s in g.samples) == list(range(G))
@@ -143,15 +150,15 @@ async def test_duplicate_and_foreign_results_are_refused():
         await b.worker(slots=G)
         gen = await a.recv(m.Generate)
         await a.send(finished(gen, 0, epoch=7))
-        assert (await a.recv(m.ResultAck)).accepted
+        assert (await a.ack()).accepted
         await a.send(finished(gen, 0, epoch=7))  # the same sample again
-        dup = await a.recv(m.ResultAck)
+        dup = await a.ack()
         assert not dup.accepted and "duplicate" in dup.reason
         await b.send(finished(gen, 1, epoch=7))  # a sample of a group it does not hold
-        foreign = await b.recv(m.ResultAck)
+        foreign = await b.ack()
         assert not foreign.accepted and foreign.reason in ("not_holder", "stale_attempt")
         await a.send(finished(gen, 1, epoch=6))  # from an earlier broker
-        old = await a.recv(m.ResultAck)
+        old = await a.ack()
         assert not old.accepted and "epoch" in old.reason
         assert actor.counters["refused old broker epoch"] == 1
 
@@ -240,7 +247,7 @@ async def test_one_report_of_many_samples_gets_one_answer_per_sample_in_order():
         gen = await w.recv(m.Generate)
         first = finished(gen, 0, epoch=7)
         report = (first, first, *(finished(gen, i, epoch=7) for i in range(1, G)), finished(gen, 1, epoch=3))
-        await w.send(m.SamplesFinished(samples=report))
+        await w.send(packed.pack_samples(report))
         acks = (await w.recv(m.ResultAcks)).acks
         assert [(a.index, a.accepted) for a in acks] == [(0, True), (0, False), *((i, True) for i in range(1, G)),
                                                          (1, False)]  # fmt: skip
@@ -321,6 +328,6 @@ async def test_a_repeated_hello_is_answered_without_voiding_the_session():
         gen = await w.recv(m.Generate)
         assert (await w.hello(m.Role.ROLLOUT, G)).broker_epoch == 7  # its Welcome was lost, say
         await w.send(finished(gen, 0, 7))
-        ack = await w.recv(m.ResultAck)
+        ack = await w.ack()
         assert ack.accepted, ack.reason  # the lease survived the repeat
         assert actor.counters["hello repeated"] == 1

@@ -22,6 +22,7 @@ from dora.broker.metrics import failure_reason, serve_http
 from dora.config import ConfigError, load
 from dora.config.run import RunConfig
 from dora.wire import messages as m
+from dora.wire import packed
 from tests.unit.test_broker_actor import B, Fake, G, finished, running_broker
 
 pytestmark = pytest.mark.timeout(30)
@@ -60,7 +61,7 @@ async def fake_worker(w: Fake, slots: int, seen: Counter[str]) -> None:
                     await w.send(m.WeightsLoaded(version=msg.version, load_s=0.0))
             case m.Generate():
                 seen["generate"] += 1
-                await w.send(m.SamplesFinished(samples=tuple(finished(msg, i, epoch=7) for i in range(G))))
+                await w.send(packed.pack_samples([finished(msg, i, epoch=7) for i in range(G)]))
 
 
 async def test_scrape_agrees_with_the_peers_the_snapshot_and_the_record_files(tmp_path):
@@ -101,7 +102,7 @@ async def test_scrape_agrees_with_the_peers_the_snapshot_and_the_record_files(tm
 
     # what the peers saw
     samples = sum(len(g.samples) for b in trained for g in b.groups)
-    tokens = sum(len(s.token_ids) for b in trained for g in b.groups for s in g.samples)
+    tokens = sum(s.tokens for b in trained for g in b.groups for s in g.samples)
     assert value(got, "dora_train_steps", "dora_train_steps_total") == STEPS
     assert value(got, "dora_trained_groups", "dora_trained_groups_total") == STEPS * B
     assert value(got, "dora_trained_tokens", "dora_trained_tokens_total") == tokens == snap["trained_tokens"]
@@ -220,7 +221,7 @@ async def scoring_worker(w: Fake, seen: Counter[str]) -> None:
             case m.Assign():
                 await w.send(m.WeightsLoaded(version=msg.version, load_s=0.0))
             case m.Generate():
-                results = m.SamplesFinished(samples=tuple(scored_sample(msg, i) for i in range(G)))
+                results = packed.pack_samples([scored_sample(msg, i) for i in range(G)])
                 await w.send(results)
                 seen["groups"] += 1
                 await w.send(results)

@@ -25,11 +25,11 @@ def group(gid: int, version: int, samples=None) -> m.TrainGroup:
                         samples=tuple(samples or [sample(i) for i in range(G)]))  # fmt: skip
 
 
-def batch(*groups: m.TrainGroup, step: int = 5) -> m.TrainBatch:
-    return m.TrainBatch(step=step, groups=groups)
+def batch(*groups: m.TrainGroup, step: int = 5) -> m.Batch:
+    return m.Batch(step=step, groups=groups)
 
 
-def check(b: m.TrainBatch, **kw):
+def check(b: m.Batch, **kw):
     args = {"step": 5, "groups": 2, "group_size": G, "k": 2, "mixed_ok": False, **kw}
     return check_batch(b, **args)
 

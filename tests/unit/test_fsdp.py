@@ -21,7 +21,7 @@ from dora.wire import messages as m
 pytestmark = pytest.mark.timeout(180)
 
 
-def batch() -> m.TrainBatch:
+def batch() -> m.Batch:
     rng = np.random.default_rng(0)
     groups = []
     for g in range(3):
@@ -33,7 +33,7 @@ def batch() -> m.TrainBatch:
                                          reward=float(rng.random()), finish=Finish.STOP))  # fmt: skip
         groups.append(m.TrainGroup(group_id=g, version=0, prompt_ids=np.array([11, 12, 13 + g], np.int32),
                                    samples=tuple(samples)))  # fmt: skip
-    return m.TrainBatch(step=0, groups=tuple(groups))
+    return m.Batch(step=0, groups=tuple(groups))
 
 
 CFG = TrainerConfig(lr=1e-2, micro_batch=2)

@@ -14,7 +14,7 @@ from dora.config import ConfigError
 from dora.ids import Finish
 from dora.tasks import rewards, verify
 from dora.tasks.tasks import Item
-from dora.wire import codec
+from dora.wire import codec, packed
 
 
 def item(answer: str) -> Item:
@@ -264,8 +264,9 @@ def test_a_worker_sends_the_components_and_the_reason_with_its_sample():
                     tokens=[7, 8], logprobs=[-0.5, -0.25], finish=Finish.STOP)  # fmt: skip
     good = StepWorkerEngine(Engine(), Task(_components)).result(sample, broker_epoch=9)
     assert (good.reward, good.reward_components, good.reward_error) == (1.25, {"correct": 1.0, "format": 0.25}, "")
-    back = codec.decode(codec.encode(good))
+    (back,) = codec.decode(codec.encode(packed.pack_samples([good]))).samples
     assert back.reward_components == {"correct": 1.0, "format": 0.25} and back.broker_epoch == 9
     bad = StepWorkerEngine(Engine(), Task(_raises)).result(sample, broker_epoch=9)
     assert (bad.reward, bad.reward_components) == (0.0, {})
-    assert codec.decode(codec.encode(bad)).reward_error == "reward raised RuntimeError: the grader broke"
+    (back,) = codec.decode(codec.encode(packed.pack_samples([bad]))).samples
+    assert back.reward_error == "reward raised RuntimeError: the grader broke"

@@ -21,7 +21,7 @@ PROMPTS = [[5, 6, 7], [40, 41, 42, 43, 44, 45, 46, 47], [300], [9, 8, 7, 6, 5]]
 """Prompts of 1 to 8 tokens: the first predicting position differs from row to row."""
 
 
-def sampled_batch(model_dir) -> m.TrainBatch:
+def sampled_batch(model_dir) -> m.Batch:
     torch.manual_seed(0)
     engine = TorchEngine(model_dir, version=0)
     for g, prompt in enumerate(PROMPTS):
@@ -37,7 +37,7 @@ def sampled_batch(model_dir) -> m.TrainBatch:
                                       logprobs=np.array(s.logprobs, np.float32), reward=float(sum(s.tokens) % 5),
                                       finish=end[s.key]) for s in mine)  # fmt: skip
         groups.append(m.TrainGroup(group_id=g, version=0, prompt_ids=np.array(prompt, np.int32), samples=samples))
-    return m.TrainBatch(step=0, groups=tuple(groups))
+    return m.Batch(step=0, groups=tuple(groups))
 
 
 def test_the_learner_scores_the_engines_samples_at_their_behaviour_log_probs(tiny_model, tmp_path):
@@ -76,7 +76,7 @@ def test_the_step_is_the_same_whatever_the_micro_batch(tiny_model, tmp_path, mic
     assert moved > 1e-3, "the step must move the weights for the comparison to mean anything"
 
 
-def as_episodes(batch: m.TrainBatch, env_logprob: float) -> m.TrainBatch:
+def as_episodes(batch: m.Batch, env_logprob: float) -> m.Batch:
     """The same trajectories read as two-turn episodes: the middle third of each one's tokens is the
     environment's (loss mask 0), carrying ``env_logprob`` as its behaviour log-prob (an engine writes 0)."""
     groups = []
@@ -94,7 +94,7 @@ def as_episodes(batch: m.TrainBatch, env_logprob: float) -> m.TrainBatch:
                                          finish=s.finish, loss_mask=mask, turns=turns.reshape(-1, 3)))  # fmt: skip
         groups.append(m.TrainGroup(group_id=g.group_id, version=g.version, prompt_ids=g.prompt_ids,
                                    samples=tuple(samples)))  # fmt: skip
-    return m.TrainBatch(step=batch.step, groups=tuple(groups))
+    return m.Batch(step=batch.step, groups=tuple(groups))
 
 
 def test_environment_tokens_are_context_but_never_trained(tiny_model, tmp_path):

@@ -70,20 +70,22 @@ def test_a_field_added_with_a_default_decodes_from_older_peers():
 
 
 def test_reward_components_and_error_travel_and_default_for_older_peers():
-    msg = canonical()["sample_finished"]
+    msg = canonical()["samples_finished"]
     back = codec.decode(codec.encode(msg))
-    assert back.reward_components == {"correct": 0.0, "format": 0.5} and back.reward_error == ""
+    assert back.samples[0].reward_components == {"correct": 1.0, "format": 0.5}
+    assert back.samples[1].reward_error.startswith("reward raised")
     frames = codec.encode(msg)
     body = msgpack.unpackb(bytes(frames[3]))
-    assert body["reward_components"] == {"correct": 0.0, "format": 0.5}  # a msgpack map, keyed by name
-    del body["reward_components"], body["reward_error"]
+    first = body["samples"][0]
+    assert first["reward_components"] == {"correct": 1.0, "format": 0.5}  # a msgpack map, keyed by name
+    del first["reward_components"], first["reward_error"]
     old = codec.decode([*frames[:3], msgpack.packb(body), *frames[4:]])
-    assert old.reward_components == {} and old.reward_error == "" and old.reward == 0.5
-    body["reward_components"] = {"format": float("nan")}
+    assert old.samples[0].reward_components == {} and old.samples[0].reward_error == "" and old.samples[0].reward == 1
+    first["reward_components"] = {"format": float("nan")}
     with pytest.raises(codec.DecodeError, match="reward_components"):
         codec.decode([*frames[:3], msgpack.packb(body), *frames[4:]])
-    body["reward_components"] = {"format": "high"}
-    with pytest.raises(codec.DecodeError, match=r"reward_components\.format"):
+    first["reward_components"] = {"format": "high"}
+    with pytest.raises(codec.DecodeError, match=r"got `str` - at `samples_finished\.samples\[0\]\.reward_components"):
         codec.decode([*frames[:3], msgpack.packb(body), *frames[4:]])
 
 
@@ -139,11 +141,14 @@ def test_fuzz_mutated_valid_messages(msg, data):
         ([], "frames"),
         ([b"nope", V, b"cancel", b"\x80"], "magic"),
         ([codec.MAGIC, V, b"no_such_kind", b"\x80"], "unknown message kind"),
-        ([codec.MAGIC, V, b"cancel", b"\xc1"], "FormatError"),
-        ([codec.MAGIC, V, b"cancel", msgpack.packb({"group_id": 1})], "missing field 'attempt'"),
+        ([codec.MAGIC, V, b"cancel", b"\xc1"], "cancel: MessagePack data is malformed"),
+        (
+            [codec.MAGIC, V, b"cancel", msgpack.packb({"group_id": 1})],
+            "cancel: Object missing required field `attempt`",
+        ),
         ([codec.MAGIC, V, b"cancel", msgpack.packb({"group_id": "x", "attempt": 1})], "cancel.group_id"),
         ([codec.MAGIC, V, b"heartbeat", msgpack.packb({"kv_use": 2.0})], "kv_use"),
-        ([codec.MAGIC, V, b"cancel", msgpack.packb([1, 2])], "map of fields"),
+        ([codec.MAGIC, V, b"cancel", msgpack.packb([1, 2])], "cancel: Expected `object`, got `array`"),
     ],
 )
 def test_decode_errors_name_the_problem(frames, fragment):
@@ -162,11 +167,11 @@ def test_array_frame_must_match_its_shape():
 
 
 def test_arrays_are_zero_copy_views_of_the_received_frames():
-    msg = canonical()["sample_finished"]
+    msg = canonical()["samples_finished"]
     frames = [bytearray(bytes(f)) for f in codec.encode(msg)]
     back = codec.decode([memoryview(f) for f in frames])
     assert not back.token_ids.flags.writeable
-    frames[5][:4] = struct.pack("<i", 4242)  # token_ids is the second array frame
+    frames[4][:4] = struct.pack("<i", 4242)  # token_ids is the first array frame
     assert back.token_ids[0] == 4242, "decoded array does not share the frame's memory"
 
 
@@ -205,16 +210,25 @@ def test_version_mismatch_is_its_own_error_and_gets_a_clear_reject():
     assert "slots" in m.check_hello(no_slots).reason
 
 
-def test_encode_refuses_wrong_types():
-    with pytest.raises(codec.EncodeError):
-        codec.encode(m.Cancel(group_id="x", attempt=1))
-    with pytest.raises(codec.EncodeError):
-        codec.encode(m.Generate(group_id=1, attempt=1, version=0, prompt_ids=[1, 2], n_samples=1, max_tokens=1))
+def test_encode_refuses_what_cannot_travel_and_the_receiver_refuses_a_field_of_the_wrong_type():
     with pytest.raises(codec.EncodeError):
         codec.encode(object())
+    with pytest.raises(codec.EncodeError, match="object cannot travel"):
+        codec.encode(m.StatusReply(snapshot={"x": object()}))
+    with pytest.raises(codec.EncodeError, match="dtype complex64 cannot travel"):
+        codec.encode(m.Generate(group_id=1, attempt=1, version=0, prompt_ids=np.zeros(2, np.complex64), n_samples=1,
+                                max_tokens=1))  # fmt: skip
+    with pytest.raises(codec.DecodeError, match=r"Expected `int`, got `str` - at `cancel\.group_id`"):
+        codec.decode(codec.encode(m.Cancel(group_id="x", attempt=1)))
+    lists = m.Generate(group_id=1, attempt=1, version=0, prompt_ids=[1, 2], n_samples=1, max_tokens=1)
+    with pytest.raises(codec.DecodeError, match=r"expected an array reference - at `generate\.prompt_ids`"):
+        codec.decode(codec.encode(lists))
 
 
 def test_message_validation_rejects_nan_rewards_and_mismatched_logprobs():
+    with pytest.raises(ValueError, match="reward"):
+        m.SampleHeader(group_id=1, attempt=1, index=0, segments=(), reward=float("inf"), finish=m.Finish.STOP,
+                       offset=0, tokens=0, checksum=0)  # fmt: skip
     with pytest.raises(ValueError, match="reward"):
         m.SampleFinished(
             group_id=1,
@@ -257,11 +271,12 @@ if __name__ == "__main__":  # python -m tests.unit.test_wire --write-golden (onl
         ([codec.MAGIC, struct.pack(">H", m.WIRE_VERSION), b"goodbye", msgpack.packb({"reason": "x"}),
           *[b""] * (codec.MAX_ARRAY_FRAMES + 1)], "frames"),
         ([codec.MAGIC, struct.pack(">H", m.WIRE_VERSION), b"goodbye", b"\x90" * (codec.MAX_BODY_BYTES + 1)], "body"),
-        ([codec.MAGIC, struct.pack(">H", m.WIRE_VERSION), b"goodbye",
-          msgpack.packb({"reason": "x" * (codec.MAX_STR_BYTES + 1)})], "max_str_len"),
-        ([codec.MAGIC, struct.pack(">H", m.WIRE_VERSION), b"goodbye", b"\x81\xa6reason\xdd\xff\xff\xff\xff"], ""),
+        ([codec.MAGIC, struct.pack(">H", m.WIRE_VERSION), b"goodbye", b"\x81\xa6reason\xdd\xff\xff\xff\xff"],
+         "got `array` - at `goodbye.reason`"),
+        ([codec.MAGIC, struct.pack(">H", m.WIRE_VERSION), b"goodbye", b"\x81\xa6reason\xdb\xff\xff\xff\xffab"],
+         "truncated"),
     ],
-    ids=["too-many-frames", "huge-body", "huge-string", "length-bomb"],
+    ids=["too-many-frames", "huge-body", "array-length-bomb", "string-length-bomb"],
 )  # fmt: skip
 def test_size_caps_refuse_oversized_input_before_any_big_allocation(frames, fragment):
     with pytest.raises(codec.DecodeError, match=fragment):

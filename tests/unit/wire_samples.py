@@ -12,7 +12,18 @@ from hypothesis.extra import numpy as hnp
 
 from dora.ids import Finish
 from dora.wire import messages as m
-from dora.wire.codec import DTYPES, _hints, _unwrap
+from dora.wire import packed
+from dora.wire.codec import DTYPES
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls, vars(m))
+
+
+def _unwrap(tp: Any) -> Any:
+    while hasattr(tp, "__supertype__"):  # NewType
+        tp = tp.__supertype__
+    return tp
 
 
 def i32(*values: int) -> np.ndarray:
@@ -72,21 +83,8 @@ def canonical() -> dict[str, Any]:
             broker_epoch=77,
             seq=3,
         ),
-        m.SampleFinished(
-            group_id=12,
-            attempt=5,
-            index=2,
-            segments=np.array([[3, 3]], dtype=np.int32),
-            token_ids=i32(9, 8, 7),
-            logprobs=f32(-0.5, -0.75, -1.0),
-            reward=0.5,
-            finish=Finish.LENGTH,
-            gen_time_s=1.5,
-            broker_epoch=77,
-            reward_components={"correct": 0.0, "format": 0.5},
-        ),
-        m.SamplesFinished(
-            samples=(
+        packed.pack_samples(
+            [
                 m.SampleFinished(
                     group_id=12,
                     attempt=5,
@@ -97,6 +95,7 @@ def canonical() -> dict[str, Any]:
                     reward=1.0,
                     finish=Finish.STOP,
                     broker_epoch=77,
+                    reward_components={"correct": 1.0, "format": 0.5},
                 ),
                 m.SampleFinished(
                     group_id=13,
@@ -107,12 +106,14 @@ def canonical() -> dict[str, Any]:
                     logprobs=f32(-0.5, -1.0),
                     reward=0.0,
                     finish=Finish.LENGTH,
+                    gen_time_s=1.5,
                     broker_epoch=77,
                     reward_error="reward raised ValueError: no answer",
+                    loss_mask=np.array([1, 0], dtype=np.uint8),
+                    turns=np.array([[0, 1, 3]], dtype=np.int32),
                 ),
-            )
+            ]
         ),
-        m.ResultAck(group_id=12, attempt=5, index=2, accepted=False, reason="stale_attempt"),
         m.ResultAcks(
             acks=(
                 m.ResultAck(group_id=12, attempt=5, index=0, accepted=True),
@@ -146,7 +147,9 @@ def canonical() -> dict[str, Any]:
         ),
         m.EvalFinished(version=3, round=2, row=17, rewards=f32(1.0, 0.0), lengths=i32(5, 16), failed=1),
         m.RequestBatch(step=3),
-        m.TrainBatch(step=3, groups=(m.TrainGroup(group_id=12, version=3, prompt_ids=i32(1, 2), samples=(sample,)),)),
+        packed.pack_batch(
+            m.Batch(step=3, groups=(m.TrainGroup(group_id=12, version=3, prompt_ids=i32(1, 2), samples=(sample,)),))
+        ),
         m.WeightsPublished(
             version=4,
             uri="file:///weights/v4",
@@ -230,6 +233,10 @@ _turns = _array("<i4", st.integers(0, 3).map(lambda k: (k, 3)))
 def for_message(cls: type) -> st.SearchStrategy[Any]:
     hints = _hints(cls)
     fields = {f.name: for_type(hints[f.name]) for f in dataclasses.fields(cls)}
+    if cls is m.SamplesFinished:
+        return st.lists(for_message(m.SampleFinished), min_size=1, max_size=4).map(packed.pack_samples)
+    if cls is m.TrainBatch:
+        return for_message(m.Batch).map(packed.pack_batch)
     if cls is m.SampleFinished:
         n = st.integers(0, 6)
         fields["index"] = st.integers(0, 64)
@@ -244,12 +251,19 @@ def for_message(cls: type) -> st.SearchStrategy[Any]:
             lambda t: cls(**{**t[0], "token_ids": t[1][0], "logprobs": t[1][1], "loss_mask": t[1][2]})
         )
     if cls is m.TrainSample:
+        fields["index"] = st.integers(0, 64)
         fields["turns"] = st.none() | _turns
-        ids = _array("<i4", st.integers(0, 6).map(lambda k: (k,)))
-        with_mask = ids.flatmap(lambda a: st.tuples(st.just(a), st.none() | _array("|u1", st.just(a.shape))))
-        return st.tuples(st.fixed_dictionaries(fields), with_mask).map(
-            lambda t: cls(**{**t[0], "token_ids": t[1][0], "loss_mask": t[1][1]})
+        fields["segments"] = st.none() | _array("<i4", st.integers(0, 3).map(lambda k: (k, 2)))
+        arrays = st.integers(0, 6).flatmap(
+            lambda k: st.tuples(
+                _array("<i4", st.just((k,))), _array("<f4", st.just((k,))), st.none() | _array("|u1", st.just((k,)))
+            )
         )
+        return st.tuples(st.fixed_dictionaries(fields), arrays).map(
+            lambda t: cls(**{**t[0], "token_ids": t[1][0], "logprobs": t[1][1], "loss_mask": t[1][2]})
+        )
+    if cls is m.TrainGroup:
+        fields["prompt_ids"] = _array("<i4", st.integers(0, 4).map(lambda k: (k,)))
     if cls is m.Heartbeat:
         fields.update(
             tokens_generated=st.integers(0, 2**40),

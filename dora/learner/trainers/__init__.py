@@ -21,7 +21,7 @@ class Trainer(Protocol):
     keeps_weights: bool
     """True: its weights are the run's (checkpointed, restored after a crash, adopted from the store)."""
 
-    def train(self, batch: m.TrainBatch) -> dict[str, float]:
+    def train(self, batch: m.Batch) -> dict[str, float]:
         """One step on the batch; the step's metrics (logged by the broker with the step)."""
         ...
 

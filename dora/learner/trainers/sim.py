@@ -24,7 +24,7 @@ class SimTrainer:
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
 
-    def train(self, batch: m.TrainBatch) -> dict[str, float]:
+    def train(self, batch: m.Batch) -> dict[str, float]:
         sequences = [len(s.token_ids) for g in batch.groups for s in g.samples]
         train_s = self.cfg.trainer.batch_train_s(sequences, self.cfg.learner.sim_gpus) * self.cfg.run.time_scale
         time.sleep(train_s)

@@ -81,7 +81,7 @@ class TorchTrainer:
         self.loss_fn = loss_fn
         self.cfg = cfg
 
-    def train(self, batch: m.TrainBatch) -> dict[str, float]:
+    def train(self, batch: m.Batch) -> dict[str, float]:
         started = time.perf_counter()
         rows = [(g.prompt_ids.tolist(), s, gi) for gi, g in enumerate(batch.groups) for s in g.samples]
         rewards = torch.tensor([s.reward for _, s, _ in rows], dtype=torch.float64)
