@@ -19,6 +19,7 @@ ratio to the echo rate. Targets: >= 50% of the echo rate and >= 10,000 trajector
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -35,7 +36,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dora.ids import Finish  # noqa: E402
-from dora.wire import codec  # noqa: E402
+from dora.wire import codec, packed  # noqa: E402
 from dora.wire import messages as m  # noqa: E402
 
 G, B, K = 8, 64, 2
@@ -54,8 +55,36 @@ def sample(gen: m.Generate, index: int, epoch: int, ids: np.ndarray, lps: np.nda
 
 
 def finished(gen: m.Generate, epoch: int, ids: np.ndarray, lps: np.ndarray) -> m.SamplesFinished:
-    """The whole group finished at once: one message of ``gen.n_samples`` samples, as a real worker coalesces."""
-    return m.SamplesFinished(samples=tuple(sample(gen, i, epoch, ids, lps) for i in range(gen.n_samples)))
+    """The whole group finished at once: one message of ``gen.n_samples`` samples, as a real worker coalesces.
+    Every sample has the same tokens, so the packed arrays and their checksum are made once per shape and only
+    the headers are new: a fake worker costs as little as the echo's clients (``pack_cost_us`` measures what a
+    real worker pays to pack)."""
+    token_ids, logprobs, check = _packed(gen.n_samples, ids.tobytes(), lps.tobytes())
+    n = len(ids)
+    headers = tuple(
+        m.SampleHeader(group_id=gen.group_id, attempt=gen.attempt, index=i, segments=((gen.version, n),), reward=1.0,
+                       finish=Finish.STOP, offset=i * n, tokens=n, checksum=check, broker_epoch=epoch)
+        for i in range(gen.n_samples)
+    )  # fmt: skip
+    return m.SamplesFinished(samples=headers, token_ids=token_ids, logprobs=logprobs)
+
+
+@functools.cache
+def _packed(n_samples: int, ids: bytes, lps: bytes) -> tuple[np.ndarray, np.ndarray, int]:
+    one = np.frombuffer(ids, np.int32), np.frombuffer(lps, np.float32)
+    return np.tile(one[0], n_samples), np.tile(one[1], n_samples), packed.checksum(*one, None)
+
+
+def pack_cost_us(tokens: int, n_samples: int = G, repeat: int = 200) -> float:
+    """What a real worker pays per trajectory to pack a message of ``n_samples`` finished samples."""
+    gen = m.Generate(group_id=1, attempt=1, version=0, prompt_ids=np.zeros(1, np.int32), n_samples=n_samples,
+                     max_tokens=tokens)  # fmt: skip
+    ids, lps = (np.arange(tokens) % 50_000).astype(np.int32), np.full(tokens, -0.7, np.float32)
+    samples = [sample(gen, i, 0, ids, lps) for i in range(n_samples)]
+    started = time.perf_counter()
+    for _ in range(repeat):
+        packed.pack_samples(samples)
+    return 1e6 * (time.perf_counter() - started) / repeat / n_samples
 
 
 def fake_worker(endpoint: str, name: str, slots: int, tokens: int, until: float) -> None:
@@ -128,20 +157,23 @@ def run_broker(seconds: float, workers: int, tokens: int, profile: str | None = 
                 continue
             if t0 is None and time.time() >= warm:
                 t0, c0, first = time.time(), cpu_s(broker.pid), msg.step
+                w0, l0 = sum(cpu_s(p.pid) for p in procs), time.process_time()
             elif t0 is not None:
                 steps += 1
                 trajectories += sum(len(g.samples) for g in msg.groups)
-                nbytes += sum(s.token_ids.nbytes + s.logprobs.nbytes for g in msg.groups for s in g.samples)
+                nbytes += 8 * sum(s.tokens for g in msg.groups for s in g.samples)  # int32 ids + float32 log-probs
             learner.send_multipart(codec.encode(m.WeightsPublished(version=msg.step + 1, uri="bench", sha256="0" * 64)))
             learner.send_multipart(codec.encode(m.RequestBatch(step=msg.step + 1)))
         wall = time.time() - t0
         cpu = cpu_s(broker.pid) - c0
+        cores = {"broker": cpu / wall, "workers": (sum(cpu_s(p.pid) for p in procs) - w0) / wall,
+                 "learner": (time.process_time() - l0) / wall}  # fmt: skip
         ctx.destroy(linger=0)
         for p in procs:
             p.join(timeout=10)
         return {"steps": steps, "first_step": first, "trajectories": trajectories, "wall_s": wall, "cpu_s": cpu,
                 "trajectories_per_s": trajectories / wall, "mb_per_s": nbytes / wall / 1e6,
-                "cpu_us_per_trajectory": 1e6 * cpu / max(trajectories, 1)}  # fmt: skip
+                "cpu_us_per_trajectory": 1e6 * cpu / max(trajectories, 1), "cores_busy": cores}  # fmt: skip
     finally:
         broker.terminate()  # graceful: a profile gets written
         try:
@@ -224,11 +256,17 @@ def main() -> int:
         f"{b['mb_per_s']:,.1f} MB/s of samples, {b['cpu_us_per_trajectory']:.0f} µs broker CPU per trajectory, "
         f"{b['steps']} steps in {b['wall_s']:.1f} s"
     )
+    busy = b["cores_busy"]
+    print(f"cores busy meanwhile (of {os.cpu_count()}): broker {busy['broker']:.2f}, workers {busy['workers']:.2f}, "
+          f"learner {busy['learner']:.2f}")  # fmt: skip
     print(
         f"broker / bare echo = {ratio:.2f} (target >= 0.50); trajectories/s target >= 10,000: "
         f"{'met' if b['trajectories_per_s'] >= 10_000 else 'not met'}"
     )
-    print(json.dumps({"echo": echo, "broker": b, "ratio": ratio}))
+    pack_us = pack_cost_us(args.tokens)
+    print(f"a worker's own cost to pack its finished samples (pack_samples, checksums included): "
+          f"{pack_us:.1f} µs per trajectory of {args.tokens} tokens")  # fmt: skip
+    print(json.dumps({"echo": echo, "broker": b, "ratio": ratio, "worker_pack_us_per_trajectory": pack_us}))
     return 0
 
 

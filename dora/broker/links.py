@@ -37,6 +37,21 @@ HANDSHAKE_FAILED_NAMES = {
 }
 HANDSHAKE_FAILED = sum(HANDSHAKE_FAILED_NAMES)
 
+_send = zmq.backend.Socket.send
+"""The socket's own send: pyzmq's Python wrapper around it (``send_multipart``, flag enums) costs four times
+as much per frame, and the broker sends several frames per message, tens of thousands of messages a second."""
+_MORE, _LAST = int(zmq.SNDMORE | zmq.NOBLOCK), int(zmq.NOBLOCK)
+COPY_BELOW_BYTES = 1 << 16
+"""Smaller frames are copied (cheaper than tracking a buffer); larger ones (sample payloads) are not."""
+
+
+def send_frames(sock: zmq.Socket, frames: list[Any]) -> None:
+    """``sock.send_multipart(frames, NOBLOCK, copy=False)`` (raises what it raises) at a quarter of the cost."""
+    last = len(frames) - 1
+    for i, f in enumerate(frames):
+        size = f.nbytes if isinstance(f, memoryview) else len(f)
+        _send(sock, f, _MORE if i < last else _LAST, size < COPY_BELOW_BYTES, False)
+
 
 @dataclass(slots=True)
 class Peer:
@@ -115,7 +130,7 @@ class Links:
     def send_raw(self, identity: bytes, msg: Any) -> None:
         """Reply to an identity that is not (or no longer) a registered peer; best effort."""
         try:
-            self.sync.send_multipart([identity, *codec.encode(msg)], flags=zmq.NOBLOCK, copy=False)
+            send_frames(self.sync, [identity, *codec.encode(msg)])
         except zmq.ZMQError:
             self.counters["unroutable reply"] += 1
 
@@ -130,7 +145,7 @@ class Links:
                 continue
             while peer.outbox:
                 try:
-                    self.sync.send_multipart(peer.outbox[0], flags=zmq.NOBLOCK, copy=False)
+                    send_frames(self.sync, peer.outbox[0])
                 except zmq.Again:
                     break  # full pipe: keep it queued, retry on the next pass
                 except zmq.ZMQError as e:
