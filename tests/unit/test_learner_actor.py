@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import zmq
 import zmq.asyncio
+from structlog.testing import capture_logs
 
 from dora.config import load
 from dora.config.run import RunConfig
@@ -121,3 +122,20 @@ async def test_a_publish_the_broker_recorded_before_losing_its_ack_is_committed_
     await broker.expect(m.Goodbye)  # total_steps = 2: done
     assert await asyncio.wait_for(task, 5) == 0
     assert audited(audit) == [(0, [10, 11]), (1, [12, 13])]
+
+
+async def test_a_batch_whose_payload_does_not_match_its_checksums_is_refused_naming_the_group(setup):
+    """The broker forwards payload frames unread: a sample corrupted on the way is caught here, before training."""
+    broker, task, audit = setup
+    await broker.expect(m.Hello)
+    await broker.welcome(0)
+    await broker.expect(m.RequestBatch)
+    frames = [bytearray(bytes(f)) for f in codec.encode(batch(0, first_group=10))]
+    frames[5][4] ^= 0x40  # the second token id of group 10's first sample (frame 4 is the prompts)
+    with capture_logs() as logs:
+        await broker.sock.send_multipart([broker.peer, *frames])
+        assert await asyncio.wait_for(task, 5) == 3
+    corrupt = next(e for e in logs if e["event"] == "batch_corrupt")
+    assert (corrupt["step"], corrupt["group_id"], corrupt["index"]) == (0, 10, 0)
+    assert "does not match its checksum" in corrupt["error"]
+    assert not audit.exists() or audited(audit) == []  # nothing of it was trained
