@@ -1,96 +1,261 @@
 """The weight store: one directory per published version, written atomically, retired by the broker.
 
-Below the three processes: the learner publishes into it, the rollout engines check what they load
-against its sha256 manifests, and the broker deletes the versions its ledger retired. It imports no
-torch at run time (``publish`` and ``load`` import safetensors' torch helpers when called).
+Below the three processes: the learner publishes into it, the rollout engines check what they load against the
+digest published with it, and the broker deletes the versions its ledger retired. It imports no torch (tensors
+go through safetensors' torch helpers, imported when called): the broker imports it.
 
-``<root>/v<N>/model.safetensors`` plus ``manifest.json`` (version, sha256 of the safetensors file,
-size, seconds to write). A version is written into a temporary directory beside it and renamed into
-place, so a reader sees all of it or none of it. The URI handed to rollout workers is
-``file://<root>/v<N>/model.safetensors``; they check the sha256 before loading. ``retire`` removes a
-version once the broker's ledger no longer needs it (no worker serves it and all its groups are trained).
+``<root>/v<N>/model.safetensors`` plus ``manifest.json``. The URI handed to rollout workers is
+``file://<root>/v<N>/model.safetensors``; its digest (``dora.digest``) travels beside it.
+
+- **Publish** writes the file into a temporary directory ``<root>/.v<N>.<pid>@<host>.<rand>.tmp``, hashes it
+  from the page cache while the file's fsync runs, writes the manifest, and renames the directory into place
+  (then fsyncs the root): a reader sees all of a version or none of it, and a listed version is whole after a
+  crash of the process or of the machine.
+- **Leftovers** of a publisher (or a retirement) that died are removed when a store is opened and before each
+  publish, each with a ``store_temp_removed`` line: a temporary directory whose owner pid is gone from this host,
+  or, written on another host, untouched for ``stale_temp_s``.
+- **Load** opens the file once, checks the digest on that open file (one pass, which also brings the bytes into
+  the page cache for the load) and maps the tensors from the same open file: the bytes checked are the bytes
+  loaded, even if the version is retired or re-published meanwhile.
+- **Retire** removes a version once the broker's ledger no longer needs it (no worker serves it and all its
+  groups are trained). A version is first renamed aside, then deleted, so no half-deleted version is listed.
+  The ledger keeps at most K + 1 versions alive, so the store holds at most K + 2 while the next one is written.
+
+Manifest format 2: ``{"format": 2, "version", "bytes", "digest", "chunks", "timings_s"}``. A format-1 manifest
+(``{"version", "sha256", "bytes", "write_s"}``, no ``format``) is still read: its digest is the file's plain
+sha256. A newer format is refused with an error saying so.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pathlib
+import re
 import shutil
+import socket
 import time
 import uuid
-from typing import TYPE_CHECKING
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import structlog
+
+from dora.digest import ALGOS, CHUNK_BYTES, Digest, DigestMismatch, digest_file, sha256_file, verify
 
 if TYPE_CHECKING:  # the broker imports this module to retire versions: no torch at run time
     import torch
 
+__all__ = ["DigestMismatch", "Manifest", "WeightStore", "load_verified", "retire_uri", "sha256_file", "store_path"]
+
 log = structlog.get_logger()
 
+MANIFEST_FORMAT = 2
+FILE = "model.safetensors"
+MANIFEST = "manifest.json"
+_TEMP = re.compile(r"\.v\d+\.(?:(?P<pid>\d+)@(?P<host>.+)\.)?[0-9a-f]{8}\.tmp")
 
-def sha256_file(path: str | pathlib.Path) -> str:
-    """The sha256 of a file's bytes: what the store writes into a manifest and an engine checks before loading."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Manifest:
+    version: int
+    digest: Digest
+    bytes: int
+    chunks: tuple[str, ...] = ()
+    timings_s: dict[str, float] = field(default_factory=dict)
+    format: int = MANIFEST_FORMAT
+
+    @classmethod
+    def read(cls, path: pathlib.Path) -> Manifest:
+        try:
+            raw = json.loads(path.read_text())
+            fmt = raw.get("format", 1)
+            if fmt == 1:
+                return cls(version=raw["version"], digest=Digest("sha256", 0, raw["sha256"]), bytes=raw["bytes"],
+                           timings_s={"write": raw.get("write_s", 0.0)}, format=1)  # fmt: skip
+            if fmt == MANIFEST_FORMAT:
+                return cls(version=raw["version"], digest=Digest.parse(raw["digest"]), bytes=raw["bytes"],
+                           chunks=tuple(raw["chunks"]), timings_s=dict(raw.get("timings_s", {})))  # fmt: skip
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{path}: not a readable manifest ({type(e).__name__}: {e})") from None
+        newer = isinstance(fmt, int) and fmt > MANIFEST_FORMAT
+        raise ValueError(f"{path}: manifest format {fmt!r}" + (" is newer than" if newer else " is not one")
+                         + f" this dora reads (1 to {MANIFEST_FORMAT})")  # fmt: skip
+
+    def to_json(self) -> str:
+        return json.dumps({"format": self.format, "version": self.version, "bytes": self.bytes,
+                           "digest": str(self.digest), "chunks": list(self.chunks),
+                           "timings_s": {k: round(v, 4) for k, v in self.timings_s.items()}})  # fmt: skip
 
 
 class WeightStore:
-    def __init__(self, root: str | pathlib.Path) -> None:
+    def __init__(self, root: str | pathlib.Path, *, algo: str = "xxh3_128", chunk_bytes: int = CHUNK_BYTES,
+                 fsync: bool = True, stale_temp_s: float = 3600.0) -> None:  # fmt: skip
+        if algo not in ALGOS or chunk_bytes < 1 << 20 or chunk_bytes % (1 << 20):
+            raise ValueError(f"digest {algo!r} in chunks of {chunk_bytes} bytes: need one of {sorted(ALGOS)}, "
+                             "chunks a whole number of MiB")  # fmt: skip
         self.root = pathlib.Path(root)
+        self.algo = algo
+        self.chunk_bytes = chunk_bytes
+        self.fsync = fsync
+        self.stale_temp_s = stale_temp_s
         self.root.mkdir(parents=True, exist_ok=True)
+        self.clean()
 
     def path(self, version: int) -> pathlib.Path:
         return self.root / f"v{version}"
 
+    def manifest(self, version: int) -> Manifest:
+        return Manifest.read(self.path(version) / MANIFEST)
+
+    def digest(self, version: int) -> str:
+        """The digest a worker checks this version against (what ``publish`` returned)."""
+        return str(self.manifest(version).digest)
+
     def publish(self, version: int, state: dict[str, torch.Tensor]) -> tuple[str, str, float]:
-        """Write ``state`` as version ``version``; returns (uri, sha256, seconds)."""
+        """Write ``state`` as version ``version``; returns (uri, digest, seconds)."""
         from safetensors.torch import save_file
 
         started = time.perf_counter()
+        self.clean()
         final = self.path(version)
-        tmp = self.root / f".v{version}.{uuid.uuid4().hex[:8]}.tmp"
+        tmp = self.root / f".v{version}.{_owner()}.{uuid.uuid4().hex[:8]}.tmp"
         tmp.mkdir()
         try:
-            file = tmp / "model.safetensors"
+            file = tmp / FILE
             save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(file))
-            sha = sha256_file(file)
-            manifest = {"version": version, "sha256": sha, "bytes": file.stat().st_size,
-                        "write_s": round(time.perf_counter() - started, 4)}  # fmt: skip
-            (tmp / "manifest.json").write_text(json.dumps(manifest))
+            written = time.perf_counter()
+            with ThreadPoolExecutor(1, thread_name_prefix="fsync") as pool:  # the disk writes while we hash
+                synced = pool.submit(_fsync_timed, file, self.fsync)
+                found = digest_file(file, self.algo, self.chunk_bytes)
+                fsync_s = synced.result()
+            committing = time.perf_counter()
+            timings = {"write": written - started, "hash": found.seconds, "fsync": fsync_s}
+            manifest = Manifest(version=version, digest=found.digest, bytes=found.size, chunks=found.chunks,
+                                timings_s=timings)  # fmt: skip
+            (tmp / MANIFEST).write_text(manifest.to_json())
+            if self.fsync:
+                _fsync_timed(tmp / MANIFEST, True)
+                _fsync_timed(tmp, True)
             if final.exists():  # a re-publish of the same version (a restarted learner): replace it whole
-                shutil.rmtree(final)
+                _remove_version(final)
             os.replace(tmp, final)
+            if self.fsync:
+                _fsync_timed(self.root, True)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        return f"file://{final / 'model.safetensors'}", sha, time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        commit_s = time.perf_counter() - committing
+        log.info("weights_written", version=version, bytes=found.size, digest=str(found.digest),
+                 write_s=round(timings["write"], 3), hash_s=round(found.seconds, 3), fsync_s=round(fsync_s, 3),
+                 commit_s=round(commit_s, 3), gb_per_s=round(found.size / seconds / 1e9, 2))  # fmt: skip
+        return f"file://{final / FILE}", str(found.digest), seconds
 
-    def load(self, version: int) -> dict[str, torch.Tensor]:
-        """A published version's tensors, after checking the file against its manifest's sha256."""
-        from safetensors.torch import load_file
-
-        path = self.path(version)
-        manifest = json.loads((path / "manifest.json").read_text())
-        file = path / "model.safetensors"
-        if sha256_file(file) != manifest["sha256"]:
-            raise ValueError(f"{file}: sha256 differs from its manifest")
-        return load_file(str(file))
+    def load(self, version: int, device: str = "cpu") -> dict[str, torch.Tensor]:
+        """A published version's tensors, checked against its manifest's digest on the very bytes loaded."""
+        return load_verified(self.path(version) / FILE, self.digest(version), name=f"v{version}", device=device)
 
     def retire(self, version: int) -> bool:
         """Delete a version's directory; False if it was not there."""
-        path = self.path(version)
-        if not path.exists():
-            return False
-        shutil.rmtree(path)
-        return True
+        return _remove_version(self.path(version))
 
     def versions(self) -> list[int]:
-        return sorted(int(p.name[1:]) for p in self.root.glob("v*") if p.name[1:].isdigit())
+        """The published versions: directories ``v<N>`` with their manifest, oldest first."""
+        found = (p for p in self.root.glob("v*") if p.name[1:].isdigit() and (p / MANIFEST).is_file())
+        return sorted(int(p.name[1:]) for p in found)
+
+    def clean(self) -> list[pathlib.Path]:
+        """Remove the temporary directories of publishers (or retirements) that are gone; returns them."""
+        removed = []
+        for p in self.root.glob(".v*.tmp"):
+            found = _TEMP.fullmatch(p.name)
+            reason = _stale(found, p, self.stale_temp_s) if found else None
+            if reason is not None:
+                shutil.rmtree(p, ignore_errors=True)
+                log.info("store_temp_removed", path=str(p), reason=reason)
+                removed.append(p)
+        return removed
+
+
+def load_verified(file: str | pathlib.Path, digest: str | None, *, name: str, device: str = "cpu") -> dict[str, Any]:
+    """The tensors of a safetensors file, its ``digest`` checked first (None: not checked) on the open file they
+    are then mapped from. A mismatch raises DigestMismatch naming ``name``; a file that cannot be opened, OSError."""
+    from safetensors.torch import load_file
+
+    file = pathlib.Path(file)
+    fd = os.open(file, os.O_RDONLY)
+    try:
+        if digest is not None:
+            beside = _manifest_for(file, digest)
+            verify(fd, digest, name=f"{name} at {file}", size=beside.bytes if beside else None,
+                   chunks=beside.chunks if beside else ())  # fmt: skip
+        return load_file(_reopen_path(fd), device=device)
+    finally:
+        os.close(fd)
+
+
+def _manifest_for(file: pathlib.Path, digest: str) -> Manifest | None:
+    """The manifest beside ``file`` if it describes the published digest (its size and chunks then apply)."""
+    try:
+        found = Manifest.read(file.parent / MANIFEST)
+        return found if found.digest == Digest.parse(digest) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _reopen_path(fd: int) -> str:
+    """A path that opens the very file behind ``fd``, not whatever its name points at by now."""
+    for d in ("/proc/self/fd", "/dev/fd"):
+        if os.path.isdir(d):
+            return f"{d}/{fd}"
+    raise OSError(f"neither /proc/self/fd nor /dev/fd here: cannot map the checked file (fd {fd})")
+
+
+def _owner() -> str:
+    return f"{os.getpid()}@{socket.gethostname()}"
+
+
+def _stale(found: re.Match[str], path: pathlib.Path, stale_s: float) -> str | None:
+    """Why a temporary directory is a dead writer's leftover, or None while its writer may be alive."""
+    if found["pid"] is None:
+        return "no owner in its name (written by an older dora)"
+    if found["host"] == socket.gethostname():
+        try:
+            os.kill(int(found["pid"]), 0)
+        except ProcessLookupError:
+            return f"its writer, pid {found['pid']}, is gone"
+        except PermissionError:
+            pass  # alive, another user's
+        return None
+    try:
+        age = time.time() - max([path.stat().st_mtime] + [p.stat().st_mtime for p in path.iterdir()])
+    except OSError:
+        return None
+    return f"written on {found['host']}, untouched for {age:.0f} s" if age > stale_s else None
+
+
+def _fsync_timed(path: pathlib.Path, enabled: bool) -> float:
+    started = time.perf_counter()
+    if enabled:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return time.perf_counter() - started
+
+
+def _remove_version(path: pathlib.Path) -> bool:
+    """Rename a version directory aside (atomic: it is no longer listed), then delete it. False if absent."""
+    aside = path.parent / f".{path.name}.{_owner()}.{uuid.uuid4().hex[:8]}.tmp"
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return False
+    shutil.rmtree(aside, ignore_errors=True)
+    return True
 
 
 def store_path(uri: str) -> pathlib.Path | None:
@@ -106,8 +271,7 @@ def retire_uri(uri: str) -> pathlib.Path | None:
     path = store_path(uri)
     if path is None:
         return None
-    if not (path.name.startswith("v") and (path / "manifest.json").is_file()):
+    if not (path.name.startswith("v") and (path / MANIFEST).is_file()):
         log.warning("retire_not_a_store_version", uri=uri)  # never delete what the store did not write
         return None
-    shutil.rmtree(path, ignore_errors=True)
-    return path
+    return path if _remove_version(path) else None

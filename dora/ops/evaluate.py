@@ -1,7 +1,7 @@
 """`dora eval --model DIR [--dataset FILE] [--store DIR --version N]`: a model's held-out accuracy, alone.
 
 The model folder gives the architecture, tokenizer and chat template; with ``--store`` and ``--version`` the
-weights are that published version's, checked against its manifest's sha256, as a rollout worker loads them.
+weights are that published version's, checked against its manifest's digest, as a rollout worker loads them.
 The rows, their fields, the template and the reward are the run config's ([task], [eval]); ``--dataset`` and
 the other flags override [eval]. Prints one summary line on stderr and the metrics as one JSON object on
 stdout (``--json`` also writes them to a file).
@@ -37,10 +37,9 @@ def evaluate_model(cfg: RunConfig, model: str, store: str | None = None, version
     engine = eval_engine(cfg, model)
     if store is not None and version is not None:
         ws = WeightStore(store)
-        manifest = ws.path(version) / "manifest.json"
-        if not manifest.is_file():
+        if version not in ws.versions():
             raise ConfigError(f"--store {store}: no version {version} (versions: {ws.versions()})")
-        engine.load_weights(version, ws.path(version) / "model.safetensors", json.loads(manifest.read_text())["sha256"])
+        engine.load_weights(version, ws.path(version) / "model.safetensors", ws.digest(version))
     return {"version": version or 0, **evaluate_on(engine, task, cfg, limit=e.limit)}
 
 

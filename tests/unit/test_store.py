@@ -1,34 +1,146 @@
-"""The weight store: atomic versions with a sha256 manifest; the broker's retirement deletes only store versions."""
+"""The weight store: atomic versions with a chunked digest manifest, checked on the bytes loaded; format-1
+manifests still read; a publisher killed mid-write leaves nothing a worker could load, and its leftovers go at the
+next open; the broker's retirement deletes only store versions."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
+import pytest
 import torch
+from safetensors.torch import save_file
+from structlog.testing import capture_logs
 
-from dora.store import WeightStore, retire_uri, sha256_file, store_path
+import dora.store
+from dora.digest import Digest, DigestMismatch, digest_file
+from dora.store import WeightStore, load_verified, retire_uri, sha256_file, store_path
+
+MIB = 1 << 20
+
+
+def state(seed: int = 0, mib: int = 6) -> dict[str, torch.Tensor]:
+    """Two tensors of ``mib`` MiB in all: several 1 MiB chunks."""
+    g = torch.Generator().manual_seed(seed)
+    return {"a": torch.randn(mib * MIB // 8, generator=g), "b": torch.randn(mib * MIB // 8, generator=g)}
 
 
 def test_publish_writes_a_complete_version_with_its_digest(tmp_path):
     store = WeightStore(tmp_path / "store")
-    state = {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(3)}
-    uri, sha, seconds = store.publish(3, state)
+    tensors = {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(3)}
+    uri, digest, seconds = store.publish(3, tensors)
     path = store_path(uri)
     assert uri.startswith("file://") and path == tmp_path / "store" / "v3" and seconds >= 0
     manifest = json.loads((path / "manifest.json").read_text())
-    assert manifest["version"] == 3 and manifest["sha256"] == sha == sha256_file(path / "model.safetensors")
-    from safetensors.torch import load_file
-
-    back = load_file(str(path / "model.safetensors"))
-    assert torch.equal(back["w"], state["w"]) and torch.equal(back["b"], state["b"])
+    assert manifest["format"] == 2 and manifest["version"] == 3 and manifest["digest"] == digest == store.digest(3)
+    found = digest_file(path / "model.safetensors")
+    assert str(found.digest) == digest and manifest["chunks"] == list(found.chunks)
+    assert manifest["bytes"] == (path / "model.safetensors").stat().st_size
+    assert set(manifest["timings_s"]) == {"write", "hash", "fsync"}
+    back = store.load(3)
+    assert torch.equal(back["w"], tensors["w"]) and torch.equal(back["b"], tensors["b"])
     assert store.versions() == [3] and not [p for p in (tmp_path / "store").iterdir() if p.name.startswith(".")]
+
+
+def test_a_digest_names_its_algorithm_and_chunk_size_and_a_plain_sha256_still_parses():
+    tree = Digest("xxh3_128", 16 * MIB, "ab" * 16)
+    assert str(tree) == "xxh3_128/16MiB:" + "ab" * 16 and Digest.parse(str(tree)) == tree
+    assert Digest.parse("0" * 64) == Digest("sha256", 0, "0" * 64)
+    for bad in ("", "md5/16MiB:00", "xxh3_128/0MiB:00", "sha256:" + "0" * 64, "0" * 63):
+        with pytest.raises(ValueError, match="not a weight digest"):
+            Digest.parse(bad)
+
+
+@pytest.mark.parametrize("algo", ["xxh3_128", "sha256"])
+def test_a_flipped_byte_is_refused_naming_the_version_and_the_chunk(tmp_path, algo):
+    store = WeightStore(tmp_path, algo=algo, chunk_bytes=MIB)
+    _, digest, _ = store.publish(4, state())
+    assert digest.startswith(f"{algo}/1MiB:")
+    file = store.path(4) / "model.safetensors"
+    data = bytearray(file.read_bytes())
+    data[2 * MIB + 17] ^= 0x01  # one bit, in the third chunk
+    file.write_bytes(bytes(data))
+    with pytest.raises(
+        DigestMismatch, match=r"v4 at .*model\.safetensors: .*1 of 7 chunks differ.* bytes 2097152-3145728"
+    ):
+        store.load(4)
+    with pytest.raises(DigestMismatch, match="v4"):  # the engines' path: the published digest, the manifest beside
+        load_verified(file, digest, name="v4")
+
+
+def test_a_truncated_file_is_refused_with_its_size_and_the_manifests(tmp_path):
+    store = WeightStore(tmp_path, chunk_bytes=MIB)
+    _, digest, _ = store.publish(2, state())
+    file = store.path(2) / "model.safetensors"
+    size = file.stat().st_size
+    with open(file, "r+b") as f:
+        f.truncate(size - 100)
+    with pytest.raises(DigestMismatch, match=rf"v2 at .*: the file has {size - 100} bytes, its manifest says {size}"):
+        store.load(2)
+    (store.path(2) / "manifest.json").unlink()  # no manifest beside it: the digest alone still refuses it
+    with pytest.raises(DigestMismatch, match=rf"v2 at .*does not match the published .*\({size - 100} bytes\)"):
+        load_verified(file, digest, name="v2")
+
+
+def test_a_format_1_manifest_is_still_read_and_checked_as_a_plain_sha256(tmp_path):
+    """What a store written before format 2 holds: ``{version, sha256, bytes, write_s}``, no ``format``."""
+    (tmp_path / "v5").mkdir()
+    file = tmp_path / "v5" / "model.safetensors"
+    tensors = state(1, mib=2)
+    save_file(tensors, str(file))
+    old = {"version": 5, "sha256": sha256_file(file), "bytes": file.stat().st_size, "write_s": 0.1}
+    (tmp_path / "v5" / "manifest.json").write_text(json.dumps(old))
+    store = WeightStore(tmp_path)
+    assert store.versions() == [5] and store.digest(5) == old["sha256"] and store.manifest(5).format == 1
+    assert torch.equal(store.load(5)["a"], tensors["a"])
+    file.write_bytes(file.read_bytes()[:-1] + b"\x00")
+    with pytest.raises(DigestMismatch, match=r"v5 at .*: sha256 digest"):
+        store.load(5)
+
+
+@pytest.mark.parametrize(
+    ("manifest", "error"),
+    [
+        ({"format": 3, "version": 1, "digest": "x"}, "manifest format 3 is newer than this dora reads"),
+        ({"format": "2"}, "manifest format '2' is not one this dora reads"),
+        ({"format": 2, "version": 1}, "not a readable manifest .KeyError"),
+        ({"format": 2, "version": 1, "bytes": 1, "chunks": [], "digest": "md5:00"}, "not a weight digest"),
+    ],
+)
+def test_a_manifest_this_dora_cannot_read_is_a_clear_error(tmp_path, manifest, error):
+    (tmp_path / "v1").mkdir()
+    (tmp_path / "v1" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match=error):
+        WeightStore(tmp_path).load(1)
+
+
+def test_the_bytes_checked_are_the_bytes_loaded_even_if_the_version_is_replaced_meanwhile(tmp_path, monkeypatch):
+    store = WeightStore(tmp_path)
+    _, digest, _ = store.publish(1, state(1, mib=2))
+    file = store.path(1) / "model.safetensors"
+    checked = dora.store.verify
+
+    def check_then_replace(*args, **kwargs):  # a re-publish lands between the check and the mapping
+        found = checked(*args, **kwargs)
+        save_file(state(2, mib=2), str(tmp_path / "other.safetensors"))
+        os.replace(tmp_path / "other.safetensors", file)
+        return found
+
+    monkeypatch.setattr(dora.store, "verify", check_then_replace)
+    loaded = load_verified(file, digest, name="v1")
+    assert torch.equal(loaded["a"], state(1, mib=2)["a"])  # the checked file, not the one now under its name
 
 
 def test_republishing_a_version_replaces_it_whole(tmp_path):
     store = WeightStore(tmp_path)
     _, first, _ = store.publish(1, {"w": torch.zeros(2)})
     _, second, _ = store.publish(1, {"w": torch.ones(2)})
-    assert first != second and json.loads((tmp_path / "v1" / "manifest.json").read_text())["sha256"] == second
+    assert first != second and store.digest(1) == second and torch.equal(store.load(1)["w"], torch.ones(2))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v1"]
 
 
 def test_retire_deletes_store_versions_and_nothing_else(tmp_path):
@@ -40,4 +152,72 @@ def test_retire_deletes_store_versions_and_nothing_else(tmp_path):
     assert retire_uri(f"file://{stray / 'model.safetensors'}") is None and stray.exists()
     assert retire_uri("sim://v2") is None
     assert retire_uri(uri) == tmp_path / "store" / "v2" and store.versions() == []
-    assert store.retire(2) is False
+    assert store.retire(2) is False and not list((tmp_path / "store").iterdir())
+
+
+def dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_leftovers_of_dead_writers_are_removed_at_open_and_a_live_writers_are_kept(tmp_path):
+    host = os.uname().nodename
+    old = time.time() - 7200
+    dirs = {
+        "dead": tmp_path / f".v3.{dead_pid()}@{host}.0123abcd.tmp",
+        "unowned": tmp_path / ".v4.89abcdef.tmp",  # the name an older dora gave its temporary directory
+        "far_stale": tmp_path / ".v5.77@other.host.0123abcd.tmp",
+        "live": tmp_path / f".v6.{os.getpid()}@{host}.0123abcd.tmp",
+        "far_fresh": tmp_path / ".v7.77@other.host.0123abcd.tmp",
+    }
+    for name, d in dirs.items():
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"partial")
+        if name == "far_stale":
+            for p in (d / "model.safetensors", d):
+                os.utime(p, (old, old))
+    with capture_logs() as logs:
+        WeightStore(tmp_path)
+    removed = {r["path"]: r["reason"] for r in logs if r["event"] == "store_temp_removed"}
+    assert set(removed) == {str(dirs[k]) for k in ("dead", "unowned", "far_stale")}
+    assert "is gone" in removed[str(dirs["dead"])] and "other.host" in removed[str(dirs["far_stale"])]
+    assert dirs["live"].exists() and dirs["far_fresh"].exists()
+
+
+CHILD = """
+import sys, torch
+from dora.store import WeightStore
+store = WeightStore(sys.argv[1], fsync=True)
+store.publish(1, {"w": torch.arange(8.0)})
+big = {f"t{i}": torch.full((16 << 20,), float(i)) for i in range(6)}  # 384 MiB
+print("publishing", flush=True)
+store.publish(2, big)
+print("published", flush=True)
+"""
+
+
+def test_a_publisher_killed_mid_write_leaves_no_version_a_worker_could_load(tmp_path):
+    root = tmp_path / "store"
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(root)], stdout=subprocess.PIPE, text=True)
+    try:
+        while (line := child.stdout.readline()) and line.strip() != "publishing":  # past the log lines
+            pass
+        assert line, "the child ended before its second publish"
+        deadline = time.monotonic() + 30
+        while not [f for f in root.glob(".v2.*.tmp/model.safetensors") if f.stat().st_size > 0]:
+            assert time.monotonic() < deadline and child.poll() is None, "the publish never started writing"
+        os.kill(child.pid, signal.SIGKILL)
+        assert child.wait(10) == -signal.SIGKILL
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    (partial,) = root.glob(".v2.*.tmp")
+    assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == ["v1"]  # v2 is not listed
+    with capture_logs() as logs:
+        store = WeightStore(root)
+    assert [r["path"] for r in logs if r["event"] == "store_temp_removed"] == [str(partial)]
+    assert not partial.exists() and store.versions() == [1]
+    for v in store.versions():  # every listed version loads, checked
+        assert torch.equal(store.load(v)["w"], torch.arange(8.0))

@@ -4,7 +4,7 @@ The rollout actor owns the socket and the clock and calls these from its event l
 
 - ``loaded(version, uri, sha256)``: take the version's weights (``uri`` from the ``Assign``; a
   ``sim://`` URI names weights that do not exist). Raise ``EngineError`` to refuse (requests still
-  running, a sha256 mismatch); the engine must then still be on its previous version.
+  running, a digest mismatch); the engine must then still be on its previous version.
 - ``submit(Generate, now)``: queue ``n_samples`` samples of a group, with the request's seed.
 - ``advance(now)``: make progress (a time-driven engine catches up to ``now``; a compute-driven one
   runs one step) and keep what finished for ``take_finished``; ``next_event_s`` says how soon to call

@@ -5,7 +5,7 @@ Here a call to ``advance`` runs one engine step (a prefill of what joined, one d
 runs) when there is work; finished samples are scored with the run's task reward and reported.
 
 Weights: an ``Assign`` names the version's weights by URI. ``file://`` paths (or plain paths) are
-loaded in place, checked against the published sha256. ``sim://`` names the sim learner's versions,
+loaded in place, checked against the published digest. ``sim://`` names the sim learner's versions,
 which carry no weights: the engine keeps its tensors and takes the version label, so a live run with
 the sim learner exercises versions, migration and C1 bookkeeping on a real model.
 """

@@ -15,9 +15,9 @@
   actually drawn from: ``softmax(logits / temperature)``, renormalised over the top-p nucleus when
   ``top_p < 1`` (vLLM's ``processed_logprobs``; the learner must score with the same temperature).
 
-Weights: ``load_weights(version, path, sha256)`` reads a safetensors file (or an HF folder's
-``model.safetensors``), checks its sha256 first and refuses a mismatch or a load while requests run;
-on refusal the engine stays on its current version.
+Weights: ``load_weights(version, path, digest)`` reads a safetensors file (or an HF folder's
+``model.safetensors``), checks its digest (``dora.digest``) first and refuses a mismatch or a load while
+requests run; on refusal the engine stays on its current version.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch
 
 from dora.ids import Finish
 from dora.rollout.engines.base import EngineError, Sample
-from dora.store import sha256_file
+from dora.store import load_verified
 
 
 @dataclass(slots=True, kw_only=True)
@@ -53,20 +53,19 @@ def weights_file(path: str | pathlib.Path) -> pathlib.Path:
     return p / "model.safetensors" if p.is_dir() else p
 
 
-def read_weights(version: int, path: str | pathlib.Path, sha256: str | None, device: str = "cpu") -> dict[str, Any]:
-    """A published version's tensors, its sha256 checked first. Every way the read can fail is an EngineError
-    (the worker stays on its version and lets the broker re-plan), a file that goes away mid-read included:
-    the broker may retire a version it told this worker to load, once a newer assignment has replaced that
-    order, and the newer one is then already on its way."""
-    from safetensors.torch import load_file
-
+def read_weights(version: int, path: str | pathlib.Path, digest: str | None, device: str = "cpu") -> dict[str, Any]:
+    """A published version's tensors, its digest checked first (``dora.store.load_verified``: one pass over the open
+    file, whose tensors are then mapped from that same file). Every way the read can fail is an EngineError (the
+    worker stays on its version and lets the broker re-plan), a file gone before it is opened included: the
+    broker may retire a version it told this worker to load, once a newer assignment has replaced that order, and
+    the newer one is then already on its way. Once opened, the file is read whole even if it is retired."""
     file = weights_file(path)
     try:
-        if sha256 is not None and (got := sha256_file(file)) != sha256:
-            raise EngineError(f"v{version} at {file}: sha256 {got[:12]}… does not match the published {sha256[:12]}…")
-        return load_file(str(file), device=device)
+        return load_verified(file, digest, name=f"v{version}", device=device)
     except OSError as e:
         raise EngineError(f"v{version}: cannot read {file}: {e.strerror or e}") from None
+    except ValueError as e:  # a digest mismatch, or a digest this dora cannot read
+        raise EngineError(str(e)) from None
 
 
 class TorchEngine:
@@ -92,11 +91,11 @@ class TorchEngine:
 
     # ------------------------------------------------------------------ weights
 
-    def load_weights(self, version: int, path: str | pathlib.Path, sha256: str | None) -> None:
+    def load_weights(self, version: int, path: str | pathlib.Path, digest: str | None) -> None:
         """Load a published version in place. Refused while requests run or when the bytes do not match."""
         if self.running or self.waiting:
             raise EngineError(f"cannot load v{version}: {len(self.running) + len(self.waiting)} requests are running")
-        state = read_weights(version, path, sha256, device=str(self.device))
+        state = read_weights(version, path, digest, device=str(self.device))
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         if unexpected or [k for k in missing if "rotary" not in k]:
             raise EngineError(f"v{version} does not fit the model: missing {missing[:3]}, extra {unexpected[:3]}")

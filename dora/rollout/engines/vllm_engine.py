@@ -10,7 +10,7 @@ and pages the KV cache itself.
 - **Seeds**: each sample gets its own seed from the request's seed and its index.
 - **KV memory** is always bounded by ``kv_cache_bytes``. vLLM's CPU default would size the cache to
   most of the machine's memory.
-- **Weights**: ``load_weights`` checks the file's sha256, then reloads the tensors in place with
+- **Weights**: ``load_weights`` checks the file's digest, then reloads the tensors in place with
   ``reload_weights``, with no restart. A mismatch is refused, and so is a load while requests run.
   The prefix cache is reset, because its entries were computed with the old weights.
 - **Episodes** (``keep_kv``): a turn ends at EOS, a stop token or the turn's budget; ``extend`` appends the
