@@ -20,6 +20,8 @@ go through safetensors' torch helpers, imported when called): the broker imports
 - **Retire** removes a version once the broker's ledger no longer needs it (no worker serves it and all its
   groups are trained). A version is first renamed aside, then deleted, so no half-deleted version is listed.
   The ledger keeps at most K + 1 versions alive, so the store holds at most K + 2 while the next one is written.
+  A broker restarted from its journal holds only the newest version alive: it retires the older ones at once
+  (``retire_older``), or they would stay on disk for good.
 
 Manifest format 2: ``{"format": 2, "version", "bytes", "digest", "chunks", "timings_s"}``. A format-1 manifest
 (``{"version", "sha256", "bytes", "write_s"}``, no ``format``) is still read: its digest is the file's plain
@@ -47,7 +49,8 @@ from dora.digest import ALGOS, CHUNK_BYTES, Digest, DigestMismatch, digest_file,
 if TYPE_CHECKING:  # the broker imports this module to retire versions: no torch at run time
     import torch
 
-__all__ = ["DigestMismatch", "Manifest", "WeightStore", "load_verified", "retire_uri", "sha256_file", "store_path"]
+__all__ = ["DigestMismatch", "Manifest", "WeightStore", "load_verified", "retire_older", "retire_uri", "sha256_file",
+           "store_path"]  # fmt: skip
 
 log = structlog.get_logger()
 
@@ -275,3 +278,15 @@ def retire_uri(uri: str) -> pathlib.Path | None:
         log.warning("retire_not_a_store_version", uri=uri)  # never delete what the store did not write
         return None
     return path if _remove_version(path) else None
+
+
+def retire_older(uri: str) -> list[pathlib.Path]:
+    """Delete the versions older than the one a published ``file://`` URI names, in the store it points into; returns
+    them. A broker restarted from its journal holds only that newest version alive (the older ones' groups are
+    re-run on it), so nothing else would ever retire them."""
+    path = store_path(uri)
+    if path is None or not path.name[1:].isdigit():
+        return []
+    newest = int(path.name[1:])
+    old = [p for p in path.parent.glob("v*") if p.name[1:].isdigit() and int(p.name[1:]) < newest]
+    return sorted((p for p in old if (p / MANIFEST).is_file() and _remove_version(p)), key=lambda p: int(p.name[1:]))

@@ -30,6 +30,7 @@ from dora.config import ConfigError, load
 from dora.config.run import RunConfig
 from dora.core.core import Core
 from dora.logging import configure_logging
+from dora.store import retire_older
 from dora.tasks.prompts import prompt_source
 
 log = structlog.get_logger()
@@ -168,6 +169,9 @@ def open_journal(cfg: RunConfig, epoch: int, cluster: ClusterInfo | None = None,
     past = replay(cfg.broker.journal)
     if past.epochs and past.shape != shape:
         raise ConfigError(f"the journal {cfg.broker.journal} was written by a run with {past.shape}, not {shape}")
+    if past.weights is not None:  # the rebuilt ledger holds only the newest version: nothing would retire the rest
+        for path in retire_older(past.weights[0]):
+            log.info("version_retired", version=int(path.name[1:]), deleted=str(path), reason="restart")
     core = Core(cfg.core, initial_version=past.newest, start_cursor=past.reserved, strict=cfg.broker.strict)
     owed = past.owed
     core.restore(owed)

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -34,6 +39,33 @@ def torch_run(tmp_path: pathlib.Path, tiny_model: pathlib.Path, steps: int, *, m
     for section, values in sections.items():
         overrides.setdefault(section, {}).update(values)
     return overrides
+
+
+@contextmanager
+def store_sampled(root: pathlib.Path, every_s: float = 0.002) -> Iterator[list[set[int]]]:
+    """Every few ms while the body runs, the set of versions with anything on disk in a store: published
+    (``v<N>``), being written (``.v<N>.….tmp``) or being deleted (renamed aside, ``.v<N>.….tmp``)."""
+    seen: list[set[int]] = []
+    stop = threading.Event()
+    name = re.compile(r"\.?v(\d+)(?:\..*\.tmp)?")
+
+    def sample() -> None:
+        while not stop.wait(every_s):
+            try:
+                names = os.listdir(root)
+            except FileNotFoundError:
+                continue
+            found = {int(m[1]) for n in names if (m := name.fullmatch(n))}
+            if not seen or found != seen[-1]:
+                seen.append(found)
+
+    thread = threading.Thread(target=sample, name="store-sampler", daemon=True)
+    thread.start()
+    try:
+        yield seen
+    finally:
+        stop.set()
+        thread.join(5)
 
 
 def wait_steps(c, n: int, learner: str, timeout_s: float = 150) -> None:
@@ -88,11 +120,12 @@ def test_a_custom_engine_from_the_example_serves_a_run(tmp_path):
 
 def test_a_torch_learner_trains_and_workers_load_every_published_version(tmp_path, tiny_model):
     """The whole loop on a real model: GRPO steps, weights published to the store, verified and loaded
-    by the torch workers, retired versions deleted from the store."""
+    by the torch workers, retired versions deleted from the store: sampled all along, the store never holds more
+    than K + 2 versions (K + 1 alive in the ledger, and the next one being written)."""
     steps = 5
     store = tmp_path / "store"
     overrides = torch_run(tmp_path, tiny_model, steps, min_workers=2, max_tokens=16)
-    with cluster(tmp_path, overrides) as c:
+    with cluster(tmp_path, overrides) as c, store_sampled(store) as seen:
         c.start_broker()
         for i in range(2):
             c.start_worker(f"w{i}", "torch", "--model", str(tiny_model))
@@ -100,6 +133,9 @@ def test_a_torch_learner_trains_and_workers_load_every_published_version(tmp_pat
         assert c.wait("learner", 200) == 0, c.log("learner")[-3000:]
         assert c.wait("broker", 15) == 0, c.log("broker")[-3000:]
         c.check_exactly_once()
+        k = overrides["core"]["max_staleness"]
+        assert seen and max(map(len, seen)) <= k + 2, f"more than K + 2 = {k + 2} versions on disk: {seen}"
+        assert set().union(*seen) >= set(range(1, steps + 1)), seen  # the sampler saw every version go by
         published = c.events("broker", "train_step")
         assert [r["version"] for r in published] == list(range(1, steps + 1))
         assert all(r["learner"]["tokens"] > 0 for r in published)

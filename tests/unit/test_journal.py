@@ -89,3 +89,27 @@ def test_only_distinct_groups_below_the_cursor_can_be_owed(owed):
     core = Core(CoreConfig(mode="dora", max_staleness=1, train_groups=2, group_size=2), start_cursor=10)
     with pytest.raises(ValueError, match="distinct and below the cursor"):
         core.restore(owed)
+
+
+def test_a_broker_resumed_from_its_journal_retires_the_store_versions_its_ledger_no_longer_holds(tmp_path):
+    """The rebuilt ledger holds only the journal's newest version (the older versions' groups are re-run on it);
+    the older versions left in the store are deleted at once, or nothing would ever retire them."""
+    import torch
+
+    from dora.broker.main import open_journal
+    from dora.config import load
+    from dora.config.run import RunConfig
+    from dora.store import WeightStore
+
+    store = WeightStore(tmp_path / "store")
+    j = Journal(tmp_path / "j.jsonl")
+    for v in (1, 2, 3):
+        uri, digest, _ = store.publish(v, {"w": torch.full((2,), float(v))})
+        j.step(v, uri, digest, [v])
+    j.close()
+    store.publish(4, {"w": torch.zeros(2)})  # published by the learner, never journalled: the learner redoes it
+    cfg = load(RunConfig, overrides=[f"broker.journal={tmp_path / 'j.jsonl'}"])
+    core, journal, weights = open_journal(cfg, epoch=2)
+    journal.close()
+    assert core.ledger.alive() == [3] and weights == {3: (uri, digest)}
+    assert store.versions() == [3, 4]

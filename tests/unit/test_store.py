@@ -221,3 +221,12 @@ def test_a_publisher_killed_mid_write_leaves_no_version_a_worker_could_load(tmp_
     assert not partial.exists() and store.versions() == [1]
     for v in store.versions():  # every listed version loads, checked
         assert torch.equal(store.load(v)["w"], torch.arange(8.0))
+
+
+def test_retire_older_deletes_only_the_store_versions_before_the_one_named(tmp_path):
+    store = WeightStore(tmp_path / "store")
+    uris = [store.publish(v, {"w": torch.zeros(1)})[0] for v in (2, 3, 5, 6)]
+    (tmp_path / "store" / "v1").mkdir()  # not a store version (no manifest): never deleted
+    assert dora.store.retire_older(uris[2]) == [tmp_path / "store" / "v2", tmp_path / "store" / "v3"]
+    assert store.versions() == [5, 6] and (tmp_path / "store" / "v1").exists()
+    assert dora.store.retire_older("sim://v5") == [] and dora.store.retire_older(uris[2]) == []
