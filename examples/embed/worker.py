@@ -5,7 +5,7 @@
 It is ``examples/custom_engine.py``'s worker with the stack's three methods filled in:
 ``generate`` samples a group from the model at the run's temperature and records each token's
 log-probability under the distribution it was drawn from (what dora's loss divides by); ``loaded`` takes a published
-version's weights from the weight store after checking their sha256; ``reward`` scores with the run's
+version's weights from the weight store after checking their digest; ``reward`` scores with the run's
 task and its ``task.reward``.
 """
 
@@ -23,7 +23,7 @@ from custom_engine import MyEngine, Request, main
 from dora.config import ConfigError
 from dora.config.run import RunConfig
 from dora.rollout.engines.base import EngineError
-from dora.store import sha256_file
+from dora.store import load_verified
 from dora.tasks.prompts import TaskRun
 
 
@@ -69,11 +69,11 @@ class ModelEngine(MyEngine):
             if self.pending:
                 raise EngineError(f"cannot load v{version}: {len(self.pending)} requests are waiting")
             path = pathlib.Path(uri.removeprefix("file://"))
-            if sha256_file(path) != sha256:
-                raise EngineError(f"v{version} at {path} does not match its published sha256")
-            from safetensors.torch import load_file
-
-            missing, unexpected = self.model.load_state_dict(load_file(str(path)), strict=False)
+            try:  # the published digest, checked on the open file the tensors are then read from
+                state = load_verified(path, sha256, name=f"v{version}")
+            except (OSError, ValueError) as e:
+                raise EngineError(f"v{version} at {path}: {e}") from None
+            missing, unexpected = self.model.load_state_dict(state, strict=False)
             if unexpected or [k for k in missing if "rotary" not in k]:
                 raise EngineError(f"v{version} does not fit the model: missing {missing[:3]}, extra {unexpected[:3]}")
         self.version = version
