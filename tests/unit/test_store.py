@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -162,7 +163,7 @@ def dead_pid() -> int:
 
 
 def test_leftovers_of_dead_writers_are_removed_at_open_and_a_live_writers_are_kept(tmp_path):
-    host = os.uname().nodename
+    host = socket.gethostname()
     old = time.time() - 7200
     dirs = {
         "dead": tmp_path / f".v3.{dead_pid()}@{host}.0123abcd.tmp",
