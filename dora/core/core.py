@@ -378,28 +378,35 @@ class Core:
                 self._assign(w.worker_id, out)
         if full:
             self.rebalances += 1
-        newest = self.ledger.newest
-        # Between triggers only idle workers off the newest version can move: look at those alone.
-        candidates = sched.workers.values() if full else [sched.workers[name] for name in sorted(sched.idle)]
+        newest, led = self.ledger.newest, self.ledger
+        # Only workers off the newest version can move or hand groups over, so only they are looked at; a full
+        # re-partition counts the others (its targets depend on the fleet's size). Between triggers only the
+        # idle ones can move.
+        pending = self._pending() if full else sched.pending_requests()
+        if full:
+            older = [sched.workers[w] for v in led.pinned_versions() if v != newest for w in led.pinned_to(v)]
+            candidates = sorted(older, key=lambda w: w.order)
+        else:
+            candidates = self._idle_off_newest()
         views = [
             orchestrator.WorkerView(
                 worker_id=w.worker_id,
-                version=v,
+                version=led.version_of(w.worker_id),  # type: ignore[arg-type]  (pinned: found by its pin)
                 free=w.free,
                 groups=tuple((g, sched.unfinished(sched.flights[g])) for g in sorted(w.groups)),
                 settled=w.ready and not w.leaving,
                 order=w.order,
             )
             for w in candidates
-            if (v := self.ledger.version_of(w.worker_id)) is not None
-            and (full or v != newest)
-            and not w.yielded
-            and not w.incoming  # a group is on its way to it: it keeps its version until the group lands
+            if not w.yielded and not w.incoming  # a group is on its way to it: it keeps its version until it lands
         ]
         if not views:
             return
-        pending = self._pending() if full else self.scheduler.pending_requests()
-        plan = orchestrator.plan(views, pending, newest, full=full)
+        fleet = None
+        if full:
+            on_newest = (sched.workers[w] for w in led.pinned_to(newest))
+            fleet = len(views) + sum(1 for w in on_newest if not w.yielded and not w.incoming)
+        plan = orchestrator.plan(views, pending, newest, full=full, fleet=fleet)
         for gid, _src, dst in plan.migrations:
             sched.migrate(sched.flights[gid], sched.workers[dst], out)
         for worker in sorted(plan.moves, key=lambda name: sched.workers[name].order):  # join order, as partial
@@ -408,6 +415,18 @@ class Core:
                 sched.set_leaving(w, True)
             else:
                 self._assign(worker, out)
+
+    def _idle_off_newest(self) -> list[Worker]:
+        """Idle workers pinned to a version older than the newest, in name order. Found from the smaller side (the
+        idle workers, or the workers of older versions), so that an event costs nothing per worker of a fleet that
+        is busy or already on the newest version."""
+        sched, led = self.scheduler, self.ledger
+        older = [led.pinned_to(v) for v in led.pinned_versions() if v != led.newest]
+        if sum(map(len, older)) <= len(sched.idle):
+            names = [w for workers in older for w in workers if w in sched.idle]
+        else:
+            names = [w for w in sched.idle if led.version_of(w) not in (None, led.newest)]
+        return [sched.workers[w] for w in sorted(names)]
 
     def _pending(self) -> dict[int, int]:
         """R_v: unfinished samples per version, plus what the newest version is about to receive."""

@@ -27,6 +27,7 @@ Invariant kept here: at most K + 1 versions are not retired at any time (checked
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Collection
 from enum import StrEnum
 
 from dora.ids import WorkerId
@@ -53,6 +54,9 @@ class Ledger:
         self.newest = initial_version
         self._state: dict[int, VersionState] = {initial_version: VersionState.PUBLISHED}
         self._pins: dict[WorkerId, int] = {}
+        self._pinned: dict[int, dict[WorkerId, None]] = {}
+        """version -> the workers pinned to it (in pin order), for versions with any: ``_pins`` inverted, so that
+        nothing per event has to look at every worker."""
         self._unconsumed: Counter[int] = Counter()
         """Unconsumed groups per dispatch version (a version with any is not retired)."""
         self._by_deadline: Counter[int] = Counter()
@@ -71,7 +75,15 @@ class Ledger:
         return self._pins.get(worker)
 
     def workers_of(self, version: int) -> list[WorkerId]:
-        return [w for w, v in self._pins.items() if v == version]
+        return list(self._pinned.get(version, ()))
+
+    def pinned_to(self, version: int) -> Collection[WorkerId]:
+        """The workers pinned to ``version``: a live view, not to be kept across a pin or unpin."""
+        return self._pinned.get(version, {}).keys()
+
+    def pinned_versions(self) -> list[int]:
+        """Versions at least one worker is pinned to, oldest first."""
+        return sorted(self._pinned)
 
     def unconsumed(self, version: int) -> int:
         return self._unconsumed[version]
@@ -92,7 +104,9 @@ class Ledger:
         """``worker`` serves ``version`` from now on (loading counts: the pin moves when Assign is sent)."""
         if self.state(version) is VersionState.RETIRED:
             raise InvariantViolation(f"pinning {worker} to retired version {version}")
+        self.unpin(worker)
         self._pins[worker] = version
+        self._pinned.setdefault(version, {})[worker] = None
 
     def mark_loaded(self, version: int) -> None:
         """A worker finished loading ``version``: it goes LIVE and older LIVE versions start draining."""
@@ -104,7 +118,12 @@ class Ledger:
                     self._state[v] = VersionState.DRAINING
 
     def unpin(self, worker: WorkerId) -> None:
-        self._pins.pop(worker, None)
+        version = self._pins.pop(worker, None)
+        if version is not None:
+            workers = self._pinned[version]
+            del workers[worker]
+            if not workers:
+                del self._pinned[version]
 
     def add_group(self, version: int, deadline: int) -> None:
         if self.state(version) is VersionState.RETIRED:
@@ -132,7 +151,7 @@ class Ledger:
 
     def collect_retired(self) -> list[int]:
         """Retire every version that is superseded, unserved and fully consumed; return them, oldest first."""
-        pinned = set(self._pins.values())
+        pinned = self._pinned.keys()
         gone = [v for v in sorted(self._state) if v < self.newest and v not in pinned and not self._unconsumed[v]]
         for v in gone:
             del self._state[v]  # state() reports RETIRED for any version no longer held
@@ -142,6 +161,11 @@ class Ledger:
         alive = self.alive()
         if self.bounded and len(alive) > self.max_staleness + 1:
             raise InvariantViolation(f"{len(alive)} versions alive {alive}, bound is K + 1 = {self.max_staleness + 1}")
+        inverted: dict[int, set[WorkerId]] = {}
+        for w, v in self._pins.items():
+            inverted.setdefault(v, set()).add(w)
+        if inverted != {v: set(ws) for v, ws in self._pinned.items()}:
+            raise InvariantViolation("the workers pinned per version are out of date")
         for w, v in self._pins.items():
             if self.state(v) is VersionState.RETIRED:
                 raise InvariantViolation(f"worker {w} pinned to retired version {v}")

@@ -65,13 +65,16 @@ def allocate(workers: int, pending: dict[int, int], newest: int) -> dict[int, in
     return target
 
 
-def plan(workers: list[WorkerView], pending: dict[int, int], newest: int, *, full: bool) -> Plan:
+def plan(workers: list[WorkerView], pending: dict[int, int], newest: int, *, full: bool,
+         fleet: int | None = None) -> Plan:  # fmt: skip
     """Which workers move to ``newest`` and which groups they hand over first.
 
     ``full=False`` (between triggers): only empty workers of versions with no pending work move.
+    ``fleet``: the workers the targets are shared among, when ``workers`` leaves out those of ``newest`` (they
+    neither move nor take others' groups; default: ``len(workers)``).
     """
     out = Plan()
-    target = allocate(len(workers), pending, newest)
+    target = allocate(len(workers) if fleet is None else fleet, pending, newest)
     by_version: dict[int, list[WorkerView]] = {}
     for w in workers:
         if w.version == newest:
