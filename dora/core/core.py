@@ -177,7 +177,7 @@ class Core:
                 if worker.yielded:  # a load that ended after the yield: the worker reloads when it comes back
                     out.emit(Refused(reason="load_while_yielded", worker_id=w))
                     return False
-                worker.ready = True
+                sched.set_ready(worker, True)
                 self.ledger.mark_loaded(v)
                 return False
             case SampleFinished():
@@ -293,7 +293,8 @@ class Core:
             if not self.cfg.in_flight_swap:  # partial swaps every worker's weights at the publish anyway
                 self._evacuate(w, peers, out)
             sched.set_leaving(w, False)
-            w.yielded, w.ready = True, False
+            w.yielded = True
+            sched.set_ready(w, False)
             self.yielding.add(w.worker_id)
             out.emit(Yield(worker_id=w.worker_id))
         self.held = batch
@@ -340,7 +341,7 @@ class Core:
         if w.groups and not interrupt:
             raise InvariantViolation(f"{worker} told to change version while holding groups {sorted(w.groups)}")
         self.ledger.pin(worker, self.ledger.newest)
-        w.ready = False
+        self.scheduler.set_ready(w, False)
         self.scheduler.set_leaving(w, False)
         out.emit(Assign(worker_id=worker, version=self.ledger.newest, interrupt=interrupt))
 
@@ -380,14 +381,13 @@ class Core:
             self.rebalances += 1
         newest, led = self.ledger.newest, self.ledger
         # Only workers off the newest version can move or hand groups over, so only they are looked at; a full
-        # re-partition counts the others (its targets depend on the fleet's size). Between triggers only the
-        # idle ones can move.
+        # re-partition counts the others (its targets depend on the fleet's size).
         pending = self._pending() if full else sched.pending_requests()
         if full:
             older = [sched.workers[w] for v in led.pinned_versions() if v != newest for w in led.pinned_to(v)]
             candidates = sorted(older, key=lambda w: w.order)
         else:
-            candidates = self._idle_off_newest()
+            candidates = self._movable_between_triggers(pending)
         views = [
             orchestrator.WorkerView(
                 worker_id=w.worker_id,
@@ -416,16 +416,22 @@ class Core:
             else:
                 self._assign(worker, out)
 
-    def _idle_off_newest(self) -> list[Worker]:
-        """Idle workers pinned to a version older than the newest, in name order. Found from the smaller side (the
-        idle workers, or the workers of older versions), so that an event costs nothing per worker of a fleet that
-        is busy or already on the newest version."""
+    def _movable_between_triggers(self, pending: dict[int, int]) -> list[Worker]:
+        """The workers a plan between triggers may move, in name order: idle ones pinned to an older version that
+        has no pending work, or still loading one. (An idle worker serving an older version with work left stays
+        until the next trigger, so it is not looked at.) Each is found from the smallest set it must be in, so an
+        event costs nothing per worker that is busy, on the newest version, or staying."""
         sched, led = self.scheduler, self.ledger
-        older = [led.pinned_to(v) for v in led.pinned_versions() if v != led.newest]
-        if sum(map(len, older)) <= len(sched.idle):
-            names = [w for workers in older for w in workers if w in sched.idle]
-        else:
-            names = [w for w in sched.idle if led.version_of(w) not in (None, led.newest)]
+        names: list[WorkerId] = []
+        for v in led.pinned_versions():
+            if v == led.newest:
+                continue
+            pinned = led.pinned_to(v)
+            if not pending.get(v):  # nothing of it runs: every worker pinned to it is idle, and moves
+                names.extend(w for w in pinned if w in sched.idle)
+                continue
+            loading = min((pinned, sched.idle, sched.unready), key=len)
+            names.extend(w for w in loading if w in pinned and w in sched.idle and w in sched.unready)
         return [sched.workers[w] for w in sorted(names)]
 
     def _pending(self) -> dict[int, int]:

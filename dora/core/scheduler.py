@@ -106,6 +106,8 @@ class Scheduler:
         self.idle: set[WorkerId] = set()
         """Workers holding no group (kept incrementally: the orchestrator looks at them on every event)."""
         self.leaving: set[WorkerId] = set()
+        self.unready: set[WorkerId] = set()
+        """Workers whose pinned weights are not loaded (loading, or yielded): ``ready`` false, kept incrementally."""
         self.pending: dict[int, int] = {}
         """Unfinished samples of leased groups per version (R_v), kept incrementally."""
         self.horizon = cfg.staleness
@@ -145,6 +147,11 @@ class Scheduler:
         if not worker.groups:
             self.idle.add(worker.worker_id)
 
+    def set_ready(self, worker: Worker, ready: bool) -> None:
+        """Its pinned version's weights are loaded (or not); set after any pin change."""
+        worker.ready = ready
+        (self.unready.discard if ready else self.unready.add)(worker.worker_id)
+
     def set_leaving(self, worker: Worker, leaving: bool) -> None:
         worker.leaving = leaving
         (self.leaving.add if leaving else self.leaving.discard)(worker.worker_id)
@@ -175,6 +182,7 @@ class Scheduler:
         w = Worker(worker_id=worker, slots=slots, order=self._joined, elastic=elastic)
         self.workers[worker] = w
         self.idle.add(worker)
+        self.unready.add(worker)
         return w
 
     def lose(self, worker: WorkerId, out: Outbox) -> None:
@@ -182,6 +190,7 @@ class Scheduler:
         w = self.workers.pop(worker)
         self.idle.discard(worker)
         self.leaving.discard(worker)
+        self.unready.discard(worker)
         for gid in sorted(w.groups):
             self.requeue(self.flights[gid], out, notify=False)
         for f in self.flights.values():
@@ -504,6 +513,8 @@ class Scheduler:
             raise InvariantViolation("idle-worker set out of date")
         if self.leaving != {w.worker_id for w in self.workers.values() if w.leaving}:
             raise InvariantViolation("leaving-worker set out of date")
+        if self.unready != {w.worker_id for w in self.workers.values() if not w.ready}:
+            raise InvariantViolation("unready-worker set out of date")
         if len(holders) != sum(len(w.groups) for w in self.workers.values()):
             raise InvariantViolation("a group is held twice or listed by no worker")
         if len(set(self.queue)) != len(self.queue) or any(
