@@ -29,6 +29,7 @@ from dora.core.events import (
     TrainSample,
 )
 from dora.core.ledger import InvariantViolation, Ledger
+from dora.core.roster import Roster
 from dora.ids import AttemptId, Finish, GroupId, Mode, WorkerId
 
 
@@ -108,6 +109,9 @@ class Scheduler:
         self.leaving: set[WorkerId] = set()
         self.unready: set[WorkerId] = set()
         """Workers whose pinned weights are not loaded (loading, or yielded): ``ready`` false, kept incrementally."""
+        self.roster = Roster()
+        """The serving workers of each version by free slots: every change to a worker's ``used``, ``ready``,
+        ``leaving`` or pin is offered to it (``_offer``), so a lease does not look at every worker."""
         self.pending: dict[int, int] = {}
         """Unfinished samples of leased groups per version (R_v), kept incrementally."""
         self.horizon = cfg.staleness
@@ -151,25 +155,36 @@ class Scheduler:
         """Its pinned version's weights are loaded (or not); set after any pin change."""
         worker.ready = ready
         (self.unready.discard if ready else self.unready.add)(worker.worker_id)
+        self._offer(worker)
 
     def set_leaving(self, worker: Worker, leaving: bool) -> None:
         worker.leaving = leaving
         (self.leaving.add if leaving else self.leaving.discard)(worker.worker_id)
+        self._offer(worker)
 
-    def ready_workers(self, version: int) -> list[Worker]:
-        return [
-            w
-            for w in self.workers.values()
-            if w.ready and not w.leaving and self.ledger.version_of(w.worker_id) == version
-        ]
+    def _serving(self, worker: Worker, version: int) -> bool:
+        return worker.ready and not worker.leaving and self.ledger.version_of(worker.worker_id) == version
+
+    def _offer(self, worker: Worker) -> None:
+        """Tell the roster the worker's free slots, if it serves a version (ready, not leaving)."""
+        version = self.ledger.version_of(worker.worker_id)
+        if version is not None and worker.ready and not worker.leaving:
+            self.roster.offer(version, worker.worker_id, worker.free, worker.order)
 
     def pick_worker(self, version: int, need: int) -> Worker | None:
-        """The ready worker of ``version`` with the most free slots (join order breaks ties)."""
-        best: Worker | None = None
-        for w in self.ready_workers(version):
-            if w.free >= need and (best is None or (w.free, -w.order) > (best.free, -best.order)):
-                best = w
-        return best
+        """The ready worker of ``version`` with the most free slots (join order breaks ties), if it has ``need``."""
+        pinned = self.ledger.pinned_to(version)
+        if self.roster.crowded(version, len(pinned)):
+            serving = (self.workers[w] for w in pinned)
+            self.roster.rebuild(version, ((w.worker_id, w.free, w.order) for w in serving if self._serving(w, version)))
+
+        def current(name: WorkerId) -> tuple[int, int] | None:
+            w = self.workers.get(name)
+            return (w.free, w.order) if w is not None and self._serving(w, version) else None
+
+        best = self.roster.best(version, current)
+        worker = self.workers[best] if best is not None else None
+        return worker if worker is not None and worker.free >= need else None
 
     def budget_left(self) -> bool:
         budget = self.cfg.prompt_budget
@@ -211,6 +226,7 @@ class Scheduler:
         flight.version = version
         self._hold(worker, flight.group_id)
         worker.used += self.cfg.group_size
+        self._offer(worker)
         self._owe(version, self.cfg.group_size)
         out.emit(
             Lease(
@@ -231,11 +247,13 @@ class Scheduler:
             if holder is not None:
                 self._unhold(holder, flight.group_id)
                 holder.used -= self.unfinished(flight)
+                self._offer(holder)
                 if notify and flight.attempt is not None:
                     out.emit(Cancel(worker_id=holder.worker_id, group_id=flight.group_id, attempt=flight.attempt))
         if flight.target is not None and flight.target in self.workers:
             self.workers[flight.target].used -= self.unfinished(flight)
             self.workers[flight.target].incoming -= 1
+            self._offer(self.workers[flight.target])
         flight.state = GroupState.QUEUED
         flight.attempt = None
         flight.worker = None
@@ -369,9 +387,11 @@ class Scheduler:
             return None
         flight.done[ev.index] = TrainSample(index=ev.index, segments=ev.segments, finish=ev.finish, payload=ev.payload)
         self.workers[ev.worker_id].used -= 1
+        self._offer(self.workers[ev.worker_id])
         self._owe(flight.version, -1)
         if flight.target is not None:
             self.workers[flight.target].used -= 1
+            self._offer(self.workers[flight.target])
         if len(flight.done) < self.cfg.group_size:
             return None
         self._release(flight)
@@ -419,6 +439,7 @@ class Scheduler:
         flight.target = target.worker_id
         target.used += self.unfinished(flight)
         target.incoming += 1
+        self._offer(target)
         out.emit(
             MigrateOut(
                 worker_id=src,
@@ -448,6 +469,7 @@ class Scheduler:
         dst = self.workers[flight.target]
         self._unhold(src, group)
         src.used -= n_requests
+        self._offer(src)
         self._hold(dst, group)
         dst.incoming -= 1
         flight.worker = dst.worker_id
@@ -515,6 +537,11 @@ class Scheduler:
             raise InvariantViolation("leaving-worker set out of date")
         if self.unready != {w.worker_id for w in self.workers.values() if not w.ready}:
             raise InvariantViolation("unready-worker set out of date")
+        listed = {v: self.roster.listed(v) for v in self.ledger.pinned_versions()}
+        for w in self.workers.values():
+            v = self.ledger.version_of(w.worker_id)
+            if v is not None and self._serving(w, v) and (w.worker_id, w.free, w.order) not in listed[v]:
+                raise InvariantViolation(f"{w.worker_id} serves v{v} with {w.free} free slots, not on the roster")
         if len(holders) != sum(len(w.groups) for w in self.workers.values()):
             raise InvariantViolation("a group is held twice or listed by no worker")
         if len(set(self.queue)) != len(self.queue) or any(
