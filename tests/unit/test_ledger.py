@@ -97,3 +97,15 @@ def test_deadline_counts_are_per_deadline_within_v_to_v_plus_k():
         led.add_group(1, 4)
     with pytest.raises(InvariantViolation, match="earlier"):
         led.move_group((1, 3), (1, 2))
+
+
+def test_the_workers_of_each_version_follow_pins_and_unpins():
+    led = Ledger(max_staleness=2)
+    led.pin("a", 0)
+    led.pin("b", 0)
+    led.publish(1)
+    led.pin("a", 1)
+    assert led.workers_of(0) == ["b"] and list(led.pinned_to(1)) == ["a"] and led.pinned_versions() == [0, 1]
+    led.unpin("b")
+    assert led.workers_of(0) == [] and led.pinned_versions() == [1]
+    led.check()
