@@ -420,19 +420,19 @@ class Core:
     def _movable_between_triggers(self, pending: dict[int, int]) -> list[Worker]:
         """The workers a plan between triggers may move, in name order: idle ones pinned to an older version that
         has no pending work, or still loading one. (An idle worker serving an older version with work left stays
-        until the next trigger, so it is not looked at.) Each is found from the smallest set it must be in, so an
-        event costs nothing per worker that is busy, on the newest version, or staying."""
+        until the next trigger, so it is not looked at.) They are found through the ledger's pins per version and
+        the scheduler's idle unready workers per version, so an event costs nothing per worker that is busy, on
+        the newest version, or staying."""
         sched, led = self.scheduler, self.ledger
         names: list[WorkerId] = []
         for v in led.pinned_versions():
             if v == led.newest:
                 continue
             pinned = led.pinned_to(v)
-            if not pending.get(v):  # nothing of it runs: every worker pinned to it is idle, and moves
+            if not pending.get(v):  # nothing of it runs: its workers are idle (bar partial's swaps), and move
                 names.extend(w for w in pinned if w in sched.idle)
                 continue
-            loading = min((pinned, sched.idle, sched.unready), key=len)
-            names.extend(w for w in loading if w in pinned and w in sched.idle and w in sched.unready)
+            names.extend(sched.idle_unready.get(v, ()))
         return [sched.workers[w] for w in sorted(names)]
 
     def _pending(self) -> dict[int, int]:

@@ -107,8 +107,10 @@ class Scheduler:
         self.idle: set[WorkerId] = set()
         """Workers holding no group (kept incrementally: the orchestrator looks at them on every event)."""
         self.leaving: set[WorkerId] = set()
-        self.unready: set[WorkerId] = set()
-        """Workers whose pinned weights are not loaded (loading, or yielded): ``ready`` false, kept incrementally."""
+        self.idle_unready: dict[int, set[WorkerId]] = {}
+        """version -> the idle workers pinned to it whose weights are not loaded (loading them, or yielded), kept
+        incrementally: one of them pinned to an older version than the newest is due to move."""
+        self._idle_unready_at: dict[WorkerId, int] = {}
         self.roster = Roster()
         """The serving workers of each version by free slots: every change to a worker's ``used``, ``ready``,
         ``leaving`` or pin is offered to it (``_offer``), so a lease does not look at every worker."""
@@ -145,17 +147,32 @@ class Scheduler:
     def _hold(self, worker: Worker, group: GroupId) -> None:
         worker.groups.add(group)
         self.idle.discard(worker.worker_id)
+        self._file(worker)
 
     def _unhold(self, worker: Worker, group: GroupId) -> None:
         worker.groups.discard(group)
         if not worker.groups:
             self.idle.add(worker.worker_id)
+            self._file(worker)
 
     def set_ready(self, worker: Worker, ready: bool) -> None:
         """Its pinned version's weights are loaded (or not); set after any pin change."""
         worker.ready = ready
-        (self.unready.discard if ready else self.unready.add)(worker.worker_id)
+        self._file(worker)
         self._offer(worker)
+
+    def _file(self, worker: Worker) -> None:
+        """Keep ``idle_unready`` after a change of the worker's groups, readiness or pin (or its loss)."""
+        name = worker.worker_id
+        was = self._idle_unready_at.pop(name, None)
+        if was is not None:
+            self.idle_unready[was].discard(name)
+            if not self.idle_unready[was]:
+                del self.idle_unready[was]
+        version = self.ledger.version_of(name)
+        if version is not None and not worker.ready and not worker.groups and name in self.workers:
+            self.idle_unready.setdefault(version, set()).add(name)
+            self._idle_unready_at[name] = version
 
     def set_leaving(self, worker: Worker, leaving: bool) -> None:
         worker.leaving = leaving
@@ -197,7 +214,6 @@ class Scheduler:
         w = Worker(worker_id=worker, slots=slots, order=self._joined, elastic=elastic)
         self.workers[worker] = w
         self.idle.add(worker)
-        self.unready.add(worker)
         return w
 
     def lose(self, worker: WorkerId, out: Outbox) -> None:
@@ -205,7 +221,7 @@ class Scheduler:
         w = self.workers.pop(worker)
         self.idle.discard(worker)
         self.leaving.discard(worker)
-        self.unready.discard(worker)
+        self._file(w)
         for gid in sorted(w.groups):
             self.requeue(self.flights[gid], out, notify=False)
         for f in self.flights.values():
@@ -535,8 +551,12 @@ class Scheduler:
             raise InvariantViolation("idle-worker set out of date")
         if self.leaving != {w.worker_id for w in self.workers.values() if w.leaving}:
             raise InvariantViolation("leaving-worker set out of date")
-        if self.unready != {w.worker_id for w in self.workers.values() if not w.ready}:
-            raise InvariantViolation("unready-worker set out of date")
+        idle_unready: dict[int, set[WorkerId]] = {}
+        for w in self.workers.values():
+            if not w.ready and not w.groups and (v := self.ledger.version_of(w.worker_id)) is not None:
+                idle_unready.setdefault(v, set()).add(w.worker_id)
+        if idle_unready != self.idle_unready:
+            raise InvariantViolation("idle unready workers per version out of date")
         listed = {v: self.roster.listed(v) for v in self.ledger.pinned_versions()}
         for w in self.workers.values():
             v = self.ledger.version_of(w.worker_id)
