@@ -10,6 +10,7 @@ mending what lossy links broke is ``dora.broker.reconcile``; the operators' view
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -40,6 +41,12 @@ from dora.wire import codec
 from dora.wire import messages as m
 
 log = structlog.get_logger()
+
+LAG_PROBE_S = 0.05
+"""The event-loop lag probe sleeps this long, then records how much later than asked it woke."""
+TURN_S = 0.002
+"""One turn of the loop handles queued messages for at most this long; then the timers, the sends and the
+other tasks (the lag probe, the metrics endpoint) have their turn, however long the queue."""
 
 
 class BrokerActor:
@@ -86,7 +93,7 @@ class BrokerActor:
         """Set when the run is finished while held-out rounds are still open: the broker says goodbye once they
         close, or at this time (then they are reported dropped)."""
         self.lag_s: deque[float] = deque(maxlen=4096)
-        """How late the heartbeat timer ran, per beat: the event loop's lag (the latest 4,096 beats)."""
+        """Event-loop lag: how late the probe woke after each LAG_PROBE_S sleep (the latest 4,096, ~3.5 min)."""
         self.metrics = BrokerMetrics(self)
         """Prometheus registry and the run's record files (metrics, timeline); close() it when done."""
         self.evals = BrokerEval(evals, core, self.links.send_to, self.metrics.eval_round)
@@ -96,24 +103,40 @@ class BrokerActor:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until ``stop`` is set or the run is finished."""
+        probe = asyncio.create_task(self.probe_lag(), name="loop-lag-probe")
+        try:
+            await self.serve(stop)
+        finally:
+            probe.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await probe  # a probe that failed raises here
+        self.links.close()
+
+    async def probe_lag(self) -> None:
+        """Event-loop lag: sleep LAG_PROBE_S and record how late the loop woke this task. A turn of the loop
+        that holds it (handling messages, sending) shows here as lag."""
+        while True:
+            asked = time.perf_counter()
+            await asyncio.sleep(LAG_PROBE_S)
+            late = max(0.0, time.perf_counter() - asked - LAG_PROBE_S)
+            self.lag_s.append(late)
+            self.metrics.loop_lag.observe(late)
+
+    async def serve(self, stop: asyncio.Event) -> None:
         next_beat = self.clock()
         next_tick = self.clock() + self.cfg.broker.tick_s
         retry_ms = 1
         while not stop.is_set() and not self.done.is_set():
-            timeout_ms = min(100, max(0, int(1000 * min(next_beat, next_tick) - 1000 * self.clock())))
+            # at least 1 ms: pyzmq's poll(0) resolves without yielding to the event loop, and a run of them would
+            # starve every other task (the lag probe, the metrics endpoint) while messages keep coming
+            timeout_ms = min(100, max(1, int(1000 * min(next_beat, next_tick) - 1000 * self.clock())))
             if self.links.pending:  # a ROUTER cannot say when one peer's pipe drains: retry soon, backing off
                 timeout_ms = min(timeout_ms, retry_ms)
-            if await self.sock.poll(timeout_ms, zmq.POLLIN):
-                for _ in range(1000):  # drain what is queued without one await per message
-                    try:
-                        frames = self.links.sync.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    self.on_frames(frames)
+            drained = not await self.sock.poll(timeout_ms, zmq.POLLIN) or self.drain()
             now = self.clock()
-            if now >= next_beat:
-                self.lag_s.append(now - next_beat)
-                self.metrics.loop_lag.observe(now - next_beat)
+            # Silence is judged once every message that came is read (a heartbeat waiting in the queue is not
+            # silence), or, for a broker that stays behind, once a whole silence window late.
+            if now >= next_beat and (drained or now - next_beat > self.liveness.timeout_s):
                 next_beat = now + self.cfg.broker.heartbeat_interval_s
                 self.check_liveness(now)
             if now >= next_tick:
@@ -122,9 +145,19 @@ class BrokerActor:
             self.evals.tick(now)  # rows go out as soon as a round's version has a ready worker
             if self.closing_until is not None and (not self.evals.open(now) or now >= self.closing_until):
                 self.finish()
-            retry_ms = 1 if self.flush() else min(2 * retry_ms, 50)
+            retry_ms = 1 if self.flush(until=time.perf_counter() + TURN_S) else min(2 * retry_ms, 50)
             self.links.count_handshake_failures()
-        self.links.close()
+
+    def drain(self) -> bool:
+        """Handle queued messages for up to TURN_S, without an await per message; True if none is left."""
+        until = time.perf_counter() + TURN_S
+        while time.perf_counter() < until:
+            try:
+                frames = self.links.sync.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return True
+            self.on_frames(frames)
+        return False
 
     def on_frames(self, frames: list[Any]) -> None:
         identity = bytes(frames[0])
@@ -360,8 +393,8 @@ class BrokerActor:
                 uri, _ = self.weights.pop(a.version, ("", ""))
                 removed = retire_uri(uri)
                 log.info("version_retired", version=a.version, deleted=str(removed) if removed else None)
-                for peer in [p for p in self.peers.values() if p.role is m.Role.ROLLOUT]:
-                    self.links.send(peer, m.RetireVersion(version=a.version))
+                rollout = [p for p in self.peers.values() if p.role is m.Role.ROLLOUT]
+                self.links.broadcast(rollout, m.RetireVersion(version=a.version))
             case ev.Refused():
                 self.counters[f"refused {a.reason}"] += 1
             case ev.RunFinished():
@@ -418,9 +451,10 @@ class BrokerActor:
             self.learner = None
             self.feed(ev.LearnerLost(reason=reason))
 
-    def flush(self) -> int:
-        """Send what the outboxes hold, until a pipe is full; a peer that cannot be routed to is lost."""
-        return self.links.flush(lambda peer: self.peer_lost(peer, "unreachable"))
+    def flush(self, until: float | None = None) -> int:
+        """Send what the outboxes hold, until a pipe is full (or ``until``, a ``time.perf_counter`` time); a peer
+        that cannot be routed to is lost."""
+        return self.links.flush(lambda peer: self.peer_lost(peer, "unreachable"), until)
 
     def snapshot(self) -> dict[str, Any]:
         return snapshot(self)

@@ -14,6 +14,7 @@ Under CURVE a refused handshake is silent to both sides; the socket monitor is h
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -129,6 +130,13 @@ class Links:
         peer.outbox.append([peer.identity, *codec.encode(msg)])
         self.pending.add(peer.identity)
 
+    def broadcast(self, peers: list[Peer], msg: Any) -> None:
+        """Send one unnumbered message to each of ``peers``, encoded once (its frames are small, so copied)."""
+        frames = codec.encode(msg)
+        for peer in peers:
+            peer.outbox.append([peer.identity, *frames])
+            self.pending.add(peer.identity)
+
     def send_raw(self, identity: bytes, msg: Any) -> None:
         """Reply to an identity that is not (or no longer) a registered peer; best effort."""
         try:
@@ -136,11 +144,14 @@ class Links:
         except zmq.ZMQError:
             self.counters["unroutable reply"] += 1
 
-    def flush(self, unreachable: Callable[[Peer], None]) -> int:
+    def flush(self, unreachable: Callable[[Peer], None], until: float | None = None) -> int:
         """Send what the outboxes hold, in order, until a pipe is full; ``unreachable`` is told of a peer that
-        cannot be routed to. Returns the messages sent."""
+        cannot be routed to. ``until`` (a ``time.perf_counter`` time): stop there, the rest stays pending.
+        Returns the messages sent."""
         sent = 0
         for identity in list(self.pending):
+            if until is not None and time.perf_counter() >= until:
+                break
             peer = self.peers.get(identity)
             if peer is None:
                 self.pending.discard(identity)

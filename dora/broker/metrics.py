@@ -43,7 +43,7 @@ log = structlog.get_logger()
 
 LEASE_BUCKETS_S = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 STEP_BUCKETS_S = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
-LAG_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+LAG_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 REQUEST_TIMEOUT_S = 5.0
 """A scrape must send its request within this long."""
 REWARD_FAILED = "reward failed ("
@@ -101,7 +101,7 @@ class BrokerMetrics:
         )
         self.loop_lag = Histogram(
             "dora_event_loop_lag_seconds",
-            "How late the broker's heartbeat timer ran (event-loop lag), per beat",
+            "Event-loop lag: how late the broker's loop woke a task that slept 50 ms",
             buckets=LAG_BUCKETS_S,
             registry=r,
         )
