@@ -194,7 +194,8 @@ class Fleet:
                 "served": sum(1 for p in peers if p.tokens)}  # fmt: skip
 
 
-def serve_peers(endpoint: str, names: list[str], slots: int, tokens: int, interval_s: float, stop: Any,
+def serve_peers(endpoint: str, names: list[str], slots: int, tokens: int, interval_s: float, nice: int, stop: Any,
                 out: Any) -> None:  # fmt: skip
-    """A process's entry point: its peers, until ``stop``."""
+    """A process's entry point: its peers, at ``nice`` (on a cluster they are other machines' load), until ``stop``."""
+    os.nice(nice)
     Fleet(endpoint, names, slots, tokens, interval_s).run(stop, out)

@@ -12,21 +12,26 @@ through the fleet and the broker's own work is what limits it.
 
 Measured over the window after the warm-up (all peers joined, a few steps trained):
 - broker RSS: VmRSS of the broker process, sampled every 0.2 s through the whole run; the peak;
-- event-loop lag: the broker's own measure (how late its heartbeat timer ran, once per beat), read from
-  its Prometheus histogram at the window's start and end (bucket bounds) and from `dora status` (the
-  latest 4,096 beats, startup included);
-- lease latency: from the learner's publish of version v to each Generate of version v arriving at its
+- event-loop lag: the broker's own probe (a task that sleeps 50 ms and records how late it woke), read
+  from its Prometheus histogram at the window's start and end (so: bucket bounds) and from `dora status`
+  (p50/p99 of the latest 4,096 samples: the whole run, startup included);
+- lease fan-out: from the learner's publish of version v to each Generate of version v arriving at its
   peer. A publish is what opens the next batch's worth of work: the broker re-assigns the idle fleet to
   v, the learner's next request takes a batch, and the room it frees is leased on v. So this is the time
-  one training step's work takes to fan out to the fleet (weights reload round trips included);
+  one training step's work takes to reach the fleet (the weights reload round trips included);
 - result round trip: a peer's finished group sent to its acknowledgement received;
 - heartbeat round trip: the broker answers every rollout heartbeat; a peer's heartbeat sent to the answer;
 - false dead-peer declarations: a Disconnect at a peer (which heartbeats throughout), the broker's count
-  of lost rollout peers and re-queued groups, and the log's peer_expired/peer_lost/lease_lost lines;
-- steps/s and trajectories/s of the training loop.
+  of lost rollout peers, and the log's peer_expired/peer_lost/lease_lost lines before the peers stop;
+  groups re-queued beside them;
+- steps/s and trajectories/s of the training loop; the broker's CPU per step and the share of the window
+  it was runnable but waiting for a core (/proc/<pid>/schedstat).
 
-Peers, learner and broker share this machine's cores: latencies seen by a peer include its own process's
-queueing (it serves ``workers / procs`` sockets). Writes bench/out/many_workers.json.
+Peers, learner and broker share this machine's cores. The peers run at ``--peer-nice`` (10): on a cluster
+they are other machines, here they would otherwise take cores from the broker. Latencies seen by a peer
+include its own process's queueing (it serves ``workers / procs`` sockets). The broker logs at warning
+(``--log-level info`` adds a line per worker assigned a version, about a thousand per step here).
+Writes bench/out/many_workers.json.
 """
 
 from __future__ import annotations
@@ -73,7 +78,7 @@ def start_broker(tmp: pathlib.Path, args: argparse.Namespace) -> tuple[subproces
         f"group_size = {args.group_size}\n"
         f'[broker]\nbind = "ipc://{tmp}/broker.sock"\ndiscovery_file = "{tmp}/broker.json"\n'
         'metrics_bind = "127.0.0.1:0"\nexit_when_done = false\n'
-        '[log]\nformat = "json"\nlevel = "warning"\n'
+        f'[log]\nformat = "json"\nlevel = "{args.log_level}"\n'
     )
     prof = ["-m", "cProfile", "-o", args.profile] if args.profile else []
     with open(tmp / "broker.log", "wb") as err:
@@ -178,7 +183,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     names = [f"w{i:04d}" for i in range(args.workers)]
     per = -(-args.workers // args.procs)
     procs = [mp.Process(target=serve_peers, args=(endpoint, names[i : i + per], args.group_size * args.slot_groups,
-                                                  args.tokens, interval_s, stop, out))
+                                                  args.tokens, interval_s, args.peer_nice, stop, out))
              for i in range(0, args.workers, per)]  # fmt: skip
     try:
         for p in procs:
@@ -258,6 +263,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "liveness": BrokerSection().liveness,
             "tick_s": BrokerSection().tick_s,
             "profiled": bool(args.profile),
+            "peer_nice": args.peer_nice,
+            "log_level": args.log_level,
         },
         "join_s": round(join_s, 2),
         "load_average": {"before": load[0], "after": os.getloadavg()[0]},
@@ -348,6 +355,10 @@ def main() -> int:
     p.add_argument("--train-groups", type=int, default=128)
     p.add_argument("--max-staleness", type=int, default=2)
     p.add_argument("--slot-groups", type=int, default=1, help="groups a peer may hold at once (slots = this x G)")
+    p.add_argument("--peer-nice", type=int, default=10, help="niceness of the peer processes: on a cluster the "
+                   "workers are other machines, here they share the broker's cores (0: compete with it)")  # fmt: skip
+    p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
+                   help="the broker's log level (info writes a line per worker assigned a version)")  # fmt: skip
     p.add_argument("--profile", metavar="OUT.prof", help="run the broker under cProfile (slower) and write the profile")
     p.add_argument("--out", default=str(ROOT / "bench/out/many_workers.json"))
     args = p.parse_args()
