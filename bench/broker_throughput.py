@@ -117,6 +117,18 @@ def fake_worker(endpoint: str, name: str, slots: int, tokens: int, until: float)
     ctx.destroy(linger=0)
 
 
+def fake_learner(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+    """A learner's DEALER that has said hello and asked for the first batch; the caller trains by publishing."""
+    learner = ctx.socket(zmq.DEALER)
+    learner.setsockopt(zmq.IDENTITY, b"learner/bench/0")
+    learner.setsockopt(zmq.LINGER, 0)
+    learner.connect(endpoint)
+    learner.send_multipart(codec.encode(m.Hello(wire_version=m.WIRE_VERSION, role=m.Role.LEARNER,
+                                                peer_id="learner-0", pid=os.getpid(), host="bench")))  # fmt: skip
+    learner.send_multipart(codec.encode(m.RequestBatch(step=0)))
+    return learner
+
+
 def run_broker(seconds: float, workers: int, tokens: int, profile: str | None = None) -> dict:
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="dora-bench-"))
     (tmp / "run.toml").write_text(
@@ -138,13 +150,7 @@ def run_broker(seconds: float, workers: int, tokens: int, profile: str | None = 
         for p in procs:
             p.start()
         ctx = zmq.Context()
-        learner = ctx.socket(zmq.DEALER)
-        learner.setsockopt(zmq.IDENTITY, b"learner/bench/0")
-        learner.setsockopt(zmq.LINGER, 0)
-        learner.connect(endpoint)
-        learner.send_multipart(codec.encode(m.Hello(wire_version=m.WIRE_VERSION, role=m.Role.LEARNER,
-                                                    peer_id="learner-0", pid=os.getpid(), host="bench")))  # fmt: skip
-        learner.send_multipart(codec.encode(m.RequestBatch(step=0)))
+        learner = fake_learner(ctx, endpoint)
         steps, trajectories, nbytes = 0, 0, 0
         t0 = c0 = None
         warm = time.time() + 2.0  # workers connect and the first versions flow before the clock starts

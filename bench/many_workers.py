@@ -57,7 +57,7 @@ import zmq
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.broker_throughput import cpu_s  # noqa: E402
+from bench.broker_throughput import cpu_s, fake_learner  # noqa: E402
 from bench.fleet import serve_peers  # noqa: E402
 from dora.config.run import BrokerSection  # noqa: E402
 from dora.ops.status import fetch  # noqa: E402
@@ -191,13 +191,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         welcomed = [take(out, procs, "welcomed") for _ in procs]
         join_s = max(welcomed) - started
         ctx = zmq.Context()
-        learner = ctx.socket(zmq.DEALER)
-        learner.setsockopt(zmq.IDENTITY, b"learner/bench/0")
-        learner.setsockopt(zmq.LINGER, 0)
-        learner.connect(endpoint)
-        learner.send_multipart(codec.encode(m.Hello(wire_version=m.WIRE_VERSION, role=m.Role.LEARNER,
-                                                    peer_id="learner-0", pid=os.getpid(), host="bench")))  # fmt: skip
-        learner.send_multipart(codec.encode(m.RequestBatch(step=0)))
+        learner = fake_learner(ctx, endpoint)
         published: dict[int, float] = {}
         steps = trajectories = 0
         t0 = c0 = lag0 = None
