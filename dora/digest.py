@@ -14,8 +14,10 @@ xxh3_128 is not a cryptographic hash. It detects torn, truncated, stale and bit-
 (~15 GB/s a core here against sha256's ~2 GB/s); sha256 is there for a store whose files could be rewritten
 by someone the run does not trust. ``bench/weights.py`` measures both (``--algo``).
 
-Reads go through ``os.preadv`` into a small buffer per thread, so the bytes are hashed while they are in cache
-and nothing the size of the file is allocated. No torch here: the broker imports the store.
+A file named by its path or an open descriptor is read through ``os.preadv`` into a small buffer per thread, so the
+bytes are hashed while they are in cache and nothing the size of the file is allocated (what a publish hashes). A
+file already in memory (the mapping a load checks, then takes its tensors from) is hashed in place: the hash reads
+each byte once and nothing is copied. No torch here: the broker imports the store.
 """
 
 from __future__ import annotations
@@ -29,9 +31,12 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 ALGOS: dict[str, Callable[[], Any]] = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
 CHUNK_BYTES = 16 << 20
@@ -84,40 +89,56 @@ def root_of(algo: str, chunk_bytes: int, size: int, chunks: Sequence[str]) -> st
     return h.hexdigest()
 
 
-def digest_file(file: str | pathlib.Path | int, algo: str = "xxh3_128", chunk_bytes: int = CHUNK_BYTES,
+def digest_file(file: str | pathlib.Path | int | Buffer, algo: str = "xxh3_128", chunk_bytes: int = CHUNK_BYTES,
                 threads: int = THREADS) -> FileDigest:  # fmt: skip
-    """Hash a file (a path, or an open descriptor: then exactly the bytes behind it) as ``algo`` chunks."""
+    """Hash a file as ``algo`` chunks: a path, an open descriptor (then exactly the bytes behind it), or the file's
+    bytes already in memory (a mapping of it: hashed where they lie)."""
     if algo not in ALGOS:
         raise ValueError(f"unknown digest algorithm {algo!r}; known: {sorted(ALGOS)}")
+    algo = algo if chunk_bytes else "sha256"  # no chunks: one plain sha256 of the file (a format-1 digest)
     started = time.perf_counter()
-    fd = file if isinstance(file, int) else os.open(file, os.O_RDONLY)
-    try:
-        size = os.fstat(fd).st_size
-        if not chunk_bytes:
-            h = hashlib.sha256()
-            _hash_range(fd, 0, size, h, bytearray(PIECE_BYTES))
-            return FileDigest(Digest("sha256", 0, h.hexdigest()), size, (), time.perf_counter() - started)
-        local = threading.local()
+    if not isinstance(file, str | os.PathLike | int):
+        with memoryview(file) as view, view.cast("B") as data:
+            size, chunks, whole = _digest(
+                len(data), lambda h, lo, hi: h.update(data[lo:hi]), algo, chunk_bytes, threads
+            )
+    else:
+        fd = file if isinstance(file, int) else os.open(file, os.O_RDONLY)
+        try:
+            local = threading.local()
 
-        def chunk(offset: int) -> str:
-            buf = getattr(local, "buf", None)
-            if buf is None:
-                buf = local.buf = bytearray(PIECE_BYTES)
-            h = ALGOS[algo]()
-            _hash_range(fd, offset, min(offset + chunk_bytes, size), h, buf)
-            return h.hexdigest()
+            def read(h: Any, lo: int, hi: int) -> None:
+                buf = getattr(local, "buf", None)
+                if buf is None:
+                    buf = local.buf = bytearray(PIECE_BYTES)
+                _hash_range(fd, lo, hi, h, buf)
 
-        offsets = range(0, size, chunk_bytes)
-        if threads > 1 and len(offsets) > 1:
-            with ThreadPoolExecutor(min(threads, len(offsets)), thread_name_prefix="digest") as pool:
-                chunks = tuple(pool.map(chunk, offsets))
-        else:
-            chunks = tuple(map(chunk, offsets))
-    finally:
-        if not isinstance(file, int):
-            os.close(fd)
-    root = root_of(algo, chunk_bytes, size, chunks)
+            size, chunks, whole = _digest(os.fstat(fd).st_size, read, algo, chunk_bytes, threads)
+        finally:
+            if not isinstance(file, int):
+                os.close(fd)
+    root = whole if whole is not None else root_of(algo, chunk_bytes, size, chunks)
     return FileDigest(Digest(algo, chunk_bytes, root), size, chunks, time.perf_counter() - started)
+
+
+def _digest(size: int, update: Callable[[Any, int, int], None], algo: str, chunk_bytes: int,
+            threads: int) -> tuple[int, tuple[str, ...], str | None]:  # fmt: skip
+    """(size, chunk digests, whole-file digest when ``chunk_bytes`` is 0); ``update(h, lo, hi)`` feeds bytes to h."""
+    if not chunk_bytes:
+        h = ALGOS[algo]()
+        update(h, 0, size)
+        return size, (), h.hexdigest()
+
+    def chunk(offset: int) -> str:
+        h = ALGOS[algo]()
+        update(h, offset, min(offset + chunk_bytes, size))
+        return h.hexdigest()
+
+    offsets = range(0, size, chunk_bytes)
+    if threads > 1 and len(offsets) > 1:  # both hashes release the GIL on large updates
+        with ThreadPoolExecutor(min(threads, len(offsets)), thread_name_prefix="digest") as pool:
+            return size, tuple(pool.map(chunk, offsets)), None
+    return size, tuple(map(chunk, offsets)), None
 
 
 def _hash_range(fd: int, start: int, end: int, h: Any, buf: bytearray) -> None:
@@ -131,7 +152,7 @@ def _hash_range(fd: int, start: int, end: int, h: Any, buf: bytearray) -> None:
         offset += n
 
 
-def verify(file: str | pathlib.Path | int, expected: str | Digest, *, name: str,
+def verify(file: str | pathlib.Path | int | Buffer, expected: str | Digest, *, name: str,
            size: int | None = None, chunks: Sequence[str] = (), threads: int = THREADS) -> FileDigest:  # fmt: skip
     """Hash ``file`` the way ``expected`` says and raise DigestMismatch naming ``name`` unless it matches.
     ``size`` and ``chunks`` (from the version's manifest, when at hand) make the error say what differs."""
