@@ -2,7 +2,8 @@
 
 Below the three processes: the learner publishes into it, the rollout engines check what they load against the
 digest published with it, and the broker deletes the versions its ledger retired. It imports no torch (tensors
-go through safetensors' torch helpers, imported when called): the broker imports it.
+go through safetensors' torch helpers, imported when called). Its directories and their removal are
+``dora.storedir``, all the broker imports of it.
 
 ``<root>/v<N>/model.safetensors`` plus ``manifest.json``. The URI handed to rollout workers is
 ``file://<root>/v<N>/model.safetensors``; its digest (``dora.digest``) travels beside it.
@@ -21,7 +22,7 @@ go through safetensors' torch helpers, imported when called): the broker imports
   groups are trained). A version is first renamed aside, then deleted, so no half-deleted version is listed.
   The ledger keeps at most K + 1 versions alive, so the store holds at most K + 2 while the next one is written.
   A broker restarted from its journal holds only the newest version alive: it retires the older ones at once
-  (``retire_older``), or they would stay on disk for good.
+  (``retire_older``), or they would stay on disk for good. Both live in ``dora.storedir`` (re-exported here).
 
 Manifest format 2: ``{"format": 2, "version", "bytes", "digest", "chunks", "timings_s"}``. A format-1 manifest
 (``{"version", "sha256", "bytes", "write_s"}``, no ``format``) is still read: its digest is the file's plain
@@ -33,11 +34,8 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import re
 import shutil
-import socket
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -45,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from dora.digest import ALGOS, CHUNK_BYTES, Digest, DigestMismatch, digest_file, sha256_file, verify
+from dora.storedir import FILE, MANIFEST, remove_version, retire_older, retire_uri, stale, store_path, temp_name
 
 if TYPE_CHECKING:  # the broker imports this module to retire versions: no torch at run time
     import torch
@@ -55,9 +54,6 @@ __all__ = ["DigestMismatch", "Manifest", "WeightStore", "load_verified", "retire
 log = structlog.get_logger()
 
 MANIFEST_FORMAT = 2
-FILE = "model.safetensors"
-MANIFEST = "manifest.json"
-_TEMP = re.compile(r"\.v\d+\.(?:(?P<pid>\d+)@(?P<host>.+)\.)?[0-9a-f]{8}\.tmp")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -123,7 +119,7 @@ class WeightStore:
         started = time.perf_counter()
         self.clean()
         final = self.path(version)
-        tmp = self.root / f".v{version}.{_owner()}.{uuid.uuid4().hex[:8]}.tmp"
+        tmp = self.root / temp_name(f"v{version}")
         tmp.mkdir()
         try:
             file = tmp / FILE
@@ -142,7 +138,7 @@ class WeightStore:
                 _fsync_timed(tmp / MANIFEST, True)
                 _fsync_timed(tmp, True)
             if final.exists():  # a re-publish of the same version (a restarted learner): replace it whole
-                _remove_version(final)
+                remove_version(final)
             os.replace(tmp, final)
             if self.fsync:
                 _fsync_timed(self.root, True)
@@ -162,7 +158,7 @@ class WeightStore:
 
     def retire(self, version: int) -> bool:
         """Delete a version's directory; False if it was not there."""
-        return _remove_version(self.path(version))
+        return remove_version(self.path(version))
 
     def versions(self) -> list[int]:
         """The published versions: directories ``v<N>`` with their manifest, oldest first."""
@@ -173,8 +169,7 @@ class WeightStore:
         """Remove the temporary directories of publishers (or retirements) that are gone; returns them."""
         removed = []
         for p in self.root.glob(".v*.tmp"):
-            found = _TEMP.fullmatch(p.name)
-            reason = _stale(found, p, self.stale_temp_s) if found else None
+            reason = stale(p, self.stale_temp_s)
             if reason is not None:
                 shutil.rmtree(p, ignore_errors=True)
                 log.info("store_temp_removed", path=str(p), reason=reason)
@@ -216,29 +211,6 @@ def _reopen_path(fd: int) -> str:
     raise OSError(f"neither /proc/self/fd nor /dev/fd here: cannot map the checked file (fd {fd})")
 
 
-def _owner() -> str:
-    return f"{os.getpid()}@{socket.gethostname()}"
-
-
-def _stale(found: re.Match[str], path: pathlib.Path, stale_s: float) -> str | None:
-    """Why a temporary directory is a dead writer's leftover, or None while its writer may be alive."""
-    if found["pid"] is None:
-        return "no owner in its name (written by an older dora)"
-    if found["host"] == socket.gethostname():
-        try:
-            os.kill(int(found["pid"]), 0)
-        except ProcessLookupError:
-            return f"its writer, pid {found['pid']}, is gone"
-        except PermissionError:
-            pass  # alive, another user's
-        return None
-    try:
-        age = time.time() - max([path.stat().st_mtime] + [p.stat().st_mtime for p in path.iterdir()])
-    except OSError:
-        return None
-    return f"written on {found['host']}, untouched for {age:.0f} s" if age > stale_s else None
-
-
 def _fsync_timed(path: pathlib.Path, enabled: bool) -> float:
     started = time.perf_counter()
     if enabled:
@@ -248,45 +220,3 @@ def _fsync_timed(path: pathlib.Path, enabled: bool) -> float:
         finally:
             os.close(fd)
     return time.perf_counter() - started
-
-
-def _remove_version(path: pathlib.Path) -> bool:
-    """Rename a version directory aside (atomic: it is no longer listed), then delete it. False if absent."""
-    aside = path.parent / f".{path.name}.{_owner()}.{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        os.rename(path, aside)
-    except FileNotFoundError:
-        return False
-    shutil.rmtree(aside, ignore_errors=True)
-    return True
-
-
-def store_path(uri: str) -> pathlib.Path | None:
-    """The version directory a ``file://`` weight URI points into (None for other schemes)."""
-    if not uri.startswith("file://"):
-        return None
-    return pathlib.Path(uri.removeprefix("file://")).parent
-
-
-def retire_uri(uri: str) -> pathlib.Path | None:
-    """Delete the store version a published ``file://`` URI names (``file://<store>/v<N>/model.safetensors``).
-    Only a directory the store wrote (``v<N>`` with its manifest) is deleted; returns it, or None."""
-    path = store_path(uri)
-    if path is None:
-        return None
-    if not (path.name.startswith("v") and (path / MANIFEST).is_file()):
-        log.warning("retire_not_a_store_version", uri=uri)  # never delete what the store did not write
-        return None
-    return path if _remove_version(path) else None
-
-
-def retire_older(uri: str) -> list[pathlib.Path]:
-    """Delete the versions older than the one a published ``file://`` URI names, in the store it points into; returns
-    them. A broker restarted from its journal holds only that newest version alive (the older ones' groups are
-    re-run on it), so nothing else would ever retire them."""
-    path = store_path(uri)
-    if path is None or not path.name[1:].isdigit():
-        return []
-    newest = int(path.name[1:])
-    old = [p for p in path.parent.glob("v*") if p.name[1:].isdigit() and int(p.name[1:]) < newest]
-    return sorted((p for p in old if (p / MANIFEST).is_file() and _remove_version(p)), key=lambda p: int(p.name[1:]))

@@ -1,0 +1,97 @@
+"""The weight store's directories on disk: their names, the leftovers of writers that died, and the removal of a
+version, which is all the broker needs of the store (it retires the versions its ledger no longer holds).
+
+``<root>/v<N>/model.safetensors`` plus ``manifest.json``; a version being written or removed is a temporary
+directory ``<root>/.v<N>.<pid>@<host>.<rand>.tmp``. Nothing here reads a tensor: no torch, no safetensors, so
+the broker, which imports this module and not ``dora.store``, never loads them.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import shutil
+import socket
+import time
+import uuid
+
+import structlog
+
+__all__ = ["FILE", "MANIFEST", "remove_version", "retire_older", "retire_uri", "stale", "store_path", "temp_name"]
+
+log = structlog.get_logger()
+
+FILE = "model.safetensors"
+MANIFEST = "manifest.json"
+TEMP = re.compile(r"\.v\d+\.(?:(?P<pid>\d+)@(?P<host>.+)\.)?[0-9a-f]{8}\.tmp")
+
+
+def temp_name(name: str) -> str:
+    """A temporary directory's name for version directory ``name`` (``v<N>``), owned by this process."""
+    return f".{name}.{os.getpid()}@{socket.gethostname()}.{uuid.uuid4().hex[:8]}.tmp"
+
+
+def stale(path: pathlib.Path, stale_s: float) -> str | None:
+    """Why a temporary directory is a dead writer's leftover, or None while its writer may be alive (or it is
+    not one of the store's)."""
+    found = TEMP.fullmatch(path.name)
+    if found is None:
+        return None
+    if found["pid"] is None:
+        return "no owner in its name (written by an older dora)"
+    if found["host"] == socket.gethostname():
+        try:
+            os.kill(int(found["pid"]), 0)
+        except ProcessLookupError:
+            return f"its writer, pid {found['pid']}, is gone"
+        except PermissionError:
+            pass  # alive, another user's
+        return None
+    try:
+        age = time.time() - max([path.stat().st_mtime] + [p.stat().st_mtime for p in path.iterdir()])
+    except OSError:
+        return None
+    return f"written on {found['host']}, untouched for {age:.0f} s" if age > stale_s else None
+
+
+def remove_version(path: pathlib.Path) -> bool:
+    """Rename a version directory aside (atomic: it is no longer listed), then delete it. False if absent."""
+    aside = path.parent / temp_name(path.name)
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return False
+    shutil.rmtree(aside, ignore_errors=True)
+    return True
+
+
+def store_path(uri: str) -> pathlib.Path | None:
+    """The version directory a ``file://`` weight URI points into (None for other schemes)."""
+    if not uri.startswith("file://"):
+        return None
+    return pathlib.Path(uri.removeprefix("file://")).parent
+
+
+def retire_uri(uri: str) -> pathlib.Path | None:
+    """Delete the store version a published ``file://`` URI names (``file://<store>/v<N>/model.safetensors``).
+    Only a directory the store wrote (``v<N>`` with its manifest) is deleted; returns it, or None."""
+    path = store_path(uri)
+    if path is None:
+        return None
+    if not (path.name.startswith("v") and (path / MANIFEST).is_file()):
+        log.warning("retire_not_a_store_version", uri=uri)  # never delete what the store did not write
+        return None
+    return path if remove_version(path) else None
+
+
+def retire_older(uri: str) -> list[pathlib.Path]:
+    """Delete the versions older than the one a published ``file://`` URI names, in the store it points into; returns
+    them. A broker restarted from its journal holds only that newest version alive (the older ones' groups are
+    re-run on it), so nothing else would ever retire them."""
+    path = store_path(uri)
+    if path is None or not path.name[1:].isdigit():
+        return []
+    newest = int(path.name[1:])
+    old = [p for p in path.parent.glob("v*") if p.name[1:].isdigit() and int(p.name[1:]) < newest]
+    return sorted((p for p in old if (p / MANIFEST).is_file() and remove_version(p)), key=lambda p: int(p.name[1:]))
