@@ -1,9 +1,9 @@
 """The weight store: one directory per published version, written atomically, retired by the broker.
 
 Below the three processes: the learner publishes into it, the rollout engines check what they load against the
-digest published with it, and the broker deletes the versions its ledger retired. It imports no torch (tensors
-go through safetensors' torch helpers, imported when called). Its directories and their removal are
-``dora.storedir``, all the broker imports of it.
+digest published with it, and the broker deletes the versions its ledger retired. Its directories and their
+removal are ``dora.storedir``, all the broker imports of it; torch and safetensors are imported here only when a
+version is published (safetensors) or loaded (``dora.tensorfile``).
 
 ``<root>/v<N>/model.safetensors`` plus ``manifest.json``. The URI handed to rollout workers is
 ``file://<root>/v<N>/model.safetensors``; its digest (``dora.digest``) travels beside it.
@@ -15,9 +15,9 @@ go through safetensors' torch helpers, imported when called). Its directories an
 - **Leftovers** of a publisher (or a retirement) that died are removed when a store is opened and before each
   publish, each with a ``store_temp_removed`` line: a temporary directory whose owner pid is gone from this host,
   or, written on another host, untouched for ``stale_temp_s``.
-- **Load** opens the file once, checks the digest on that open file (one pass, which also brings the bytes into
-  the page cache for the load) and maps the tensors from the same open file: the bytes checked are the bytes
-  loaded, even if the version is retired or re-published meanwhile.
+- **Load** maps the file once (private), checks the digest on that mapping (in threads, reading each byte in
+  place) and cuts the tensors from the same mapping (``dora.tensorfile``): the bytes checked are the bytes loaded,
+  even if the version is retired or re-published meanwhile, and the check adds one read of them, no copy.
 - **Retire** removes a version once the broker's ledger no longer needs it (no worker serves it and all its
   groups are trained). A version is first renamed aside, then deleted, so no half-deleted version is listed.
   The ledger keeps at most K + 1 versions alive, so the store holds at most K + 2 while the next one is written.
@@ -178,20 +178,22 @@ class WeightStore:
 
 
 def load_verified(file: str | pathlib.Path, digest: str | None, *, name: str, device: str = "cpu") -> dict[str, Any]:
-    """The tensors of a safetensors file, its ``digest`` checked first (None: not checked) on the open file they
-    are then mapped from. A mismatch raises DigestMismatch naming ``name``; a file that cannot be opened, OSError."""
-    from safetensors.torch import load_file
+    """The tensors of a safetensors file, its ``digest`` checked first (None: not checked) on the private mapping of
+    the file they are then cut from (``dora.tensorfile``). A mismatch raises DigestMismatch naming ``name``; a file
+    that cannot be opened, OSError; one that is not a safetensors file, ValueError."""
+    from dora.tensorfile import map_file, tensors
 
     file = pathlib.Path(file)
     fd = os.open(file, os.O_RDONLY)
     try:
-        if digest is not None:
-            beside = _manifest_for(file, digest)
-            verify(fd, digest, name=f"{name} at {file}", size=beside.bytes if beside else None,
-                   chunks=beside.chunks if beside else ())  # fmt: skip
-        return load_file(_reopen_path(fd), device=device)
+        data = map_file(fd)
     finally:
-        os.close(fd)
+        os.close(fd)  # the mapping holds the file's bytes from here on, whatever happens to its name
+    if digest is not None:
+        beside = _manifest_for(file, digest)
+        verify(data, digest, name=f"{name} at {file}", size=beside.bytes if beside else None,
+               chunks=beside.chunks if beside else ())  # fmt: skip
+    return tensors(data, name=f"{name} at {file}", device=device)
 
 
 def _manifest_for(file: pathlib.Path, digest: str) -> Manifest | None:
@@ -201,14 +203,6 @@ def _manifest_for(file: pathlib.Path, digest: str) -> Manifest | None:
         return found if found.digest == Digest.parse(digest) else None
     except (OSError, ValueError):
         return None
-
-
-def _reopen_path(fd: int) -> str:
-    """A path that opens the very file behind ``fd``, not whatever its name points at by now."""
-    for d in ("/proc/self/fd", "/dev/fd"):
-        if os.path.isdir(d):
-            return f"{d}/{fd}"
-    raise OSError(f"neither /proc/self/fd nor /dev/fd here: cannot map the checked file (fd {fd})")
 
 
 def _fsync_timed(path: pathlib.Path, enabled: bool) -> float:

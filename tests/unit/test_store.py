@@ -231,3 +231,79 @@ def test_retire_older_deletes_only_the_store_versions_before_the_one_named(tmp_p
     assert dora.store.retire_older(uris[2]) == [tmp_path / "store" / "v2", tmp_path / "store" / "v3"]
     assert store.versions() == [5, 6] and (tmp_path / "store" / "v1").exists()
     assert dora.store.retire_older("sim://v5") == [] and dora.store.retire_older(uris[2]) == []
+
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int16,
+          torch.int8, torch.uint8, torch.bool]  # fmt: skip
+
+
+def every_dtype() -> dict[str, torch.Tensor]:
+    """A tensor of each dtype (odd sizes, so offsets are not all multiples of 8), a scalar and an empty one."""
+    g = torch.Generator().manual_seed(3)
+    out = {f"t_{str(d).removeprefix('torch.')}": (torch.randn(37, 5, generator=g) * 100).to(d) for d in DTYPES}
+    return out | {"scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4, dtype=torch.bfloat16)}
+
+
+@pytest.mark.parametrize("checked", [True, False])
+def test_every_dtype_loads_equal_to_safetensors_own_load(tmp_path, checked):
+    from safetensors.torch import load_file
+
+    store = WeightStore(tmp_path, chunk_bytes=MIB)
+    tensors = every_dtype() | state(4, mib=3)  # several chunks
+    _, digest, _ = store.publish(1, tensors)
+    file = store.path(1) / "model.safetensors"
+    got = load_verified(file, digest if checked else None, name="v1")
+    want = load_file(file)
+    assert sorted(got) == sorted(want) == sorted(tensors)
+    for k, t in want.items():
+        assert got[k].dtype == t.dtype and got[k].shape == t.shape and torch.equal(got[k], t), k
+        assert torch.equal(got[k], tensors[k])
+
+
+def test_a_loaded_tensor_is_private_writing_to_it_leaves_the_file_as_published(tmp_path):
+    store = WeightStore(tmp_path)
+    store.publish(1, {"w": torch.zeros(1024)})
+    store.load(1)["w"].add_(1.0)  # copy-on-write: never reaches the file
+    assert torch.equal(store.load(1)["w"], torch.zeros(1024))
+
+
+@pytest.mark.parametrize("where", ["header", "first", "middle", "last"])
+def test_a_flipped_byte_in_any_chunk_is_refused_naming_that_chunk(tmp_path, where):
+    store = WeightStore(tmp_path, chunk_bytes=MIB)
+    _, digest, _ = store.publish(7, state(5, mib=5))
+    file = store.path(7) / "model.safetensors"
+    size = file.stat().st_size
+    at = {"header": 20, "first": MIB - 1, "middle": 3 * MIB + 4321, "last": size - 1}[where]
+    data = bytearray(file.read_bytes())
+    data[at] ^= 0x80
+    file.write_bytes(bytes(data))
+    lo = at // MIB * MIB
+    chunk = rf"1 of 6 chunks differ from the manifest, the first at bytes {lo}-{min(lo + MIB, size)}"
+    with pytest.raises(DigestMismatch, match=rf"v7 at .*model\.safetensors: .*{chunk}"):
+        load_verified(file, digest, name="v7")
+
+
+@pytest.mark.parametrize(
+    ("mangle", "error"),
+    [
+        (lambda b: b[:5], "not a safetensors file .5 bytes"),
+        (lambda b: (10**9).to_bytes(8, "little") + b[8:], "a header of 1000000000 bytes"),
+        (lambda b: b[:8] + b"\xff" + b[9:], "its header is not JSON"),
+        (lambda b: b[:-100], "tensor 'b' .* does not fit bytes"),
+    ],
+    ids=["short", "header_too_long", "header_not_utf8", "truncated"],
+)
+def test_an_unchecked_file_that_is_not_safetensors_is_a_value_error_not_a_read_past_it(tmp_path, mangle, error):
+    file = tmp_path / "model.safetensors"
+    save_file(state(6, mib=1), str(file))
+    file.write_bytes(mangle(file.read_bytes()))
+    with pytest.raises(ValueError, match=rf"v1 at .*model\.safetensors: .*{error}"):
+        load_verified(file, None, name="v1")
+
+
+def test_a_header_that_lies_about_a_tensors_size_is_refused(tmp_path):
+    file = tmp_path / "model.safetensors"
+    header = json.dumps({"w": {"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 60]}}).encode()
+    file.write_bytes(len(header).to_bytes(8, "little") + header + bytes(64))
+    with pytest.raises(ValueError, match=r"tensor 'w' \(F32 \[4, 4\]\) does not fit bytes 0-60"):
+        load_verified(file, None, name="v1")

@@ -54,11 +54,11 @@ def weights_file(path: str | pathlib.Path) -> pathlib.Path:
 
 
 def read_weights(version: int, path: str | pathlib.Path, digest: str | None, device: str = "cpu") -> dict[str, Any]:
-    """A published version's tensors, its digest checked first (``dora.store.load_verified``: one pass over the open
-    file, whose tensors are then mapped from that same file). Every way the read can fail is an EngineError (the
-    worker stays on its version and lets the broker re-plan), a file gone before it is opened included: the
-    broker may retire a version it told this worker to load, once a newer assignment has replaced that order, and
-    the newer one is then already on its way. Once opened, the file is read whole even if it is retired."""
+    """A published version's tensors, its digest checked first (``dora.store.load_verified``: one read of a private
+    mapping of the file, whose tensors are then cut from that same mapping). Every way the read can fail is an
+    EngineError (the worker stays on its version and lets the broker re-plan), a file gone before it is opened
+    included: the broker may retire a version it told this worker to load, once a newer assignment has replaced that
+    order, and the newer one is then already on its way. Once opened, the file is read whole even if it is retired."""
     file = weights_file(path)
     try:
         return load_verified(file, digest, name=f"v{version}", device=device)
