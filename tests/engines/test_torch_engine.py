@@ -130,7 +130,7 @@ def test_weights_load_in_place_are_verified_and_change_the_output(tiny_model, tm
 def test_weights_retired_before_the_load_are_refused_and_during_it_load_as_checked(tiny_model, tmp_path, monkeypatch):
     """The broker may retire a version it told a worker to load once a newer order replaced that one. A file gone
     before the engine opens it is refused (EngineError: the worker stays on its version), not a crash; once opened,
-    the file checked is the file loaded, so one deleted between the check and the mapping still loads whole."""
+    the file checked is the file loaded, so one deleted between the check and the load still loads whole."""
     import dora.store
 
     e = engine(tiny_model)
@@ -162,3 +162,22 @@ def test_top_p_samples_only_from_the_nucleus(tiny_model):
             sorted_p, order = torch.sort(p, descending=True)
             nucleus = order[torch.cumsum(sorted_p, 0) - sorted_p < 0.3].tolist()
             assert token in nucleus
+
+
+def test_a_version_refused_for_a_flipped_byte_leaves_every_weight_as_it_was(tiny_model, tmp_path):
+    """The digest is checked before the model is touched: a refused version (here one bit in the store's last
+    chunk) names the chunk and leaves the engine on its previous weights, bit for bit."""
+    from dora.store import WeightStore
+
+    e = engine(tiny_model)
+    before = {k: v.clone() for k, v in e.model.state_dict().items()}
+    store = WeightStore(tmp_path, chunk_bytes=1 << 20)
+    _, digest, _ = store.publish(1, {k: v + 1.0 for k, v in before.items() if "rotary" not in k})
+    file = store.path(1) / "model.safetensors"
+    data = bytearray(file.read_bytes())
+    data[-3] ^= 0x10
+    file.write_bytes(bytes(data))
+    with pytest.raises(EngineError, match=r"v1 at .*: 1 of \d+ chunks differ from the manifest, the first at bytes"):
+        e.load_weights(1, file, digest)
+    assert e.version == 0
+    assert all(torch.equal(v, before[k]) for k, v in e.model.state_dict().items())
