@@ -17,13 +17,14 @@ timed in the same run, in GB/s of the version's safetensors file:
   path, digest)``, tensors copied into a model already in memory. Without a digest (``load``) and with the
   published one (``verified``); ``verify = verified - load``, the time the check adds. Cold (the version's
   pages dropped first) and warm. The target is verify / load <= 0.25.
-- **check pass**: the digest alone (``dora.digest.digest_file``, what the verified load runs before mapping);
+- **check pass**: the digest alone, read from the file through a small buffer (``dora.digest.digest_file`` on its
+  path, what a publish runs; a verified load hashes its own mapping of the file in place instead);
   **sha256 pass**: one sequential sha256 read of the file (``sha256_file``), the check a worker ran before.
 
 Reading it: cold, the check's one read pass is the disk read the load would have made, so it adds little or
-nothing. Warm, a CPU engine's load is one memory copy from the page cache; a check that must end before the model
-is touched (a refused version leaves the engine on its previous one) reads every byte once more, so it costs about
-what the copy does at memory bandwidth, whatever the hash.
+nothing. Warm, a CPU engine's load is one memory copy from the page cache (every byte read and written); a check
+that must end before the model is touched (a refused version leaves the engine on its previous one) reads every
+byte once more, so it costs one read of the file at memory bandwidth, whatever the hash.
 
 Writes bench/out/weights.json and prints it as the last line.
 """
