@@ -443,3 +443,12 @@ class RunConfig:
     metrics: MetricsSection = field(default_factory=MetricsSection)
     eval: EvalSection = field(default_factory=EvalSection)
     sft: SftSection = field(default_factory=SftSection)
+
+    def __post_init__(self) -> None:
+        credit = self.rollout.slots or self.engine.credit
+        if credit < self.core.group_size:
+            raise ConfigError(
+                f"a rollout worker accepts {credit} sequences at once (rollout.slots, else engine.credit_slots, else "
+                f"2 x engine.max_slots), fewer than one group of core.group_size = {self.core.group_size}: a group "
+                f"goes to one worker whole, so none could ever be leased"
+            )

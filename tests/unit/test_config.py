@@ -49,6 +49,17 @@ def test_bad_values_are_one_clear_error(overrides, fragment):
         load(SimConfig, overrides=overrides)
 
 
+@pytest.mark.parametrize(
+    ("overrides", "accepts"),
+    [(["engine.max_slots=1", "core.group_size=4"], 2), (["engine.credit_slots=3", "core.group_size=4"], 3),
+     (["rollout.slots=2", "engine.credit_slots=64"], 2)],
+)  # fmt: skip
+def test_a_live_run_whose_workers_cannot_hold_one_group_is_refused(overrides, accepts):
+    with pytest.raises(ConfigError, match=f"accepts {accepts} sequences at once.*core.group_size = "):
+        load(RunConfig, overrides=overrides)
+    load(RunConfig, overrides=[*overrides, f"core.group_size={accepts}"])  # one group fits: accepted
+
+
 def test_bad_toml_and_missing_file(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[core\n")
