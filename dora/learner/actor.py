@@ -4,7 +4,9 @@ It asks the broker for batch ``u``, checks every batch invariant on its own (``d
 hands the batch to its trainer (``dora.learner.trainers``: the sim trainer, which waits the trainer
 model's time, or the torch trainer, GRPO over FSDP2 ranks), publishes version ``u + 1`` and commits
 the step once the broker has journalled it. An audit file gets one JSON line per committed step with
-the groups it trained, so a run can be proven to train every group exactly once. A broken invariant
+the groups it trained, so a run can be proven to train every group exactly once; a learner that resumes
+behind the broker and takes the newer versions' weights from the store writes an ``adopted`` line for each
+step it took so (a learner killed after the broker's record and before its own leaves such a step). A broken invariant
 stops it with exit 3. Blocking trainer work runs in a thread while this loop keeps heartbeating.
 
 Stopping (the torch trainer checkpoints on the way out; correctness never depends on it):
@@ -258,6 +260,10 @@ class LearnerActor:
         # the store holds the newest one whole; the optimizer moments stay those of the checkpoint.
         await self._busy(sock, stop, self.trainer.adopt, newest)
         log.warning("weights_from_store", version=newest, optimizer_state_version=self.version)
+        if self.audit is not None:  # steps this learner holds without having trained them here (see dora audit)
+            self.audit.writelines(json.dumps({"step": s, "adopted": True, "version": s + 1}) + "\n"
+                                  for s in range(self.version, newest))  # fmt: skip
+            self.audit.flush()
         self.version = self.committed = newest
         return True
 

@@ -5,10 +5,13 @@ Two records, written by different processes, are checked against each other:
   it trained), fsync'd before the learner was told; and every broker start (with the Slurm job and
   attempt, when there is one);
 - the learner's audit (``audit.jsonl``): every step the learner committed, with each group's dispatch
-  version, the staleness of its samples and any mixed-version trajectory.
+  version, the staleness of its samples and any mixed-version trajectory; and every step a restarted learner
+  took from the weight store instead (``adopted``: it resumed from an older checkpoint, behind the broker).
 
 Checks (each a line of the report; the exit status is 1 if one fails):
-- steps: the learner committed steps 0, 1, 2, ... each once, in order, and the journal's versions follow on;
+- steps: the learner committed steps 0, 1, 2, ... each once, in order (a step adopted from the store fills its
+  place: its groups are the journal's, trained by the learner that published it), and the journal's versions
+  follow on;
 - C2: no group trained twice; learner and broker agree on what was trained (a learner killed between the
   broker's record and its own may leave the journal one step ahead: reported, not a failure); once the run
   is finished, every group dispatched was trained (group ids are handed out in order, so the trained set
@@ -42,6 +45,7 @@ class Report:
     train_groups: int
     total_steps: int | None
     steps_committed: int
+    """Steps the learner holds: committed after training, or adopted from the store after a restart."""
     journal_version: int
     groups_trained: int
     staleness: dict[int, int]
@@ -54,6 +58,8 @@ class Report:
     finished: bool
     owed: int
     """Groups handed out and not trained (at the end of a finished run: lost)."""
+    steps_adopted: int = 0
+    """Of those, steps a restarted learner took from the store without having committed them itself."""
     notes: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
@@ -71,24 +77,41 @@ def audit_run(journal_path: pathlib.Path, audit_path: pathlib.Path, *, total_ste
     shape = journal.shape
     core = CoreConfig(mode=Mode(shape["mode"]), max_staleness=int(shape["max_staleness"]),
                       train_groups=int(shape["train_groups"]), group_size=int(shape["group_size"]))  # fmt: skip
-    rows = _read_audit(audit_path)
+    everything = _read_audit(audit_path)
+    rows = [r for r in everything if not r.get("adopted")]
+    held, adopted, in_order, seen = 0, [], True, []
+    for r in everything:  # file order: a committed step is the next one; an adopted one may re-cover held steps
+        step = int(r["step"])
+        if r.get("adopted"):
+            seen.append(f"{step} adopted")
+            in_order &= step <= held
+            if step == held:
+                adopted.append(step)
+        else:
+            seen.append(step)
+            in_order &= step == held
+        held = max(held, step + 1)
     report = Report(
         mode=core.mode.value, k=core.staleness, train_groups=core.train_groups, total_steps=total_steps,
-        steps_committed=len(rows), journal_version=journal.newest, groups_trained=len(journal.trained),
-        staleness={}, mixed_version_trajectories=sum(r.get("mixed", 0) for r in rows),
-        turns=sum(r.get("turns", 0) for r in rows),
+        steps_committed=held, steps_adopted=len(adopted), journal_version=journal.newest,
+        groups_trained=len(journal.trained), staleness={},
+        mixed_version_trajectories=sum(r.get("mixed", 0) for r in rows), turns=sum(r.get("turns", 0) for r in rows),
         broker_starts=[_start_info(s) for s in journal.starts], checkpoints=_checkpoints(checkpoint_dir),
         finished=total_steps is not None and journal.newest >= total_steps, owed=len(journal.owed),
     )  # fmt: skip
     problems, notes = report.problems, report.notes
-    steps = [r["step"] for r in rows]
-    if steps != list(range(len(steps))):
-        problems.append(f"steps: the learner's committed steps are not 0, 1, 2, ... once each: {steps[:20]}")
-    if len(rows) > journal.newest:
-        problems.append(f"steps: the learner committed {len(rows)} steps, the broker recorded {journal.newest}")
-    elif len(rows) < journal.newest:
-        notes.append(f"the journal holds {journal.newest - len(rows)} step(s) past the learner's audit "
+    if not in_order:
+        problems.append(f"steps: the learner's committed steps are not 0, 1, 2, ... once each: {seen[:20]}")
+    if held > journal.newest:
+        problems.append(f"steps: the learner committed {held} steps, the broker recorded {journal.newest}")
+    elif held < journal.newest:
+        notes.append(f"the journal holds {journal.newest - held} step(s) past the learner's audit "
                      "(a learner stopped between the broker's record and its own)")  # fmt: skip
+    if adopted:
+        notes.append(
+            f"{len(adopted)} step(s) taken from the weight store by a restarted learner, not committed "
+            f"by it: {sorted(adopted)[:10]} (a learner killed after the broker's record and before its own)"
+        )
     counts = Counter(g for r in rows for g in r["groups"])
     twice = sorted(g for g, n in counts.items() if n > 1)
     if twice:
@@ -144,7 +167,9 @@ def render(r: Report) -> str:
     )
     lines = [
         f"mode {r.mode}, K = {r.k}, {r.train_groups} groups per step; run {state}",
-        f"steps: learner committed {r.steps_committed}, broker recorded {r.journal_version}"
+        f"steps: learner committed {r.steps_committed}"
+        + (f" ({r.steps_adopted} adopted from the store)" if r.steps_adopted else "")
+        + f", broker recorded {r.journal_version}"
         + (f" of {r.total_steps}" if r.total_steps is not None else ""),
         f"groups trained: {r.groups_trained}; broker starts: {len(r.broker_starts)} ({attempts})",
         f"staleness of trained samples: {r.staleness} (max {max(r.staleness, default=0)}, K = {r.k})",

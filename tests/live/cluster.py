@@ -47,8 +47,10 @@ class Cluster(LocalRun):
                 proc.wait(timeout=10)
 
     def audit(self) -> list[dict[str, Any]]:
+        """The learner's committed steps (a step a restarted learner adopted from the store is left out)."""
         path = self.dir / "audit.jsonl"
-        return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+        rows = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+        return [r for r in rows if not r.get("adopted")]
 
     def check_exactly_once(self) -> list[dict[str, Any]]:
         """Every trained step once, in order; every group trained once; staleness <= K; no mixed trajectories."""

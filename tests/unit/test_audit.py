@@ -126,3 +126,36 @@ def test_a_directory_without_a_run_is_one_clear_line(tmp_path: pathlib.Path, cap
     assert main([str(target)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("dora audit: ") and err.count("\n") == 1
+
+
+def test_steps_a_restarted_learner_adopted_from_the_store_fill_their_place(tmp_path: pathlib.Path) -> None:
+    """The learner of step 1 was killed after the broker's record and before its own line; its successor resumed
+    from the checkpoint of version 0 and took version 2 from the store: it writes steps 0 and 1 as adopted."""
+    write_run(tmp_path, GOOD)
+    lines = (tmp_path / "audit.jsonl").read_text().splitlines()
+    adopted = [json.dumps({"step": s, "adopted": True, "version": s + 1}) for s in (0, 1)]
+    (tmp_path / "audit.jsonl").write_text("\n".join([lines[0], *adopted, lines[2]]) + "\n")
+    r = audit_run(tmp_path / "journal.jsonl", tmp_path / "audit.jsonl", total_steps=3)
+    assert r.ok, r.problems
+    assert (r.steps_committed, r.steps_adopted) == (3, 1)
+    assert any("1 step(s) taken from the weight store" in n for n in r.notes)
+    assert "learner committed 3 (1 adopted from the store), broker recorded 3 of 3" in render(r)
+
+
+@pytest.mark.parametrize(
+    ("rows", "problem"),
+    [
+        ([0, {"step": 1}, 1, 2], "once each: [0, '1 adopted', 1, 2]"),  # an adopted step trained again
+        ([0, 2, {"step": 1}], "once each: [0, 2, '1 adopted']"),  # committed out of order
+        ([0, 1, 2, {"step": 3}], "the learner committed 4 steps, the broker recorded 3"),  # never recorded
+        ([0, {"step": 2}, 2], "once each: [0, '2 adopted', 2]"),  # a hole
+    ],
+)
+def test_adopted_steps_cannot_hide_a_broken_order(tmp_path: pathlib.Path, rows, problem) -> None:
+    write_run(tmp_path, GOOD)
+    lines = (tmp_path / "audit.jsonl").read_text().splitlines()
+    out = [lines[r] if isinstance(r, int) else json.dumps({**r, "adopted": True, "version": r["step"] + 1})
+           for r in rows]  # fmt: skip
+    (tmp_path / "audit.jsonl").write_text("\n".join(out) + "\n")
+    r = audit_run(tmp_path / "journal.jsonl", tmp_path / "audit.jsonl")
+    assert any(problem in p for p in r.problems), r.problems

@@ -139,3 +139,51 @@ async def test_a_batch_whose_payload_does_not_match_its_checksums_is_refused_nam
     assert (corrupt["step"], corrupt["group_id"], corrupt["index"]) == (0, 10, 0)
     assert "does not match its checksum" in corrupt["error"]
     assert not audit.exists() or audited(audit) == []  # nothing of it was trained
+
+
+class KeepsWeights(SimTrainer):
+    """A trainer that holds weights, as the torch trainer does: a learner behind the broker takes the newest from
+    the store (recorded here) instead of training on from its checkpoint's."""
+
+    keeps_weights = True
+
+    def __init__(self, cfg: RunConfig) -> None:
+        super().__init__(cfg)
+        self.adopted: list[int] = []
+
+    def adopt(self, version: int) -> None:
+        self.adopted.append(version)
+
+
+async def test_a_learner_resumed_behind_the_broker_adopts_the_newest_weights_and_audits_the_steps_it_took(tmp_path):
+    endpoint = f"inproc://broker-{uuid.uuid4().hex}"
+    cfg = load(RunConfig, overrides=[f"core.train_groups={B}", f"core.group_size={G}", "core.total_steps=4",
+                                     "core.max_staleness=1", "run.time_scale=0.0001",
+                                     "broker.heartbeat_interval_s=0.05", "broker.liveness=100"])  # fmt: skip
+    ctx = zmq.asyncio.Context()
+    broker, trainer = FakeBroker(ctx, endpoint), KeepsWeights(cfg)
+    audit_path = tmp_path / "audit.jsonl"
+    audit_path.write_text(json.dumps({"step": 0, "groups": [0, 1]}) + "\n")  # the killed learner's line for step 0
+    stop = asyncio.Event()
+    with open(audit_path, "a") as audit:
+        # its checkpoint holds version 1; it had published versions 2 and 3 (the broker journalled both) and was
+        # killed before it wrote step 2's line
+        learner = LearnerActor(cfg, ctx, endpoint, audit=audit, trainer=trainer,
+                               resumed={"version": 1, "trained_groups": [0, 1]})  # fmt: skip
+        task = asyncio.create_task(learner.run(stop))
+        try:
+            await broker.expect(m.Hello)
+            await broker.welcome(3)
+            assert (await broker.expect(m.RequestBatch)).step == 3
+            assert trainer.adopted == [3]
+            await broker.send(batch(3, first_group=6))
+            assert (await broker.expect(m.WeightsPublished)).version == 4
+            await broker.send(m.PublishAck(version=4))
+            await broker.expect(m.Goodbye)
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 10)
+            ctx.destroy(linger=0)
+    rows = [json.loads(x) for x in audit_path.read_text().splitlines()]
+    assert [(r["step"], bool(r.get("adopted"))) for r in rows] == [(0, False), (1, True), (2, True), (3, False)]
+    assert [r["version"] for r in rows[1:3]] == [2, 3]
