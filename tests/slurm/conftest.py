@@ -9,8 +9,10 @@ from tests.slurm.localslurm import LocalSlurm, Unavailable
 
 @pytest.fixture(scope="session")
 def slurm() -> Iterator[LocalSlurm]:
-    """A one-node Slurm cluster (Debian's packages, installed here if missing), stopped by PID at the end."""
-    cluster = LocalSlurm(kill_wait_s=10)
+    """A Slurm cluster of four nodes (Debian's packages, installed here if missing), stopped by PID at the end;
+    one node in the host's network where namespaces cannot be made (``single_because`` says why). A node that
+    has not answered for 20 s is down."""
+    cluster = LocalSlurm(nodes=4, kill_wait_s=10, slurmd_timeout_s=20)
     try:
         cluster.start()
     except Unavailable as e:

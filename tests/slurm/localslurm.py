@@ -1,13 +1,13 @@
-"""A one-node Slurm cluster for tests: Debian's munge, slurmctld and slurmd, all state in a temp dir.
+"""A Slurm cluster for tests: Debian's munge, slurmctld and one slurmd per node, all state in a temp dir.
 
-The daemons run in a network namespace of their own holding only the loopback interface, so nothing
-they listen on is reachable from outside; where the kernel refuses a namespace they run in the host's,
-on free ports. Two details make a loopback-only namespace work: the interface must be brought up, and
-it needs an address besides 127.0.0.1, because glibc's ``getaddrinfo(AI_ADDRCONFIG)`` (which Slurm
-uses) ignores 127.0.0.1 when deciding whether IPv4 is configured at all.
+Each node is a set of namespaces made here (``tests.slurm.nodes``): its own hostname, its own address on a
+private bridge and an ``/etc/hosts`` naming every node, so the daemons, srun and every job step see several
+machines that reach each other over TCP and nothing outside. slurmctld runs on ``node1``, which is also where
+the tests' Slurm commands run (the login node). Where the kernel refuses namespaces, a one-node cluster runs
+in the host's network on free ports under the host's name (or, asked, the cluster is unavailable).
 
-Every Slurm command of a test goes through ``LocalSlurm.run`` (entering the namespace). Daemons are
-stopped by the PIDs in their pid files; jobs are cancelled first.
+Every Slurm command of a test goes through ``LocalSlurm.run``. Daemons are stopped by the PIDs in their pid
+files, jobs cancelled first; a node can be lost (every process on it SIGKILLed) and started again.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
+
+from tests.slurm.nodes import Network, NoNamespaces
 
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 COMMANDS = ("slurmctld", "slurmd", "sbatch", "munged")
@@ -56,46 +58,93 @@ def free_port() -> int:
 
 
 class LocalSlurm:
-    def __init__(self, kill_wait_s: int = 10) -> None:
+    def __init__(self, nodes: int = 1, kill_wait_s: int = 10, slurmd_timeout_s: int = 300,
+                 fall_back: bool = True) -> None:  # fmt: skip
         self.root = pathlib.Path(tempfile.mkdtemp(prefix="dora-slurm-"))
         self.root.chmod(0o755)  # munged, running as its own user, must reach its socket below
-        self.node = socket.gethostname()
+        self.count = nodes
         self.kill_wait_s = kill_wait_s
-        self.holder: subprocess.Popen[bytes] | None = None
-        self.netns: str | None = None
+        self.slurmd_timeout_s = slurmd_timeout_s
+        self.network: Network | None = Network(self.root, nodes)
+        self.names = [f"node{i}" for i in range(1, nodes + 1)]
         self.conf = self.root / "slurm.conf"
+        self.fall_back = fall_back
+        """Where namespaces cannot be made: one node in the host's network (True), or Unavailable."""
+        self.single_because = ""
+        """Why a cluster asked to have several nodes has one (empty when it has them)."""
+
+    @property
+    def node(self) -> str:
+        """The first node: slurmctld's, and the one a one-node job lands on."""
+        return self.names[0]
 
     # ---------------------------------------------------------------- start and stop
 
     def start(self, timeout_s: float = 60.0) -> None:
         ensure_installed()
-        self._namespace()
-        ports = (6817, 6818) if self.netns else (free_port(), free_port())
+        try:
+            self.network.start()
+        except NoNamespaces as e:
+            self.network.stop()
+            self.network = None
+            if not self.fall_back:
+                raise Unavailable(f"a cluster of {self.count} nodes needs network namespaces: {e}") from None
+            self.single_because = f"one node only: {e}"
+            self.count, self.names = 1, [socket.gethostname()]
+        ports = (6817, 6818) if self.network else (free_port(), free_port())
         munge = self._munge()
         self.conf.write_text(self._slurm_conf(munge, *ports))
-        for daemon in ("slurmctld", "slurmd"):
-            done = self.run([daemon, "-f", str(self.conf)], check=False)
-            if done.returncode != 0:
-                raise RuntimeError(f"{daemon} did not start: {done.stderr}{self._logs()}")
+        done = self.run(["slurmctld", "-f", str(self.conf)], check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"slurmctld did not start: {done.stderr}{self._logs()}")
+        for name in self.names:
+            self.start_node(name)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            state = self.run(["sinfo", "-h", "-N", "-o", "%T"], check=False).stdout.strip()
-            if state in ("idle", "mixed", "allocated"):
+            states = self.states()
+            if len(states) == self.count and all(s in ("idle", "mixed", "allocated") for s in states.values()):
                 return
             time.sleep(0.5)
-        raise RuntimeError(f"the node did not become idle (state {state!r}){self._logs()}")
+        raise RuntimeError(f"the nodes did not become idle ({states}){self._logs()}")
 
-    def _namespace(self) -> None:
-        """A network namespace holding loopback only, kept alive by a sleeping holder process."""
-        if shutil.which("unshare") is None or shutil.which("nsenter") is None or shutil.which("ip") is None:
-            return
-        holder = subprocess.Popen(["unshare", "--net", "sleep", "infinity"], stderr=subprocess.DEVNULL)
-        time.sleep(0.2)
-        if holder.poll() is not None:
-            return  # no namespaces here: the host's, on free ports
-        self.holder, self.netns = holder, f"/proc/{holder.pid}/ns/net"
-        for cmd in (["ip", "link", "set", "lo", "up"], ["ip", "addr", "add", "127.0.0.2/8", "dev", "lo"]):
-            self.run(cmd)
+    def start_node(self, name: str) -> None:
+        """Start (or start again, after ``lose_node``) the slurmd of node ``name``."""
+        done = self.run(["slurmd", "-f", str(self.conf), "-N", name], check=False, on=name)
+        if done.returncode != 0:
+            raise RuntimeError(f"slurmd on {name} did not start: {done.stderr}{self._logs()}")
+
+    def isolate(self, name: str) -> None:
+        """Node ``name`` cut from the others (its link down): they see silence, as from a node that lost power."""
+        if self.network is None:
+            raise Unavailable("a node can be cut off only on a cluster of namespaces")
+        self.network.isolate(name)
+
+    def rejoin(self, name: str) -> None:
+        """Node ``name``'s link up again after ``isolate``, its processes untouched."""
+        self.network.reconnect(name)
+
+    def lose_node(self, name: str) -> list[int]:
+        """Node ``name`` lost as in a power loss: cut off, then its slurmd and every job step's process on it
+        SIGKILLed (their PIDs returned)."""
+        self.isolate(name)
+        return self.network.node(name).kill()
+
+    def restore(self, name: str, timeout_s: float = 60.0) -> float:
+        """Start node ``name`` again after ``lose_node`` and wait until Slurm has it back in service (seconds)."""
+        started = time.monotonic()
+        if self.network is not None:
+            self.network.reconnect(name)
+        self.start_node(name)
+        while (state := self.states().get(name)) not in ("idle", "mixed", "allocated"):
+            if time.monotonic() - started > timeout_s:
+                raise TimeoutError(f"{name} is {state} {timeout_s:g} s after its slurmd started again")
+            time.sleep(0.5)
+        return time.monotonic() - started
+
+    def states(self) -> dict[str, str]:
+        """Each node's state as sinfo reports it (idle, allocated, down*, ...)."""
+        out = self.run(["sinfo", "-h", "-N", "-o", "%N %T"], check=False).stdout.split()
+        return dict(zip(out[::2], out[1::2], strict=True))
 
     def _munge(self) -> pathlib.Path:
         key_dir, sock_dir = self.root / "munge", self.root / "msock"
@@ -115,30 +164,35 @@ class LocalSlurm:
 
     def _slurm_conf(self, munge: pathlib.Path, ctld_port: int, slurmd_port: int) -> str:
         r = self.root
-        for d in ("state", "spool", "log"):
-            (r / d).mkdir()
+        for d in ("state", "log", *(f"spool/{n}" for n in self.names)):
+            (r / d).mkdir(parents=True)
+        addrs = [n.addr for n in self.network.nodes] if self.network else ["127.0.0.1"]
+        cpus = os.cpu_count() or 1
+        pairs = zip(self.names, addrs, strict=True)
+        nodes = [f"NodeName={n} NodeAddr={a} CPUs={cpus} RealMemory=1000" for n, a in pairs]
         return "\n".join([
-            "ClusterName=dora-test", f"SlurmctldHost={self.node}(127.0.0.1)", "SlurmUser=root", "SlurmdUser=root",
+            "ClusterName=dora-test", f"SlurmctldHost={self.node}({addrs[0]})", "SlurmUser=root", "SlurmdUser=root",
             "AuthType=auth/munge", f"AuthInfo=socket={munge}", "CredType=cred/munge", "MpiDefault=none",
             "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "SelectType=select/cons_tres",
             "SelectTypeParameters=CR_CPU", "ReturnToService=2", f"SlurmctldPort={ctld_port}",
-            f"SlurmdPort={slurmd_port}", f"SlurmctldPidFile={r}/slurmctld.pid", f"SlurmdPidFile={r}/slurmd.pid",
-            f"SlurmdSpoolDir={r}/spool", f"StateSaveLocation={r}/state", f"SlurmctldLogFile={r}/log/slurmctld.log",
-            f"SlurmdLogFile={r}/log/slurmd.log", "JobCompType=jobcomp/none", "JobAcctGatherType=jobacct_gather/none",
+            f"SlurmdPort={slurmd_port}", f"SlurmctldPidFile={r}/slurmctld.pid", f"SlurmdPidFile={r}/slurmd-%n.pid",
+            f"SlurmdSpoolDir={r}/spool/%n", f"StateSaveLocation={r}/state", f"SlurmctldLogFile={r}/log/slurmctld.log",
+            f"SlurmdLogFile={r}/log/slurmd-%n.log", "JobCompType=jobcomp/none", "JobAcctGatherType=jobacct_gather/none",
             "AccountingStorageType=accounting_storage/none", "SwitchType=switch/none", f"KillWait={self.kill_wait_s}",
-            "MinJobAge=600", f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={os.cpu_count() or 1} RealMemory=1000",
+            f"SlurmdTimeout={self.slurmd_timeout_s}", "MinJobAge=600", *nodes,
             "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES",
             "SchedulerType=sched/backfill", "SchedulerParameters=bf_interval=1",
         ]) + "\n"  # fmt: skip
 
     def stop(self) -> None:
-        """Cancel every job, wait for them to leave, then stop the daemons and the namespace by PID."""
+        """Cancel every job, wait for them to leave, then stop the daemons and the nodes by PID."""
         if self.conf.exists():
             self.run(["scancel", "--user", "root"], check=False)
             deadline = time.monotonic() + self.kill_wait_s + 10
             while time.monotonic() < deadline and self.run(["squeue", "-h"], check=False).stdout.strip():
                 time.sleep(0.5)
-        for pidfile in (self.root / "slurmd.pid", self.root / "slurmctld.pid", self.root / "msock" / "munged.pid"):
+        pidfiles = [self.root / f"slurmd-{n}.pid" for n in self.names]
+        for pidfile in [*pidfiles, self.root / "slurmctld.pid", self.root / "msock" / "munged.pid"]:
             try:
                 pid = int(pidfile.read_text().strip())
             except (FileNotFoundError, ValueError):
@@ -152,16 +206,16 @@ class LocalSlurm:
                 time.sleep(0.1)
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
-        if self.holder is not None:
-            self.holder.kill()
-            self.holder.wait(10)
+        if self.network is not None:
+            self.network.stop()
 
     # ---------------------------------------------------------------- commands
 
     def run(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: pathlib.Path | None = None,
-            check: bool = True, timeout_s: float = 60.0) -> subprocess.CompletedProcess[str]:  # fmt: skip
-        """A command in the cluster's namespace, with its SLURM_CONF."""
-        prefix = ["nsenter", f"--net={self.netns}"] if self.netns else []
+            check: bool = True, timeout_s: float = 60.0, on: str | None = None,
+            ) -> subprocess.CompletedProcess[str]:  # fmt: skip
+        """A command on node ``on`` (default: the first, where slurmctld runs), with the cluster's SLURM_CONF."""
+        prefix = self.network.node(on or self.node).enter() if self.network else []
         full = {**(env if env is not None else os.environ), "SLURM_CONF": str(self.conf)}
         done = subprocess.run([*prefix, *argv], env=full, cwd=cwd, capture_output=True, text=True, timeout=timeout_s)
         if check and done.returncode != 0:

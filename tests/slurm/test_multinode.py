@@ -1,0 +1,167 @@
+"""examples/slurm/dora.sbatch over several nodes of a real Slurm cluster made of namespaces (tests.slurm.nodes):
+broker and learner rank 0 on node1, learner rank 1 on node2 (FSDP2, gloo over TCP between the nodes), a rollout
+worker on node2 and on node3, CURVE on every connection, every step finding the broker through the shared run
+directory. Then the loss of a whole node (its slurmd and every process on it SIGKILLed at once): a rollout
+node's groups are re-run whole on the workers left and the job finishes; the learner's second node takes the
+job through a requeue, which resumes from the checkpoint and the journal on the nodes left."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from dora.ops.audit import audit_run
+from tests.slurm.jobs import FINAL, SCRIPT, events, job_env, ts, wait_steps
+from tests.slurm.localslurm import LocalSlurm
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(420)]
+
+
+@pytest.fixture
+def cluster(slurm: LocalSlurm) -> Iterator[LocalSlurm]:
+    """The session's cluster when it has four nodes; every node lost by the test is started again after it."""
+    if slurm.count < 4:
+        pytest.skip(f"needs a cluster of four nodes: {slurm.single_because}")
+    yield slurm
+    for name, state in slurm.states().items():
+        if state not in ("idle", "mixed", "allocated"):
+            slurm.restore(name)
+
+
+def submit_three(slurm: LocalSlurm, tmp: pathlib.Path, model: pathlib.Path, *sets: str) -> str:
+    """The multi-node job: learner on node1 and node2 (one rank each), rollout from node 2 on, CURVE on."""
+    keys = tmp / "keys"
+    subprocess.run([sys.executable, "-m", "dora", "keys", "generate", str(keys)], check=True, capture_output=True)
+    env = job_env(tmp, model, *sets)
+    env.update(DORA_LEARNER_NODES="2", DORA_LEARNER_RANKS_PER_NODE="1", DORA_ROLLOUT_FROM_NODE="2")
+    env["DORA_SET"] += f" broker.bind=tcp://0.0.0.0:0 security.keys={keys}"
+    job = slurm.sbatch(SCRIPT, "--nodes=3", "--overcommit", f"--output={tmp}/job-%j.out", env=env, cwd=tmp)
+    return job
+
+
+def test_a_job_over_three_nodes_trains_across_them_with_curve_and_its_invariants_hold(cluster, tiny_model, tmp_path):
+    job = submit_three(cluster, tmp_path, tiny_model)
+    info = cluster.wait_state(job, FINAL, 300)
+    out = (tmp_path / f"job-{job}.out").read_text()
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", out
+    assert info["NodeList"] == "node[1-3]", info
+    for step in ("broker", "rollout@node2", "rollout@node3", "learner"):
+        assert f"{step} step exited with 0" in out, out
+    assert "invariants hold" in out and "FAILED" not in out, out
+    run = tmp_path / "run"
+    report = audit_run(run / "journal.jsonl", run / "audit.jsonl", total_steps=8)
+    assert report.ok and report.finished and report.steps_committed == 8, report.problems
+
+    found = json.loads((run / "broker.json").read_text())
+    assert found["host"] == "node1" and found["endpoint"].startswith("tcp://node1:"), found  # reached over TCP
+    logs = run / "logs" / "attempt-0"
+    [curve] = events(logs / "broker.log", "curve_on")
+    assert curve["allowed"] == 3  # the rollout, learner and client keys
+    joined = {(r["role"], r["host"]) for r in events(logs / "broker.log", "peer_joined")}
+    assert joined == {("rollout", "node2"), ("rollout", "node3"), ("learner", "node1")}, joined
+    [following] = events(logs / "learner-1.log", "rank_following")  # rank 1 met rank 0 across the nodes
+    assert (following["host"], following["rank"], following["world"]) == ("node2", 1, 2)
+    [done] = events(logs / "learner-1.log", "rank_done")
+    assert done["steps"] == 8
+
+
+SLOW_ROLLOUT = ("engine.max_slots=2", "engine.credit_slots=4", "run.max_tokens=32")
+"""Workers slower than the learner, so that a worker holds groups most of the time (the losses below hit some)."""
+
+
+def groups_held(slurm: LocalSlurm, run: pathlib.Path, host: str) -> int:
+    """Groups leased to the rollout workers on ``host`` now, from ``dora status`` asked on the first node."""
+    done = slurm.run([sys.executable, "-m", "dora", "status", "--broker", str(run / "broker.json"), "--json",
+                      "--keys", str(run.parent / "keys")], check=False)  # fmt: skip
+    if done.returncode != 0:
+        return 0
+    workers = json.loads(done.stdout)["workers"]
+    return sum(w["groups"] for name, w in workers.items() if f"/{host}-" in name)  # rollout/<host>-<pid>/...
+
+
+def lose_while_holding(slurm: LocalSlurm, job: str, run: pathlib.Path, host: str) -> tuple[float, list[int]]:
+    """Lose ``host`` while its workers hold groups, after the run's fourth step (the time it fell silent, and the
+    PIDs killed). The node is cut off first and the broker asked what it holds then; holding nothing, it is let
+    back in (a blip shorter than the liveness window) and tried again later."""
+    wait_steps(slurm, job, run / "journal.jsonl", 4)
+    deadline = time.monotonic() + 60
+    while True:
+        silent_at = time.time()
+        slurm.isolate(host)
+        if groups_held(slurm, run, host):
+            return silent_at, slurm.lose_node(host)
+        slurm.rejoin(host)
+        assert time.monotonic() < deadline, f"the workers on {host} never held a group"
+        time.sleep(0.5)
+
+
+def test_a_lost_rollout_node_has_its_groups_rerun_on_the_workers_left_and_the_job_finishes(
+    cluster, tiny_model, tmp_path
+):
+    steps = 24
+    job = submit_three(cluster, tmp_path, tiny_model, f"core.total_steps={steps}", *SLOW_ROLLOUT)
+    run = tmp_path / "run"
+    lost_at, killed = lose_while_holding(cluster, job, run, "node3")
+    info = cluster.wait_state(job, FINAL, 300)
+    out = (tmp_path / f"job-{job}.out").read_text()
+    assert killed and info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", out
+    assert info["Restarts"] == "0", info
+    logs = run / "logs" / "attempt-0"
+    [lost] = [r for r in events(logs / "broker.log", "peer_lost") if r["role"] == "rollout"]
+    assert lost["peer"].startswith("node3-") and lost["reason"] != "unreachable", lost  # silence, not a reset
+    assert lost["groups"], "the lost worker held no group: nothing was re-run"
+    report = audit_run(run / "journal.jsonl", run / "audit.jsonl", total_steps=steps)
+    assert report.ok and report.finished and report.steps_committed == steps, report.problems
+    trained = {g: row["step"] for row in map(json.loads, (run / "audit.jsonl").read_text().splitlines())
+               for g in row["groups"]}  # fmt: skip
+    assert set(lost["groups"]) <= set(trained), "a group of the lost node was never trained"
+    step_at = {r["step"]: ts(r) for r in events(logs / "broker.log", "train_step")}
+    done_at = max(step_at[trained[g]] for g in lost["groups"])
+    window = 0.5 * 20  # tiny.toml: heartbeat_interval_s x liveness
+    print(
+        f"\njob {job}: node3 lost ({len(killed)} processes SIGKILLed, link cut first); its worker declared "
+        f"dead {ts(lost) - lost_at:.1f} s later (liveness window {window:g} s), its {len(lost['groups'])} "
+        f"group(s) re-run and trained {done_at - lost_at:.1f} s after the loss; Slurm says node3 is "
+        f"{cluster.states()['node3']}"
+    )
+    assert ts(lost) - lost_at <= window + 3
+
+
+def test_a_lost_learner_node_requeues_the_job_and_it_resumes_from_the_checkpoint_on_the_nodes_left(
+    cluster, tiny_model, tmp_path
+):
+    steps = 24
+    job = submit_three(cluster, tmp_path, tiny_model, f"core.total_steps={steps}", *SLOW_ROLLOUT)
+    run = tmp_path / "run"
+    lost_at, killed = lose_while_holding(cluster, job, run, "node2")
+    deadline = time.monotonic() + 240
+    while (state := cluster.job(job)).get("Restarts") != "1" or state.get("JobState") != "PENDING":
+        assert time.monotonic() < deadline, (state, (tmp_path / f"job-{job}.out").read_text())
+        time.sleep(0.5)
+    requeued_at = time.time()
+    while cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=False).returncode:
+        assert time.monotonic() < deadline, "the requeued job's start time could not be set"  # "try again in a bit"
+        time.sleep(0.5)
+    info = cluster.wait_state(job, FINAL, 300)
+    out = (tmp_path / f"job-{job}.out").read_text()
+    assert killed and info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", out
+    assert info["Restarts"] == "1" and "node2" not in info["NodeList"], info
+    assert "the learner failed and its node(s) node2 no longer answer" in out, out
+    report = audit_run(run / "journal.jsonl", run / "audit.jsonl", total_steps=steps)
+    assert report.ok and report.finished and report.steps_committed == steps, report.problems
+    assert [s["slurm_restart"] for s in report.broker_starts] == [0, 1]
+    again = run / "logs" / "attempt-1"
+    [resumed] = events(again / "learner-0.log", "resumed_from_checkpoint")
+    first = min(ts(r) for r in events(again / "broker.log", "train_step"))
+    print(
+        f"\njob {job}: node2 lost ({len(killed)} processes SIGKILLed, link cut first); job requeued "
+        f"{requeued_at - lost_at:.1f} s later; attempt 1 on {info['NodeList']} resumed from the checkpoint of "
+        f"version {resumed['version']} and committed its first step {first - requeued_at:.1f} s after the "
+        f"requeue (the requeue's start delay skipped); Slurm says node2 is {cluster.states()['node2']}"
+    )
