@@ -163,5 +163,6 @@ def test_a_lost_learner_node_requeues_the_job_and_it_resumes_from_the_checkpoint
         f"\njob {job}: node2 lost ({len(killed)} processes SIGKILLed, link cut first); job requeued "
         f"{requeued_at - lost_at:.1f} s later; attempt 1 on {info['NodeList']} resumed from the checkpoint of "
         f"version {resumed['version']} and committed its first step {first - requeued_at:.1f} s after the "
-        f"requeue (the requeue's start delay skipped); Slurm says node2 is {cluster.states()['node2']}"
+        f"requeue (the requeue's start delay skipped); {report.steps_adopted} step(s) adopted from the store; "
+        f"Slurm says node2 is {cluster.states()['node2']}"
     )
