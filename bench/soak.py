@@ -16,8 +16,8 @@ of `dora audit`):
   trajectory;
 - the learner and the broker agree on what was trained (a learner killed between the broker's record
   and its own leaves the journal a step ahead: printed as a note).
-Printed: kills, how long each took to be noticed (dead worker declared, or the new broker's first
-step), steps per minute, false dead-worker declarations, the broker's RSS and open file descriptors
+Printed: kills, how long each took to be noticed (dead worker declared, or the first step after the new
+broker or learner started), steps per minute, false dead-worker declarations, the broker's RSS and open file descriptors
 at start and end, its event-loop lag (how late its heartbeat timer ran: p50, p99, max), and for the
 chaos scenario the proxy's counts and the leases the broker found lost and re-queued.
 The seed is printed; the same seed gives the same fault schedule. Exit status 1 if a check fails.
@@ -124,6 +124,7 @@ def main(argv: list[str]) -> int:
                 restarts.append(time.time())
             elif args.scenario == "learner":
                 run.start_learner()
+                restarts.append(time.time())
             else:
                 run.start_worker(victim)
             print(f"[{time.monotonic() - end + 60 * args.minutes:6.0f} s] killed and restarted {victim}", flush=True)
@@ -152,13 +153,14 @@ def report(run, rundir, brokers, kills, restarts, rss, codes, args, open_fds, la
     false_deaths = len(dead) - sum(1 for n, _ in kills if n.startswith("w"))
     minutes = args.minutes
     steps = checked.steps_committed
+    after = "new learner's first step after its start" if args.scenario == "learner" else "new broker's first step"
     print(f"\n{args.scenario}: {steps} steps committed in {minutes:g} min ({steps / minutes:.1f}/min), "
           f"{checked.groups_trained} groups, {len(kills)} kills, max staleness "
           f"{max(checked.staleness, default=0)} (K = {checked.k})")  # fmt: skip
     if noticed:
         shown = [x for x in noticed if x is not None]
-        print(f"recovery (dead worker declared / new broker's first step), s: max {max(shown, default=0):.2f}, "
-              f"all {noticed}")  # fmt: skip
+        print(f"recovery (dead worker declared / {after}), s: max {max(shown, default=0):.2f}, "
+              f"median {sorted(shown)[len(shown) // 2] if shown else 0:.2f}, all {noticed}")  # fmt: skip
     print(f"dead-worker declarations without a kill: {max(0, false_deaths)}; broker RSS {rss[0] / 1024:.0f} -> "
           f"{rss[-1] / 1024:.0f} MiB; open fds {open_fds[0]} -> {open_fds[-1]}; exit codes {codes}")  # fmt: skip
     print(f"broker event-loop lag, ms: {lag}")
