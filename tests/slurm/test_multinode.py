@@ -166,3 +166,30 @@ def test_a_lost_learner_node_requeues_the_job_and_it_resumes_from_the_checkpoint
         f"requeue (the requeue's start delay skipped); {report.steps_adopted} step(s) adopted from the store; "
         f"Slurm says node2 is {cluster.states()['node2']}"
     )
+
+
+def test_a_heterogeneous_job_learns_on_its_first_component_and_rolls_out_on_its_second(cluster, tiny_model, tmp_path):
+    """sbatch <learner options> : <rollout options> dora.sbatch: the learner (two ranks) and the broker on the
+    first component's node, one rollout worker on each node of the second."""
+    env = job_env(tmp_path, tiny_model)
+    env["DORA_SET"] += " broker.bind=tcp://0.0.0.0:0"
+    job = cluster.sbatch(SCRIPT, "--nodes=1", "--overcommit", f"--output={tmp_path}/job-%j.out", ":", "--nodes=2",
+                         "--overcommit", env=env, cwd=tmp_path)  # fmt: skip
+    info = cluster.wait_state(f"{job}+0", FINAL, 300)  # the first component (scontrol shows each one)
+    out = (tmp_path / f"job-{job}.out").read_text()
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", out
+    learner, rollout = info["NodeList"], cluster.job(f"{job}+1")["NodeList"]
+    assert f"learner on {learner} (2 rank(s) per node)" in out, out
+    hosts = cluster.run(["scontrol", "show", "hostnames", rollout]).stdout.split()
+    assert len(hosts) == 2 and learner not in hosts, (learner, hosts)
+    for step in ("broker", "learner", *(f"rollout@{h}" for h in hosts)):
+        assert f"{step} step exited with 0" in out, out
+    assert "invariants hold" in out, out
+    run = tmp_path / "run"
+    report = audit_run(run / "journal.jsonl", run / "audit.jsonl", total_steps=8)
+    assert report.ok and report.finished, report.problems
+    logs = run / "logs" / "attempt-0"
+    joined = {(r["role"], r["host"]) for r in events(logs / "broker.log", "peer_joined")}
+    assert joined == {("learner", learner), *(("rollout", h) for h in hosts)}, joined
+    [following] = events(logs / "learner-1.log", "rank_following")
+    assert (following["host"], following["world"]) == (learner, 2)
