@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import subprocess
 import sys
 import time
 from datetime import datetime
@@ -40,6 +41,31 @@ def job_env(tmp: pathlib.Path, model: pathlib.Path, *sets: str) -> dict[str, str
 def submit(slurm: LocalSlurm, tmp: pathlib.Path, env: dict[str, str]) -> str:
     return slurm.sbatch(SCRIPT, "--nodes=1", "--ntasks=4", "--overcommit", f"--output={tmp}/job-%j.out",
                         env=env, cwd=tmp)  # fmt: skip
+
+
+def submit_nodes(slurm: LocalSlurm, tmp: pathlib.Path, model: pathlib.Path, *sets: str) -> str:
+    """The multi-node job: learner on node1 and node2 (one rank each), rollout from node 2 on, CURVE on."""
+    keys = tmp / "keys"
+    subprocess.run([sys.executable, "-m", "dora", "keys", "generate", str(keys)], check=True, capture_output=True)
+    env = job_env(tmp, model, *sets)
+    env.update(DORA_LEARNER_NODES="2", DORA_LEARNER_RANKS_PER_NODE="1", DORA_ROLLOUT_FROM_NODE="2")
+    env["DORA_SET"] += f" broker.bind=tcp://0.0.0.0:0 security.keys={keys}"
+    job = slurm.sbatch(SCRIPT, "--nodes=3", "--overcommit", f"--output={tmp}/job-%j.out", env=env, cwd=tmp)
+    return job
+
+
+def status(slurm: LocalSlurm, run: pathlib.Path) -> dict[str, Any] | None:
+    """``dora status --json`` of the run's broker, asked on the first node with the run's client key (None: no
+    answer)."""
+    done = slurm.run([sys.executable, "-m", "dora", "status", "--broker", str(run / "broker.json"), "--json",
+                      "--keys", str(run.parent / "keys")], check=False)  # fmt: skip
+    return json.loads(done.stdout) if done.returncode == 0 else None
+
+
+def groups_held(slurm: LocalSlurm, run: pathlib.Path, host: str) -> int:
+    """Groups leased to the rollout workers on ``host`` now (0 when the broker does not answer)."""
+    workers = (status(slurm, run) or {}).get("workers", {})
+    return sum(w["groups"] for name, w in workers.items() if f"/{host}-" in name)  # rollout/<host>-<pid>/...
 
 
 def events(path: pathlib.Path, event: str) -> list[dict[str, Any]]:

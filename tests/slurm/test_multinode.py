@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import json
 import pathlib
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 
 import pytest
 
 from dora.ops.audit import audit_run
-from tests.slurm.jobs import FINAL, SCRIPT, events, job_env, ts, wait_steps
+from tests.slurm.jobs import FINAL, SCRIPT, events, groups_held, job_env, submit_nodes, ts, wait_steps
 from tests.slurm.localslurm import LocalSlurm
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(420)]
@@ -34,19 +32,8 @@ def cluster(slurm: LocalSlurm) -> Iterator[LocalSlurm]:
             slurm.restore(name)
 
 
-def submit_three(slurm: LocalSlurm, tmp: pathlib.Path, model: pathlib.Path, *sets: str) -> str:
-    """The multi-node job: learner on node1 and node2 (one rank each), rollout from node 2 on, CURVE on."""
-    keys = tmp / "keys"
-    subprocess.run([sys.executable, "-m", "dora", "keys", "generate", str(keys)], check=True, capture_output=True)
-    env = job_env(tmp, model, *sets)
-    env.update(DORA_LEARNER_NODES="2", DORA_LEARNER_RANKS_PER_NODE="1", DORA_ROLLOUT_FROM_NODE="2")
-    env["DORA_SET"] += f" broker.bind=tcp://0.0.0.0:0 security.keys={keys}"
-    job = slurm.sbatch(SCRIPT, "--nodes=3", "--overcommit", f"--output={tmp}/job-%j.out", env=env, cwd=tmp)
-    return job
-
-
 def test_a_job_over_three_nodes_trains_across_them_with_curve_and_its_invariants_hold(cluster, tiny_model, tmp_path):
-    job = submit_three(cluster, tmp_path, tiny_model)
+    job = submit_nodes(cluster, tmp_path, tiny_model)
     info = cluster.wait_state(job, FINAL, 300)
     out = (tmp_path / f"job-{job}.out").read_text()
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", out
@@ -75,16 +62,6 @@ SLOW_ROLLOUT = ("engine.max_slots=2", "engine.credit_slots=4", "run.max_tokens=3
 """Workers slower than the learner, so that a worker holds groups most of the time (the losses below hit some)."""
 
 
-def groups_held(slurm: LocalSlurm, run: pathlib.Path, host: str) -> int:
-    """Groups leased to the rollout workers on ``host`` now, from ``dora status`` asked on the first node."""
-    done = slurm.run([sys.executable, "-m", "dora", "status", "--broker", str(run / "broker.json"), "--json",
-                      "--keys", str(run.parent / "keys")], check=False)  # fmt: skip
-    if done.returncode != 0:
-        return 0
-    workers = json.loads(done.stdout)["workers"]
-    return sum(w["groups"] for name, w in workers.items() if f"/{host}-" in name)  # rollout/<host>-<pid>/...
-
-
 def lose_while_holding(slurm: LocalSlurm, job: str, run: pathlib.Path, host: str) -> tuple[float, list[int]]:
     """Lose ``host`` while its workers hold groups, after the run's fourth step (the time it fell silent, and the
     PIDs killed). The node is cut off first and the broker asked what it holds then; holding nothing, it is let
@@ -105,7 +82,7 @@ def test_a_lost_rollout_node_has_its_groups_rerun_on_the_workers_left_and_the_jo
     cluster, tiny_model, tmp_path
 ):
     steps = 24
-    job = submit_three(cluster, tmp_path, tiny_model, f"core.total_steps={steps}", *SLOW_ROLLOUT)
+    job = submit_nodes(cluster, tmp_path, tiny_model, f"core.total_steps={steps}", *SLOW_ROLLOUT)
     run = tmp_path / "run"
     lost_at, killed = lose_while_holding(cluster, job, run, "node3")
     info = cluster.wait_state(job, FINAL, 300)
@@ -137,7 +114,7 @@ def test_a_lost_learner_node_requeues_the_job_and_it_resumes_from_the_checkpoint
     cluster, tiny_model, tmp_path
 ):
     steps = 24
-    job = submit_three(cluster, tmp_path, tiny_model, f"core.total_steps={steps}", *SLOW_ROLLOUT)
+    job = submit_nodes(cluster, tmp_path, tiny_model, f"core.total_steps={steps}", *SLOW_ROLLOUT)
     run = tmp_path / "run"
     lost_at, killed = lose_while_holding(cluster, job, run, "node2")
     deadline = time.monotonic() + 240
