@@ -26,7 +26,7 @@ from dora.actor.security import Keys
 from dora.broker import translate
 from dora.broker.evaluation import BrokerEval, EvalRounds
 from dora.broker.journal import Journal
-from dora.broker.links import Links, Peer, user_id
+from dora.broker.links import Links, Peer, recv_frames, user_id
 from dora.broker.metrics import BrokerMetrics, step_row
 from dora.broker.reconcile import reconcile
 from dora.broker.snapshot import snapshot
@@ -153,7 +153,7 @@ class BrokerActor:
         until = time.perf_counter() + TURN_S
         while time.perf_counter() < until:
             try:
-                frames = self.links.sync.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = recv_frames(self.links.sync)
             except zmq.Again:
                 return True
             self.on_frames(frames)

@@ -118,7 +118,16 @@ def encode(msg: Any) -> list[Buffer]:
         raise EncodeError(f"{cls.KIND}: {e}") from None
     finally:
         _frames.arrays = []
-    return [MAGIC, _VERSION_FRAME, _KIND_FRAMES[cls], body, *(memoryview(a) for a in arrays)]
+    return [MAGIC, _VERSION_FRAME, _KIND_FRAMES[cls], body, *(_source(a) for a in arrays)]
+
+
+def _source(arr: np.ndarray) -> Buffer:
+    """An array's frame: the buffer it was decoded from when it views all of it (a received frame, which a
+    transport can forward by reference instead of wrapping its memory anew), else the array's own memory."""
+    base = arr.base
+    if type(base) is memoryview and base.nbytes == arr.nbytes and not isinstance(base.obj, np.ndarray | None):
+        return base.obj
+    return memoryview(arr)
 
 
 _VERSION_FRAME = struct.pack(">H", WIRE_VERSION)
@@ -238,6 +247,8 @@ def _array(ref: _ArrayRef, blobs: list[memoryview], used: set[int]) -> np.ndarra
     if count * dtype.itemsize != blob.nbytes:
         need = count * dtype.itemsize
         raise ValueError(f"shape {list(ref.shape)} of {dtype} needs {need} bytes, got {blob.nbytes}")
-    arr = np.frombuffer(blob, dtype=dtype, count=count).reshape(ref.shape)
+    arr = np.frombuffer(blob, dtype=dtype, count=count)
+    if len(ref.shape) != 1:
+        arr = arr.reshape(ref.shape)
     arr.flags.writeable = False
     return arr

@@ -86,6 +86,8 @@ def test_the_broker_forwards_the_received_frames_without_copying_them(tmp_path):
         out = codec.encode(batch)
         received = np.frombuffer(frames[4].buffer, dtype=np.uint8)
         assert np.shares_memory(np.asarray(out[5]), received), "the token ids frame is forwarded as received"
+        assert out[5] is frames[4] and out[6] is frames[5], "the received frames themselves: sent by reference"
+        assert isinstance(out[4], memoryview), "an array made here (the prompts) travels as its own memory"
         learned = packed.unpack_batch(codec.decode(out))
         assert [int(s.token_ids[0]) for s in learned.groups[0].samples] == [100 + i for i in range(8)]
     finally:
