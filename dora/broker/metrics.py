@@ -144,13 +144,13 @@ class BrokerMetrics:
                     self.record("ready", worker=w, version=v)
             case ev.WeightsPublished(version=v):
                 self.record("published", version=v)
-            case ev.SampleFinished() | ev.SamplesFinished():
-                samples = event.samples if isinstance(event, ev.SamplesFinished) else (event,)
-                self.actor.counters.update(reward_failures(samples, actions))
-                for s in samples:
-                    leased = self._leased_at.get(s.group_id)
-                    if leased is not None and leased[0] == s.attempt and s.group_id not in sched.flights:
-                        del self._leased_at[s.group_id]  # its last sample was taken: the group is finished
+            case ev.ResultsReported(samples=samples):
+                if any(s.reward_error for s in samples):
+                    self.actor.counters.update(reward_failures(samples, actions))
+                for group, attempt in {(s.group_id, s.attempt) for s in samples}:
+                    leased = self._leased_at.get(group)
+                    if leased is not None and leased[0] == attempt and group not in sched.flights:
+                        del self._leased_at[group]  # its last sample was taken: the group is finished
                         self.lease_latency.observe(now - leased[1])
         for a in actions:
             match a:
@@ -252,9 +252,9 @@ def failure_reason(error: str) -> str:
     return error.partition(":")[0][:60].removeprefix("reward ").strip()
 
 
-def reward_failures(samples: Sequence[ev.SampleFinished], actions: Sequence[ev.Action]) -> collections.Counter[str]:
-    """``REWARD_FAILED`` counters by reason for the samples of one core event that the core took (the ones it
-    refused, a copy sent twice or of a voided lease, are not counted again)."""
+def reward_failures(samples: Sequence[m.SampleHeader], actions: Sequence[ev.Action]) -> collections.Counter[str]:
+    """``REWARD_FAILED`` counters by reason for the samples of one report that the core took (the ones it refused,
+    a copy sent twice or of a voided lease, are not counted again)."""
     refused = collections.Counter(
         (a.group_id, a.attempt, a.index) for a in actions if isinstance(a, ev.Refused) and a.index is not None
     )
@@ -264,7 +264,7 @@ def reward_failures(samples: Sequence[ev.SampleFinished], actions: Sequence[ev.A
         if refused[key] > 0:
             refused[key] -= 1
             continue
-        error = s.payload[0].reward_error
+        error = s.reward_error
         if error:
             counts[f"{REWARD_FAILED}{failure_reason(error)})"] += 1
     return counts

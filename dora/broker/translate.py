@@ -21,15 +21,11 @@ Prompts = Callable[[int], np.ndarray]
 """group id -> the prompt's token ids."""
 
 
-def samples_event(worker: WorkerId, msg: m.SamplesFinished, headers: Sequence[m.SampleHeader]) -> ev.Event:
-    """One core event for finished samples (``headers``, at least one, of ``msg``). Each sample's payload is its
-    header and the message that carries its packed arrays, which the broker forwards to the learner unread."""
-    events = tuple(
-        ev.SampleFinished(worker_id=worker, group_id=x.group_id, attempt=x.attempt, index=x.index,
-                          segments=x.segments, finish=x.finish, payload=(x, msg))
-        for x in headers
-    )  # fmt: skip
-    return events[0] if len(events) == 1 else ev.SamplesFinished(samples=events)
+def samples_event(worker: WorkerId, msg: m.SamplesFinished, headers: Sequence[m.SampleHeader]) -> ev.ResultsReported:
+    """One core event for finished samples (``headers`` of ``msg``): the headers themselves, no event per sample.
+    Each sample's payload is its header and the message that carries its packed arrays, which the broker forwards
+    to the learner unread."""
+    return ev.ResultsReported(worker_id=worker, samples=headers, payloads=[(x, msg) for x in headers])
 
 
 def result_acks(msgs: Sequence[m.SampleHeader], epoch: int, actions: Sequence[ev.Action]) -> tuple[m.ResultAck, ...]:

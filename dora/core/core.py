@@ -39,6 +39,7 @@ from dora.core.events import (
     MigrationExported,
     Outbox,
     Refused,
+    ResultsReported,
     Resume,
     Retire,
     RunFinished,
@@ -191,6 +192,10 @@ class Core:
                     flight = sched.accept(sample, out)
                     if flight is not None:
                         self._finished(flight)
+                return False
+            case ResultsReported(worker_id=w, samples=samples, payloads=payloads):
+                for flight in sched.accept_report(w, samples, payloads, out):
+                    self._finished(flight)
                 return False
             case MigrationExported(worker_id=w, group_id=g, attempt=a, n_requests=n, state=state):
                 sched.exported(w, g, a, n, state, out)

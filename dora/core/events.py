@@ -7,6 +7,7 @@ Payloads (token arrays, exported KV state) are opaque to the core: it stores and
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +72,19 @@ class SamplesFinished:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ResultsReported:
+    """A worker's report of finished samples as it came (one wire message): taken exactly as a SamplesFinished of
+    ``SampleFinished(worker_id=worker_id, ..., payload=payloads[i])`` for each sample would be, without an event
+    per sample. A sample is anything with ``group_id``, ``attempt``, ``index``, ``segments`` and ``finish`` (the
+    wire's sample headers); the core reads nothing else of it."""
+
+    worker_id: WorkerId
+    samples: Sequence[Any]
+    payloads: Sequence[Any]
+    """Each sample's payload, in the same order: opaque, handed back in its TrainSample."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class MigrationExported:
     """The source worker of a migration stopped the group's running samples and exported them."""
 
@@ -124,6 +138,7 @@ Event = (
     | WeightsLoaded
     | SampleFinished
     | SamplesFinished
+    | ResultsReported
     | MigrationExported
     | Yielded
     | LoadReported

@@ -13,8 +13,10 @@ admission arithmetic itself lives in ``deadline``.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from dora.config import CoreConfig
 from dora.core import deadline
@@ -391,27 +393,91 @@ class Scheduler:
         if problem is not None:
             out.emit(Refused(reason=problem, worker_id=ev.worker_id, group_id=ev.group_id, attempt=ev.attempt,
                              index=ev.index))  # fmt: skip
-            if problem == "duplicate_sample":
-                return None
-            flight.failures += 1
-            if flight.failures >= self.cfg.max_group_failures:
-                raise GroupFailed(
-                    f"group {flight.group_id} failed {flight.failures} times (last: {problem}); "
-                    "it can be neither trained nor dropped"
-                )
-            self.requeue(flight, out)
+            if problem != "duplicate_sample":
+                self._failed(flight, problem, out)
             return None
         flight.done[ev.index] = TrainSample(index=ev.index, segments=ev.segments, finish=ev.finish, payload=ev.payload)
-        self.workers[ev.worker_id].used -= 1
-        self._offer(self.workers[ev.worker_id])
-        self._owe(flight.version, -1)
-        if flight.target is not None:
-            self.workers[flight.target].used -= 1
-            self._offer(self.workers[flight.target])
+        self._took(flight, 1)
         if len(flight.done) < self.cfg.group_size:
             return None
         self._release(flight)
         return flight
+
+    def accept_report(
+        self, worker: WorkerId, samples: Sequence[Any], payloads: Sequence[Any], out: Outbox
+    ) -> Iterator[Flight]:
+        """Record a worker's report of finished samples (see ``ResultsReported``), in order, exactly as ``accept``
+        of each would: the same refusals and the same state, the lease checked once per run of samples of one
+        lease and slots, pending counts and the roster updated once per run. Yields each flight as the sample
+        that completes its group is taken (the caller hands it on before the next sample is looked at)."""
+        G, swap = self.cfg.group_size, self.cfg.in_flight_swap
+        i, n = 0, len(samples)
+        while i < n:
+            s = samples[i]
+            group, attempt = s.group_id, s.attempt
+            found = self.check_result(worker, group, attempt)
+            if isinstance(found, str):
+                out.emit(Refused(reason=found, worker_id=worker, group_id=group, attempt=attempt, index=s.index))
+                i += 1
+                continue
+            flight, done, version = found, found.done, found.version
+            taken, failed = 0, None
+            while i < n and (s := samples[i]).group_id == group and s.attempt == attempt:
+                payload = payloads[i]
+                i += 1
+                index, segments = s.index, s.segments
+                problem = None
+                # the common case in one test: one run of tokens, all of the lease's version (else: the full check)
+                if (
+                    swap
+                    or not 0 <= index < G
+                    or index in done
+                    or s.finish is Finish.ERROR
+                    or len(segments) != 1
+                    or segments[0][0] != version
+                    or segments[0][1] < 0
+                ):
+                    problem = self._sample_problem(flight, s)
+                if problem is None:
+                    done[index] = TrainSample(index=index, segments=segments, finish=s.finish, payload=payload)
+                    taken += 1
+                    if len(done) == G:
+                        break
+                    continue
+                out.emit(Refused(reason=problem, worker_id=worker, group_id=group, attempt=attempt, index=index))
+                if problem != "duplicate_sample":
+                    failed = problem
+                    break
+            self._took(flight, taken)
+            if failed is not None:
+                self._failed(flight, failed, out)
+            elif len(done) == G:
+                self._release(flight)
+                yield flight
+
+    def _took(self, flight: Flight, samples: int) -> None:
+        """``samples`` more of the flight's samples finished: their slots are free (and reserved no more on a
+        migration's target)."""
+        if not samples:
+            return
+        holder = self.workers[flight.worker]  # type: ignore[index]  (a running flight has one)
+        holder.used -= samples
+        self._offer(holder)
+        self._owe(flight.version, -samples)
+        if flight.target is not None:
+            target = self.workers[flight.target]
+            target.used -= samples
+            self._offer(target)
+
+    def _failed(self, flight: Flight, problem: str, out: Outbox) -> None:
+        """A sample of the flight failed: the group re-runs whole, unless it failed too often to be re-run."""
+        flight.failures += 1
+        if flight.failures >= self.cfg.max_group_failures:
+            raise GroupFailed(
+                f"group {flight.group_id} failed {flight.failures} times (last: {problem}); "
+                "it can be neither trained nor dropped"
+            )
+        self.requeue(flight, out)
 
     def _sample_problem(self, flight: Flight, ev: SampleFinished) -> str | None:
         if not 0 <= ev.index < self.cfg.group_size:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 from dora.config import ConfigError, CoreConfig
 from dora.core.core import Core
@@ -17,6 +21,7 @@ from dora.core.events import (
     MigrateOut,
     MigrationExported,
     Refused,
+    ResultsReported,
     Retire,
     RunFinished,
     SampleFinished,
@@ -137,6 +142,79 @@ def test_results_taken_together_decide_as_the_same_results_one_by_one():
     assert steps >= 3 and len(log) >= 8 and reports >= 4
     assert len(refusals) == reports  # the copy of a sample of a group already complete: no longer held
     assert all(r[2] in ("duplicate_sample", "unknown_group") for r in refusals)
+
+
+def _twin_state(core: Core) -> tuple:
+    """Everything a decision can depend on (the roster by what it answers, not by its lazy heap)."""
+    sched, led = core.scheduler, core.ledger
+    best = {v: [sched.pick_worker(v, need) for need in (0, 1, core.cfg.group_size)] for v in led.pinned_versions()}
+    return (sched.flights, sched.workers, list(sched.queue), sched.pending_requests(), sched.idle, sched.leaving,
+            sched.idle_unready, best, led.deadline_counts(), led.alive(), core.transfer._by_deadline,
+            core.transfer.step, core.transfer.in_training, core.refusals, core.learner_waiting)  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=st.data(),
+    group_size=st.integers(1, 4),
+    k=st.integers(0, 2),
+    mode=st.sampled_from([Mode.DORA, Mode.PARTIAL, Mode.SYNC]),
+    failures=st.integers(1, 4),
+)
+def test_a_report_decides_exactly_as_its_samples_one_by_one(data, group_size, k, mode, failures):
+    """ResultsReported (the broker's form of a worker's message: the headers as they came, no event per sample)
+    = a SamplesFinished of the same samples: the same actions, the same state, the same GroupFailed, whatever
+    the report holds (duplicates, foreign and stale leases, bad indices, errors, C1 violations, several groups
+    interleaved)."""
+    one = Core(cfg(mode=mode, group_size=group_size, max_staleness=k, train_groups=2, rollout_groups=6,
+                   max_group_failures=failures), strict=True)  # fmt: skip
+    for w in ("a", "b"):
+        ready(one, w, slots=3 * group_size)
+    for _ in range(data.draw(st.integers(1, 12), label="reports")):
+        worker = data.draw(st.sampled_from(["a"] * 4 + ["b"] * 4 + ["ghost"]), label="worker")
+        flights = sorted(one.scheduler.flights.values(), key=lambda f: f.group_id)
+        leases = [(f.group_id, f.attempt, f.version, f.worker) for f in flights if f.attempt is not None]
+        own = [x for x in leases if x[3] == worker] or leases or [(99, 99, 0, worker)]
+        samples = []
+        for _ in range(data.draw(st.integers(1, 3), label="leases in the report")):
+            group, attempt, version, _ = data.draw(st.sampled_from(own) if data.draw(st.integers(0, 4)) else
+                                                   st.sampled_from(leases or own), label="lease")  # fmt: skip
+            first = data.draw(st.integers(0, group_size - 1), label="first index")
+            for index in range(first, first + data.draw(st.integers(1, group_size), label="samples")):
+                bad = data.draw(st.sampled_from(["none"] * 12 + ["attempt", "index", "newer", "negative", "empty",
+                                                                 "two runs", "mixed", "error", "again"]))  # fmt: skip
+                segments = {"newer": ((version + 1, 5),), "negative": ((version, -1),), "empty": (),
+                            "two runs": ((version, 2), (version, 3)),
+                            "mixed": ((version, 2), (version + 1, 3))}.get(bad, ((version, 5),))  # fmt: skip
+                sample = SampleFinished(
+                    worker_id=worker, group_id=group, attempt=attempt + (bad == "attempt"),
+                    index=-1 if bad == "index" else index, segments=segments,
+                    finish=Finish.ERROR if bad == "error" else Finish.STOP, payload=("p", len(samples)),
+                )  # fmt: skip
+                samples.extend([sample, sample] if bad == "again" else [sample])
+        two = copy.deepcopy(one)
+        outcomes = []
+        for core, report in (
+            (one, ResultsReported(worker_id=worker, samples=tuple(samples), payloads=[s.payload for s in samples])),
+            (two, SamplesFinished(samples=tuple(samples))),
+        ):
+            try:
+                outcomes.append(core.handle(1.0, report))
+            except GroupFailed as e:
+                outcomes.append(str(e))
+        assert outcomes[0] == outcomes[1]
+        assert _twin_state(one) == _twin_state(two)
+        if isinstance(outcomes[0], str):
+            event("group failed")
+            return
+        for a in outcomes[0]:
+            event(f"{type(a).__name__} {a.reason}" if isinstance(a, Refused) else type(a).__name__)
+        for a in outcomes[0]:  # the learner trains what it is given, the workers load what they are told
+            if isinstance(a, DeliverBatch):
+                one.handle(2.0, WeightsPublished(version=a.step + 1))
+            elif isinstance(a, Assign):
+                one.handle(2.0, WeightsLoaded(worker_id=a.worker_id, version=a.version))
+        one.handle(3.0, BatchRequested(step=one.step))
 
 
 def test_lost_worker_groups_rerun_whole_on_newest_and_late_results_are_refused():

@@ -22,12 +22,18 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from dora.config import CoreConfig
-from dora.core.events import LoadReported, Tick, WorkerJoined
+from dora.core.events import LoadReported, ResultsReported, SampleFinished, Tick, WorkerJoined
 from dora.ids import Mode
 from dora.sim.workload import Workload
 from tests.unit.machine import Harness
 
 EXAMPLES = int(os.environ.get("DORA_PROPERTY_EXAMPLES", "500"))
+
+
+def report(results: list[SampleFinished]) -> ResultsReported:
+    """One worker's results as one report, the form the broker feeds the core."""
+    payloads = [r.payload for r in results]
+    return ResultsReported(worker_id=results[0].worker_id, samples=tuple(results), payloads=payloads)
 
 
 class CoreMachine(RuleBasedStateMachine):
@@ -77,6 +83,15 @@ class CoreMachine(RuleBasedStateMachine):
         if live:
             self.h.feed_all(self.h.world.decode(live[pick % len(live)].worker_id, tokens))
 
+    @rule(pick=st.integers(0, 10**6), tokens=st.integers(1, 40))
+    def decode_and_report(self, pick, tokens):
+        """The same, the worker reporting what finished in one message, as the broker hands it on (one event)."""
+        live = [w for w in self.h.world.alive_workers() if w.requests]
+        if live:
+            done = self.h.world.decode(live[pick % len(live)].worker_id, tokens)
+            if done:
+                self.h.feed(report(done))
+
     @rule(pick=st.integers(0, 10**6))
     def finish_load(self, pick):
         loading = [w for w in self.h.world.alive_workers() if w.loading is not None]
@@ -125,6 +140,15 @@ class CoreMachine(RuleBasedStateMachine):
     def replay_old_result(self, pick):
         """A late, duplicated or reordered result arrives again; it must never be trained twice."""
         self.h.feed(self.h.world.sent[pick % len(self.h.world.sent)])
+
+    @precondition(lambda self: len(self.h.world.sent) > 0)
+    @rule(picks=st.lists(st.integers(0, 10**6), min_size=1, max_size=6))
+    def replay_old_report(self, picks):
+        """Old results of one worker arrive again together, in any order and with copies, in one report."""
+        sent = self.h.world.sent
+        worker = sent[picks[0] % len(sent)].worker_id
+        mine = [r for r in sent if r.worker_id == worker]
+        self.h.feed(report([mine[p % len(mine)] for p in picks]))
 
     @rule(pick=st.integers(0, 10**6), replay=st.booleans())
     def lose_lease(self, pick, replay):
