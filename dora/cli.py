@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 COMMANDS: dict[str, tuple[str, str | None]] = {
@@ -70,7 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     if module is None:
         print(f"dora {name}: not built yet ({summary}).", file=sys.stderr)
         return 2
-    return int(importlib.import_module(module).main(rest) or 0)
+    try:
+        return int(importlib.import_module(module).main(rest) or 0)
+    except BrokenPipeError:  # the reader went away (`dora audit ... | head`): stop quietly, as cat does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit-time flush has nowhere to fail
+        return 141
 
 
 if __name__ == "__main__":

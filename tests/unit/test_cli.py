@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import shlex
 import subprocess
 import sys
 
@@ -119,3 +120,15 @@ def test_local_processes_get_a_thread_budget_unless_the_user_set_one(tmp_path, m
     assert "OMP_NUM_THREADS" not in LocalRun(tmp_path / "b", {}).env
     monkeypatch.setenv("OMP_NUM_THREADS", "5")
     assert LocalRun(tmp_path / "c", {}, threads=3).env["OMP_NUM_THREADS"] == "5"
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path):
+    """`dora audit RUN | head`: the pipe closes under the command; it stops with 141, as a shell tool does, without
+    a traceback."""
+    from tests.unit.test_audit import GOOD, write_run
+
+    write_run(tmp_path, GOOD)
+    script = f'{shlex.quote(sys.executable)} -m dora audit {tmp_path} | true; echo "exit ${{PIPESTATUS[0]}}" >&2'
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert "Traceback" not in done.stderr and "Error" not in done.stderr, done.stderr
+    assert done.stderr.strip().endswith("exit 141"), done.stderr
