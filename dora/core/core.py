@@ -112,7 +112,7 @@ class Core:
         if self.fleet_ready:
             self.scheduler.dispatch(self.transfer.step, out)
         for version in self.ledger.collect_retired():
-            self.scheduler.roster.forget([version])
+            self.scheduler.forget(version)
             out.emit(Retire(version=version))
         self._maybe_finish(out)
         for a in out.actions:

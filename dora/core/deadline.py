@@ -45,9 +45,14 @@ def admits(counts: Mapping[int, int], step: int, batch: int, deadline: int) -> b
     """May one more group with ``deadline`` be dispatched without breaking the invariant?"""
     if deadline < step:
         return False
-    grown = dict(counts)
-    grown[deadline] = grown.get(deadline, 0) + 1
-    return feasible(grown, step, batch)
+    # feasible(counts with one more at ``deadline``), without building that mapping: it runs on every dispatch
+    total = 0
+    for d in sorted(counts.keys() | {deadline}):
+        n = counts.get(d, 0) + (d == deadline)
+        total += n
+        if total > (d - step + 1) * batch or (d < step and n > 0):
+            return False
+    return True
 
 
 def admissible(counts: Mapping[int, int], step: int, batch: int, deadline: int) -> int:

@@ -205,6 +205,12 @@ class Scheduler:
         worker = self.workers[best] if best is not None else None
         return worker if worker is not None and worker.free >= need else None
 
+    def forget(self, version: int) -> None:
+        """``version`` is retired: nothing of it runs or will (so its pending count is 0 and is dropped, and the
+        count of every other version keeps its place)."""
+        self.roster.forget([version])
+        self.pending.pop(version, None)
+
     def budget_left(self) -> bool:
         budget = self.cfg.prompt_budget
         return bool(self.owed) or budget is None or self.cursor < budget

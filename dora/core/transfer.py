@@ -122,6 +122,8 @@ class TransferQueue:
                     f"{batch.step} (staleness {lag}, K = {self.max_staleness})"
                 )
             for s in g.samples:
+                if len(s.segments) == 1 and s.segments[0][0] == g.version:
+                    continue  # one run of the group's version (or of no tokens): C1 holds
                 versions = {v for v, n in s.segments if n > 0} or {g.version}
                 if versions != {g.version}:
                     if not self.count_c1:

@@ -46,6 +46,17 @@ def test_feasible(counts, step, batch, ok):
     batch=st.integers(1, 4),
     due=st.integers(0, 9),
 )
+def test_a_group_is_admitted_exactly_when_the_invariant_holds_with_it(counts, step, batch, due):
+    grown = {**counts, due: counts.get(due, 0) + 1}
+    assert deadline.admits(counts, step, batch, due) is (due >= step and deadline.feasible(grown, step, batch))
+
+
+@given(
+    counts=st.dictionaries(st.integers(0, 6), st.integers(1, 6), max_size=4),
+    step=st.integers(0, 6),
+    batch=st.integers(1, 4),
+    due=st.integers(0, 9),
+)
 def test_admissible_is_the_number_of_single_admissions(counts, step, batch, due):
     """admissible(d) == how many times admits(d) holds when groups are added one at a time."""
     if not deadline.feasible(counts, step, batch):
