@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -96,6 +97,8 @@ class BrokerActor:
         """Event-loop lag: how late the probe woke after each LAG_PROBE_S sleep (the latest 4,096, ~3.5 min)."""
         self.metrics = BrokerMetrics(self)
         """Prometheus registry and the run's record files (metrics, timeline); close() it when done."""
+        self.log_leases = cfg.log.level == "debug"
+        """A lease's line is debug: unless debug lines are written, no logger is bound for it (one per group)."""
         self.evals = BrokerEval(evals, core, self.links.send_to, self.metrics.eval_round)
         """Held-out evaluation rounds, run by the workers outside every core decision (none: does nothing)."""
 
@@ -206,9 +209,13 @@ class BrokerActor:
                 self.malformed["unregistered"] += 1
             self.links.send_raw(identity, m.Disconnect(reason="unknown peer: say hello first"))
             return
-        self.liveness.heard(identity.decode(), self.clock())
-        with structlog.contextvars.bound_contextvars(kind=type(msg).__name__, peer=peer.name):
+        self.liveness.heard(peer.worker, self.clock())
+        # bound for this message's log lines; reset to what was bound before (cheaper than bound_contextvars)
+        bound = structlog.contextvars.bind_contextvars(kind=type(msg).__name__, peer=peer.name)
+        try:
             self.on_message(peer, msg)
+        finally:
+            structlog.contextvars.reset_contextvars(**bound)
 
     def on_hello(self, identity: bytes, hello: m.Hello) -> None:
         reject = m.check_hello(hello)
@@ -263,7 +270,7 @@ class BrokerActor:
                          newest_version=self.core.ledger.newest)  # fmt: skip
 
     def on_message(self, peer: Peer, msg: Any) -> None:
-        w = WorkerId(peer.identity.decode())
+        w = peer.worker
         rollout, learner = peer.role is m.Role.ROLLOUT, peer.role is m.Role.LEARNER
         match msg:
             case m.Heartbeat() if rollout:
@@ -277,7 +284,7 @@ class BrokerActor:
                 self.links.send(peer, m.Heartbeat())
                 self.liveness.progressed(w, self.clock(), 0, busy=False)
             case m.SamplesFinished() if rollout:
-                self.links.send(peer, m.ResultAcks(acks=self.on_samples(peer, msg)))
+                self.on_samples(peer, msg)
             case m.WeightsLoaded() if rollout:
                 self.feed(ev.WeightsLoaded(worker_id=w, version=msg.version))
             case m.Yielded() if rollout:
@@ -306,15 +313,22 @@ class BrokerActor:
             case _:
                 self.malformed[f"unexpected {type(msg).__name__} from {peer.role.value}"] += 1
 
-    def on_samples(self, peer: Peer, msg: m.SamplesFinished) -> tuple[m.ResultAck, ...]:
-        """Hand a message's finished samples to the core as one event; the answer for each, in order."""
+    def on_samples(self, peer: Peer, msg: m.SamplesFinished) -> None:
+        """Hand a message's finished samples to the core as one event; answer with one ack per sample, in order."""
         headers = msg.samples
-        current = [x for x in headers if x.broker_epoch == self.epoch]
+        epoch = self.epoch
+        current = (
+            headers
+            if all(x.broker_epoch == epoch for x in headers)
+            else [x for x in headers if x.broker_epoch == epoch]
+        )
         if len(current) < len(headers):
             self.counters["refused old broker epoch"] += len(headers) - len(current)
-        worker = WorkerId(peer.identity.decode())
-        actions = self.feed(translate.samples_event(worker, msg, current)) if current else []
-        return translate.result_acks(headers, self.epoch, actions)
+        actions = self.feed(translate.samples_event(peer.worker, msg, current)) if current else []
+        if current is headers and not any(type(a) is ev.Refused for a in actions):
+            self.links.send_encoded(peer, translate.all_accepted(headers))  # the common answer, encoded at once
+        else:
+            self.links.send(peer, m.ResultAcks(acks=translate.result_acks(headers, epoch, actions)))
 
     def on_published(self, peer: Peer, msg: m.WeightsPublished) -> None:
         if msg.version == self.core.ledger.newest and msg.version in self.weights:
@@ -362,8 +376,11 @@ class BrokerActor:
     def act(self, a: ev.Action) -> None:
         match a:
             case ev.Lease():
-                log.debug("group_leased", group_id=a.group_id, attempt=a.attempt, worker=a.worker_id, version=a.version)
-                self.links.command(a.worker_id, translate.generate(a, self.cfg.run, self.prompts, self.epoch))
+                if self.log_leases:
+                    log.debug("group_leased", group_id=a.group_id, attempt=a.attempt, worker=a.worker_id,
+                              version=a.version)  # fmt: skip
+                self.links.command(a.worker_id, functools.partial(translate.generate, a, self.cfg.run, self.prompts,
+                                                                  self.epoch))  # fmt: skip
             case ev.Assign():
                 log.info("worker_assigned", worker=a.worker_id, version=a.version, interrupt=a.interrupt)
                 uri, sha = self.weights.get(a.version, (f"sim://v{a.version}", "0" * 64))

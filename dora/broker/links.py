@@ -75,6 +75,8 @@ class Peer:
     identity: bytes
     role: m.Role
     name: str
+    worker: WorkerId = field(init=False)
+    """The identity as text: the peer's key in the core and in liveness."""
     outbox: deque[list[Any]] = field(default_factory=deque)
     seq: int = 0
     """The number of the last command sent to it."""
@@ -88,6 +90,9 @@ class Peer:
     """The last Yield sent to it (elastic workers)."""
     resume: m.Resume | None = None
     """The last Resume sent to it (elastic workers)."""
+
+    def __post_init__(self) -> None:
+        self.worker = WorkerId(self.identity.decode())
 
 
 def user_id(frames: list[Any]) -> str | None:
@@ -115,12 +120,13 @@ class Links:
         self._monitor = zmq.Socket.shadow(self._monitor_sock.underlying) if self._monitor_sock else None
 
     def command(self, worker: WorkerId, msg: Any) -> None:
-        """Number a command to a worker and send it; remember what reconciliation may need again."""
+        """Number a command to a worker and send it; remember what reconciliation may need again. ``msg``: the
+        command, or a function of its number that makes it (a Generate per group leased: no copy to number it)."""
         peer = self.peers.get(worker.encode())
         if peer is None:
             return
         peer.seq += 1
-        msg = dataclasses.replace(msg, seq=peer.seq)
+        msg = msg(peer.seq) if callable(msg) else dataclasses.replace(msg, seq=peer.seq)
         match msg:
             case m.Generate() | m.MigrateIn():
                 peer.lease_seq[(msg.group_id, msg.attempt)] = msg.seq
@@ -142,6 +148,11 @@ class Links:
 
     def send(self, peer: Peer, msg: Any) -> None:
         peer.outbox.append([peer.identity, *codec.encode(msg)])
+        self.pending.add(peer.identity)
+
+    def send_encoded(self, peer: Peer, frames: list[Any]) -> None:
+        """Send a message already encoded (``codec.encode_plain``)."""
+        peer.outbox.append([peer.identity, *frames])
         self.pending.add(peer.identity)
 
     def broadcast(self, peers: list[Peer], msg: Any) -> None:

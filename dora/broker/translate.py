@@ -8,14 +8,15 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
 from dora.config.run import LiveRun
 from dora.core import events as ev
 from dora.ids import WorkerId
+from dora.wire import codec, packed
 from dora.wire import messages as m
-from dora.wire import packed
 
 Prompts = Callable[[int], np.ndarray]
 """group id -> the prompt's token ids."""
@@ -52,7 +53,16 @@ def result_acks(msgs: Sequence[m.SampleHeader], epoch: int, actions: Sequence[ev
     return tuple(acks)
 
 
-def generate(a: ev.Lease, run: LiveRun, prompts: Prompts, epoch: int) -> m.Generate:
+def all_accepted(headers: Sequence[m.SampleHeader]) -> list[Any]:
+    """The frames of ``ResultAcks`` accepting every sample of ``headers``, in order: the bytes of
+    ``codec.encode(m.ResultAcks(acks=tuple(m.ResultAck(..., accepted=True) ...)))`` without building a dataclass
+    per sample (the answer to nearly every message the broker receives)."""
+    acks = [{"group_id": x.group_id, "attempt": x.attempt, "index": x.index, "accepted": True, "reason": ""}
+            for x in headers]  # fmt: skip
+    return codec.encode_plain(m.ResultAcks, {"acks": acks})
+
+
+def generate(a: ev.Lease, run: LiveRun, prompts: Prompts, epoch: int, seq: int = 0) -> m.Generate:
     return m.Generate(
         group_id=a.group_id,
         attempt=a.attempt,
@@ -64,6 +74,7 @@ def generate(a: ev.Lease, run: LiveRun, prompts: Prompts, epoch: int) -> m.Gener
         top_p=run.top_p,
         seed=(run.seed << 32) ^ a.attempt,
         broker_epoch=epoch,
+        seq=seq,
     )
 
 

@@ -63,8 +63,7 @@ class EncodeError(TypeError):
     """A message holds a value that cannot travel (a bug in the sender)."""
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class _ArrayRef:
+class _ArrayRef(typing.NamedTuple):
     index: int
     dtype: str
     shape: tuple[int, ...]
@@ -121,6 +120,17 @@ def encode(msg: Any) -> list[Buffer]:
     return [MAGIC, _VERSION_FRAME, _KIND_FRAMES[cls], body, *(_source(a) for a in arrays)]
 
 
+def encode_plain(cls: type, fields: dict[str, Any]) -> list[Buffer]:
+    """Frames for a message of kind ``cls`` given as plain data: ``fields`` holds every field, in declaration
+    order, nested message parts as such maps too, and no array. The same bytes as ``encode(cls(**fields))``
+    without building the dataclasses, for the broker's commonest answer; nothing is checked, so a caller
+    keeps a test that compares the bytes."""
+    return [MAGIC, _VERSION_FRAME, _KIND_FRAMES[cls], _plain_encoder.encode(fields)]
+
+
+_plain_encoder = msgspec.msgpack.Encoder()
+
+
 def _source(arr: np.ndarray) -> Buffer:
     """An array's frame: the buffer it was decoded from when it views all of it (a received frame, which a
     transport can forward by reference instead of wrapping its memory anew), else the array's own memory."""
@@ -141,12 +151,15 @@ def _ext_hook(code: int, data: memoryview) -> _ArrayRef:
     if code != ARRAY_EXT:
         raise DecodeError(f"unknown ext type {code}")
     try:
-        index, dtype, shape = msgspec.msgpack.decode(data, type=tuple[int, str, tuple[int, ...]])
+        index, dtype, shape = _ref_decoder.decode(data)
     except msgspec.MsgspecError:
         raise DecodeError("malformed array reference") from None
-    if len(shape) > MAX_ARRAY_DIMS or not all(d >= 0 for d in shape):
+    if len(shape) > MAX_ARRAY_DIMS or min(shape, default=0) < 0:
         raise DecodeError(f"bad array shape {list(shape)!r}")
     return _ArrayRef(index, dtype, shape)
+
+
+_ref_decoder = msgspec.msgpack.Decoder(tuple[int, str, tuple[int, ...]])
 
 
 def _dec_hook(tp: Any, value: Any) -> Any:
@@ -202,7 +215,7 @@ def _decode(frames: Sequence[Buffer]) -> Any:
     body = memoryview(frames[3])
     if body.nbytes > MAX_BODY_BYTES:
         raise DecodeError(f"a body of {body.nbytes} bytes, more than {MAX_BODY_BYTES}")
-    blobs = [memoryview(f) for f in frames[4:]]
+    blobs = [memoryview(f).toreadonly() for f in frames[4:]]  # so every array on them is read-only
     used: set[int] = set()
     _frames.blobs, _frames.used = blobs, used
     try:
@@ -248,7 +261,4 @@ def _array(ref: _ArrayRef, blobs: list[memoryview], used: set[int]) -> np.ndarra
         need = count * dtype.itemsize
         raise ValueError(f"shape {list(ref.shape)} of {dtype} needs {need} bytes, got {blob.nbytes}")
     arr = np.frombuffer(blob, dtype=dtype, count=count)
-    if len(ref.shape) != 1:
-        arr = arr.reshape(ref.shape)
-    arr.flags.writeable = False
-    return arr
+    return arr if len(ref.shape) == 1 else arr.reshape(ref.shape)

@@ -15,6 +15,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from dora.broker import translate
 from dora.broker.actor import BrokerActor
 from dora.broker.evaluation import EvalRounds
 from dora.broker.main import open_router
@@ -252,6 +253,18 @@ async def test_one_report_of_many_samples_gets_one_answer_per_sample_in_order():
         assert [(a.index, a.accepted) for a in acks] == [(0, True), (0, False), *((i, True) for i in range(1, G)),
                                                          (1, False)]  # fmt: skip
         assert acks[1].reason == "duplicate_sample" and "epoch" in acks[-1].reason
+
+
+def test_the_answer_accepting_a_whole_report_is_the_bytes_of_its_acks():
+    """The common answer is encoded from plain data (no dataclass per sample): exactly what the codec would send."""
+    gens = [m.Generate(group_id=2**40 + g, attempt=7 + g, version=3, prompt_ids=np.zeros(1, np.int32), n_samples=G,
+                       max_tokens=4) for g in range(2)]  # fmt: skip
+    headers = packed.pack_samples([finished(gen, i, epoch=1) for gen in gens for i in range(G)]).samples
+    for some in (headers, headers[:1], ()):
+        acks = m.ResultAcks(acks=tuple(m.ResultAck(group_id=x.group_id, attempt=x.attempt, index=x.index, accepted=True)
+                                       for x in some))  # fmt: skip
+        assert [bytes(f) for f in translate.all_accepted(some)] == [bytes(f) for f in codec.encode(acks)]
+        assert codec.decode(translate.all_accepted(some)) == acks
 
 
 async def test_a_learner_whose_checkpoint_is_ahead_of_the_broker_is_turned_away():
