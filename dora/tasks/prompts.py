@@ -148,7 +148,8 @@ def stop_ids(task: TaskRun, texts: tuple[str, ...]) -> list[int]:
 
 def prompt_source(cfg) -> tuple[Callable[[int], np.ndarray], dict[str, Any]]:  # cfg: RunConfig
     """The broker's prompts for a run (the task's, or synthetic token arrays for the sim engine) and what the
-    task is (``TaskRun.about``)."""
+    task is (``TaskRun.about``). A group's prompt depends on its id alone, so the latest are kept: a train batch
+    asks again for the prompts of the groups it holds."""
     if cfg.task.name == "synthetic":
         from dora.tasks.synthetic import prompt_ids
 
@@ -158,7 +159,7 @@ def prompt_source(cfg) -> tuple[Callable[[int], np.ndarray], dict[str, Any]]:  #
     if not t.tokenizer:
         raise ConfigError(f"task {t.name!r} needs task.tokenizer (the model folder with tokenizer.json)")
     run = TaskRun(t, t.tokenizer)
-    return run.prompt_ids, run.about
+    return functools.lru_cache(maxsize=8192)(run.prompt_ids), run.about
 
 
 def eval_task(cfg, tokenizer_dir: str) -> TaskRun:  # cfg: RunConfig

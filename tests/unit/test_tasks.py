@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dora.tasks import rewards
+from dora.sim.workload import Workload
+from dora.tasks import rewards, synthetic
 from dora.tasks.tasks import Item, get
 
 
@@ -17,6 +19,16 @@ def test_items_are_a_pure_function_of_seed_and_index(name):
     a, b, other = get(name, seed=3), get(name, seed=3), get(name, seed=4)
     assert [a.item(i) for i in range(50)] == [b.item(i) for i in range(50)]
     assert [a.item(i) for i in range(50)] != [other.item(i) for i in range(50)]
+
+
+def test_synthetic_prompts_are_a_pure_function_of_seed_and_group_of_the_workload_length():
+    one, again, other = (Workload.lognormal(median=8, sigma=1.0, prompt_tokens=100, seed=s) for s in (3, 3, 4))
+    for group in (0, 1, 7, 10**6, 2**40):
+        a = synthetic.prompt_ids(one, group)
+        assert a.dtype == np.int32 and len(a) == one.prompt_len(group) and a.min() >= 0 and a.max() < synthetic.VOCAB
+        assert np.array_equal(a, synthetic.prompt_ids(again, group)) and not a.flags.writeable
+        assert not np.array_equal(a[:20], synthetic.prompt_ids(other, group)[:20])
+        assert not np.array_equal(a[:20], synthetic.prompt_ids(one, group + 1)[:20])
 
 
 @pytest.mark.parametrize("name", ["arithmetic", "countdown"])
