@@ -2,8 +2,9 @@
 
 Each node is a set of namespaces made here (``tests.slurm.nodes``): its own hostname, its own address on a
 private bridge and an ``/etc/hosts`` naming every node, so the daemons, srun and every job step see several
-machines that reach each other over TCP and nothing outside. slurmctld runs on ``node1``, which is also where
-the tests' Slurm commands run (the login node). Where the kernel refuses namespaces, a one-node cluster runs
+machines that reach each other over TCP and nothing outside. slurmctld runs on a head node of its own
+(``head``: namespaces too, not a compute node), which is also where the tests' Slurm commands run, so that any
+compute node, the batch script's included, can be lost. Where the kernel refuses namespaces, a one-node cluster runs
 in the host's network on free ports under the host's name (or, asked, the cluster is unavailable).
 
 Every Slurm command of a test goes through ``LocalSlurm.run``. Daemons are stopped by the PIDs in their pid
@@ -65,7 +66,7 @@ class LocalSlurm:
         self.count = nodes
         self.kill_wait_s = kill_wait_s
         self.slurmd_timeout_s = slurmd_timeout_s
-        self.network: Network | None = Network(self.root, nodes)
+        self.network: Network | None = Network(self.root, nodes, head="head")
         self.names = [f"node{i}" for i in range(1, nodes + 1)]
         self.conf = self.root / "slurm.conf"
         self.fall_back = fall_back
@@ -75,8 +76,14 @@ class LocalSlurm:
 
     @property
     def node(self) -> str:
-        """The first node: slurmctld's, and the one a one-node job lands on."""
+        """The first compute node."""
         return self.names[0]
+
+    @property
+    def controller(self) -> str:
+        """slurmctld's host and address: the head node, or the one node where there are no namespaces."""
+        head = self.network.head if self.network else None
+        return f"{head.name}({head.addr})" if head else f"{self.node}(127.0.0.1)"
 
     # ---------------------------------------------------------------- start and stop
 
@@ -171,7 +178,7 @@ class LocalSlurm:
         pairs = zip(self.names, addrs, strict=True)
         nodes = [f"NodeName={n} NodeAddr={a} CPUs={cpus} RealMemory=1000" for n, a in pairs]
         return "\n".join([
-            "ClusterName=dora-test", f"SlurmctldHost={self.node}({addrs[0]})", "SlurmUser=root", "SlurmdUser=root",
+            "ClusterName=dora-test", f"SlurmctldHost={self.controller}", "SlurmUser=root", "SlurmdUser=root",
             "AuthType=auth/munge", f"AuthInfo=socket={munge}", "CredType=cred/munge", "MpiDefault=none",
             "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "SelectType=select/cons_tres",
             "SelectTypeParameters=CR_CPU", "ReturnToService=2", f"SlurmctldPort={ctld_port}",
@@ -214,8 +221,8 @@ class LocalSlurm:
     def run(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: pathlib.Path | None = None,
             check: bool = True, timeout_s: float = 60.0, on: str | None = None,
             ) -> subprocess.CompletedProcess[str]:  # fmt: skip
-        """A command on node ``on`` (default: the first, where slurmctld runs), with the cluster's SLURM_CONF."""
-        prefix = self.network.node(on or self.node).enter() if self.network else []
+        """A command on node ``on`` (default: the head node, where slurmctld runs), with the cluster's SLURM_CONF."""
+        prefix = self.network.node(on or self.network.head.name).enter() if self.network else []
         full = {**(env if env is not None else os.environ), "SLURM_CONF": str(self.conf)}
         done = subprocess.run([*prefix, *argv], env=full, cwd=cwd, capture_output=True, text=True, timeout=timeout_s)
         if check and done.returncode != 0:

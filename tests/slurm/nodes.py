@@ -32,6 +32,8 @@ class Node:
     name: str
     addr: str
     holder: subprocess.Popen[bytes]
+    port: str
+    """Its veth's end on the bridge."""
 
     @property
     def pid(self) -> int:
@@ -71,30 +73,38 @@ class Node:
 
 
 class Network:
-    """``count`` nodes named ``node1``..``nodeN`` at ``10.77.0.1``..``N``, on one bridge."""
+    """``count`` nodes named ``node1``..``nodeN`` at ``10.77.0.1``..``N`` and, with ``head``, a machine of that name
+    at ``10.77.0.254`` (a cluster's head node: its controller, where commands are typed), on one bridge."""
 
-    def __init__(self, root: pathlib.Path, count: int) -> None:
+    def __init__(self, root: pathlib.Path, count: int, head: str | None = None) -> None:
         self.root = root
         self.count = count
+        self.head_name = head
         self.switch: subprocess.Popen[bytes] | None = None
         self.nodes: list[Node] = []
+        self.head: Node | None = None
 
     def start(self) -> None:
         missing = [c for c in NEEDED if shutil.which(c) is None]
         if missing:
             raise NoNamespaces(f"{', '.join(missing)} not installed")
         hosts = self.root / "hosts"
-        names = [(f"node{i}", f"{SUBNET}.{i}") for i in range(1, self.count + 1)]
-        hosts.write_text("127.0.0.1 localhost\n" + "".join(f"{addr} {name}\n" for name, addr in names))
+        names = [(f"node{i}", f"{SUBNET}.{i}", f"v{i}") for i in range(1, self.count + 1)]
+        if self.head_name:
+            names.append((self.head_name, f"{SUBNET}.254", "vhead"))
+        hosts.write_text("127.0.0.1 localhost\n" + "".join(f"{addr} {name}\n" for name, addr, _ in names))
         self.switch = self._hold(["--net"])
         self._ip(self.switch.pid, "link", "add", "br0", "type", "bridge")
         self._ip(self.switch.pid, "link", "set", "br0", "up")
-        for i, (name, addr) in enumerate(names, start=1):
-            node = Node(name, addr, self._hold(["--net", "--uts", "--mount", "--propagation", "private"]))
-            self.nodes.append(node)
-            self._ip(self.switch.pid, "link", "add", f"v{i}", "type", "veth", "peer", "name", "eth0",
+        for name, addr, port in names:
+            node = Node(name, addr, self._hold(["--net", "--uts", "--mount", "--propagation", "private"]), port)
+            if name == self.head_name:
+                self.head = node
+            else:
+                self.nodes.append(node)
+            self._ip(self.switch.pid, "link", "add", port, "type", "veth", "peer", "name", "eth0",
                      "netns", str(node.pid))  # fmt: skip
-            self._ip(self.switch.pid, "link", "set", f"v{i}", "master", "br0", "up")
+            self._ip(self.switch.pid, "link", "set", port, "master", "br0", "up")
             for args in (("addr", "add", f"{addr}/24", "dev", "eth0"), ("link", "set", "eth0", "up"),
                          ("link", "set", "lo", "up")):  # fmt: skip
                 self._ip(node.pid, *args)
@@ -103,21 +113,22 @@ class Network:
 
     def isolate(self, name: str) -> None:
         """Node ``name``'s link down: its peers see silence (nothing it held open is closed towards them)."""
-        self._ip(self.switch.pid, "link", "set", f"v{self.nodes.index(self.node(name)) + 1}", "down")
+        self._ip(self.switch.pid, "link", "set", self.node(name).port, "down")
 
     def reconnect(self, name: str) -> None:
         """The link of node ``name`` up again (after ``isolate``)."""
-        self._ip(self.switch.pid, "link", "set", f"v{self.nodes.index(self.node(name)) + 1}", "up")
+        self._ip(self.switch.pid, "link", "set", self.node(name).port, "up")
 
     def node(self, name: str) -> Node:
-        [found] = [n for n in self.nodes if n.name == name]
+        [found] = [n for n in [*self.nodes, *([self.head] if self.head else [])] if n.name == name]
         return found
 
     def stop(self) -> None:
         """Every process left on a node, then the holders."""
-        for node in self.nodes:
+        machines = [*self.nodes, *([self.head] if self.head else [])]
+        for node in machines:
             node.kill()
-        for holder in [n.holder for n in self.nodes] + ([self.switch] if self.switch else []):
+        for holder in [n.holder for n in machines] + ([self.switch] if self.switch else []):
             holder.kill()
             holder.wait(10)
 

@@ -1,9 +1,10 @@
 """examples/slurm/dora.sbatch over several nodes of a real Slurm cluster made of namespaces (tests.slurm.nodes):
 broker and learner rank 0 on node1, learner rank 1 on node2 (FSDP2, gloo over TCP between the nodes), a rollout
 worker on node2 and on node3, CURVE on every connection, every step finding the broker through the shared run
-directory. Then the loss of a whole node (its slurmd and every process on it SIGKILLed at once): a rollout
-node's groups are re-run whole on the workers left and the job finishes; the learner's second node takes the
-job through a requeue, which resumes from the checkpoint and the journal on the nodes left."""
+directory. Then the loss of a whole node (its link cut, then its slurmd and every process on it SIGKILLed): a
+rollout node's groups are re-run whole on the workers left and the job finishes; the learner's second node, or
+the first (the batch script's, the broker's), takes the job through a requeue, which resumes from the checkpoint
+and the journal on the nodes left. And a heterogeneous job."""
 
 from __future__ import annotations
 
@@ -170,3 +171,41 @@ def test_a_heterogeneous_job_learns_on_its_first_component_and_rolls_out_on_its_
     assert joined == {("learner", learner), *(("rollout", h) for h in hosts)}, joined
     [following] = events(logs / "learner-1.log", "rank_following")
     assert (following["host"], following["world"]) == (learner, 2)
+
+
+def test_a_lost_first_node_with_the_batch_script_and_the_broker_requeues_the_job_which_resumes(
+    cluster, tiny_model, tmp_path
+):
+    """node1 runs the batch script, the broker and learner rank 0: Slurm itself requeues the job when it marks the
+    node down, and the next attempt resumes from the journal and the checkpoint on the nodes left."""
+    steps = 24
+    job = submit_nodes(cluster, tmp_path, tiny_model, f"core.total_steps={steps}", *SLOW_ROLLOUT)
+    run = tmp_path / "run"
+    wait_steps(cluster, job, run / "journal.jsonl", 4)
+    lost_at = time.time()
+    killed = cluster.lose_node("node1")
+    deadline = time.monotonic() + 240
+    while (state := cluster.job(job)).get("Restarts") != "1" or state.get("JobState") != "PENDING":
+        assert time.monotonic() < deadline, (state, (tmp_path / f"job-{job}.out").read_text())
+        time.sleep(0.5)
+    requeued_at = time.time()
+    while cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=False).returncode:
+        assert time.monotonic() < deadline, "the requeued job's start time could not be set"
+        time.sleep(0.5)
+    info = cluster.wait_state(job, FINAL, 300)
+    out = (tmp_path / f"job-{job}.out").read_text()
+    assert killed and info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", out
+    assert info["Restarts"] == "1" and "node1" not in info["NodeList"], info
+    report = audit_run(run / "journal.jsonl", run / "audit.jsonl", total_steps=steps)
+    assert report.ok and report.finished and report.steps_committed == steps, report.problems
+    assert [s["slurm_restart"] for s in report.broker_starts] == [0, 1]
+    found = json.loads((run / "broker.json").read_text())
+    assert found["slurm_restart"] == 1 and found["host"] != "node1", found
+    again = run / "logs" / "attempt-1"
+    first = min(ts(r) for r in events(again / "broker.log", "train_step"))
+    print(
+        f"\njob {job}: node1 lost ({len(killed)} processes SIGKILLed, link cut first): Slurm requeued the job "
+        f"{requeued_at - lost_at:.1f} s later; attempt 1 on {info['NodeList']} (broker on {found['host']}) "
+        f"committed its first step {first - requeued_at:.1f} s after the requeue; {report.steps_adopted} step(s) "
+        f"adopted from the store"
+    )
