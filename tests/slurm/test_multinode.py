@@ -82,7 +82,7 @@ def lose_while_holding(slurm: LocalSlurm, job: str, run: pathlib.Path, host: str
 def test_a_lost_rollout_node_has_its_groups_rerun_on_the_workers_left_and_the_job_finishes(
     cluster, tiny_model, tmp_path
 ):
-    steps = 24
+    steps = 60  # the run outlasts Slurm's verdict on node3 (SlurmdTimeout), so the sentinel moves
     job = submit_nodes(cluster, tmp_path, tiny_model, f"core.total_steps={steps}", *SLOW_ROLLOUT)
     run = tmp_path / "run"
     lost_at, killed = lose_while_holding(cluster, job, run, "node3")
@@ -90,6 +90,7 @@ def test_a_lost_rollout_node_has_its_groups_rerun_on_the_workers_left_and_the_jo
     out = (tmp_path / f"job-{job}.out").read_text()
     assert killed and info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", out
     assert info["Restarts"] == "0", info
+    assert "the sentinel on node3 is gone: node1 is watched from node2" in out, out  # it went down with node3
     logs = run / "logs" / "attempt-0"
     [lost] = [r for r in events(logs / "broker.log", "peer_lost") if r["role"] == "rollout"]
     assert lost["peer"].startswith("node3-") and lost["reason"] != "unreachable", lost  # silence, not a reset
