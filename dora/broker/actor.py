@@ -28,7 +28,7 @@ from dora.broker import translate
 from dora.broker.evaluation import BrokerEval, EvalRounds
 from dora.broker.journal import Journal
 from dora.broker.links import Links, Peer, recv_frames, user_id
-from dora.broker.metrics import BrokerMetrics, step_row
+from dora.broker.metrics import BrokerMetrics, batch_stats, step_row
 from dora.broker.reconcile import reconcile
 from dora.broker.snapshot import snapshot
 from dora.config.run import RunConfig
@@ -342,13 +342,14 @@ class BrokerActor:
         if self.journal is not None:  # durable before it takes effect, and before the learner may checkpoint it
             self.journal.step(msg.version, msg.uri, msg.sha256, [g.group_id for g in batch.groups])
         self.weights[msg.version] = (msg.uri, msg.sha256)
-        self.trained_tokens += sum(s.payload[0].tokens for g in batch.groups for s in g.samples)
+        tokens, rewards = batch_stats(batch.groups)
+        self.trained_tokens += tokens
         self.links.send(peer, m.PublishAck(version=msg.version))  # ahead of the run's end, which says goodbye
         actions = self.feed(ev.WeightsPublished(version=msg.version))
         if any(isinstance(a, ev.Refused) for a in actions):
             raise InvariantViolation(f"the core refused publish {msg.version} after the broker checked it")
         now = self.clock()
-        row = step_row(self.core, msg, now - self.step_started, batch.groups)
+        row = step_row(self.core, msg, now - self.step_started, rewards)
         self.evals.published(msg.version, now)
         learner = {k: round(v, 4) for k, v in msg.metrics.items()}
         log.info("train_step", **row, learner=learner)  # the learner's own numbers, kept apart

@@ -270,8 +270,9 @@ def reward_failures(samples: Sequence[m.SampleHeader], actions: Sequence[ev.Acti
     return counts
 
 
-def step_row(core: Core, msg: m.WeightsPublished, step_s: float, groups: Sequence[ev.TrainGroup]) -> dict[str, Any]:
-    """A published train step as the broker logs and records it (the learner's own numbers are kept apart)."""
+def step_row(core: Core, msg: m.WeightsPublished, step_s: float, rewards: dict[str, Any]) -> dict[str, Any]:
+    """A published train step as the broker logs and records it (the learner's own numbers are kept apart);
+    ``rewards``: its batch's reward stats (``batch_stats``)."""
     return {
         "step": msg.version - 1,
         "version": msg.version,
@@ -280,23 +281,27 @@ def step_row(core: Core, msg: m.WeightsPublished, step_s: float, groups: Sequenc
         "staleness": {str(k): n for k, n in sorted(core.transfer.staleness.items())},
         "live_versions": core.ledger.alive(),
         "workers": len(core.scheduler.workers),
-        **reward_stats(groups),
+        **rewards,
     }
 
 
-def reward_stats(groups: Sequence[ev.TrainGroup]) -> dict[str, Any]:
-    """For a train step's row: how many of its samples' rewards failed, and the mean of each reward component
-    over the samples that have it (a reward function that returns a dict; a failed one has none)."""
-    failed, sums, counts = 0, collections.defaultdict(float), collections.Counter[str]()
+def batch_stats(groups: Sequence[ev.TrainGroup]) -> tuple[int, dict[str, Any]]:
+    """A train step's batch in one pass over its samples: its completion tokens, and for the step's row how many
+    of its samples' rewards failed and the mean of each reward component over the samples that have it (a reward
+    function that returns a dict; a failed one has none)."""
+    tokens, failed, sums, counts = 0, 0, collections.defaultdict(float), collections.Counter[str]()
     for g in groups:
         for s in g.samples:
             head: m.SampleHeader = s.payload[0]
-            failed += bool(head.reward_error)
-            for name, part in head.reward_components.items():
-                sums[name] += part
-                counts[name] += 1
+            tokens += head.tokens
+            if head.reward_error:
+                failed += 1
+            if head.reward_components:
+                for name, part in head.reward_components.items():
+                    sums[name] += part
+                    counts[name] += 1
     means = {name: round(sums[name] / counts[name], 6) for name in sorted(sums)}
-    return {"reward_failed": failed, "reward_components": means}
+    return tokens, {"reward_failed": failed, "reward_components": means}
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
