@@ -152,14 +152,17 @@ class BrokerMetrics:
                     if leased is not None and leased[0] == attempt and group not in sched.flights:
                         del self._leased_at[group]  # its last sample was taken: the group is finished
                         self.lease_latency.observe(now - leased[1])
+        leased = 0
         for a in actions:
             match a:
                 case ev.Lease():
-                    self.groups_leased.inc()
+                    leased += 1
                     self._leased_at[a.group_id] = (a.attempt, now)
                 case ev.Assign():
                     self._ready.pop(a.worker_id, None)
                     self.record("assigned", worker=a.worker_id, version=a.version, interrupt=a.interrupt)
+        if leased:
+            self.groups_leased.inc(leased)  # once per event: the counter takes a lock per call
 
     def train_step(self, row: dict[str, Any], learner: dict[str, float], elapsed_s: float) -> None:
         """A published step: ``row`` as logged in ``train_step``, the learner's own metrics."""

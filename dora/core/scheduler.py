@@ -120,6 +120,9 @@ class Scheduler:
         """Unfinished samples of leased groups per version (R_v), kept incrementally."""
         self.horizon = cfg.staleness
         """New groups get deadlines at most v + horizon (K, or less under adaptive deadlines; see Core)."""
+        k = cfg.staleness
+        self.first_offset = min(1, k) if cfg.deadlines == "adaptive" and not cfg.drops_stale else k
+        """The earliest deadline a group dispatched on v may get, as v + this: K (fixed), or 1 (adaptive)."""
         self.stats_requeued = 0
         self.stats_migrated_groups = 0
         self.stats_migrated_requests = 0
@@ -310,7 +313,7 @@ class Scheduler:
             if worker is None:
                 break
             flight = self.flights[self.queue.popleft()]
-            later = max(flight.deadline, newest + self._first_offset())
+            later = max(flight.deadline, newest + self.first_offset)
             self.ledger.move_group((flight.version, flight.deadline), (newest, later))
             flight.deadline = later
             self.lease(flight, worker, newest, out)
@@ -324,16 +327,12 @@ class Scheduler:
                     break
                 self.wave_left -= 1
             return
-        while self.outstanding() < self.cfg.watermark and self.budget_left():
+        watermark = self.cfg.watermark
+        while len(self.flights) < watermark and self.budget_left():
             if self._fresh(newest, step, out):
                 continue
             if not (self.cfg.mode is Mode.DORA and self.cfg.legacy_fill and self._legacy_fill(step, out)):
                 break
-
-    def _first_offset(self) -> int:
-        """The earliest deadline a group dispatched on v may get, as v + this: K (fixed), or 1 (adaptive)."""
-        k = self.cfg.staleness
-        return min(1, k) if self.cfg.deadlines == "adaptive" and not self.cfg.drops_stale else k
 
     def pick_deadline(self, version: int, step: int) -> int | None:
         """The earliest deadline in [v + first offset, v + horizon] that admission allows; None if none does."""
@@ -341,7 +340,7 @@ class Scheduler:
         if self.cfg.drops_stale:
             return last
         counts = self.ledger.deadline_counts()
-        for d in range(max(version + self._first_offset(), step), last + 1):
+        for d in range(max(version + self.first_offset, step), last + 1):
             if deadline.admits(counts, step, self.cfg.train_groups, d):
                 return d
         return None
