@@ -79,6 +79,20 @@ def lose_while_holding(slurm: LocalSlurm, job: str, run: pathlib.Path, host: str
         time.sleep(0.5)
 
 
+def wait_requeued(slurm: LocalSlurm, job: str, tmp: pathlib.Path) -> float:
+    """Wait until ``job`` is pending again after one requeue, then skip the requeued job's start delay; the time it
+    was seen requeued."""
+    deadline = time.monotonic() + 240
+    while (state := slurm.job(job)).get("Restarts") != "1" or state.get("JobState") != "PENDING":
+        assert time.monotonic() < deadline, (state, (tmp / f"job-{job}.out").read_text())
+        time.sleep(0.5)
+    requeued_at = time.time()
+    while slurm.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=False).returncode:
+        assert time.monotonic() < deadline, "the requeued job's start time could not be set"  # "try again in a bit"
+        time.sleep(0.5)
+    return requeued_at
+
+
 def test_a_lost_rollout_node_has_its_groups_rerun_on_the_workers_left_and_the_job_finishes(
     cluster, tiny_model, tmp_path
 ):
@@ -119,14 +133,7 @@ def test_a_lost_learner_node_requeues_the_job_and_it_resumes_from_the_checkpoint
     job = submit_nodes(cluster, tmp_path, tiny_model, f"core.total_steps={steps}", *SLOW_ROLLOUT)
     run = tmp_path / "run"
     lost_at, killed = lose_while_holding(cluster, job, run, "node2")
-    deadline = time.monotonic() + 240
-    while (state := cluster.job(job)).get("Restarts") != "1" or state.get("JobState") != "PENDING":
-        assert time.monotonic() < deadline, (state, (tmp_path / f"job-{job}.out").read_text())
-        time.sleep(0.5)
-    requeued_at = time.time()
-    while cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=False).returncode:
-        assert time.monotonic() < deadline, "the requeued job's start time could not be set"  # "try again in a bit"
-        time.sleep(0.5)
+    requeued_at = wait_requeued(cluster, job, tmp_path)
     info = cluster.wait_state(job, FINAL, 300)
     out = (tmp_path / f"job-{job}.out").read_text()
     assert killed and info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", out
@@ -185,14 +192,7 @@ def test_a_lost_first_node_with_the_batch_script_and_the_broker_requeues_the_job
     wait_steps(cluster, job, run / "journal.jsonl", 4)
     lost_at = time.time()
     killed = cluster.lose_node("node1")
-    deadline = time.monotonic() + 240
-    while (state := cluster.job(job)).get("Restarts") != "1" or state.get("JobState") != "PENDING":
-        assert time.monotonic() < deadline, (state, (tmp_path / f"job-{job}.out").read_text())
-        time.sleep(0.5)
-    requeued_at = time.time()
-    while cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=False).returncode:
-        assert time.monotonic() < deadline, "the requeued job's start time could not be set"
-        time.sleep(0.5)
+    requeued_at = wait_requeued(cluster, job, tmp_path)
     info = cluster.wait_state(job, FINAL, 300)
     out = (tmp_path / f"job-{job}.out").read_text()
     assert killed and info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", out

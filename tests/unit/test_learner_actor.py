@@ -59,12 +59,17 @@ class FakeBroker:
         await self.send(m.Welcome(broker_epoch=1, heartbeat_interval_s=0.05, liveness=100, newest_version=newest))
 
 
+def config(total_steps: int) -> RunConfig:
+    return load(RunConfig, overrides=[f"core.train_groups={B}", f"core.group_size={G}",
+                                      f"core.total_steps={total_steps}", "core.max_staleness=1",
+                                      "run.time_scale=0.0001", "broker.heartbeat_interval_s=0.05",
+                                      "broker.liveness=100"])  # fmt: skip
+
+
 @pytest.fixture
 async def setup(tmp_path):
     endpoint = f"inproc://broker-{uuid.uuid4().hex}"
-    cfg = load(RunConfig, overrides=[f"core.train_groups={B}", f"core.group_size={G}", "core.total_steps=2",
-                                     "core.max_staleness=1", "run.time_scale=0.0001",
-                                     "broker.heartbeat_interval_s=0.05", "broker.liveness=100"])  # fmt: skip
+    cfg = config(total_steps=2)
     ctx = zmq.asyncio.Context()
     broker = FakeBroker(ctx, endpoint)
     audit_path = tmp_path / "audit.jsonl"
@@ -157,9 +162,7 @@ class KeepsWeights(SimTrainer):
 
 async def test_a_learner_resumed_behind_the_broker_adopts_the_newest_weights_and_audits_the_steps_it_took(tmp_path):
     endpoint = f"inproc://broker-{uuid.uuid4().hex}"
-    cfg = load(RunConfig, overrides=[f"core.train_groups={B}", f"core.group_size={G}", "core.total_steps=4",
-                                     "core.max_staleness=1", "run.time_scale=0.0001",
-                                     "broker.heartbeat_interval_s=0.05", "broker.liveness=100"])  # fmt: skip
+    cfg = config(total_steps=4)
     ctx = zmq.asyncio.Context()
     broker, trainer = FakeBroker(ctx, endpoint), KeepsWeights(cfg)
     audit_path = tmp_path / "audit.jsonl"
