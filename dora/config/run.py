@@ -46,6 +46,10 @@ class LiveRun:
     """Nucleus sampling: draw from the smallest set of tokens whose probability reaches top_p (1.0 = off)."""
     workers: int = 2
     """`dora run`: rollout workers to start on this machine."""
+    elastic_workers: int = 0
+    """`dora run`: how many of the workers are elastic (rollout.elastic: they share the machine's cores with the
+    learner and yield them for each train step); 0 = none (disaggregated), run.workers = all (colocated). The
+    first ones (w0, w1, ...) are elastic. rollout.elastic = true makes every worker elastic."""
     engine: str = "sim"
     """`dora run`: the workers' engine (sim, torch, vllm)."""
     trainer: str = "sim"
@@ -63,6 +67,9 @@ class LiveRun:
             raise ConfigError(f"run.time_scale must be > 0; got {self.time_scale}")
         if self.workers < 1:
             raise ConfigError(f"run.workers must be >= 1; got {self.workers}")
+        if not 0 <= self.elastic_workers <= self.workers:
+            raise ConfigError(f"run.elastic_workers must be in [0, run.workers = {self.workers}]; "
+                              f"got {self.elastic_workers}")  # fmt: skip
         if self.engine not in ("sim", "torch", "vllm") or self.trainer not in ("sim", "torch"):
             raise ConfigError(f"run.engine must be sim, torch or vllm and run.trainer sim or torch; "
                               f"got {self.engine!r}, {self.trainer!r}")  # fmt: skip

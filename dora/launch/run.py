@@ -114,8 +114,11 @@ def main(argv: list[str]) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    print(f"dora run: {cfg.core.mode.value}, {cfg.run.workers} {cfg.run.engine} workers, {cfg.run.trainer} trainer, "
-          f"{cfg.core.total_steps} steps; run directory {rundir}", file=sys.stderr)  # fmt: skip
+    elastic = cfg.run.workers if cfg.rollout.elastic else cfg.run.elastic_workers
+    shared = f" ({elastic} elastic)" if elastic else ""
+    print(f"dora run: {cfg.core.mode.value}, {cfg.run.workers} {cfg.run.engine} workers{shared}, "
+          f"{cfg.run.trainer} trainer, {cfg.core.total_steps} steps; run directory {rundir}",
+          file=sys.stderr)  # fmt: skip
     codes: dict[str, int | None] = {}
     try:
         run.start_broker()
@@ -124,7 +127,7 @@ def main(argv: list[str]) -> int:
             print(f"dora run: Prometheus metrics at {url}", file=sys.stderr)
         extra = ["--model", str(data["rollout"]["model"])] if cfg.run.engine != "sim" else []
         for i in range(cfg.run.workers):
-            run.start_worker(f"w{i}", cfg.run.engine, *extra)
+            run.start_worker(f"w{i}", cfg.run.engine, *extra, *(["--elastic"] if i < elastic else []))
         learner = ["learner", "--trainer", cfg.run.trainer, "--broker", str(rundir / "broker.json")]
         if cfg.run.trainer == "torch" and cfg.learner.ranks > 1:  # FSDP2 over local ranks, started by torchrun
             run.spawn_command("learner", ["-m", "torch.distributed.run", "--standalone",

@@ -56,6 +56,29 @@ def test_dora_run_sim_completes_with_metrics_and_plots(tmp_path):
     assert len(groups) == len(set(groups)) == 12 * 8
 
 
+def test_dora_run_makes_the_first_workers_elastic_and_they_yield_for_every_step(tmp_path):
+    """run.elastic_workers = 1 of 3: w0 shares the learner's cores (yields before each train step, resumes after
+    the publish), w1 and w2 always roll out; every group is trained once."""
+    steps = 8
+    proc = dora_run(tmp_path, "examples/live/sim.toml", "run.workers=3", "run.elastic_workers=1",
+                    "run.time_scale=0.005", f"core.total_steps={steps}")  # fmt: skip
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    assert "3 sim workers (1 elastic)" in out and "invariants hold" in out, out
+    rundir = the_run(tmp_path)
+    broker = [json.loads(x) for x in (rundir / "broker.log").read_text().splitlines() if x.startswith("{")]
+    yielded = [r["worker"].split("/")[1] for r in broker if r["event"] == "worker_yielded"]
+    assert yielded == ["w0"] * steps, yielded
+    marks = [r["event"] for r in broker if r["event"] in ("worker_yielded", "train_step")]
+    assert marks == ["worker_yielded", "train_step"] * steps, "each step trained after the elastic worker paused"
+    for name, resumes in (("w0", True), ("w1", False), ("w2", False)):
+        log = [json.loads(x) for x in (rundir / f"{name}.log").read_text().splitlines() if x.startswith("{")]
+        assert any(r["event"] == "resumed" for r in log) is resumes, name
+    audit = [json.loads(x) for x in (rundir / "audit.jsonl").read_text().splitlines()]
+    groups = [g for r in audit for g in r["groups"]]
+    assert len(groups) == len(set(groups)) == steps * 8
+
+
 def test_ctrl_c_stops_every_process(tmp_path):
     proc = dora_run(tmp_path, "examples/live/sim.toml", "run.workers=2", "core.total_steps=100000")
     deadline = time.monotonic() + 60

@@ -43,12 +43,14 @@ def submit(slurm: LocalSlurm, tmp: pathlib.Path, env: dict[str, str]) -> str:
                         env=env, cwd=tmp)  # fmt: skip
 
 
-def submit_nodes(slurm: LocalSlurm, tmp: pathlib.Path, model: pathlib.Path, *sets: str) -> str:
-    """The multi-node job: learner on node1 and node2 (one rank each), rollout from node 2 on, CURVE on."""
+def submit_nodes(slurm: LocalSlurm, tmp: pathlib.Path, model: pathlib.Path, *sets: str, elastic: str = "none") -> str:
+    """The multi-node job: learner on node1 and node2 (one rank each), rollout from node 2 on, CURVE on; ``elastic``
+    is DORA_ELASTIC."""
     keys = tmp / "keys"
     subprocess.run([sys.executable, "-m", "dora", "keys", "generate", str(keys)], check=True, capture_output=True)
     env = job_env(tmp, model, *sets)
-    env.update(DORA_LEARNER_NODES="2", DORA_LEARNER_RANKS_PER_NODE="1", DORA_ROLLOUT_FROM_NODE="2")
+    env.update(DORA_LEARNER_NODES="2", DORA_LEARNER_RANKS_PER_NODE="1", DORA_ROLLOUT_FROM_NODE="2",
+               DORA_ELASTIC=elastic)  # fmt: skip
     env["DORA_SET"] += f" broker.bind=tcp://0.0.0.0:0 security.keys={keys}"
     job = slurm.sbatch(SCRIPT, "--nodes=3", "--overcommit", f"--output={tmp}/job-%j.out", env=env, cwd=tmp)
     return job

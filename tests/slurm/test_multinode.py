@@ -34,7 +34,9 @@ def cluster(slurm: LocalSlurm) -> Iterator[LocalSlurm]:
 
 
 def test_a_job_over_three_nodes_trains_across_them_with_curve_and_its_invariants_hold(cluster, tiny_model, tmp_path):
-    job = submit_nodes(cluster, tmp_path, tiny_model)
+    """Learner ranks on node1 and node2, rollout workers on node2 and node3; node2's worker, sharing its node with a
+    learner rank, is elastic (DORA_ELASTIC=shared) and yields to the learner for every step."""
+    job = submit_nodes(cluster, tmp_path, tiny_model, elastic="shared")
     info = cluster.wait_state(job, FINAL, 300)
     out = (tmp_path / f"job-{job}.out").read_text()
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", out
@@ -57,6 +59,9 @@ def test_a_job_over_three_nodes_trains_across_them_with_curve_and_its_invariants
     assert (following["host"], following["rank"], following["world"]) == ("node2", 1, 2)
     [done] = events(logs / "learner-1.log", "rank_done")
     assert done["steps"] == 8
+    assert "elastic on: node2)" in out, out
+    yielded = [r["worker"].split("/")[1].split("-")[0] for r in events(logs / "broker.log", "worker_yielded")]
+    assert yielded == ["node2"] * 8, yielded
 
 
 SLOW_ROLLOUT = ("engine.max_slots=2", "engine.credit_slots=4", "run.max_tokens=32")

@@ -60,6 +60,13 @@ def test_a_live_run_whose_workers_cannot_hold_one_group_is_refused(overrides, ac
     load(RunConfig, overrides=[*overrides, f"core.group_size={accepts}"])  # one group fits: accepted
 
 
+@pytest.mark.parametrize("elastic", [-1, 4])
+def test_dora_run_cannot_make_more_workers_elastic_than_it_starts(elastic):
+    with pytest.raises(ConfigError, match=rf"run.elastic_workers must be in \[0, run.workers = 3\]; got {elastic}"):
+        load(RunConfig, overrides=["run.workers=3", f"run.elastic_workers={elastic}"])
+    assert load(RunConfig, overrides=["run.workers=3", "run.elastic_workers=3"]).run.elastic_workers == 3
+
+
 def test_bad_toml_and_missing_file(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[core\n")
