@@ -27,7 +27,7 @@ def configure_logging(cfg: LogConfig, *, process: str, stream: Any = None, **bou
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, cfg.level.upper())),
         logger_factory=structlog.PrintLoggerFactory(stream),
-        cache_logger_on_first_use=False,
+        cache_logger_on_first_use=True,  # once configured, a module's logger is built once, not on every call
     )
     structlog.contextvars.clear_contextvars()
     structlog.contextvars.bind_contextvars(**{"process": process, "host": socket.gethostname(), "pid": os.getpid(),

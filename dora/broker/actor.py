@@ -48,6 +48,10 @@ LAG_PROBE_S = 0.05
 TURN_S = 0.002
 """One turn of the loop handles queued messages for at most this long; then the timers, the sends and the
 other tasks (the lag probe, the metrics endpoint) have their turn, however long the queue."""
+ACTS_PER_TURN = 128
+"""The core's actions carried out (commands numbered, encoded and queued) per event or turn of the loop; the rest
+wait, in order, for the next turns. A publish re-pins every idle worker of an older version at once (a thousand
+Assigns at 1,024 workers): carried out in one go, they held the loop for 10-25 ms."""
 
 
 class BrokerActor:
@@ -83,6 +87,10 @@ class BrokerActor:
         self.peers = self.links.peers
         self.lost: deque[dict[str, Any]] = deque(maxlen=32)
         """The latest peers declared dead or gone, with why (for `dora status`)."""
+        self.acts: deque[ev.Action] = deque()
+        """The core's actions not yet carried out, in the order it decided them (ACTS_PER_TURN)."""
+        self.waiting = Counter[WorkerId]()
+        """Actions not yet carried out per worker they command: its heartbeats are not reconciled meanwhile."""
         self.decision_s = Counter[str]()
         """Seconds spent in the core's decisions, by event kind (orchestration runs inside them)."""
         self.malformed = Counter[str]()
@@ -135,6 +143,9 @@ class BrokerActor:
             timeout_ms = min(100, max(1, int(1000 * min(next_beat, next_tick) - 1000 * self.clock())))
             if self.links.pending:  # a ROUTER cannot say when one peer's pipe drains: retry soon, backing off
                 timeout_ms = min(timeout_ms, retry_ms)
+            if self.acts:
+                timeout_ms = 1
+                self.carry_out()
             drained = not await self.sock.poll(timeout_ms, zmq.POLLIN) or self.drain()
             now = self.clock()
             # Silence is judged once every message that came is read (a heartbeat waiting in the queue is not
@@ -277,7 +288,8 @@ class BrokerActor:
                 # so the worker can tell a dead broker from an idle one, and knows the last command sent to it
                 self.links.send(peer, m.Heartbeat(seen=peer.seq))
                 self.liveness.progressed(w, self.clock(), msg.tokens_generated, busy=msg.running > 0)
-                reconcile(self.core, peer, msg, command=self.links.command, feed=self.feed, counters=self.counters)
+                if not self.waiting[w]:  # with commands still to go out, what it holds cannot match yet
+                    reconcile(self.core, peer, msg, command=self.links.command, feed=self.feed, counters=self.counters)
                 if msg.kv_use >= self.core.cfg.kv_rebalance_threshold:
                     self.feed(ev.LoadReported(worker_id=w, kv_use=msg.kv_use))
             case m.Heartbeat():
@@ -370,9 +382,28 @@ class BrokerActor:
         if self.journal is not None:  # every group id about to leave is reserved on disk first
             self.journal.reserve_through(self.core.scheduler.cursor)
         self.metrics.fed(now, event, actions)
-        for action in actions:
-            self.act(action)
+        if actions:
+            self.acts.extend(actions)
+            for a in actions:
+                if (w := getattr(a, "worker_id", None)) is not None:
+                    self.waiting[w] += 1
+            self.carry_out()
         return actions
+
+    def carry_out(self) -> None:
+        """Carry out up to ACTS_PER_TURN of the core's actions, oldest first. Every command goes through here, so
+        commands to a worker keep the core's order; what waits is already decided, and the core's state (pins,
+        leases, the journal's reservations) is what reconciliation compares a heartbeat with: a command not yet
+        numbered cannot be taken for lost."""
+        acts, waiting = self.acts, self.waiting
+        for _ in range(min(len(acts), ACTS_PER_TURN)):
+            a = acts.popleft()
+            if (w := getattr(a, "worker_id", None)) is not None:
+                if waiting[w] == 1:
+                    del waiting[w]
+                else:
+                    waiting[w] -= 1
+            self.act(a)
 
     def act(self, a: ev.Action) -> None:
         match a:
@@ -385,7 +416,8 @@ class BrokerActor:
             case ev.Assign():
                 log.info("worker_assigned", worker=a.worker_id, version=a.version, interrupt=a.interrupt)
                 uri, sha = self.weights.get(a.version, (f"sim://v{a.version}", "0" * 64))
-                self.links.command(a.worker_id, m.Assign(version=a.version, uri=uri, sha256=sha, interrupt=a.interrupt))
+                self.links.command(a.worker_id, functools.partial(m.Assign, version=a.version, uri=uri, sha256=sha,
+                                                                  interrupt=a.interrupt))  # fmt: skip
             case ev.Yield():
                 held = len(self.core.scheduler.workers[a.worker_id].groups)
                 log.info("yield_requested", worker=a.worker_id, held_groups=held)

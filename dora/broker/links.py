@@ -121,12 +121,12 @@ class Links:
 
     def command(self, worker: WorkerId, msg: Any) -> None:
         """Number a command to a worker and send it; remember what reconciliation may need again. ``msg``: the
-        command, or a function of its number that makes it (a Generate per group leased: no copy to number it)."""
+        command, or a function of its number (keyword ``seq``) that makes it: no copy to number it."""
         peer = self.peers.get(worker.encode())
         if peer is None:
             return
         peer.seq += 1
-        msg = msg(peer.seq) if callable(msg) else dataclasses.replace(msg, seq=peer.seq)
+        msg = msg(seq=peer.seq) if callable(msg) else dataclasses.replace(msg, seq=peer.seq)
         match msg:
             case m.Generate() | m.MigrateIn():
                 peer.lease_seq[(msg.group_id, msg.attempt)] = msg.seq

@@ -15,6 +15,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from dora.broker import actor as broker_actor
 from dora.broker import translate
 from dora.broker.actor import BrokerActor
 from dora.broker.evaluation import EvalRounds
@@ -344,3 +345,39 @@ async def test_a_repeated_hello_is_answered_without_voiding_the_session():
         ack = await w.ack()
         assert ack.accepted, ack.reason  # the lease survived the repeat
         assert actor.counters["hello repeated"] == 1
+
+
+async def test_actions_beyond_a_turns_share_go_out_on_later_turns_in_the_cores_order(monkeypatch):
+    """One WeightsLoaded leases five groups at once; carried out one per turn, they reach the worker over five turns,
+    numbered in the order the core decided them."""
+    monkeypatch.setattr(broker_actor, "ACTS_PER_TURN", 1)
+    waiting: list[int] = []
+    carry_out = BrokerActor.carry_out
+    monkeypatch.setattr(BrokerActor, "carry_out", lambda self: (waiting.append(len(self.acts)), carry_out(self)))
+    async with running_broker("core.max_staleness=4", "core.train_groups=4") as (actor, ep, ctx):
+        w = Fake(ctx, ep, "rollout/a/1")
+        assign = await w.worker(slots=5 * G)
+        gens = [await w.recv(m.Generate) for _ in range(5)]
+        assert [g.seq for g in gens] == list(range(assign.seq + 1, assign.seq + 6))
+        assert [g.group_id for g in gens] == sorted(g.group_id for g in gens) and len({g.group_id for g in gens}) == 5
+        assert max(waiting) >= 4, waiting  # they did wait
+        assert not actor.acts and not actor.waiting
+
+
+async def test_a_worker_with_commands_still_to_go_out_is_not_reconciled_until_they_have(monkeypatch):
+    """A heartbeat cannot match what the core decided while the commands saying so wait their turn: such a worker
+    is not reconciled (a Yield or Cancel would be sent twice); once they are out, it is again."""
+    reconciled: list[str] = []
+    monkeypatch.setattr(broker_actor, "reconcile", lambda core, peer, hb, **kw: reconciled.append(peer.name))
+    monkeypatch.setattr(broker_actor, "ACTS_PER_TURN", 0)  # nothing goes out
+    async with running_broker() as (actor, ep, ctx):
+        w = Fake(ctx, ep, "rollout/a/1")
+        await w.hello(m.Role.ROLLOUT, G)
+        await w.send(m.Heartbeat(seen=0, holding=held(), version=-1, loading=-1))
+        await w.recv(m.Heartbeat)
+        assert actor.waiting == {"rollout/a/1": 1} and not reconciled  # its Assign waits
+        monkeypatch.setattr(broker_actor, "ACTS_PER_TURN", 128)
+        assign = await w.recv(m.Assign)
+        await w.send(m.Heartbeat(seen=assign.seq, holding=held(), version=-1, loading=assign.version))
+        await w.recv(m.Heartbeat)
+        assert reconciled == ["rollout/a/1"] and not actor.waiting
