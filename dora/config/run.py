@@ -58,7 +58,8 @@ class LiveRun:
     """`dora run`: where each run gets its own directory (logs, metrics.jsonl, plots, weight store)."""
     threads: int = 0
     """`dora run`: CPU threads per process (OMP_NUM_THREADS); 0 = this machine's cores shared out among the
-    workers and learner ranks. Oversubscribed OpenMP threads spin against each other: CPU steps get 10-30x slower."""
+    standalone workers and learner ranks, the elastic workers splitting the learner ranks' share. Oversubscribed
+    OpenMP threads spin against each other: CPU steps get 10-30x slower."""
 
     def __post_init__(self) -> None:
         if self.threads < 0:

@@ -27,9 +27,12 @@ def to_toml(cfg: dict[str, dict[str, Any]]) -> str:
 
 class LocalRun:
     def __init__(self, rundir: pathlib.Path, cfg: dict[str, dict[str, Any]], *, threads: int | None = None) -> None:
-        """``threads``: OMP_NUM_THREADS for every child (unless set already in this environment)."""
+        """``threads``: OMP_NUM_THREADS for every child (unless set already in this environment; a child started
+        with its own ``threads`` gets those)."""
         self.dir = rundir
         self.env = dict(os.environ)
+        self.threads_given = "OMP_NUM_THREADS" in os.environ
+        """The user set OMP_NUM_THREADS: every child keeps it."""
         if threads is not None:
             self.env.setdefault("OMP_NUM_THREADS", str(threads))
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -45,15 +48,17 @@ class LocalRun:
 
     # ---------------------------------------------------------------- processes
 
-    def spawn(self, name: str, *args: str) -> subprocess.Popen[bytes]:
-        return self.spawn_command(name, ["-m", "dora", *args])
+    def spawn(self, name: str, *args: str, threads: int | None = None) -> subprocess.Popen[bytes]:
+        return self.spawn_command(name, ["-m", "dora", *args], threads=threads)
 
-    def spawn_command(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
-        """``python ARGV --config <the run's config>``, logging to ``<name>.log``."""
+    def spawn_command(self, name: str, argv: list[str], *, threads: int | None = None) -> subprocess.Popen[bytes]:
+        """``python ARGV --config <the run's config>``, logging to ``<name>.log``; ``threads``: its OMP_NUM_THREADS
+        (unless the user set it)."""
+        env = self.env if threads is None or self.threads_given else {**self.env, "OMP_NUM_THREADS": str(threads)}
         with open(self.dir / f"{name}.log", "wb") as log:
             proc = subprocess.Popen([sys.executable, *argv, "--config", str(self.config)],
                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                    env=self.env)  # fmt: skip
+                                    env=env)  # fmt: skip
         self.procs[name] = proc
         return proc
 
@@ -86,9 +91,11 @@ class LocalRun:
         self.discovery = disc
         return json.loads(disc.read_text())["endpoint"]
 
-    def start_worker(self, name: str, engine: str = "sim", *extra: str) -> subprocess.Popen[bytes]:
+    def start_worker(self, name: str, engine: str = "sim", *extra: str, threads: int | None = None
+                     ) -> subprocess.Popen[bytes]:  # fmt: skip
         disc = str(self.discovery)
-        return self.spawn(name, "rollout", "--engine", engine, "--broker", disc, "--name", name, *extra)
+        return self.spawn(name, "rollout", "--engine", engine, "--broker", disc, "--name", name, *extra,
+                          threads=threads)  # fmt: skip
 
     def start_learner(self, trainer: str = "sim") -> subprocess.Popen[bytes]:
         return self.spawn("learner", "learner", "--trainer", trainer, "--broker", str(self.discovery))

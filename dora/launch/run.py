@@ -26,6 +26,7 @@ import pathlib
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from dora.config import ConfigError, load, to_data
@@ -61,6 +62,32 @@ def prepare(cfg: RunConfig, rundir: pathlib.Path) -> dict[str, Any]:
         data["rollout"]["model"] = data["learner"]["model"] = str(model)
         data["task"].setdefault("tokenizer", str(model))
     return data
+
+
+@dataclass(frozen=True, slots=True)
+class Threads:
+    """OMP_NUM_THREADS of each kind of process `dora run` starts."""
+
+    standalone: int
+    learner_rank: int
+    elastic: int
+
+    def describe(self, *, elastic: int, standalone: int) -> str:
+        parts = [f"{self.learner_rank} per learner rank"]
+        parts += [f"{self.standalone} per standalone worker"] if standalone else []
+        parts += [f"{self.elastic} per elastic worker (yielded to the learner for each step)"] if elastic else []
+        return ", ".join(parts)
+
+
+def thread_shares(cpus: int, *, workers: int, elastic: int, ranks: int) -> Threads:
+    """This machine's cores shared out so that what runs at once fits them: the standalone workers always, and either
+    the learner ranks (during a step) or the elastic workers (between steps: they yield for each step). Each
+    standalone worker gets one share; the learner ranks and the elastic workers each split max(ranks, elastic)
+    shares among themselves. At least one thread each."""
+    alternating = max(ranks, elastic)
+    each = max(1, cpus // (workers - elastic + alternating))
+    return Threads(standalone=each, learner_rank=each * alternating // ranks,
+                   elastic=each * alternating // elastic if elastic else each)  # fmt: skip
 
 
 def check_task(data: dict[str, Any]) -> dict[str, Any]:
@@ -104,8 +131,12 @@ def main(argv: list[str]) -> int:
     except (ConfigError, ValueError, FileExistsError) as e:
         print(f"dora run: {e}", file=sys.stderr)
         return 2
-    procs = cfg.run.workers + (cfg.learner.ranks if cfg.run.trainer == "torch" else 1)
-    run = LocalRun(rundir, data, threads=cfg.run.threads or max(1, (os.cpu_count() or 1) // procs))
+    elastic = cfg.run.workers if cfg.rollout.elastic else cfg.run.elastic_workers
+    ranks = cfg.learner.ranks if cfg.run.trainer == "torch" else 1
+    t = cfg.run.threads
+    shares = Threads(t, t, t) if t else thread_shares(os.cpu_count() or 1, workers=cfg.run.workers, elastic=elastic,
+                                                       ranks=ranks)  # fmt: skip
+    run = LocalRun(rundir, data, threads=shares.learner_rank)
     stopping = False
 
     def on_signal(signum: int, frame: Any) -> None:
@@ -114,11 +145,13 @@ def main(argv: list[str]) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    elastic = cfg.run.workers if cfg.rollout.elastic else cfg.run.elastic_workers
     shared = f" ({elastic} elastic)" if elastic else ""
     print(f"dora run: {cfg.core.mode.value}, {cfg.run.workers} {cfg.run.engine} workers{shared}, "
           f"{cfg.run.trainer} trainer, {cfg.core.total_steps} steps; run directory {rundir}",
           file=sys.stderr)  # fmt: skip
+    if not run.threads_given:
+        print(f"dora run: CPU threads: {shares.describe(elastic=elastic, standalone=cfg.run.workers - elastic)}",
+              file=sys.stderr)  # fmt: skip
     codes: dict[str, int | None] = {}
     try:
         run.start_broker()
@@ -127,7 +160,8 @@ def main(argv: list[str]) -> int:
             print(f"dora run: Prometheus metrics at {url}", file=sys.stderr)
         extra = ["--model", str(data["rollout"]["model"])] if cfg.run.engine != "sim" else []
         for i in range(cfg.run.workers):
-            run.start_worker(f"w{i}", cfg.run.engine, *extra, *(["--elastic"] if i < elastic else []))
+            flag, threads = (["--elastic"], shares.elastic) if i < elastic else ([], shares.standalone)
+            run.start_worker(f"w{i}", cfg.run.engine, *extra, *flag, threads=threads)
         learner = ["learner", "--trainer", cfg.run.trainer, "--broker", str(rundir / "broker.json")]
         if cfg.run.trainer == "torch" and cfg.learner.ranks > 1:  # FSDP2 over local ranks, started by torchrun
             run.spawn_command("learner", ["-m", "torch.distributed.run", "--standalone",

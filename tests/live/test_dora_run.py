@@ -65,6 +65,7 @@ def test_dora_run_makes_the_first_workers_elastic_and_they_yield_for_every_step(
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out
     assert "3 sim workers (1 elastic)" in out and "invariants hold" in out, out
+    assert "CPU threads:" in out and "per elastic worker (yielded to the learner for each step)" in out, out
     rundir = the_run(tmp_path)
     broker = [json.loads(x) for x in (rundir / "broker.log").read_text().splitlines() if x.startswith("{")]
     yielded = [r["worker"].split("/")[1] for r in broker if r["event"] == "worker_yielded"]
