@@ -216,9 +216,8 @@ class Core:
                     out.emit(Refused(reason=f"unexpected_publish v{v}"))
                     return False
                 self.ledger.publish(v)
-                for worker in sorted(sched.workers.values(), key=lambda x: x.order):
-                    if worker.yielded:
-                        self._wake(worker, out)
+                for worker in sorted((w for w in sched.workers.values() if w.yielded), key=lambda x: x.order):
+                    self._wake(worker, out)
                 if self.cfg.in_flight_swap:
                     for w in list(sched.workers):
                         self._assign(w, out, interrupt=True)
@@ -290,7 +289,7 @@ class Core:
         """The batch is taken: elastic workers hand what they can to standalone peers of their version and
         yield; the batch goes out when they all have (at once if there are none)."""
         sched = self.scheduler
-        elastic = [w for w in sorted(sched.workers.values(), key=lambda x: x.order) if w.elastic and not w.yielded]
+        elastic = sorted((w for w in sched.workers.values() if w.elastic and not w.yielded), key=lambda x: x.order)
         if not elastic:
             out.emit(batch)
             return
@@ -348,7 +347,8 @@ class Core:
             raise InvariantViolation(f"{worker} told to change version while holding groups {sorted(w.groups)}")
         self.ledger.pin(worker, self.ledger.newest)
         self.scheduler.set_ready(w, False)
-        self.scheduler.set_leaving(w, False)
+        if w.leaving:
+            self.scheduler.set_leaving(w, False)
         out.emit(Assign(worker_id=worker, version=self.ledger.newest, interrupt=interrupt))
 
     def _finished(self, flight: Flight) -> None:
@@ -399,7 +399,7 @@ class Core:
                 worker_id=w.worker_id,
                 version=led.version_of(w.worker_id),  # type: ignore[arg-type]  (pinned: found by its pin)
                 free=w.free,
-                groups=tuple((g, sched.unfinished(sched.flights[g])) for g in sorted(w.groups)),
+                groups=tuple((g, sched.unfinished(sched.flights[g])) for g in sorted(w.groups)) if w.groups else (),
                 settled=w.ready and not w.leaving,
                 order=w.order,
             )
