@@ -386,36 +386,45 @@ class Core:
         if full:
             self.rebalances += 1
         newest, led = self.ledger.newest, self.ledger
-        # Only workers off the newest version can move or hand groups over, so only they are looked at; a full
-        # re-partition counts the others (its targets depend on the fleet's size).
-        pending = self._pending() if full else sched.pending_requests()
-        if full:
-            older = [sched.workers[w] for v in led.pinned_versions() if v != newest for w in led.pinned_to(v)]
-            candidates = sorted(older, key=lambda w: w.order)
+        # Only workers off the newest version can move or hand groups over, so only they are looked at. A version
+        # with no pending work gets no worker (orchestrator.allocate), so the plan moves each empty worker of it
+        # whatever else it weighs: those move without a plan (at a publish, most of an idle fleet), and so does
+        # every worker looked at between triggers (orchestrator.plan with full=False: they are all empty workers
+        # of such versions, or empty ones loading weights). A full re-partition plans the others and counts
+        # everyone (its targets depend on the fleet's size). tests/unit/test_orchestrator.py holds plan to this.
+        if not full:
+            moves = [w.worker_id for w in self._movable_between_triggers(sched.pending_requests()) if _movable(w)]
         else:
-            candidates = self._movable_between_triggers(pending)
-        views = [
-            orchestrator.WorkerView(
-                worker_id=w.worker_id,
-                version=led.version_of(w.worker_id),  # type: ignore[arg-type]  (pinned: found by its pin)
-                free=w.free,
-                groups=tuple((g, sched.unfinished(sched.flights[g])) for g in sorted(w.groups)) if w.groups else (),
-                settled=w.ready and not w.leaving,
-                order=w.order,
-            )
-            for w in candidates
-            if not w.yielded and not w.incoming  # a group is on its way to it: it keeps its version until it lands
-        ]
-        if not views:
-            return
-        fleet = None
-        if full:
-            on_newest = (sched.workers[w] for w in led.pinned_to(newest))
-            fleet = len(views) + sum(1 for w in on_newest if not w.yielded and not w.incoming)
-        plan = orchestrator.plan(views, pending, newest, full=full, fleet=fleet)
-        for gid, _src, dst in plan.migrations:
-            sched.migrate(sched.flights[gid], sched.workers[dst], out)
-        for worker in sorted(plan.moves, key=lambda name: sched.workers[name].order):  # join order, as partial
+            pending = self._pending()
+            moves, planned = [], []
+            for v in led.pinned_versions():
+                if v == newest:
+                    continue
+                nothing_left = not pending.get(v)
+                for w in map(sched.workers.__getitem__, led.pinned_to(v)):
+                    if nothing_left and not w.groups and _movable(w):
+                        moves.append(w.worker_id)
+                    elif _movable(w):
+                        planned.append(w)
+            if planned:
+                planned.sort(key=lambda w: w.order)
+                views = [
+                    orchestrator.WorkerView(
+                        worker_id=w.worker_id,
+                        version=led.version_of(w.worker_id),  # type: ignore[arg-type]  (pinned: found by its pin)
+                        free=w.free,
+                        groups=tuple((g, sched.unfinished(sched.flights[g])) for g in sorted(w.groups)),
+                        settled=w.ready and not w.leaving,
+                        order=w.order,
+                    )
+                    for w in planned
+                ]
+                on_newest = sum(1 for w in map(sched.workers.__getitem__, led.pinned_to(newest)) if _movable(w))
+                plan = orchestrator.plan(views, pending, newest, full=True, fleet=len(views) + len(moves) + on_newest)
+                for gid, _src, dst in plan.migrations:
+                    sched.migrate(sched.flights[gid], sched.workers[dst], out)
+                moves += plan.moves
+        for worker in sorted(moves, key=lambda name: sched.workers[name].order):  # join order, as partial
             w = sched.workers[worker]
             if w.groups:
                 sched.set_leaving(w, True)
@@ -501,3 +510,8 @@ class Core:
             raise InvariantViolation("a batch is held with no yield awaited, or a yield is awaited for no batch")
         if self.held is not None and self.held is not self.transfer.in_training:
             raise InvariantViolation("the held batch is not the one taken for training")
+
+
+def _movable(w: Worker) -> bool:
+    """Not yielded to the trainer, and no group on its way to it (it keeps its version until that lands)."""
+    return not w.yielded and not w.incoming

@@ -164,7 +164,8 @@ class Scheduler:
         """Its pinned version's weights are loaded (or not); set after any pin change."""
         worker.ready = ready
         self._file(worker)
-        self._offer(worker)
+        if ready:  # an unready worker serves nothing: there is nothing to offer
+            self._offer(worker)
 
     def _file(self, worker: Worker) -> None:
         """Keep ``idle_unready`` after a change of the worker's groups, readiness or pin (or its loss)."""

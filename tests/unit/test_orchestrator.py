@@ -83,3 +83,39 @@ def test_workers_only_move_to_the_newest_version():
     workers = [_w("a", 1, free=8, groups=[(1, 1)]), _w("b", 2, free=8), _w("c", 3, free=8)]
     p = plan(workers, pending={1: 100, 2: 0, 3: 1}, newest=3, full=True)
     assert p.moves == ["b"], "version 1 wants more workers but never takes one from another version"
+
+
+_views = st.lists(
+    st.tuples(
+        st.integers(1, 4),  # version
+        st.integers(0, 16),  # free slots
+        st.lists(st.integers(1, 8), max_size=3),  # unfinished samples of each group it holds
+        st.booleans(),  # settled
+    ),
+    max_size=24,
+)
+
+
+@given(views=_views, pending=st.dictionaries(st.integers(1, 4), st.integers(0, 40), max_size=4), full=st.booleans())
+def test_the_empty_workers_of_a_version_with_nothing_pending_move_and_leave_the_rest_of_the_plan_as_it_was(
+    views, pending, full
+):
+    """What the core relies on to move most of an idle fleet without a plan (Core._orchestrate): every empty worker
+    of a superseded version with nothing pending moves, and the plan for the others, counted in the same fleet, is
+    the plan they get beside them. Between triggers, an empty worker still loading weights moves too."""
+    newest = 4
+    workers = [
+        _w(f"w{i}", v, free, groups=[(100 * i + j, n) for j, n in enumerate(gs)], settled=settled, order=i)
+        for i, (v, free, gs, settled) in enumerate(views)
+    ]
+    shortcut = [
+        w for w in workers
+        if w.version != newest and not w.groups and (not pending.get(w.version) or (not full and not w.settled))
+    ]  # fmt: skip
+    whole = plan(workers, pending, newest, full=full, fleet=len(workers))
+    assert {w.worker_id for w in shortcut} <= set(whole.moves)
+    if full:
+        rest = [w for w in workers if w not in shortcut]
+        part = plan(rest, pending, newest, full=True, fleet=len(workers))
+        assert sorted(part.moves + [w.worker_id for w in shortcut]) == sorted(whole.moves)
+        assert sorted(part.migrations) == sorted(whole.migrations)
