@@ -190,13 +190,14 @@ def open_journal(cfg: RunConfig, epoch: int, cluster: ClusterInfo | None = None,
             log.info("version_retired", version=int(path.name[1:]), deleted=str(path), reason="restart")
     core = Core(cfg.core, initial_version=past.newest, start_cursor=past.reserved, strict=cfg.broker.strict)
     owed = past.owed
-    core.restore(owed)
+    past_budget = core.restore(owed)
     journal = Journal(cfg.broker.journal)
     about = {}
     if cluster is not None and cluster.job_id is not None:
         about = {"slurm_job_id": cluster.job_id, "slurm_restart": cluster.restart_count}
     journal.start(epoch, shape, past.reserved, about)
     if past.epochs:
-        log.info("resumed_from_journal", version=past.newest, trained_groups=len(past.trained), owed_groups=len(owed),
+        log.info("resumed_from_journal", version=past.newest, trained_groups=len(past.trained),
+                 owed_groups=len(owed) - past_budget, reserved_past_budget=past_budget,
                  earlier_epochs=len(past.epochs), journal=cfg.broker.journal)  # fmt: skip
     return core, journal, {past.newest: past.weights} if past.weights else None

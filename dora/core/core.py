@@ -122,13 +122,18 @@ class Core:
             self.check()
         return out.actions
 
-    def restore(self, owed: list[int]) -> None:
+    def restore(self, owed: list[int]) -> int:
         """A restarted broker's debts: groups handed out before the restart and never trained (call before
         the first event). They are dispatched again, whole, before any group past the cursor, under the same
-        admission rule as fresh groups; a group's prompt depends on its id alone."""
+        admission rule as fresh groups; a group's prompt depends on its id alone. Ids at or past the prompt
+        budget are left out (a journal reserves ids in blocks, beyond those it handed out, and this run trains
+        only ids below its budget: owing those would dispatch groups it never trains); returns how many."""
         if any(g >= self.scheduler.cursor for g in owed) or len(set(owed)) != len(owed):
             raise ValueError("restored groups must be distinct and below the cursor")
-        self.scheduler.owed.extend(GroupId(g) for g in sorted(owed))
+        budget = self.cfg.prompt_budget
+        kept = sorted(g for g in owed if budget is None or g < budget)
+        self.scheduler.owed.extend(GroupId(g) for g in kept)
+        return len(owed) - len(kept)
 
     def publishable(self, version: int) -> DeliverBatch | None:
         """The batch a publish of ``version`` completes, if the core takes that publish; None if it refuses it.

@@ -84,6 +84,40 @@ def test_a_rebuilt_core_hands_out_what_it_owes_first_then_fresh_groups():
     assert core.ledger.newest == 4 and not any(isinstance(a, ev.Refused) for a in out)
 
 
+def test_a_rebuilt_core_owes_no_reserved_id_past_its_budget_and_trains_exactly_the_ids_below_it():
+    """A journal reserves ids in blocks, past those it handed out: replayed, every reserved id not trained is owed.
+    Owed ids at or past the run's budget (total_steps x train_groups) are left out, or the restarted run would
+    dispatch groups it never trains and end with a lower id untrained. Here 3 steps of 2 (ids 0-5), the first
+    (groups 1 and 3) trained before the crash, ids reserved through 9 (a block), the groups finishing in reverse
+    order of their ids."""
+    cfg = CoreConfig(mode="dora", max_staleness=1, train_groups=2, group_size=1, total_steps=3)
+    core = Core(cfg, initial_version=1, start_cursor=10, strict=True)
+    assert core.restore([0, 2, *range(4, 10)]) == 4
+    w = WorkerId("w")
+    out = core.handle(0.0, ev.WorkerJoined(worker_id=w, slots=64))
+    out += core.handle(0.1, ev.WeightsLoaded(worker_id=w, version=1))
+    trained, leased = [], []
+    for now in range(1, 20):
+        if any(isinstance(a, ev.RunFinished) for a in out):
+            break
+        leased += [a.group_id for a in out if isinstance(a, ev.Lease)]
+        todo = sorted((a for a in out if isinstance(a, ev.Lease)), key=lambda a: -a.group_id)
+        loads = [a for a in out if isinstance(a, ev.Assign)]
+        out = []
+        for a in loads:
+            out += core.handle(now, ev.WeightsLoaded(worker_id=w, version=a.version))
+        for a in todo:
+            out += core.handle(now, ev.SampleFinished(worker_id=w, group_id=a.group_id, attempt=a.attempt, index=0,
+                                                      segments=((a.version, 3),), finish=Finish.STOP))  # fmt: skip
+        out += core.handle(now, ev.BatchRequested(step=core.step))
+        for batch in [a for a in out if isinstance(a, ev.DeliverBatch)]:
+            trained += [g.group_id for g in batch.groups]
+            out += core.handle(now, ev.WeightsPublished(version=batch.step + 1))
+    leased += [a.group_id for a in out if isinstance(a, ev.Lease)]
+    assert max(leased) < 6, f"a group past the budget was handed out: {leased}"
+    assert sorted(trained) == [0, 2, 4, 5] and not core.scheduler.flights
+
+
 @pytest.mark.parametrize("owed", [[10], [3, 3]])
 def test_only_distinct_groups_below_the_cursor_can_be_owed(owed):
     core = Core(CoreConfig(mode="dora", max_staleness=1, train_groups=2, group_size=2), start_cursor=10)
