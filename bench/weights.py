@@ -15,16 +15,18 @@ timed in the same run, in GB/s of the version's safetensors file:
   records them (serialize + write, fsync, hash, rename).
 - **load / verified load**: what a torch rollout worker does for an ``Assign``: ``TorchEngine.load_weights(v,
   path, digest)``, tensors copied into a model already in memory. Without a digest (``load``) and with the
-  published one (``verified``); ``verify = verified - load``, the time the check adds. Cold (the version's
-  pages dropped first) and warm. The target is verify / load <= 0.25.
+  published one (``verified``: checked chunk by chunk as it is copied, the engine holding the file it loaded
+  last); ``verify = verified - load``, the time the check adds. Cold (the version's pages dropped first) and
+  warm. Each version is published twice and every load reads the copy the engine does not hold (``TWIN``). The
+  target is verify / load <= 0.25.
 - **check pass**: the digest alone, read from the file through a small buffer (``dora.digest.digest_file`` on its
   path, what a publish runs; a verified load hashes its own mapping of the file in place instead);
   **sha256 pass**: one sequential sha256 read of the file (``sha256_file``), the check a worker ran before.
 
 Reading it: cold, the check's one read pass is the disk read the load would have made, so it adds little or
-nothing. Warm, a CPU engine's load is one memory copy from the page cache (every byte read and written); a check
-that must end before the model is touched (a refused version leaves the engine on its previous one) reads every
-byte once more, so it costs one read of the file at memory bandwidth, whatever the hash.
+nothing. Warm, a CPU engine's load is one memory copy from the page cache (every byte read and written). A check
+that ends before the model is touched reads every byte once more; checked as it is copied (each piece hashed, then
+copied from cache, the held version put back if a chunk differs), the check costs the hash's own work, not a read.
 
 Writes bench/out/weights.json and prints it as the last line.
 """
@@ -139,10 +141,17 @@ def timed(fn, *args) -> float:
     return time.perf_counter() - started
 
 
+TWIN = 1000
+"""Each version is published twice (as v and TWIN + v, the same bytes): a load reads the file the engine does not
+hold, since a torch engine keeps the mapping of the file it last loaded (clean pages a drop cannot evict)."""
+
+
 def versions(model: torch.nn.Module, store: WeightStore, engine: TorchEngine, n: int, reps: int) -> list[dict]:
     """Publish ``n`` versions; each one loaded by the engine ``reps`` times cold and warm, without and with its
-    digest (alternating which goes first), and read by a plain sha256 pass."""
+    digest (alternating which goes first), and read by a plain sha256 pass. Every load reads the copy of the
+    version the engine does not hold (``TWIN``)."""
     rows = []
+    held = None
     for v in range(1, n + 1):
         with torch.no_grad():  # a new version: every byte differs from the last one's
             for p in model.parameters():
@@ -150,6 +159,9 @@ def versions(model: torch.nn.Module, store: WeightStore, engine: TorchEngine, n:
         os.sync()  # the publish's fsync waits for its own bytes, not for what the last step left dirty
         uri, digest, publish_s = store.publish(v, model.state_dict())
         file = pathlib.Path(uri.removeprefix("file://"))
+        twin_uri, twin_digest, _ = store.publish(TWIN + v, model.state_dict())
+        assert twin_digest == digest, "the same tensors make the same file"
+        twin = pathlib.Path(twin_uri.removeprefix("file://"))
         manifest = json.loads((file.parent / "manifest.json").read_text())
         row: dict = {"version": v, "bytes": file.stat().st_size, "publish_s": [publish_s],
                      **{f"publish_{k}_s": [s] for k, s in manifest.get("timings_s", {}).items()}}  # fmt: skip
@@ -157,15 +169,19 @@ def versions(model: torch.nn.Module, store: WeightStore, engine: TorchEngine, n:
             for temp in ("cold", "warm"):
                 order = [("load", None), ("verified", digest)]
                 for name, check in order[:: 1 if rep % 2 == 0 else -1]:
+                    path = twin if held == file else file
                     if temp == "cold":
-                        row.setdefault("resident_after_drop", []).append(drop(file))
-                    row.setdefault(f"{name}_{temp}_s", []).append(timed(engine.load_weights, v, file, check))
+                        row.setdefault("resident_after_drop", []).append(drop(path))
+                    row.setdefault(f"{name}_{temp}_s", []).append(timed(engine.load_weights, v, path, check))
+                    held = path
+                path = twin if held == file else file
                 for name, check in (("check_pass", lambda f: digest_file(f, store.algo, store.chunk_bytes)),
                                     ("sha256_pass", sha256_file)):  # fmt: skip
                     if temp == "cold":
-                        drop(file)
-                    row.setdefault(f"{name}_{temp}_s", []).append(timed(check, file))
+                        drop(path)
+                    row.setdefault(f"{name}_{temp}_s", []).append(timed(check, path))
         store.retire(v - 1)
+        store.retire(TWIN + v - 1)
         rows.append(row)
     return rows
 

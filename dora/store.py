@@ -18,6 +18,9 @@ version is published (safetensors) or loaded (``dora.tensorfile``).
 - **Load** maps the file once (private), checks the digest on that mapping (in threads, reading each byte in
   place) and cuts the tensors from the same mapping (``dora.tensorfile``): the bytes checked are the bytes loaded,
   even if the version is retired or re-published meanwhile, and the check adds one read of them, no copy.
+  ``load_into`` copies into a model's tensors as it checks instead (each piece hashed, then copied from cache, each
+  chunk compared with the manifest's): no read beyond the copy's own, for an engine that can put its previous
+  weights back if a chunk differs (a torch engine keeps the mapping of the file it loaded them from).
 - **Retire** removes a version once the broker's ledger no longer needs it (no worker serves it and all its
   groups are trained). A version is first renamed aside, then deleted, so no half-deleted version is listed.
   The ledger keeps at most K + 1 versions alive, so the store holds at most K + 2 while the next one is written.
@@ -31,25 +34,27 @@ sha256. A newer format is refused with an error saying so.
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import pathlib
 import shutil
 import time
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from dora.digest import ALGOS, CHUNK_BYTES, Digest, DigestMismatch, digest_file, sha256_file, verify
+from dora.digest import ALGOS, CHUNK_BYTES, THREADS, Digest, DigestMismatch, digest_file, root_of, sha256_file, verify
 from dora.storedir import FILE, MANIFEST, remove_version, retire_older, retire_uri, stale, store_path, temp_name
 
 if TYPE_CHECKING:  # the broker imports this module to retire versions: no torch at run time
     import torch
 
-__all__ = ["DigestMismatch", "Manifest", "WeightStore", "load_verified", "retire_older", "retire_uri", "sha256_file",
-           "store_path"]  # fmt: skip
+__all__ = ["DigestMismatch", "InPlaceUnfit", "Manifest", "WeightStore", "load_into", "load_verified", "retire_older",
+           "retire_uri", "sha256_file", "store_path"]  # fmt: skip
 
 log = structlog.get_logger()
 
@@ -194,6 +199,91 @@ def load_verified(file: str | pathlib.Path, digest: str | None, *, name: str, de
         verify(data, digest, name=f"{name} at {file}", size=beside.bytes if beside else None,
                chunks=beside.chunks if beside else ())  # fmt: skip
     return tensors(data, name=f"{name} at {file}", device=device)
+
+
+IN_PLACE_PIECE_BYTES = 4 << 20
+"""What ``load_into`` hashes then copies at once: small enough that the copy reads it from cache."""
+
+
+class InPlaceUnfit(Exception):
+    """``load_into`` does not apply to this file and model (the caller loads through ``load_verified``); nothing
+    was copied."""
+
+
+def load_into(file: str | pathlib.Path, digest: str, *, name: str, into: Mapping[str, torch.Tensor],
+              undo: Callable[[], None], threads: int = THREADS) -> dict[str, Any]:  # fmt: skip
+    """Copy a safetensors file's tensors into ``into`` (the same names, dtypes and shapes: contiguous CPU tensors),
+    checking ``digest`` as the bytes go: each piece of a chunk is hashed, then copied while it is still in cache,
+    and each chunk's hash is compared with the manifest's (whose chunks make the published digest). Every byte is
+    read from memory once, as by an unchecked copy. A chunk that differs (or any failure once copying began):
+    ``undo()`` is called, which must put back what ``into`` held, and the error raised (DigestMismatch naming the
+    chunk). Raises InPlaceUnfit, before copying anything, when the digest has no chunks, no manifest beside the
+    file makes it, or a tensor does not match ``into``. Returns the file's tensors, views of its private mapping
+    (what a later ``undo`` can copy back from)."""
+    import numpy as np
+    import torch
+
+    from dora.tensorfile import header, map_file, tensors
+
+    file = pathlib.Path(file)
+    want = Digest.parse(digest)
+    beside = _manifest_for(file, digest) if want.chunk_bytes else None
+    if beside is None or root_of(want.algo, want.chunk_bytes, beside.bytes, beside.chunks) != want.root:
+        raise InPlaceUnfit(f"{name}: no manifest beside {file} whose chunks make the published digest")
+    fd = os.open(file, os.O_RDONLY)
+    try:
+        data = map_file(fd)
+    finally:
+        os.close(fd)
+    what = f"{name} at {file}"
+    if len(data) != beside.bytes or len(beside.chunks) != -(-len(data) // want.chunk_bytes):
+        raise DigestMismatch(f"{what}: the file has {len(data)} bytes, its manifest says {beside.bytes} in "
+                             f"{len(beside.chunks)} chunks (truncated or replaced)")  # fmt: skip
+    layout = header(data, name=what)
+    if layout.keys() != into.keys():
+        raise InPlaceUnfit(f"{what}: its tensors are not the model's")
+    spans = []
+    for key, (dtype, shape, offset, count) in layout.items():
+        t = into[key]
+        if t.dtype != dtype or list(t.shape) != shape or not t.is_contiguous() or t.device.type != "cpu":
+            raise InPlaceUnfit(f"{what}: tensor {key!r} differs from the model's in dtype, shape or layout")
+        if count:
+            spans.append((offset, offset + count * dtype.itemsize, t.view(-1).view(torch.uint8).numpy()))
+    spans.sort(key=lambda s: s[0])
+    starts = [s[0] for s in spans]
+    src = np.frombuffer(data, dtype=np.uint8)
+    size, step = len(data), want.chunk_bytes
+
+    def chunk(i: int) -> bool:
+        lo, hi = i * step, min((i + 1) * step, size)
+        h = ALGOS[want.algo]()
+        j = max(0, bisect.bisect_right(starts, lo) - 1)
+        for p in range(lo, hi, IN_PLACE_PIECE_BYTES):
+            q = min(p + IN_PLACE_PIECE_BYTES, hi)
+            h.update(src[p:q])
+            while j < len(spans) and spans[j][0] < q:
+                s, e, dst = spans[j]
+                a, b = max(s, p), min(e, q)
+                if a < b:
+                    np.copyto(dst[a - s : b - s], src[a:b])
+                if e > q:
+                    break
+                j += 1
+        return h.hexdigest() == beside.chunks[i]
+
+    try:
+        n = len(beside.chunks)
+        with ThreadPoolExecutor(max(1, min(threads, n)), thread_name_prefix="load") as pool:
+            good = list(pool.map(chunk, range(n)))
+        bad = [i for i, ok in enumerate(good) if not ok]
+        if bad:
+            lo = bad[0] * step
+            raise DigestMismatch(f"{what}: {want.algo} digest: {len(bad)} of {n} chunks differ from the manifest, "
+                                 f"the first at bytes {lo}-{min(lo + step, size)}")  # fmt: skip
+    except BaseException:
+        undo()
+        raise
+    return tensors(data, name=what)
 
 
 def _manifest_for(file: pathlib.Path, digest: str) -> Manifest | None:

@@ -181,3 +181,68 @@ def test_a_version_refused_for_a_flipped_byte_leaves_every_weight_as_it_was(tiny
         e.load_weights(1, file, digest)
     assert e.version == 0
     assert all(torch.equal(v, before[k]) for k, v in e.model.state_dict().items())
+
+
+def _published(store, version: int, state: dict) -> tuple:
+    _, digest, _ = store.publish(version, {k: v for k, v in state.items() if "rotary" not in k})
+    return store.path(version) / "model.safetensors", digest
+
+
+@pytest.mark.parametrize("piece", [4099, 1 << 20])
+def test_a_version_checked_as_it_is_copied_loads_what_the_whole_file_check_loads(tiny_model, tmp_path, monkeypatch,
+                                                                                  piece):  # fmt: skip
+    """Once an engine holds a version loaded from a file, the next one is checked chunk by chunk as it is copied
+    in (pieces that cross tensors and chunks here): the weights are those a fresh engine loads after checking the
+    whole file. A plain sha256 digest has no chunks to check one by one: it loads the whole-file way."""
+    import dora.rollout.engines.torch_engine as te
+    import dora.store
+    from dora.store import WeightStore
+
+    monkeypatch.setattr(dora.store, "IN_PLACE_PIECE_BYTES", piece)
+    took = []
+
+    def spy(file, *args, **kwargs):  # the loads done in place
+        found = dora.store.load_into(file, *args, **kwargs)
+        took.append(file)
+        return found
+
+    monkeypatch.setattr(te, "load_into", spy)
+    store = WeightStore(tmp_path, chunk_bytes=1 << 20)
+    base = {k: v.clone() for k, v in engine(tiny_model).model.state_dict().items()}
+    v1, d1 = _published(store, 1, {k: v * 0.5 for k, v in base.items()})
+    v2, d2 = _published(store, 2, {k: v + torch.arange(v.numel()).view(v.shape) % 7 for k, v in base.items()})
+    assert v2.stat().st_size > 2 << 20, "the file spans several chunks"
+    e, fresh = engine(tiny_model), engine(tiny_model)
+    e.load_weights(1, v1, d1)
+    assert took == [], "nothing kept yet: the first load checks the whole file"
+    e.load_weights(2, v2, d2)
+    fresh.load_weights(2, v2, d2)
+    assert took == [v2] and e.version == 2
+    assert all(torch.equal(v, fresh.model.state_dict()[k]) for k, v in e.model.state_dict().items())
+    assert not all(torch.equal(v, base[k]) for k, v in e.model.state_dict().items() if "rotary" not in k)
+    e.load_weights(3, v1, sha256_file(v1))
+    assert took == [v2] and e.version == 3
+    assert all(torch.equal(v, (base[k] * 0.5)) for k, v in e.model.state_dict().items() if "rotary" not in k)
+
+
+def test_a_version_refused_after_its_copy_began_puts_the_held_version_back_bit_for_bit(tiny_model, tmp_path):
+    """A flipped byte in the last chunk of a version checked as it is copied: the chunks before it are already in
+    the model when the mismatch is found; the engine puts back the version it held, from that version's file, and
+    stays on it, bit for bit, naming the chunk."""
+    from dora.store import WeightStore
+
+    store = WeightStore(tmp_path, chunk_bytes=1 << 20)
+    e = engine(tiny_model)
+    base = {k: v.clone() for k, v in e.model.state_dict().items()}
+    v1, d1 = _published(store, 1, {k: v - 1.0 for k, v in base.items()})
+    v2, d2 = _published(store, 2, {k: v + 1.0 for k, v in base.items()})
+    e.load_weights(1, v1, d1)
+    held = {k: v.clone() for k, v in e.model.state_dict().items()}
+    data = bytearray(v2.read_bytes())
+    data[-3] ^= 0x10
+    v2.write_bytes(bytes(data))
+    with pytest.raises(EngineError, match=r"v2 at .*: 1 of \d+ chunks differ from the manifest, the first at bytes"):
+        e.load_weights(2, v2, d2)
+    assert e.version == 1
+    assert all(torch.equal(v, held[k]) for k, v in e.model.state_dict().items())
+    assert not all(torch.equal(v, base[k]) for k, v in held.items() if "rotary" not in k)

@@ -16,8 +16,12 @@
   ``top_p < 1`` (vLLM's ``processed_logprobs``; the learner must score with the same temperature).
 
 Weights: ``load_weights(version, path, digest)`` reads a safetensors file (or an HF folder's
-``model.safetensors``), checks its digest (``dora.digest``) first and refuses a mismatch or a load while
-requests run; on refusal the engine stays on its current version.
+``model.safetensors``), checks its digest (``dora.digest``) and refuses a mismatch or a load while requests run;
+on refusal the engine stays on its current version, bit for bit. On a CPU, once a version was loaded from a file,
+that file's private mapping is kept (clean file pages, shared with every process mapping it): the next version is
+then checked chunk by chunk as it is copied into the model (``dora.store.load_into``: every byte read once), and a
+chunk that does not match puts the kept version's bytes back. The first load, or one on another device, checks the
+whole file before it touches the model (``dora.store.load_verified``).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import torch
 
 from dora.ids import Finish
 from dora.rollout.engines.base import EngineError, Sample
-from dora.store import load_verified
+from dora.store import InPlaceUnfit, load_into, load_verified
 
 
 @dataclass(slots=True, kw_only=True)
@@ -88,6 +92,8 @@ class TorchEngine:
         """The sequences whose caches live, in this order, as rows of the last decode step's batch cache."""
         self._cache: Any = None
         self._mask: torch.Tensor | None = None
+        self._loaded_from: dict[str, torch.Tensor] | None = None
+        """The tensors of the file the current weights were loaded from (on a CPU): what a refused load puts back."""
 
     # ------------------------------------------------------------------ weights
 
@@ -95,11 +101,33 @@ class TorchEngine:
         """Load a published version in place. Refused while requests run or when the bytes do not match."""
         if self.running or self.waiting:
             raise EngineError(f"cannot load v{version}: {len(self.running) + len(self.waiting)} requests are running")
+        if digest is not None and self._loaded_from is not None:
+            try:
+                self._loaded_from = self._load_in_place(version, weights_file(path), digest)
+                self.version = version
+                return
+            except InPlaceUnfit:
+                pass  # checked whole first, then loaded
         state = read_weights(version, path, digest, device=str(self.device))
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         if unexpected or [k for k in missing if "rotary" not in k]:
             raise EngineError(f"v{version} does not fit the model: missing {missing[:3]}, extra {unexpected[:3]}")
         self.version = version
+        self._loaded_from = state if self.device.type == "cpu" else None  # views of the file's mapping
+
+    def _load_in_place(self, version: int, file: pathlib.Path, digest: str) -> dict[str, torch.Tensor]:
+        into = {k: t for k, t in self.model.state_dict().items() if "rotary" not in k}
+        kept = self._loaded_from
+
+        def undo() -> None:  # the version this engine holds, from the mapping of the file it was loaded from
+            self.model.load_state_dict(kept, strict=False)
+
+        try:
+            return load_into(file, digest, name=f"v{version}", into=into, undo=undo)
+        except OSError as e:
+            raise EngineError(f"v{version}: cannot read {file}: {e.strerror or e}") from None
+        except ValueError as e:  # a digest mismatch (the model was put back), or a file that is not safetensors
+            raise EngineError(str(e)) from None
 
     # ------------------------------------------------------------------ requests
 
