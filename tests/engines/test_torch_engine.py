@@ -164,6 +164,13 @@ def test_top_p_samples_only_from_the_nucleus(tiny_model):
             assert token in nucleus
 
 
+def _flip_a_bit_near_the_end(file) -> None:
+    """One bit of the file's last chunk flipped in place (the manifest still names the original bytes)."""
+    data = bytearray(file.read_bytes())
+    data[-3] ^= 0x10
+    file.write_bytes(bytes(data))
+
+
 def test_a_version_refused_for_a_flipped_byte_leaves_every_weight_as_it_was(tiny_model, tmp_path):
     """The digest is checked before the model is touched: a refused version (here one bit in the store's last
     chunk) names the chunk and leaves the engine on its previous weights, bit for bit."""
@@ -174,9 +181,7 @@ def test_a_version_refused_for_a_flipped_byte_leaves_every_weight_as_it_was(tiny
     store = WeightStore(tmp_path, chunk_bytes=1 << 20)
     _, digest, _ = store.publish(1, {k: v + 1.0 for k, v in before.items() if "rotary" not in k})
     file = store.path(1) / "model.safetensors"
-    data = bytearray(file.read_bytes())
-    data[-3] ^= 0x10
-    file.write_bytes(bytes(data))
+    _flip_a_bit_near_the_end(file)
     with pytest.raises(EngineError, match=r"v1 at .*: 1 of \d+ chunks differ from the manifest, the first at bytes"):
         e.load_weights(1, file, digest)
     assert e.version == 0
@@ -238,9 +243,7 @@ def test_a_version_refused_after_its_copy_began_puts_the_held_version_back_bit_f
     v2, d2 = _published(store, 2, {k: v + 1.0 for k, v in base.items()})
     e.load_weights(1, v1, d1)
     held = {k: v.clone() for k, v in e.model.state_dict().items()}
-    data = bytearray(v2.read_bytes())
-    data[-3] ^= 0x10
-    v2.write_bytes(bytes(data))
+    _flip_a_bit_near_the_end(v2)
     with pytest.raises(EngineError, match=r"v2 at .*: 1 of \d+ chunks differ from the manifest, the first at bytes"):
         e.load_weights(2, v2, d2)
     assert e.version == 1
