@@ -123,6 +123,10 @@ def main(argv: list[str]) -> int:
             raise ConfigError("dora run needs core.total_steps")
         if cfg.task.env is not None and cfg.run.engine == "sim":
             raise ConfigError("task.env: multi-turn episodes run on run.engine = 'torch' or 'vllm', not 'sim'")
+        if cfg.rollout.sleep_on_yield:
+            from dora.rollout.main import check_sleep
+
+            check_sleep(cfg.run.engine)
         rundir = pathlib.Path(cfg.run.dir) / time.strftime("%Y%m%d-%H%M%S")
         rundir.mkdir(parents=True, exist_ok=False)
         data = prepare(cfg, rundir)

@@ -226,9 +226,9 @@ class RolloutActor:
             case m.Yield():
                 self.engine.advance(now)
                 self.report_finished()  # what finished before the yield goes out first
-                self.engine.paused = True
+                self.engine.paused = True  # an engine that can sleep gives the accelerator's memory back here
                 self.yielded = True
-                log.info("yielded", version=self.version)
+                log.info("yielded", version=self.version, release_s=round(self.clock() - now, 3))
                 self.send(m.Yielded())
             case m.Resume() if msg.version == self.version:
                 self.wake(now)
@@ -289,7 +289,7 @@ class RolloutActor:
             self.engine.advance(now)  # paused: moves its clock only
             self.engine.paused = False
             self.yielded = False
-            log.info("resumed", version=self.version)
+            log.info("resumed", version=self.version, wake_s=round(self.clock() - now, 3))
 
     def on_assign(self, msg: m.Assign, now: float) -> None:
         if self.loading is not None and self.loading[0] == msg.version:

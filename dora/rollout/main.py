@@ -58,6 +58,8 @@ def main(argv: list[str]) -> int:
                 import vllm  # noqa: F401
             except ImportError:
                 raise ConfigError("--engine vllm needs the vllm extra: pip install -e '.[vllm]'") from None
+        if cfg.rollout.sleep_on_yield:
+            check_sleep(args.engine)
         task = load_task(cfg) if args.engine != "sim" else None
         check_keys(cfg)
         # a bad address is a usage error now (a file not written yet is waited for); every session re-reads it
@@ -68,6 +70,21 @@ def main(argv: list[str]) -> int:
     configure_logging(cfg.log, process="rollout", worker_id=args.name, **cluster.log_fields())
     endpoint = lambda: resolve_endpoint(args.broker, cluster)  # noqa: E731
     return uvloop.run(serve(cfg, endpoint, args.name, args.engine, cluster, task))
+
+
+def check_sleep(engine: str) -> None:
+    """rollout.sleep_on_yield needs the vllm engine on a platform where vLLM can sleep."""
+    if engine != "vllm":
+        raise ConfigError(f"rollout.sleep_on_yield applies to the vllm engine, not {engine}")
+    try:
+        from dora.rollout.engines.vllm_engine import sleep_mode_available
+
+        available = sleep_mode_available()
+    except ImportError:
+        raise ConfigError("the vllm engine needs the vllm extra: pip install -e '.[vllm]'") from None
+    if not available:
+        raise ConfigError("rollout.sleep_on_yield: vLLM's sleep mode needs CUDA, ROCm or XPU; this platform has "
+                          "none (leave it off: a yielded worker then stops decoding and keeps its memory)")  # fmt: skip
 
 
 def load_task(cfg: RunConfig) -> tuple[Any, Any]:  # -> (TaskRun, TaskRun | None)
@@ -95,7 +112,8 @@ def make_engine(cfg: RunConfig, kind: str, now: float, task: Any = None) -> Work
         from dora.rollout.engines.vllm_engine import VllmEngine
 
         engine = VllmEngine(r.model, max_slots=slots, kv_cache_bytes=r.kv_cache_mib << 20, dtype=r.dtype,
-                            max_model_len=r.max_model_len, seed=cfg.run.seed)  # fmt: skip
+                            max_model_len=r.max_model_len, seed=cfg.run.seed,
+                            sleep_level=1 if r.elastic and r.sleep_on_yield else None)  # fmt: skip
         return StepWorkerEngine(engine, task, held_out)
     return SimEngine(cfg.engine, from_section(cfg.workload, cfg.run.seed), time_scale=cfg.run.time_scale, now=now)
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -32,7 +34,8 @@ TOLERANCE = {"torch": 1e-4, "vllm": 2e-3}
 def vllm_engine(tiny_model):
     from dora.rollout.engines.vllm_engine import VllmEngine
 
-    return VllmEngine(tiny_model, max_slots=16, kv_cache_bytes=64 << 20, max_model_len=1024, version=0)
+    # sleep level 0 (its scheduler paused) runs on CPU; level 1 (memory released) is tests/unit/test_gpu.py's
+    return VllmEngine(tiny_model, max_slots=16, kv_cache_bytes=64 << 20, max_model_len=1024, version=0, sleep_level=0)
 
 
 @pytest.fixture(params=KINDS)
@@ -109,6 +112,55 @@ def test_a_migrated_request_continues_on_the_same_weights(new_engine, reference)
         assert s.tokens[: len(prefixes[index])] == prefixes[index] and len(s.tokens) <= 30
         ref = logprobs_of(reference, PROMPT, s.tokens, 1.0)
         assert torch.allclose(torch.tensor(s.logprobs), ref, atol=TOLERANCE[dst.name])
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="the vllm extra is not installed")
+def test_requests_held_while_vllm_sleeps_go_on_from_their_prefixes_on_the_same_weights(vllm_engine, reference):
+    from types import SimpleNamespace
+
+    from dora.rollout.engines.stepped import StepWorkerEngine
+
+    e = vllm_engine
+    worker = StepWorkerEngine(e, SimpleNamespace())  # the yield goes through the worker's engine, as the actor's
+    e.submit(group_id=4, attempt=1, prompt=PROMPT, n=2, max_tokens=30, temperature=1.0, seed=21)
+    e.submit(group_id=5, attempt=1, prompt=PROMPT[:3], n=1, max_tokens=30, temperature=1.0, seed=22)
+    for _ in range(6):
+        e.step()
+    before = {r.key: (list(r.tokens), list(r.logprobs)) for r in e.requests.values()}
+    assert len(before) == 3 and all(len(tokens) >= 1 for tokens, _ in before.values())
+    worker.paused = True
+    assert e.llm.llm_engine.is_sleeping() and not e.requests  # out of vLLM, held by the engine
+    assert len(e) == 3 and e.groups() == {(4, 1), (5, 1)} and e.load()[0] == 3
+    worker.advance(0.0)
+    assert e.step() == [] and worker.take_finished() == []
+    with pytest.raises(EngineError, match="3 requests are running"):
+        e.load_weights(1, "unused.safetensors", None)
+    moved = e.export(5, 1)  # a group can still leave a sleeping engine (a migration to a peer of its version)
+    assert [list(st["token_ids"]) for st in moved] == [before[(5, 1, 0)][0]] and e.groups() == {(4, 1)}
+    worker.paused = False
+    assert not e.llm.llm_engine.is_sleeping() and len(e.requests) == 2
+    done = run(e)
+    assert sorted(done) == [(4, 1, 0), (4, 1, 1)]
+    for key, s in done.items():
+        tokens, logprobs = before[key]
+        assert s.tokens[: len(tokens)] == tokens and s.logprobs[: len(tokens)] == logprobs
+        assert len(s.tokens) > len(tokens) and len(s.tokens) <= 30
+        ref = logprobs_of(reference, PROMPT, s.tokens, 1.0)
+        assert torch.allclose(torch.tensor(s.logprobs), ref, atol=TOLERANCE["vllm"])
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="the vllm extra is not installed")
+def test_sleep_on_yield_where_vllm_cannot_sleep_is_one_clear_error(tiny_model):
+    from dora.rollout.engines.vllm_engine import sleep_mode_available
+
+    if sleep_mode_available():
+        pytest.skip("vLLM can sleep on this platform")
+    argv = ["rollout", "--broker", "tcp://127.0.0.1:9", "--engine", "vllm", "--model", str(tiny_model), "--elastic",
+            "--set", "task.name=arithmetic", "--set", "rollout.sleep_on_yield=true"]  # fmt: skip
+    r = subprocess.run([sys.executable, "-m", "dora", *argv], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "sleep mode needs CUDA" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_weights_reload_in_place_verified_and_outputs_follow_them(new_engine, reference, tmp_path):

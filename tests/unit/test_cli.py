@@ -86,6 +86,8 @@ def test_sim_bad_input_is_one_clear_error(args, fragment):
      (["broker", "--set", "broker.liveness=1"], "liveness"),
      (["learner", "--trainer", "sim", "--broker", "tcp://127.0.0.1:9", "--set", "learner.dtype=fp8"], "learner.dtype"),
      (["run", "--set", "run.threads=-1", "--set", "core.total_steps=1"], "run.threads"),
+     (["rollout", "--broker", "tcp://127.0.0.1:9", "--set", "rollout.sleep_on_yield=true"], "applies to the vllm"),
+     (["run", "--set", "core.total_steps=1", "--set", "rollout.sleep_on_yield=true"], "applies to the vllm engine"),
      (["learner", "--trainer", "sim", "--broker", "tcp://127.0.0.1:9", "--set", "run.time_scale=0"], "time_scale"),
      (["chaos", "--upstream", "tcp://127.0.0.1:9", "--drop", "0.7", "--delay", "0.5"], "add up to more than 1"),
      (["chaos", "--upstream", "tcp://127.0.0.1:9", "--bind", "nonsense://x"], "cannot bind")],

@@ -1,7 +1,10 @@
 """The learner on a GPU (skipped without CUDA): `learner.device = auto` picks the rank's GPU, a step there
-matches the CPU step, and the weights it publishes are plain CPU safetensors any worker loads."""
+matches the CPU step, and the weights it publishes are plain CPU safetensors any worker loads. An elastic vLLM
+worker's engine gives the GPU's memory back while it sleeps and wakes on the same weights."""
 
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 import torch
@@ -32,3 +35,35 @@ def test_the_learner_trains_on_its_gpu_like_on_the_cpu_and_publishes_loadable_we
     for k, v in cpu.model.state_dict().items():
         assert published[k].device.type == "cpu"
         assert (published[k] - v).abs().max().item() <= 2 * CFG.lr, k  # the same AdamW step, within rounding
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm")
+def test_a_sleeping_vllm_engine_gives_the_gpu_memory_back_and_wakes_on_the_same_weights(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    from dora.rollout.engines.vllm_engine import VllmEngine
+
+    kv = 1 << 30
+    e = VllmEngine(tiny_model, max_slots=8, kv_cache_bytes=kv, max_model_len=1024, version=0, sleep_level=1)
+    prompt = [17, 300, 45, 9, 88, 12]
+    e.submit(group_id=1, attempt=1, prompt=prompt, n=2, max_tokens=40, temperature=1.0, seed=3)
+    for _ in range(8):
+        e.step()
+    prefixes = {r.index: list(r.tokens) for r in e.requests.values()}
+    free_awake = torch.cuda.mem_get_info()[0]
+    e.sleep()
+    freed = torch.cuda.mem_get_info()[0] - free_awake
+    assert e.llm.llm_engine.is_sleeping() and len(e) == 2
+    assert freed >= 0.9 * kv, f"sleeping freed {freed / 2**20:.0f} MiB of a {kv / 2**20:.0f} MiB KV cache"
+    e.wake()
+    done = {}
+    while len(e):
+        done.update({s.index: s for s in e.step()})
+    reference = AutoModelForCausalLM.from_pretrained(str(tiny_model)).eval()
+    for index, s in done.items():
+        assert s.tokens[: len(prefixes[index])] == prefixes[index] and len(s.tokens) > len(prefixes[index])
+        with torch.no_grad():  # the woken weights are the version's: its log-probs, as before the sleep
+            logits = reference(input_ids=torch.tensor([prompt + s.tokens])).logits[0].float()
+        want = torch.log_softmax(logits[len(prompt) - 1 : -1], -1)[torch.arange(len(s.tokens)), torch.tensor(s.tokens)]
+        assert torch.allclose(torch.tensor(s.logprobs), want, atol=1e-2)

@@ -30,8 +30,7 @@ class StepWorkerEngine:
         self.task = task
         self.held_out = held_out
         self.finished: list[Any] = []
-        self.paused = False
-        """Yielded to the trainer (elastic): nothing decodes; environments already called may still answer."""
+        self._paused = False
         self.eval_open: dict[tuple[int, int], tuple[m.Evaluate, list[Any]]] = {}
         """(round, row) -> the request and its finished samples. Evaluation sequences run beside the training
         ones under group ids below zero (-1 - row), never reported as training samples."""
@@ -42,6 +41,20 @@ class StepWorkerEngine:
             from dora.rollout.episodes import Episodes
 
             self.episodes = Episodes(engine, task)
+
+    @property
+    def paused(self) -> bool:
+        """Yielded to the trainer (elastic): nothing decodes; environments already called may still answer. An
+        engine that can give the accelerator's memory back (``sleep``/``wake``: vLLM's sleep mode) does so."""
+        return self._paused
+
+    @paused.setter
+    def paused(self, value: bool) -> None:
+        if value != self._paused and value and hasattr(self.engine, "sleep"):
+            self.engine.sleep()
+        elif value != self._paused and hasattr(self.engine, "wake"):
+            self.engine.wake()
+        self._paused = value
 
     @property
     def tokens_generated(self) -> int:

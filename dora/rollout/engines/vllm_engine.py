@@ -16,6 +16,11 @@ and pages the KV cache itself.
 - **Episodes** (``keep_kv``): a turn ends at EOS, a stop token or the turn's budget; ``extend`` appends the
   environment's tokens and queues the next turn as a new request on the whole context, whose computed
   prefix vLLM's prefix cache keeps.
+- **Sleep** (an elastic worker's yield, ``sleep_level``): its requests leave vLLM with their tokens so far, then
+  vLLM sleeps: at level 1 its weights go to host memory and its KV cache is freed (vLLM's sleep mode: CUDA, ROCm,
+  XPU), so the learner gets the accelerator's memory; level 0 only pauses its scheduler. On wake the weights come
+  back bit for bit and each held request is re-prefilled on prompt + prefix and goes on, as after a migration: the
+  same version samples every token (C1).
 - **Migration**: vLLM cannot hand over a request's KV cache or sampler state. ``export`` aborts the
   request and returns its token prefix and log-probs. ``import_`` re-prefills prompt + prefix on a
   worker holding the same version, so the continuation is exact in distribution (C1 holds). Its
@@ -50,7 +55,12 @@ class VllmEngine:
 
     def __init__(self, model_dir: str | pathlib.Path, *, max_slots: int = 64, kv_cache_bytes: int = 64 << 20,
                  dtype: str = "float32", max_model_len: int = 4096, version: int | None = None,
-                 seed: int = 0) -> None:  # fmt: skip
+                 seed: int = 0, sleep_level: int | None = None) -> None:  # fmt: skip
+        """``sleep_level``: what ``sleep`` does (1: weights to host memory and KV cache freed, which needs
+        ``sleep_mode_available()``; 0: the scheduler paused); None: ``sleep`` is a no-op (the worker only stops
+        stepping)."""
+        if sleep_level not in (None, 0, 1):
+            raise ValueError(f"sleep_level must be None, 0 or 1; got {sleep_level}")
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")  # vLLM's own sockets stay on loopback
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
@@ -58,21 +68,26 @@ class VllmEngine:
         self.llm = LLM(model=str(model_dir), tokenizer=str(model_dir), dtype=dtype, max_model_len=max_model_len,
                        enforce_eager=True, seed=seed, distributed_executor_backend="uni",
                        kv_cache_memory_bytes=kv_cache_bytes, max_num_seqs=max_slots,
-                       logprobs_mode="processed_logprobs")  # fmt: skip
+                       logprobs_mode="processed_logprobs", enable_sleep_mode=sleep_level == 1)  # fmt: skip
         self.engine = self.llm.llm_engine
         self.max_slots = max_slots
         self.version = version
         self.requests: dict[str, Request] = {}
         self.tokens_generated = 0
+        self.sleep_level = sleep_level
+        self.held: list[Request] | None = None
+        """Asleep: the requests taken out of vLLM, in their order, re-queued on ``wake``; None: awake."""
 
     def __len__(self) -> int:
-        return len(self.requests)
+        return len(self.requests) + len(self.held or ())
 
     # ------------------------------------------------------------------ weights
 
     def load_weights(self, version: int, path: str | pathlib.Path, sha256: str | None) -> None:
-        if self.requests:
-            raise EngineError(f"cannot load v{version}: {len(self.requests)} requests are running")
+        if len(self):
+            raise EngineError(f"cannot load v{version}: {len(self)} requests are running")
+        if self.held is not None:
+            raise EngineError(f"cannot load v{version}: the engine is asleep")
         state = read_weights(version, path, sha256)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state.items())})
         self.llm.reset_prefix_cache()
@@ -153,17 +168,47 @@ class VllmEngine:
         ids = [rid for rid, r in self.requests.items() if (r.group_id, r.attempt) == (group_id, attempt)]
         if ids:
             self.engine.abort_request(ids)
-        return sorted((self.requests.pop(rid) for rid in ids), key=lambda r: r.index)
+        out = [self.requests.pop(rid) for rid in ids]
+        if self.held:
+            out += [r for r in self.held if (r.group_id, r.attempt) == (group_id, attempt)]
+            self.held = [r for r in self.held if (r.group_id, r.attempt) != (group_id, attempt)]
+        return sorted(out, key=lambda r: r.index)
 
     def groups(self) -> set[tuple[int, int]]:
-        return {(r.group_id, r.attempt) for r in self.requests.values()}
+        return {(r.group_id, r.attempt) for r in (*self.requests.values(), *(self.held or ()))}
 
     def load(self) -> tuple[int, float]:
-        return len(self.requests), min(1.0, len(self.requests) / self.max_slots)
+        return len(self), min(1.0, len(self) / self.max_slots)
+
+    # ------------------------------------------------------------------ sleep (elastic workers)
+
+    def sleep(self) -> None:
+        """The worker yielded its accelerators: every request leaves vLLM (tokens, log-probs and seed kept here),
+        then vLLM sleeps at ``sleep_level``. A no-op without a sleep level, or when asleep already."""
+        if self.sleep_level is None or self.held is not None:
+            return
+        held = list(self.requests.values())
+        if self.requests:
+            self.engine.abort_request(list(self.requests))
+        self.requests.clear()
+        self.llm.sleep(level=self.sleep_level)
+        self.held = held
+
+    def wake(self) -> None:
+        """Take the accelerators back: vLLM wakes (the same weights), and each held request is re-prefilled on
+        prompt + its tokens so far and goes on."""
+        if self.held is None:
+            return
+        self.llm.wake_up(tags=["scheduling"] if self.sleep_level == 0 else None)
+        held, self.held = self.held, None
+        for req in held:
+            self._add(req)
 
     # ------------------------------------------------------------------ stepping
 
     def step(self) -> list[Request]:
+        if self.held is not None:
+            return []  # asleep: nothing runs until ``wake``
         done = []
         for out in self.engine.step():
             req = self.requests.get(out.request_id)
@@ -181,3 +226,10 @@ class VllmEngine:
                 del self.requests[out.request_id]
                 done.append(req)
         return done
+
+
+def sleep_mode_available() -> bool:
+    """Whether vLLM can sleep at level 1 here (weights to host memory, KV cache freed): CUDA, ROCm and XPU."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_sleep_mode_available()
