@@ -116,7 +116,8 @@ def test_a_migrated_request_continues_on_the_same_weights(new_engine, reference)
 
 @pytest.mark.vllm
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="the vllm extra is not installed")
-def test_requests_held_while_vllm_sleeps_go_on_from_their_prefixes_on_the_same_weights(vllm_engine, reference):
+def test_requests_held_while_vllm_sleeps_go_on_from_their_prefixes_on_the_same_weights(vllm_engine, reference,
+                                                                                       tmp_path):  # fmt: skip
     from types import SimpleNamespace
 
     from dora.rollout.engines.stepped import StepWorkerEngine
@@ -148,6 +149,16 @@ def test_requests_held_while_vllm_sleeps_go_on_from_their_prefixes_on_the_same_w
         assert len(s.tokens) > len(tokens) and len(s.tokens) <= 30
         ref = logprobs_of(reference, PROMPT, s.tokens, 1.0)
         assert torch.allclose(torch.tensor(s.logprobs), ref, atol=TOLERANCE["vllm"])
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, str(tmp_path / "v0.safetensors"))
+    worker.paused = True  # a load that ends after the yield: done awake, and the engine sleeps on
+    e.load_weights(0, tmp_path / "v0.safetensors", sha256_file(tmp_path / "v0.safetensors"))
+    assert e.llm.llm_engine.is_sleeping() and e.held == []
+    worker.paused = False
+    e.submit(group_id=6, attempt=1, prompt=PROMPT, n=1, max_tokens=12, temperature=1.0, seed=23)
+    s = next(iter(run(e).values()))
+    assert torch.allclose(torch.tensor(s.logprobs), logprobs_of(reference, PROMPT, s.tokens, 1.0), atol=2e-3)
 
 
 @pytest.mark.vllm

@@ -60,9 +60,17 @@ def test_a_sleeping_vllm_engine_gives_the_gpu_memory_back_and_wakes_on_the_same_
     done = {}
     while len(e):
         done.update({s.index: s for s in e.step()})
+    assert all(len(s.tokens) > len(prefixes[i]) for i, s in done.items()) and len(done) == 2
+    e.sleep()  # a load that ends after the yield: made awake, and the engine sleeps on with its memory given back
+    e.load_weights(0, tiny_model / "model.safetensors", None)
+    assert e.llm.llm_engine.is_sleeping() and torch.cuda.mem_get_info()[0] - free_awake >= 0.9 * kv
+    e.wake()
+    e.submit(group_id=2, attempt=1, prompt=prompt, n=1, max_tokens=20, temperature=1.0, seed=4)
+    while len(e):
+        done.update({10 + s.index: s for s in e.step()})
     reference = AutoModelForCausalLM.from_pretrained(str(tiny_model)).eval()
     for index, s in done.items():
-        assert s.tokens[: len(prefixes[index])] == prefixes[index] and len(s.tokens) > len(prefixes[index])
+        assert s.tokens[: len(prefixes.get(index, []))] == prefixes.get(index, [])
         with torch.no_grad():  # the woken weights are the version's: its log-probs, as before the sleep
             logits = reference(input_ids=torch.tensor([prompt + s.tokens])).logits[0].float()
         want = torch.log_softmax(logits[len(prompt) - 1 : -1], -1)[torch.arange(len(s.tokens)), torch.tensor(s.tokens)]

@@ -86,12 +86,17 @@ class VllmEngine:
     def load_weights(self, version: int, path: str | pathlib.Path, sha256: str | None) -> None:
         if len(self):
             raise EngineError(f"cannot load v{version}: {len(self)} requests are running")
-        if self.held is not None:
-            raise EngineError(f"cannot load v{version}: the engine is asleep")
         state = read_weights(version, path, sha256)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state.items())})
-        self.llm.reset_prefix_cache()
-        self.version = version
+        asleep = self.held is not None  # a load that ends after the worker yielded: awake for it, then asleep again
+        if asleep:
+            self.wake()
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state.items())})
+            self.llm.reset_prefix_cache()
+            self.version = version
+        finally:
+            if asleep:
+                self.sleep()
 
     # ------------------------------------------------------------------ requests
 
