@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -125,10 +126,12 @@ def check(mutant: Mutant) -> dict[str, object]:
 
 
 def main(argv: list[str]) -> int:
+    """Mutants run side by side, one per core (each in its own copy of the tree), and report in their order."""
     chosen = [m for m in MUTANTS if not argv or m.name in argv]
     survivors = []
-    for mutant in chosen:
-        r = check(mutant)
+    with ThreadPoolExecutor(max(1, min(len(chosen), os.cpu_count() or 1))) as pool:
+        results = pool.map(check, chosen)
+    for mutant, r in zip(chosen, results, strict=True):
         verdict = "killed" if r["killed"] else "SURVIVED"
         print(f"{mutant.name:18} {verdict:8} ({r['seconds']}s) {mutant.what}")
         print(f"{'':18} example tests failing:  {', '.join(r['example_tests']) or '-'}")
