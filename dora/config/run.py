@@ -174,9 +174,10 @@ class RolloutSection:
     """This worker shares its accelerators (on CPU: its cores) with the learner: the broker asks it to yield them
     for each train step; it pauses what it holds meanwhile and goes on, on the same weights, after the publish."""
     sleep_on_yield: bool = False
-    """vllm, elastic workers: while yielded, vLLM sleeps (level 1): its weights go to host memory and its KV cache
-    is freed, so the learner gets the accelerator's memory; what it held is re-prefilled on the same weights when
-    it resumes. Needs vLLM's sleep mode (CUDA, ROCm, XPU); without it a yield only stops decoding."""
+    """Elastic workers on accelerators: while yielded, the engine gives the accelerator's memory back (vllm: it
+    sleeps at level 1, weights to host memory and KV cache freed, which needs CUDA, ROCm or XPU; torch on a GPU:
+    caches dropped, model to host memory); what it held is re-prefilled on the same weights when it resumes.
+    Off: a yield only stops decoding."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -126,7 +126,7 @@ def main(argv: list[str]) -> int:
         if cfg.rollout.sleep_on_yield:
             from dora.rollout.main import check_sleep
 
-            check_sleep(cfg.run.engine)
+            check_sleep(cfg.run.engine, cfg.rollout.device)
         rundir = pathlib.Path(cfg.run.dir) / time.strftime("%Y%m%d-%H%M%S")
         rundir.mkdir(parents=True, exist_ok=False)
         data = prepare(cfg, rundir)

@@ -59,7 +59,7 @@ def main(argv: list[str]) -> int:
             except ImportError:
                 raise ConfigError("--engine vllm needs the vllm extra: pip install -e '.[vllm]'") from None
         if cfg.rollout.sleep_on_yield:
-            check_sleep(args.engine)
+            check_sleep(args.engine, cfg.rollout.device)
         task = load_task(cfg) if args.engine != "sim" else None
         check_keys(cfg)
         # a bad address is a usage error now (a file not written yet is waited for); every session re-reads it
@@ -72,10 +72,16 @@ def main(argv: list[str]) -> int:
     return uvloop.run(serve(cfg, endpoint, args.name, args.engine, cluster, task))
 
 
-def check_sleep(engine: str) -> None:
-    """rollout.sleep_on_yield needs the vllm engine on a platform where vLLM can sleep."""
+def check_sleep(engine: str, device: str) -> None:
+    """rollout.sleep_on_yield needs accelerator memory to give back: a torch engine on a GPU, or vLLM on a platform
+    where it can sleep."""
+    if engine == "torch" and device.startswith("cpu"):
+        raise ConfigError("rollout.sleep_on_yield: a torch worker on the CPU shares cores, not accelerator memory; "
+                          "set rollout.device = 'cuda' or leave it off")  # fmt: skip
+    if engine == "torch":
+        return
     if engine != "vllm":
-        raise ConfigError(f"rollout.sleep_on_yield applies to the vllm engine, not {engine}")
+        raise ConfigError(f"rollout.sleep_on_yield applies to the torch and vllm engines, not {engine}")
     try:
         from dora.rollout.engines.vllm_engine import sleep_mode_available
 
@@ -107,7 +113,8 @@ def make_engine(cfg: RunConfig, kind: str, now: float, task: Any = None) -> Work
         if kind == "torch":
             from dora.rollout.engines.torch_engine import TorchEngine
 
-            engine = TorchEngine(r.model, max_slots=slots, device=r.device, dtype=r.dtype)
+            engine = TorchEngine(r.model, max_slots=slots, device=r.device, dtype=r.dtype,
+                                 sleep_on_yield=r.elastic and r.sleep_on_yield)  # fmt: skip
             return StepWorkerEngine(engine, task, held_out)
         from dora.rollout.engines.vllm_engine import VllmEngine
 

@@ -104,6 +104,44 @@ def test_a_request_migrated_mid_generation_continues_exactly(tiny_model, with_kv
             assert torch.allclose(torch.tensor(got[key].logprobs), torch.tensor(s.logprobs), atol=1e-4)
 
 
+def test_a_sleep_drops_every_cache_and_after_the_wake_each_sample_goes_on_exactly(tiny_model, tmp_path):
+    ref = engine(tiny_model)
+    ref.submit(group_id=3, attempt=2, prompt=PROMPT, n=2, max_tokens=40, temperature=1.0, seed=11)
+    ref.submit(group_id=4, attempt=1, prompt=PROMPT[:3], n=2, max_tokens=30, temperature=1.0, seed=12)
+    expected = run(ref)
+
+    e = engine(tiny_model, max_slots=3, sleep_on_yield=True)  # one sample of group 4 waits for a slot
+    e.submit(group_id=3, attempt=2, prompt=PROMPT, n=2, max_tokens=40, temperature=1.0, seed=11)
+    e.submit(group_id=4, attempt=1, prompt=PROMPT[:3], n=2, max_tokens=30, temperature=1.0, seed=12)
+    for _ in range(10):
+        e.step()
+    assert len(e.running) == 3 and len(e.waiting) == 1 and e._cache is not None
+    e.sleep()
+    assert e.asleep and len(e) == 4 and not e.running and e._cache is None
+    assert all(s.kv is None for s in e.waiting) and e.step() == []
+    assert e.groups() == {(3, 2), (4, 1)}
+    e.wake()
+    got = run(e)
+    assert sorted(got) == sorted(expected)
+    for key, s in expected.items():  # each re-prefilled from its prefix, its generator where it was
+        assert got[key].tokens == s.tokens
+        assert torch.allclose(torch.tensor(got[key].logprobs), torch.tensor(s.logprobs), atol=1e-4)
+    e.sleep()  # a load that ends after the yield is made awake, and the engine sleeps on
+    e.load_weights(0, weights_file(tiny_model), sha256_file(weights_file(tiny_model)))
+    assert e.asleep
+    e.wake()
+    e.submit(group_id=3, attempt=3, prompt=PROMPT, n=1, max_tokens=40, temperature=1.0, seed=11)
+    assert next(iter(run(e).values())).tokens == expected[(3, 2, 0)].tokens
+
+
+def test_without_sleep_on_yield_a_sleep_changes_nothing(tiny_model):
+    e = engine(tiny_model)
+    e.submit(group_id=1, attempt=1, prompt=PROMPT, n=2, max_tokens=20, temperature=1.0, seed=3)
+    e.step()
+    e.sleep()
+    assert not e.asleep and len(e.running) == 2 and e._cache is not None  # the batch cache is kept
+
+
 def test_weights_load_in_place_are_verified_and_change_the_output(tiny_model, tmp_path):
     from safetensors.torch import save_file
 

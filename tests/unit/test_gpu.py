@@ -1,6 +1,6 @@
 """The learner on a GPU (skipped without CUDA): `learner.device = auto` picks the rank's GPU, a step there
 matches the CPU step, and the weights it publishes are plain CPU safetensors any worker loads. An elastic vLLM
-worker's engine gives the GPU's memory back while it sleeps and wakes on the same weights."""
+or torch worker's engine gives the GPU's memory back while it sleeps and wakes on the same weights."""
 
 from __future__ import annotations
 
@@ -75,3 +75,27 @@ def test_a_sleeping_vllm_engine_gives_the_gpu_memory_back_and_wakes_on_the_same_
             logits = reference(input_ids=torch.tensor([prompt + s.tokens])).logits[0].float()
         want = torch.log_softmax(logits[len(prompt) - 1 : -1], -1)[torch.arange(len(s.tokens)), torch.tensor(s.tokens)]
         assert torch.allclose(torch.tensor(s.logprobs), want, atol=1e-2)
+
+
+def test_a_sleeping_torch_engine_gives_the_gpu_memory_back_and_each_sample_goes_on_exactly(tiny_model):
+    from dora.rollout.engines.torch_engine import TorchEngine
+    from tests.engines.test_engines import PROMPT, run
+
+    ref = TorchEngine(tiny_model, device="cuda", version=0)
+    ref.submit(group_id=1, attempt=1, prompt=PROMPT, n=2, max_tokens=40, temperature=1.0, seed=5)
+    expected = run(ref)
+    del ref
+    e = TorchEngine(tiny_model, device="cuda", version=0, sleep_on_yield=True)
+    e.submit(group_id=1, attempt=1, prompt=PROMPT, n=2, max_tokens=40, temperature=1.0, seed=5)
+    for _ in range(10):
+        e.step()
+    weights = sum(p.numel() * p.element_size() for p in e.model.parameters())
+    held = torch.cuda.memory_allocated()
+    e.sleep()
+    assert held - torch.cuda.memory_allocated() >= weights
+    assert all(p.device.type == "cpu" for p in e.model.parameters())
+    e.wake()
+    got = run(e)
+    for key, s in expected.items():
+        assert got[key].tokens == s.tokens
+        assert torch.allclose(torch.tensor(got[key].logprobs), torch.tensor(s.logprobs), atol=1e-3)

@@ -22,6 +22,10 @@ that file's private mapping is kept (clean file pages, shared with every process
 then checked chunk by chunk as it is copied into the model (``dora.store.load_into``: every byte read once), and a
 chunk that does not match puts the kept version's bytes back. The first load, or one on another device, checks the
 whole file before it touches the model (``dora.store.load_verified``).
+
+Sleep (an elastic worker's yield, made with ``sleep_on_yield``): every sequence's cache is dropped and the model
+moves to host memory, so a learner on the same GPU gets its memory; on wake the model comes back and each sequence
+is re-prefilled from prompt + prefix and goes on with its own generator, as after a migration without KV (C1).
 """
 
 from __future__ import annotations
@@ -76,7 +80,8 @@ class TorchEngine:
     name = "torch"
 
     def __init__(self, model_dir: str | pathlib.Path, *, max_slots: int = 64, device: str = "cpu",
-                 dtype: str = "float32", version: int | None = None) -> None:  # fmt: skip
+                 dtype: str = "float32", version: int | None = None, sleep_on_yield: bool = False) -> None:  # fmt: skip
+        """``sleep_on_yield``: ``sleep`` gives the accelerator's memory back (otherwise it is a no-op)."""
         from transformers import AutoModelForCausalLM
 
         self.device = torch.device(device)
@@ -94,10 +99,18 @@ class TorchEngine:
         self._mask: torch.Tensor | None = None
         self._loaded_from: dict[str, torch.Tensor] | None = None
         """The tensors of the file the current weights were loaded from (on a CPU): what a refused load puts back."""
+        self.sleep_on_yield = sleep_on_yield
+        self.asleep = False
 
     # ------------------------------------------------------------------ weights
 
     def load_weights(self, version: int, path: str | pathlib.Path, digest: str | None) -> None:
+        if self.asleep:  # a load that ends after the worker yielded: made awake, and the engine sleeps on
+            self.wake()
+            try:
+                return self.load_weights(version, path, digest)
+            finally:
+                self.sleep()
         """Load a published version in place. Refused while requests run or when the bytes do not match."""
         if self.running or self.waiting:
             raise EngineError(f"cannot load v{version}: {len(self.running) + len(self.waiting)} requests are running")
@@ -225,11 +238,36 @@ class TorchEngine:
     def __len__(self) -> int:
         return len(self.running) + len(self.waiting)
 
+    # ------------------------------------------------------------------ sleep (elastic workers)
+
+    def sleep(self) -> None:
+        """The worker yielded its accelerators: every sequence's cache is dropped (each is re-prefilled at wake, the
+        running ones first) and the model moves to host memory. A no-op without ``sleep_on_yield``."""
+        if not self.sleep_on_yield or self.asleep:
+            return
+        held = [*self.running, *self.waiting]
+        for seq in held:
+            seq.kv = None
+        self.running, self.waiting = [], deque(held)
+        self._batch, self._cache, self._mask = [], None, None
+        self.model.to("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.asleep = True
+
+    def wake(self) -> None:
+        """Take the accelerators back: the model returns to its device (the same weights)."""
+        if self.asleep:
+            self.model.to(self.device)
+            self.asleep = False
+
     # ------------------------------------------------------------------ stepping
 
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
         """Admit waiting sequences (prefill), then one decode step of every running one. Returns those done."""
+        if self.asleep:
+            return []
         admitted: list[Sequence] = []
         while self.waiting and len(self.running) + len(admitted) < self.max_slots:
             admitted.append(self.waiting.popleft())
