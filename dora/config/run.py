@@ -307,6 +307,10 @@ class LearnerSection:
     device: str = "auto"
     """torch trainer: ``auto`` (this rank's GPU, ``cuda:<local rank>``, when there is one, else the CPU), ``cpu``,
     ``cuda`` (``cuda:<local rank>``) or a torch device string. GPUs use NCCL between ranks, CPUs gloo."""
+    offload_between_steps: bool = False
+    """torch trainer on a GPU shared with elastic workers: after each publish its weights and optimizer state go to
+    host memory, and come back for the next step (or a checkpoint), so the workers get the GPU's memory while the
+    learner waits. No effect on a CPU."""
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):

@@ -111,7 +111,8 @@ def make_trainer(cfg: RunConfig, loss_fn: Callable[..., Any] | None = None,
                       scale_by_std=lc.scale_by_std, filter_uniform_groups=lc.filter_uniform_groups)  # fmt: skip
     tc = TrainerConfig(lr=lc.lr, micro_batch=lc.micro_batch, temperature=cfg.run.temperature,
                        max_grad_norm=lc.max_grad_norm, seed=cfg.run.seed, dtype=lc.dtype,
-                       checkpoint_dir=lc.checkpoint_dir, keep_checkpoints=lc.keep_checkpoints)  # fmt: skip
+                       checkpoint_dir=lc.checkpoint_dir, keep_checkpoints=lc.keep_checkpoints,
+                       offload_between_steps=lc.offload_between_steps)  # fmt: skip
     trainer = TorchTrainer(lc.model, WeightStore(lc.store), loss, tc, loss_fn=loss_fn or resolve_loss(lc.loss),
                            device=device)  # fmt: skip
     resumed = trainer.restore()

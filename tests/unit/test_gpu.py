@@ -99,3 +99,26 @@ def test_a_sleeping_torch_engine_gives_the_gpu_memory_back_and_each_sample_goes_
     for key, s in expected.items():
         assert got[key].tokens == s.tokens
         assert torch.allclose(torch.tensor(got[key].logprobs), torch.tensor(s.logprobs), atol=1e-3)
+
+
+def test_a_learner_that_offloads_between_steps_frees_the_gpu_and_trains_as_one_that_does_not(tiny_model, tmp_path):
+    import dataclasses
+
+    from safetensors.torch import load_file
+
+    kept = TorchTrainer(tiny_model, WeightStore(tmp_path / "kept"), LossConfig(), CFG, device="cuda")
+    moved = TorchTrainer(tiny_model, WeightStore(tmp_path / "moved"), LossConfig(),
+                         dataclasses.replace(CFG, offload_between_steps=True), device="cuda")  # fmt: skip
+    weights = sum(p.numel() * p.element_size() for p in moved.model.parameters())
+    for step in range(3):
+        want, got = kept.train(batch()), moved.train(batch())
+        assert not moved.offloaded and all(p.is_cuda for p in moved.model.parameters())
+        for k in ("loss", "grad_norm"):
+            assert got[k] == pytest.approx(want[k], rel=1e-4, abs=1e-6), (step, k)
+        kept_uri, _, _ = kept.publish(step + 1)
+        on_gpu = torch.cuda.memory_allocated()
+        uri, _, _ = moved.publish(step + 1)
+        assert moved.offloaded and all(p.device.type == "cpu" for p in moved.model.parameters())
+        assert on_gpu - torch.cuda.memory_allocated() >= 3 * weights  # weights and both AdamW moments
+    a, b = load_file(kept_uri.removeprefix("file://")), load_file(uri.removeprefix("file://"))
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)

@@ -14,8 +14,10 @@ rank takes every world-th trajectory; gradients are reduced by FSDP, metrics by 
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +46,8 @@ class TrainerConfig:
     """``bfloat16``: compute in bf16 (FSDP2 MixedPrecisionPolicy, or autocast on one rank); fp32 master weights."""
     checkpoint_dir: str | None = None
     keep_checkpoints: int = 2
+    offload_between_steps: bool = False
+    """On a GPU: weights and optimizer state to host memory after each publish, back for the next use."""
 
 
 class TorchTrainer:
@@ -80,8 +84,49 @@ class TorchTrainer:
         self.loss_cfg = loss
         self.loss_fn = loss_fn
         self.cfg = cfg
+        self.offloads = cfg.offload_between_steps and self.device.type == "cuda"
+        """Between steps the weights and optimizer state wait in host memory (elastic workers use the GPU)."""
+        self.offloaded = False
+
+    # ------------------------------------------------------------------ offload between steps
+
+    def _move(self, device: torch.device) -> None:
+        """Weights and optimizer state to ``device`` (FSDP2 re-registers its shards on a module's ``to``)."""
+        self.model.to(device)
+        for state in self.opt.state.values():
+            for key, value in state.items():
+                if torch.is_tensor(value) and key != "step":  # AdamW keeps its step count on the CPU
+                    state[key] = value.to(device)
+
+    def offload(self) -> None:
+        """The step is published: weights and optimizer state wait in host memory (with offload_between_steps)."""
+        if self.offloads and not self.offloaded:
+            self._move(torch.device("cpu"))
+            torch.cuda.empty_cache()
+            self.offloaded = True
+
+    def _onload(self) -> bool:
+        """Bring offloaded state back to the device; True if it was offloaded."""
+        if not self.offloaded:
+            return False
+        self._move(self.device)
+        self.offloaded = False
+        return True
+
+    @contextlib.contextmanager
+    def _on_device(self) -> Iterator[None]:
+        """Checkpoint, adopt, restore: on the device meanwhile, and back in host memory after if it was there."""
+        was = self._onload()
+        try:
+            yield
+        finally:
+            if was:
+                self.offload()
+
+    # ------------------------------------------------------------------ steps
 
     def train(self, batch: m.Batch) -> dict[str, float]:
+        self._onload()
         started = time.perf_counter()
         rows = [(g.prompt_ids.tolist(), s, gi) for gi, g in enumerate(batch.groups) for s in g.samples]
         rewards = torch.tensor([s.reward for _, s, _ in rows], dtype=torch.float64)
@@ -205,8 +250,9 @@ class TorchTrainer:
 
         started = time.perf_counter()
         assert self.cfg.checkpoint_dir is not None
-        checkpoint.save(self.model, self.opt, self.cfg.checkpoint_dir, version=version, trained_groups=trained_groups,
-                        keep=self.cfg.keep_checkpoints)  # fmt: skip
+        with self._on_device():
+            checkpoint.save(self.model, self.opt, self.cfg.checkpoint_dir, version=version,
+                            trained_groups=trained_groups, keep=self.cfg.keep_checkpoints)  # fmt: skip
         return time.perf_counter() - started
 
     def restore(self) -> dict[str, Any] | None:
@@ -214,6 +260,10 @@ class TorchTrainer:
         steps taken are undone by going back to the model folder's weights and a fresh optimizer."""
         from dora.learner import checkpoint
 
+        with self._on_device():
+            return self._restore(checkpoint)
+
+    def _restore(self, checkpoint: Any) -> dict[str, Any] | None:
         found = checkpoint.checkpoints(self.cfg.checkpoint_dir) if self.cfg.checkpoint_dir else []
         if found:
             self.trained_steps = 0
@@ -232,13 +282,19 @@ class TorchTrainer:
         """Take a published version's weights from the store (the optimizer state stays as it is)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        set_model_state_dict(self.model, self.store.load(version), options=StateDictOptions(full_state_dict=True))
+        with self._on_device():
+            set_model_state_dict(self.model, self.store.load(version), options=StateDictOptions(full_state_dict=True))
 
     def publish(self, version: int) -> tuple[str, str, float] | None:
-        """Write the version to the store. Sharded: a collective; rank 0 writes and returns, others None."""
-        if self.world == 1:
-            return self.store.publish(version, self.model.state_dict())
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        """Write the version to the store. Sharded: a collective; rank 0 writes and returns, others None. Then,
+        with offload_between_steps, the weights and optimizer state go to host memory until the next step."""
+        self._onload()
+        try:
+            if self.world == 1:
+                return self.store.publish(version, self.model.state_dict())
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return self.store.publish(version, state) if self.rank == 0 else None
+            state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            return self.store.publish(version, state) if self.rank == 0 else None
+        finally:
+            self.offload()
