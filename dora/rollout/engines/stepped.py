@@ -45,7 +45,8 @@ class StepWorkerEngine:
     @property
     def paused(self) -> bool:
         """Yielded to the trainer (elastic): nothing decodes; environments already called may still answer. An
-        engine that can give the accelerator's memory back (``sleep``/``wake``: vLLM's sleep mode) does so."""
+        engine that can give the accelerator's memory back (``sleep``/``wake``: vllm and torch with
+        ``rollout.sleep_on_yield``) does so."""
         return self._paused
 
     @paused.setter

@@ -105,13 +105,13 @@ class TorchEngine:
     # ------------------------------------------------------------------ weights
 
     def load_weights(self, version: int, path: str | pathlib.Path, digest: str | None) -> None:
+        """Load a published version in place. Refused while requests run or when the bytes do not match."""
         if self.asleep:  # a load that ends after the worker yielded: made awake, and the engine sleeps on
             self.wake()
             try:
                 return self.load_weights(version, path, digest)
             finally:
                 self.sleep()
-        """Load a published version in place. Refused while requests run or when the bytes do not match."""
         if self.running or self.waiting:
             raise EngineError(f"cannot load v{version}: {len(self.running) + len(self.waiting)} requests are running")
         if digest is not None and self._loaded_from is not None:
