@@ -23,6 +23,7 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 from dora.actor.cluster import ClusterInfo
 from dora.actor.discovery import advertised, announce
 from dora.actor.security import Keys
+from dora.actor.signals import ignore_sigterm_while_exiting
 from dora.broker.actor import BrokerActor
 from dora.broker.evaluation import EvalRounds, eval_rounds
 from dora.broker.journal import Journal, JournalError, replay
@@ -167,6 +168,7 @@ async def serve(cfg: RunConfig, prompts: Callable[[int], np.ndarray], cluster: C
         if auth is not None:
             auth.stop()
         ctx.destroy(linger=0)
+        ignore_sigterm_while_exiting()
 
 
 def open_journal(cfg: RunConfig, epoch: int, cluster: ClusterInfo | None = None, task: dict[str, Any] | None = None

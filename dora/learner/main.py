@@ -19,6 +19,7 @@ import zmq.asyncio
 from dora.actor.cluster import ClusterInfo
 from dora.actor.discovery import resolve_endpoint, wait_for_endpoint
 from dora.actor.security import check_keys
+from dora.actor.signals import ignore_sigterm_while_exiting
 from dora.config import ConfigError, load
 from dora.config.run import RunConfig
 from dora.learner.actor import LearnerActor
@@ -151,3 +152,4 @@ async def serve(cfg: RunConfig, endpoint: str, kind: str = "sim", world: int = 1
             if leader is not None:
                 leader.stop()  # release the other ranks
             ctx.destroy(linger=0)
+            ignore_sigterm_while_exiting()

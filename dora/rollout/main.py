@@ -19,6 +19,7 @@ import zmq.asyncio
 from dora.actor.cluster import ClusterInfo
 from dora.actor.discovery import resolve_endpoint, wait_for_endpoint
 from dora.actor.security import check_keys
+from dora.actor.signals import ignore_sigterm_while_exiting
 from dora.config import ConfigError, load
 from dora.config.run import RunConfig
 from dora.logging import configure_logging
@@ -140,3 +141,4 @@ async def serve(cfg: RunConfig, endpoint: Callable[[], str], name: str, kind: st
         return await RolloutActor(cfg, ctx, endpoint, name, engine, clock=loop.time, cluster=cluster).run(stop)
     finally:
         ctx.destroy(linger=0)
+        ignore_sigterm_while_exiting()

@@ -1,0 +1,19 @@
+"""Signals at the end of a process's life, shared by the broker, rollout and learner processes.
+
+Each process's ``serve`` turns SIGTERM into its stop event with ``loop.add_signal_handler``. At interpreter exit,
+Python puts the default action back on every signal that has a Python-level handler, and the default action of
+SIGTERM kills: one that lands while the process exits (a second one from an impatient operator, or Slurm's after a
+wrapper's) would turn a clean exit 0 into a death by signal. ``ignore_sigterm_while_exiting`` closes that window;
+SIGKILL still ends the process.
+"""
+
+from __future__ import annotations
+
+import signal
+
+
+def ignore_sigterm_while_exiting() -> None:
+    """Serving is over: from now until the process exits, SIGTERM is ignored. One swap of the handler, so no
+    SIGTERM finds the default action meanwhile; Python's exit leaves an ignored signal ignored, and a closed
+    uvloop loop does not put its own handler's default back."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
