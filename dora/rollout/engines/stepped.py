@@ -51,10 +51,9 @@ class StepWorkerEngine:
 
     @paused.setter
     def paused(self, value: bool) -> None:
-        if value != self._paused and value and hasattr(self.engine, "sleep"):
-            self.engine.sleep()
-        elif value != self._paused and hasattr(self.engine, "wake"):
-            self.engine.wake()
+        change = getattr(self.engine, "sleep" if value else "wake", None) if value != self._paused else None
+        if change is not None:
+            change()
         self._paused = value
 
     @property
