@@ -51,6 +51,14 @@ class CoreConfig:
     so nothing dispatched is left untrained at the end. None = unbounded."""
     legacy_fill: bool = True
     """dora: fill idle slots of non-newest, non-oldest versions when their deadline is not the next step."""
+    drain_load: int = 0
+    """dora: the most unfinished samples the orchestrator packs onto one worker of an older (draining) version
+    when it re-partitions; that version keeps at least ceil(its unfinished samples / drain_load) of its workers.
+    0: as many as the worker's free slots take (the paper's Algorithm 1). A draining version gets no new work,
+    so its samples are the ones due first, and a decode step slows with every sequence in the batch: packed
+    densely, they finish late and the trainer waits for them. A good value is the batch at which one decode
+    step takes twice as long as it does for one sequence: with a step of a + b x n seconds for n sequences,
+    a / b (`bench/engines.py` prints tokens/s r(n) at several batch sizes; a step takes n / r(n))."""
     kv_rebalance_threshold: float = 0.9
     """dora: a worker reporting KV/slot use at or above this fraction triggers a re-partition."""
     max_group_failures: int = 3
@@ -74,6 +82,7 @@ class CoreConfig:
         _at_least("group_size", self.group_size, 1)
         _at_least("max_group_failures", self.max_group_failures, 1)
         _at_least("min_workers", self.min_workers, 1)
+        _at_least("drain_load", self.drain_load, 0)
         if self.rollout_groups is not None:
             _at_least("rollout_groups", self.rollout_groups, 1)
         if self.deadlines not in ("fixed", "adaptive"):

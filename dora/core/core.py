@@ -425,7 +425,9 @@ class Core:
                     for w in planned
                 ]
                 on_newest = sum(1 for w in map(sched.workers.__getitem__, led.pinned_to(newest)) if _movable(w))
-                plan = orchestrator.plan(views, pending, newest, full=True, fleet=len(views) + len(moves) + on_newest)
+                drain = self.cfg.drain_load if self.cfg.mode is Mode.DORA else 0  # the baselines keep the paper's rule
+                plan = orchestrator.plan(views, pending, newest, full=True, fleet=len(views) + len(moves) + on_newest,
+                                         drain_load=drain)  # fmt: skip
                 for gid, _src, dst in plan.migrations:
                     sched.migrate(sched.flights[gid], sched.workers[dst], out)
                 moves += plan.moves

@@ -11,6 +11,11 @@ live version (unfinished samples, plus the planned top-up of the newest version)
 3. a leaving worker's groups are planned onto the staying workers of the **same** version with free
    slots (C1: identical weights, so the continuation is exact); a worker whose groups do not fit
    stays until the next trigger.
+4. with ``core.drain_load`` set (dora's addition), a staying worker is packed to at most that many
+   unfinished samples, and an older version keeps at least ``ceil(R_v / drain_load)`` of its workers.
+   Its samples are due before any newer version's, and each decode step of a worker slows with every
+   sequence it runs: the paper's proportional split packs a draining version's long tail onto one or two
+   workers, where it decodes several times slower than spread out, and the trainer waits for it.
 
 The plan is pure data; the core applies it (MigrateOut now, Assign once the worker is empty).
 Triggers: a published version (mandatory), a worker's KV use crossing a threshold, and a timer.
@@ -66,12 +71,14 @@ def allocate(workers: int, pending: dict[int, int], newest: int) -> dict[int, in
 
 
 def plan(workers: list[WorkerView], pending: dict[int, int], newest: int, *, full: bool,
-         fleet: int | None = None) -> Plan:  # fmt: skip
+         fleet: int | None = None, drain_load: int = 0) -> Plan:  # fmt: skip
     """Which workers move to ``newest`` and which groups they hand over first.
 
     ``full=False`` (between triggers): only empty workers of versions with no pending work move.
     ``fleet``: the workers the targets are shared among, when ``workers`` leaves out those of ``newest`` (they
     neither move nor take others' groups; default: ``len(workers)``).
+    ``drain_load`` (0: no bound): no staying worker is given groups beyond this many unfinished samples, and an
+    older version keeps at least ``ceil(R_v / drain_load)`` workers (of those it has).
     """
     out = Plan()
     target = allocate(len(workers) if fleet is None else fleet, pending, newest)
@@ -86,17 +93,20 @@ def plan(workers: list[WorkerView], pending: dict[int, int], newest: int, *, ful
         by_version.setdefault(w.version, []).append(w)
     for version in sorted(by_version):
         ranked = sorted(by_version[version], key=lambda w: (_load(w), w.order))
-        surplus = len(ranked) - target.get(version, 0)
+        keep = target.get(version, 0)
+        if drain_load and pending.get(version):
+            keep = max(keep, -(-pending[version] // drain_load))
+        surplus = len(ranked) - keep
         if not full:
             surplus = len(ranked) if not pending.get(version) else 0
         # The least-loaded leave; their groups go only to workers that stay, so nothing moves twice.
         leaving, staying = ranked[: max(surplus, 0)], ranked[max(surplus, 0) :]
-        free = {w.worker_id: w.free for w in staying}
+        free = {w.worker_id: _room(w, drain_load) for w in staying}
         for cand in leaving:
             placed = _place(cand, staying, free)
             if placed is None:  # its groups do not fit: it stays (and can take others' groups)
                 staying.append(cand)
-                free[cand.worker_id] = cand.free
+                free[cand.worker_id] = _room(cand, drain_load)
                 continue
             out.moves.append(cand.worker_id)
             out.migrations.extend(placed)
@@ -120,6 +130,11 @@ def place_some(groups: tuple[tuple[GroupId, int], ...], peers: list[WorkerView])
 
 def _load(w: WorkerView) -> int:
     return sum(n for _, n in w.groups)
+
+
+def _room(w: WorkerView, drain_load: int) -> int:
+    """How many more unfinished samples a staying worker may be given: its free slots, within ``drain_load``."""
+    return w.free if not drain_load else max(0, min(w.free, drain_load - _load(w)))
 
 
 def _place(

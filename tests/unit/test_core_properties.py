@@ -52,12 +52,15 @@ class CoreMachine(RuleBasedStateMachine):
         sigma=st.floats(0.2, 2.0),
         elastic=st.lists(st.booleans(), min_size=5, max_size=5),
         deadlines=st.sampled_from(["fixed", "adaptive"]),
+        drain_load=st.sampled_from([0, 0, 1, 2, 4]),
     )
     def setup(
-        self, mode, k, train_groups, group_size, steps, workers, slot_groups, watermark, seed, sigma, elastic, deadlines
-    ):
+        self, mode, k, train_groups, group_size, steps, workers, slot_groups, watermark, seed, sigma, elastic,
+        deadlines, drain_load,
+    ):  # fmt: skip
         cfg = CoreConfig(
             deadlines=deadlines,
+            drain_load=drain_load,
             mode=mode,
             max_staleness=k,
             train_groups=train_groups,
@@ -213,6 +216,7 @@ class CoreMachine(RuleBasedStateMachine):
             self.h.check_end()
             core = self.h.core
             event(f"mode={self.h.cfg.mode.value} K={self.h.cfg.staleness} deadlines={self.h.cfg.deadlines}")
+            event(f"drain_load={'bounded' if self.h.cfg.drain_load else 'free slots'}")
             event(f"deadlines extended={'yes' if core.extended else 'no'}")
             event(f"events={min(self.h.events // 100 * 100, 1000)}+")
             event(f"requeued={'yes' if core.scheduler.stats_requeued else 'no'}")

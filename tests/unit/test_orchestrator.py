@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dora.core.orchestrator import WorkerView, allocate, plan
@@ -119,3 +120,51 @@ def test_the_empty_workers_of_a_version_with_nothing_pending_move_and_leave_the_
         part = plan(rest, pending, newest, full=True, fleet=len(workers))
         assert sorted(part.moves + [w.worker_id for w in shortcut]) == sorted(whole.moves)
         assert sorted(part.migrations) == sorted(whole.migrations)
+
+
+def test_a_draining_versions_tail_is_packed_no_denser_than_drain_load():
+    """Four workers of version 1 hold 30 unfinished samples each while version 2 has 4,000 to do. The paper's rule
+    keeps one worker of version 1 and packs all 120 samples onto it; with drain_load = 66 two stay, 60 each."""
+    workers = [_w(f"old{i}", 1, free=226, groups=[(100 + i, 30)], order=i) for i in range(4)]
+    workers += [_w(f"new{i}", 2, free=0, order=10 + i) for i in range(4)]
+    dense = plan(workers, pending={1: 120, 2: 4000}, newest=2, full=True)
+    assert sorted(dense.moves) == ["old0", "old1", "old2"] and {dst for _, _, dst in dense.migrations} == {"old3"}
+    bounded = plan(workers, pending={1: 120, 2: 4000}, newest=2, full=True, drain_load=66)
+    assert sorted(bounded.moves) == ["old0", "old1"]
+    assert sorted((g, dst) for g, _, dst in bounded.migrations) == [(100, "old2"), (101, "old3")]
+
+
+_draining = st.lists(  # two older versions whose workers have room for each other's groups
+    st.tuples(st.integers(2, 3), st.integers(0, 40), st.lists(st.integers(1, 6), max_size=3), st.just(True)),
+    max_size=16,
+)
+
+
+@settings(max_examples=300)
+@given(views=st.one_of(_views, _draining), newest_pending=st.integers(0, 400), drain=st.integers(1, 12))
+def test_with_drain_load_no_worker_is_packed_past_it_and_an_older_version_keeps_enough_workers(
+    views, newest_pending, drain
+):
+    newest = 4
+    workers = [
+        _w(f"w{i}", v, free, groups=[(100 * i + j, n) for j, n in enumerate(gs)], settled=settled, order=i)
+        for i, (v, free, gs, settled) in enumerate(views)
+    ]
+    pending = Counter({newest: newest_pending})  # as the core counts it: an older version's unfinished samples
+    for w in workers:
+        pending[w.version] += sum(n for _, n in w.groups)
+    p = plan(workers, pending, newest, full=True, fleet=len(workers), drain_load=drain)
+    by_id = {w.worker_id: w for w in workers}
+    sizes = {g: n for w in workers for g, n in w.groups}
+    given_to = Counter()
+    for g, src, dst in p.migrations:
+        assert by_id[src].version == by_id[dst].version != newest and src in p.moves and dst not in p.moves
+        given_to[dst] += sizes[g]
+    for dst, n in given_to.items():
+        w = by_id[dst]
+        assert n <= w.free and sum(k for _, k in w.groups) + n <= drain, (dst, n, drain)
+    for v in {w.version for w in workers} - {newest}:
+        settled = [w for w in workers if w.version == v and w.settled]
+        kept = [w for w in settled if w.worker_id not in p.moves]
+        if pending.get(v):
+            assert len(kept) >= min(len(settled), -(-pending[v] // drain)), (v, len(kept), pending[v], drain)

@@ -43,6 +43,7 @@ def check_run(o, cfg, mode: Mode) -> None:
     elastic=st.integers(1, 8),
     yield_kv=st.sampled_from(["offload", "drop"]),
     deadlines=st.sampled_from(["fixed", "adaptive"]),
+    drain_load=st.sampled_from([0, 0, 1, 3, 8]),
     k=st.integers(0, 3),
     train_groups=st.integers(1, 8),
     group_size=st.integers(1, 4),
@@ -60,8 +61,8 @@ def check_run(o, cfg, mode: Mode) -> None:
     seed=st.integers(0, 2**20),
 )
 def test_simulated_runs_keep_every_invariant(
-    mode, placement, elastic, yield_kv, deadlines, k, train_groups, group_size, steps, workers, slot_groups,
-    running_frac, kv, watermark, legacy_fill, sigma, load_s, train_s, deaths, seed,
+    mode, placement, elastic, yield_kv, deadlines, drain_load, k, train_groups, group_size, steps, workers,
+    slot_groups, running_frac, kv, watermark, legacy_fill, sigma, load_s, train_s, deaths, seed,
 ):  # fmt: skip
     credit = slot_groups * group_size
     cfg = small(
@@ -72,7 +73,7 @@ def test_simulated_runs_keep_every_invariant(
     )  # fmt: skip
     cfg = replace(  # role switches cost about a second: offloads, wake-up, trainer state
         cfg,
-        core=replace(cfg.core, deadlines=deadlines),
+        core=replace(cfg.core, deadlines=deadlines, drain_load=drain_load),
         cluster=replace(cfg.cluster, elastic_gpus=min(elastic, workers), host_link_bytes_per_s=1e9),
         engine=replace(cfg.engine, weight_bytes=1e9, wake_s=0.5, kv_bytes_per_token=1e6, yield_kv=yield_kv),
         trainer=replace(cfg.trainer, state_bytes=1e9),
@@ -82,6 +83,7 @@ def test_simulated_runs_keep_every_invariant(
     if placement != "disaggregated" and not deaths:
         assert o.yields == o.elastic_workers * steps, "every elastic worker yields for every step"
     event(f"mode={mode.value} placement={placement} deadlines={deadlines}")
+    event(f"drain_load={'bounded' if drain_load else 'free slots'}")
     event(f"migrated={'yes' if o.migrated_requests else 'no'}")
     event(f"re-run={'yes' if o.requeued else 'no'}")
     event(f"preempted={'yes' if o.preemptions else 'no'}")
