@@ -58,7 +58,9 @@ class CoreConfig:
     so its samples are the ones due first, and a decode step slows with every sequence in the batch: packed
     densely, they finish late and the trainer waits for them. A good value is the batch at which one decode
     step takes twice as long as it does for one sequence: with a step of a + b x n seconds for n sequences,
-    a / b (`bench/engines.py` prints tokens/s r(n) at several batch sizes; a step takes n / r(n))."""
+    a / b (`bench/engines.py` prints tokens/s r(n) at several batch sizes; a step takes n / r(n)). It helps where
+    an older version holds a long tail (single-turn long-tailed lengths); where older versions hold most of the
+    fleet's work (long multi-turn episodes) it keeps the newest version short of workers, so leave it at 0."""
     kv_rebalance_threshold: float = 0.9
     """dora: a worker reporting KV/slot use at or above this fraction triggers a re-partition."""
     max_group_failures: int = 3
