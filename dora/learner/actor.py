@@ -319,11 +319,16 @@ class LearnerActor:
         )
 
     async def commit(self, sock: zmq.asyncio.Socket, stop: asyncio.Event) -> None:
-        """The broker recorded the publish: the step is final. Checkpoint (when due) and audit it."""
+        """The broker recorded the publish: the step is final. Audit it, then checkpoint (when due).
+
+        The audit line is on disk before the checkpoint starts: a learner killed between the two resumes from an
+        older checkpoint and writes an ``adopted`` line for the step again (which ``dora audit`` accepts), while
+        the other order could leave a checkpoint holding a step that no audit line names."""
         version, batch, facts = self.unacked
         self.unacked = None
         self.committed = version
         self.trained.update(g.group_id for g in batch.groups)
+        self._audit_step(batch, facts)
         lc, core = self.cfg.learner, self.cfg.core
         if (
             self.trainer.keeps_weights
@@ -331,6 +336,8 @@ class LearnerActor:
             and (version % lc.checkpoint_every == 0 or version == core.total_steps)
         ):
             await self.save_checkpoint(sock, stop, "final" if version == core.total_steps else "periodic")
+
+    def _audit_step(self, batch: m.Batch, facts: dict[str, Any]) -> None:
         if self.audit is not None:
             self.audit.write(
                 json.dumps(
@@ -347,3 +354,4 @@ class LearnerActor:
                 + "\n"
             )
             self.audit.flush()
+            os.fsync(self.audit.fileno())  # a step the broker recorded survives the node's power loss in the audit

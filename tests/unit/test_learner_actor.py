@@ -190,3 +190,48 @@ async def test_a_learner_resumed_behind_the_broker_adopts_the_newest_weights_and
     rows = [json.loads(x) for x in audit_path.read_text().splitlines()]
     assert [(r["step"], bool(r.get("adopted"))) for r in rows] == [(0, False), (1, True), (2, True), (3, False)]
     assert [r["version"] for r in rows[1:3]] == [2, 3]
+
+
+class SeesTheAudit(KeepsWeights):
+    """Records, at each checkpoint, the steps the audit file on disk already names."""
+
+    def __init__(self, cfg: RunConfig, audit_path) -> None:
+        super().__init__(cfg)
+        self.audit_path = audit_path
+        self.seen: dict[int, list[int]] = {}
+
+    def checkpoint(self, version: int, trained_groups: list[int]) -> float:
+        self.seen[version] = [s for s, _ in audited(self.audit_path)]
+        return 0.0
+
+
+async def test_a_step_is_in_the_audit_on_disk_before_its_checkpoint_starts(tmp_path):
+    """A learner killed after a checkpoint and before the audit line would resume from that checkpoint with no line
+    for its last step (dora audit: steps not 0, 1, 2, ...). So the line comes first; a kill between the two leaves
+    an older checkpoint, and the step is adopted again on resume."""
+    endpoint = f"inproc://broker-{uuid.uuid4().hex}"
+    cfg = load(RunConfig, overrides=[f"core.train_groups={B}", f"core.group_size={G}", "core.total_steps=2",
+                                     "core.max_staleness=1", "run.time_scale=0.0001",
+                                     "broker.heartbeat_interval_s=0.05", "broker.liveness=100",
+                                     f"learner.checkpoint_dir={tmp_path / 'ckpt'}",
+                                     "learner.checkpoint_every=1"])  # fmt: skip
+    ctx = zmq.asyncio.Context()
+    broker, audit_path = FakeBroker(ctx, endpoint), tmp_path / "audit.jsonl"
+    trainer = SeesTheAudit(cfg, audit_path)
+    stop = asyncio.Event()
+    with open(audit_path, "a") as audit:
+        task = asyncio.create_task(LearnerActor(cfg, ctx, endpoint, audit=audit, trainer=trainer).run(stop))
+        try:
+            await broker.expect(m.Hello)
+            await broker.welcome(0)
+            for step in range(2):
+                assert (await broker.expect(m.RequestBatch)).step == step
+                await broker.send(batch(step, first_group=10 + 2 * step))
+                assert (await broker.expect(m.WeightsPublished)).version == step + 1
+                await broker.send(m.PublishAck(version=step + 1))
+            await broker.expect(m.Goodbye)
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 10)
+            ctx.destroy(linger=0)
+    assert trainer.seen == {1: [0], 2: [0, 1]}
