@@ -1,7 +1,7 @@
 """The same small dora run, live (real processes, sim engine in scaled real time) and in `dora sim`.
 
     python bench/live_vs_sim.py [--workers 3] [--steps 20] [--time-scale 0.02] [--out DIR]
-                                [--elastic N] [--deadlines fixed|adaptive]
+                                [--elastic N] [--deadlines fixed|adaptive] [--drain-load N]
 
 Both read one run config. The live run is `dora broker` + `dora rollout --engine sim` ×W +
 `dora learner --trainer sim`, on loopback; its per-step times are read from the broker's canonical
@@ -39,12 +39,14 @@ from dora.sim.metrics import summarize  # noqa: E402
 WARMUP = 2
 
 
-def config(steps: int, time_scale: float, workers: int, elastic: int, deadlines: str) -> dict[str, dict]:
+def config(steps: int, time_scale: float, workers: int, elastic: int, deadlines: str,
+           drain_load: int = 0) -> dict[str, dict]:  # fmt: skip
     """examples/live/sim.toml, with this run's size and pace."""
     cfg = tomllib.loads((ROOT / "examples" / "live" / "sim.toml").read_text())
     cfg["run"]["time_scale"] = time_scale
     cfg["core"]["total_steps"] = steps
     cfg["core"]["deadlines"] = deadlines
+    cfg["core"]["drain_load"] = drain_load
     cfg["learner"]["sim_gpus"] = cfg["learner"].get("sim_gpus", 1) + elastic  # elastic accelerators train too
     cfg["core"]["min_workers"] = workers  # the simulated fleet is there from t = 0 too
     cfg["log"]["format"] = "json"
@@ -89,11 +91,12 @@ def main() -> int:
     p.add_argument("--out", help="run directory for the live logs (default: a temp dir)")
     p.add_argument("--elastic", type=int, default=0, help="how many of the workers are elastic")
     p.add_argument("--deadlines", choices=["fixed", "adaptive"], default="fixed")
+    p.add_argument("--drain-load", type=int, default=0, help="core.drain_load (0: the paper's re-partition)")
     args = p.parse_args()
     if not 0 <= args.elastic <= args.workers:
         p.error("--elastic must be between 0 and --workers")
     rundir = pathlib.Path(args.out or tempfile.mkdtemp(prefix="dora-live-vs-sim-"))
-    raw = config(args.steps, args.time_scale, args.workers, args.elastic, args.deadlines)
+    raw = config(args.steps, args.time_scale, args.workers, args.elastic, args.deadlines, args.drain_load)
     run = LocalRun(rundir, raw)
     cfg = load(RunConfig, path=str(run.config))
 
@@ -102,7 +105,7 @@ def main() -> int:
     sm = summarize(sim, simcfg)
 
     print(f"live run: {args.workers} workers ({args.elastic} elastic), {args.steps} steps, {args.deadlines} deadlines, "
-          f"time scale {args.time_scale:g}; logs in {rundir}")  # fmt: skip
+          f"drain_load {args.drain_load}, time scale {args.time_scale:g}; logs in {rundir}")  # fmt: skip
     try:
         run.start_broker()
         for i in range(args.workers):  # standalone first, as the simulation joins them
