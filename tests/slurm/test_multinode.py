@@ -169,7 +169,11 @@ def test_a_heterogeneous_job_learns_on_its_first_component_and_rolls_out_on_its_
     info = cluster.wait_state(f"{job}+0", FINAL, 300)  # the first component (scontrol shows each one)
     out = (tmp_path / f"job-{job}.out").read_text()
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", out
-    learner, rollout = info["NodeList"], cluster.job(f"{job}+1")["NodeList"]
+    # the second component is read once it is final too: while a component is COMPLETING, Slurm lists only the
+    # nodes still completing, so a read in between could see one of its two nodes
+    second = cluster.wait_state(f"{job}+1", FINAL, 60)
+    assert second["JobState"] == "COMPLETED" and second["ExitCode"] == "0:0", (second, out)
+    learner, rollout = info["NodeList"], second["NodeList"]
     assert f"learner on {learner} (2 rank(s) per node)" in out, out
     hosts = cluster.run(["scontrol", "show", "hostnames", rollout]).stdout.split()
     assert len(hosts) == 2 and learner not in hosts, (learner, hosts)
