@@ -48,12 +48,27 @@ def identity_of(c: Cluster, name: str, min_groups: int = 1) -> tuple[str, dict]:
     return wait_until(find, 30, f"{name} to hold a group")
 
 
+def frozen_holding(c: Cluster, name: str) -> tuple[str, float]:
+    """Stop worker ``name`` (SIGSTOP) at a moment the broker still counts a group as its own once what it sent
+    before the stop has landed; its identity and when it stopped. (Seen holding a group, a worker can finish it
+    before a signal arrives.)"""
+    for _ in range(20):
+        ident, _ = identity_of(c, name)
+        stopped_at = time.time()
+        c.signal(name, signal.SIGSTOP)
+        time.sleep(0.1)
+        row = fetch(c.endpoint)["workers"].get(ident)
+        if row is not None and row["groups"] >= 1:
+            return ident, stopped_at
+        c.signal(name, signal.SIGCONT)
+    raise AssertionError(f"{name} never held a group when stopped")
+
+
 def test_kill_9_worker_mid_group_its_groups_are_re_leased_in_time(tmp_path):
     with cluster(tmp_path, {"core": {"total_steps": 12}, "log": {"level": "debug"}}) as c:
         c.start(workers=3)
         wait_until(lambda: fetch(c.endpoint)["step"] >= 2, 30, "step 2")
-        ident, _ = identity_of(c, "w1")
-        killed_at = time.time()
+        ident, killed_at = frozen_holding(c, "w1")  # it makes no progress from here: the window starts now
         c.signal("w1", signal.SIGKILL)
         assert c.wait("learner", 90) == 0, c.log("learner")[-3000:]
 
@@ -73,8 +88,7 @@ def test_sigstop_worker_past_liveness_then_sigcont_nothing_trained_twice(tmp_pat
     with cluster(tmp_path, {"core": {"total_steps": 30}}) as c:  # room for w2 to be back before the end
         c.start(workers=3)
         wait_until(lambda: fetch(c.endpoint)["step"] >= 2, 30, "step 2")
-        identity_of(c, "w2")  # it holds work when it freezes
-        c.signal("w2", signal.SIGSTOP)
+        frozen_holding(c, "w2")  # it holds work when it freezes
         wait_until(lambda: [r for r in c.events("broker", "peer_lost") if r["peer"] == "w2"], 10, "w2 declared dead")
         time.sleep(0.5)
         c.signal("w2", signal.SIGCONT)
