@@ -1,0 +1,130 @@
+"""How fast *any* schedule could run the paper configs: lower bounds on the step time from the work itself.
+
+    python bench/bounds.py [--table bench/out_table/paper_table.json] [--batches 16]
+
+For each paper config (64 and 128 GPUs) it samples batches of the workload and prints (``dora.sim.bounds``):
+the replica-seconds of decode a step needs at the least (continuous batching at the KV cache's limit, each
+sample weighed by its context over its life), the train step per trainer size, and for every split of the
+cluster the simulator accepts (disaggregated, elastic, colocated) the bound ``max(train, (D + E x train) / W)``,
+best split per placement. Two trainers: as configured (the data-parallel barrier over batches in dispatch
+order, as calibrated: an estimate, as a run's own batches differ, each train step within a few % of the mean)
+and perfectly balanced (no split of a batch over replicas trains faster: the strict bound).
+
+Beside them, the step times the targets ask for (sync / 1.65 and / 2.12, partial / 1.1). Sync and partial are
+simulated in the same run, or read from a paper table's JSON with ``--table``, which also prints each dora row
+of that table against the bound at its own split.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+from typing import Any
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from dora.config import load  # noqa: E402
+from dora.config.sim import SimConfig  # noqa: E402
+from dora.ids import Mode  # noqa: E402
+from dora.sim.bounds import decode_replica_s, fleet_bounds, step_bound, step_work, train_step_s  # noqa: E402
+from dora.sim.runner import simulate  # noqa: E402
+
+CONFIGS = {64: ROOT / "examples/sim/paper-64gpu.toml", 128: ROOT / "examples/sim/paper-128gpu.toml"}
+TARGET = {64: 1.65, 128: 2.12}  # dora / sync, the paper's; dora / partial >= 1.1 at both
+
+
+def baselines(gpus: int, table: dict[str, Any] | None) -> dict[str, float]:
+    if table is not None:
+        rows = table[f"paper_{gpus}gpu"]
+        return {name: rows[name]["step_time_s"] for name in ("sync", "partial")}
+    out = {}
+    for name in ("sync", "partial"):
+        t0 = time.perf_counter()
+        cfg = load(SimConfig, path=str(CONFIGS[gpus]))
+        out[name] = simulate(cfg, Mode(name)).metrics["step_time_s"]
+        print(f"  {gpus} GPUs {name}: {out[name] / 60:.2f} min/step ({time.perf_counter() - t0:.0f} s to simulate)",
+              file=sys.stderr, flush=True)  # fmt: skip
+    return out
+
+
+def report(gpus: int, batches: int, table: dict[str, Any] | None) -> dict[str, Any]:
+    cfg = load(SimConfig, path=str(CONFIGS[gpus]))
+    work = step_work(cfg, batches)
+    d = decode_replica_s(cfg.engine, work.response_tokens, work.kv_token_steps)
+    e, g = cfg.engine, cfg.cluster.gpus_per_worker
+    kv_slots = e.kv_budget_tokens * work.response_tokens / work.kv_token_steps
+    print(f"\npaper-{gpus}gpu: a step trains {work.samples:,} samples, {work.response_tokens / 1e6:.2f}M response "
+          f"tokens (mean of {batches} sampled batches)")  # fmt: skip
+    tpot_ms = e.tpot_scale * (e.tpot_base_s + e.tpot_per_seq_s * min(kv_slots, e.max_slots)) * 1e3
+    print(
+        f"  decode needs >= {d:,.0f} replica-s a step ({d * g:,.0f} GPU-s): the KV cache holds {kv_slots:.0f} "
+        f"sequences on average over their lives (max_slots {e.max_slots}): {tpot_ms:.1f} ms a decode step"
+    )
+    base = baselines(gpus, table)
+    need = {f"{TARGET[gpus]}x sync": base["sync"] / TARGET[gpus], "1.1x partial": base["partial"] / 1.1}
+    print(f"  sync {base['sync'] / 60:.2f} min/step, partial {base['partial'] / 60:.2f}; the targets need "
+          + ", ".join(f"{k}: <= {v / 60:.2f}" for k, v in need.items()))  # fmt: skip
+    out: dict[str, Any] = {"decode_replica_s": d, "response_tokens": work.response_tokens,
+                           "kv_sequences": kv_slots, "baselines": base, "needed_s": need, "bounds": {}}  # fmt: skip
+    print(f"  {'trainer':<22} {'placement':<14} {'best split (rollout/elastic/trainer GPUs)':>42} "
+          f"{'train s':>8} {'decode s':>9} {'bound min':>10} {'/ sync':>7} {'/ partial':>9}")  # fmt: skip
+    for balanced, label in ((False, "as configured"), (True, "perfectly balanced")):
+        found = fleet_bounds(cfg, work, balanced=balanced)
+        out["bounds"][label] = {k: vars_of(b) for k, b in found.items()}
+        for key in ("disaggregated", "elastic", "colocated", "best"):
+            b = found[key]
+            split = f"{b.rollout_gpus}/{b.elastic_gpus}/{b.trainer_gpus}"
+            print(f"  {label:<22} {key:<14} {split:>42} {b.train_s:8.0f} {b.decode_s:9.0f} {b.step_s / 60:10.2f} "
+                  f"{base['sync'] / b.step_s:6.2f}x {base['partial'] / b.step_s:8.2f}x")  # fmt: skip
+    if table is not None:
+        print(
+            "  the table's dora rows against the bound at their own split (trainer as configured; a run trains "
+            "its own batches, each train step within a few % of the sampled mean, so a run can sit ~1% past it):"
+        )
+        for name, row in table[f"paper_{gpus}gpu"].items():
+            if row["mode"] != "dora":
+                continue
+            w, el = row["rollout_gpus"] // g, row["elastic_workers"]
+            train = train_step_s(cfg.trainer, work, row["trainer_gpus"])
+            bound, took = step_bound(d, w, el, train), row["step_time_s"]
+            print(f"    {name:<24} {row['rollout_gpus']}/{el * g}/{row['trainer_gpus']}: {took / 60:6.2f} min/step, "
+                  f"bound {bound / 60:6.2f} ({bound / took:.0%})")  # fmt: skip
+    return out
+
+
+def vars_of(b: Any) -> dict[str, Any]:
+    return {f: getattr(b, f) for f in b.__slots__}
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--table", type=pathlib.Path, help="a paper_table.json: its sync and partial, and its dora rows")
+    ap.add_argument("--batches", type=int, default=16, help="workload batches sampled for the mean step")
+    ap.add_argument("--json", type=pathlib.Path, help="write the figures here")
+    args = ap.parse_args(argv)
+    if args.batches < 1:
+        ap.error("--batches must be >= 1")
+    table = None
+    if args.table is not None:
+        try:
+            table = json.loads(args.table.read_text())
+        except (OSError, ValueError) as e:
+            ap.error(f"cannot read --table {args.table}: {e}")
+        rows = {n: table.get(f"paper_{n}gpu") if isinstance(table, dict) else None for n in CONFIGS}
+        missing = [f"paper_{n}gpu.{row}" for n in CONFIGS for row in ("sync", "partial")
+                   if not isinstance(rows[n], dict) or row not in rows[n]]  # fmt: skip
+        if not isinstance(table, dict) or missing:
+            ap.error(f"--table {args.table} is not a paper table (python bench/paper_table.py writes one): "
+                     f"it lacks {', '.join(missing) or 'its rows'}")  # fmt: skip
+    figures = {gpus: report(gpus, args.batches, table) for gpus in CONFIGS}
+    if args.json is not None:
+        args.json.write_text(json.dumps(figures, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
