@@ -1,6 +1,7 @@
 """How fast *any* schedule could run the paper configs: lower bounds on the step time from the work itself.
 
     python bench/bounds.py [--table bench/out_table/paper_table.json] [--batches 16]
+    python bench/bounds.py --config examples/sim/agentic.toml       # any sim config, without targets
 
 For each paper config (64 and 128 GPUs) it samples batches of the workload and prints (``dora.sim.bounds``):
 the replica-seconds of decode a step needs at the least (continuous batching at the KV cache's limit, each
@@ -37,37 +38,41 @@ CONFIGS = {64: ROOT / "examples/sim/paper-64gpu.toml", 128: ROOT / "examples/sim
 TARGET = {64: 1.65, 128: 2.12}  # dora / sync, the paper's; dora / partial >= 1.1 at both
 
 
-def baselines(gpus: int, table: dict[str, Any] | None) -> dict[str, float]:
-    if table is not None:
-        rows = table[f"paper_{gpus}gpu"]
+def baselines(label: str, cfg: SimConfig, rows: dict[str, Any] | None) -> dict[str, float]:
+    if rows is not None:
         return {name: rows[name]["step_time_s"] for name in ("sync", "partial")}
     out = {}
     for name in ("sync", "partial"):
         t0 = time.perf_counter()
-        cfg = load(SimConfig, path=str(CONFIGS[gpus]))
         out[name] = simulate(cfg, Mode(name)).metrics["step_time_s"]
-        print(f"  {gpus} GPUs {name}: {out[name] / 60:.2f} min/step ({time.perf_counter() - t0:.0f} s to simulate)",
+        print(f"  {label} {name}: {out[name] / 60:.2f} min/step ({time.perf_counter() - t0:.0f} s to simulate)",
               file=sys.stderr, flush=True)  # fmt: skip
     return out
 
 
-def report(gpus: int, batches: int, table: dict[str, Any] | None) -> dict[str, Any]:
-    cfg = load(SimConfig, path=str(CONFIGS[gpus]))
+def report(label: str, path: pathlib.Path, target: float | None, batches: int, rows: dict[str, Any] | None
+           ) -> dict[str, Any]:  # fmt: skip
+    try:
+        cfg = load(SimConfig, path=str(path))
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"bounds.py: error: {path}: {e}") from None
     work = step_work(cfg, batches)
     d = decode_replica_s(cfg.engine, work.response_tokens, work.kv_token_steps)
     e, g = cfg.engine, cfg.cluster.gpus_per_worker
     kv_slots = e.kv_budget_tokens * work.response_tokens / work.kv_token_steps
-    print(f"\npaper-{gpus}gpu: a step trains {work.samples:,} samples, {work.response_tokens / 1e6:.2f}M response "
+    print(f"\n{label}: a step trains {work.samples:,} samples, {work.response_tokens / 1e6:.2f}M response "
           f"tokens (mean of {batches} sampled batches)")  # fmt: skip
     tpot_ms = e.tpot_scale * (e.tpot_base_s + e.tpot_per_seq_s * min(kv_slots, e.max_slots)) * 1e3
     print(
         f"  decode needs >= {d:,.0f} replica-s a step ({d * g:,.0f} GPU-s): the KV cache holds {kv_slots:.0f} "
         f"sequences on average over their lives (max_slots {e.max_slots}): {tpot_ms:.1f} ms a decode step"
     )
-    base = baselines(gpus, table)
-    need = {f"{TARGET[gpus]}x sync": base["sync"] / TARGET[gpus], "1.1x partial": base["partial"] / 1.1}
-    print(f"  sync {base['sync'] / 60:.2f} min/step, partial {base['partial'] / 60:.2f}; the targets need "
-          + ", ".join(f"{k}: <= {v / 60:.2f}" for k, v in need.items()))  # fmt: skip
+    base = baselines(label, cfg, rows)
+    need = {f"{target}x sync": base["sync"] / target, "1.1x partial": base["partial"] / 1.1} if target else {}
+    print(
+        f"  sync {base['sync'] / 60:.2f} min/step, partial {base['partial'] / 60:.2f}"
+        + ("; the targets need " + ", ".join(f"{k}: <= {v / 60:.2f}" for k, v in need.items()) if need else "")
+    )
     out: dict[str, Any] = {"decode_replica_s": d, "response_tokens": work.response_tokens,
                            "kv_sequences": kv_slots, "baselines": base, "needed_s": need, "bounds": {}}  # fmt: skip
     print(f"  {'trainer':<22} {'placement':<14} {'best split (rollout/elastic/trainer GPUs)':>42} "
@@ -80,12 +85,12 @@ def report(gpus: int, batches: int, table: dict[str, Any] | None) -> dict[str, A
             split = f"{b.rollout_gpus}/{b.elastic_gpus}/{b.trainer_gpus}"
             print(f"  {label:<22} {key:<14} {split:>42} {b.train_s:8.0f} {b.decode_s:9.0f} {b.step_s / 60:10.2f} "
                   f"{base['sync'] / b.step_s:6.2f}x {base['partial'] / b.step_s:8.2f}x")  # fmt: skip
-    if table is not None:
+    if rows is not None:
         print(
             "  the table's dora rows against the bound at their own split (trainer as configured; a run trains "
             "its own batches, each train step within a few % of the sampled mean, so a run can sit ~1% past it):"
         )
-        for name, row in table[f"paper_{gpus}gpu"].items():
+        for name, row in rows.items():
             if row["mode"] != "dora":
                 continue
             w, el = row["rollout_gpus"] // g, row["elastic_workers"]
@@ -105,6 +110,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--table", type=pathlib.Path, help="a paper_table.json: its sync and partial, and its dora rows")
     ap.add_argument("--batches", type=int, default=16, help="workload batches sampled for the mean step")
     ap.add_argument("--json", type=pathlib.Path, help="write the figures here")
+    ap.add_argument("--config", type=pathlib.Path, help="bound this sim config instead of the paper's two (sync and "
+                    "partial simulated on it; no targets)")  # fmt: skip
     args = ap.parse_args(argv)
     if args.batches < 1:
         ap.error("--batches must be >= 1")
@@ -120,7 +127,14 @@ def main(argv: list[str]) -> int:
         if not isinstance(table, dict) or missing:
             ap.error(f"--table {args.table} is not a paper table (python bench/paper_table.py writes one): "
                      f"it lacks {', '.join(missing) or 'its rows'}")  # fmt: skip
-    figures = {gpus: report(gpus, args.batches, table) for gpus in CONFIGS}
+    if args.config is not None:
+        if table is not None:
+            ap.error("--table goes with the paper configs, not --config")
+        figures = {str(args.config): report(str(args.config), args.config, None, args.batches, None)}
+    else:
+        figures = {f"paper-{n}gpu": report(f"paper-{n}gpu", CONFIGS[n], TARGET[n], args.batches,
+                                           table[f"paper_{n}gpu"] if table is not None else None)
+                   for n in CONFIGS}  # fmt: skip
     if args.json is not None:
         args.json.write_text(json.dumps(figures, indent=1))
     return 0

@@ -11,8 +11,8 @@ sequence longer than the cache decodes alone) needs, over the replicas that deco
     D = scale x (tpot_base_s x max(N / max_slots, Q / kv_budget_tokens) + tpot_per_seq_s x N)
 
 replica-seconds, prefill, preemption and waiting aside. The KV term weighs each sample by its length squared:
-with long-tailed lengths the cache, not ``max_slots``, limits the batch. (``metrics.ideal_step_time`` counts
-half the *mean* length per slot: a weaker bound.)
+with long-tailed lengths the cache, not ``max_slots``, limits the batch. (``metrics.ideal_step_time`` applies
+the bound to a run's own batches at its own split.)
 
 With a train step of ``train`` seconds (the trainer cannot go faster), ``W`` replicas of which ``E`` are
 elastic (they yield while the trainer trains; colocated: all of them) and a step of ``tau`` seconds,
@@ -75,13 +75,12 @@ def decode_replica_s(engine: EngineSection, tokens: float, kv_steps: float) -> f
 
 
 def step_work(cfg: SimConfig, batches: int = 16) -> StepWork:
-    """The mean batch of ``cfg``'s workload over ``batches`` batches of consecutive groups (single-turn)."""
+    """The mean batch of ``cfg``'s workload over ``batches`` batches of consecutive groups. An episode counts as
+    one sample of all its turns' tokens; the tool results it trains on count for the trainer, not in its KV
+    (they only add context, so Q stays a lower bound), and its tool calls take no accelerator time."""
     if batches < 1:
         raise ValueError("batches must be >= 1")
     wl = from_section(cfg.workload, cfg.run.seed)
-    if wl.multi_turn:
-        raise ValueError("bounds cover single-turn workloads (an episode's tool time and observations are not work "
-                         "of the fleet)")  # fmt: skip
     b, g = cfg.core.train_groups, cfg.core.group_size
     tokens = kv = 0.0
     seqs: list[tuple[int, ...]] = []
@@ -90,10 +89,11 @@ def step_work(cfg: SimConfig, batches: int = 16) -> StepWork:
         for group in range(k * b, (k + 1) * b):
             p = wl.prompt_len(group)
             for i in range(g):
-                n = wl.length(group, i, 1)
+                ep = wl.episode(group, i, 1)
+                n = ep.length
                 tokens += n
                 kv += kv_token_steps(n, p, cfg.engine.kv_budget_tokens)
-                batch.append(p + n)
+                batch.append(p + n + sum(ep.observations))
         seqs.append(tuple(batch))
     return StepWork(samples=b * g, response_tokens=tokens / batches, kv_token_steps=kv / batches,
                     batches=tuple(seqs))  # fmt: skip

@@ -58,6 +58,7 @@ from dora.core.events import (
     Yield,
 )
 from dora.ids import Mode, WorkerId
+from dora.sim.bounds import kv_token_steps
 from dora.sim.engine import Request
 from dora.sim.workload import from_section
 from dora.sim.world import World
@@ -78,6 +79,9 @@ class StepRecord:
     """(max - mean) / max of the batch's response lengths."""
     train_s: float = 0.0
     """Seconds the trainer computed on the batch (the role switch and the publish not counted)."""
+    kv_token_steps: float = 0.0
+    """The least KV its samples held over their decode steps (``dora.sim.bounds.kv_token_steps``; an episode as
+    one sample of all its turns, its tool results left out)."""
 
 
 @dataclass(slots=True)
@@ -328,10 +332,14 @@ class Simulation:
                     sequences[i] += obs
                     i += 1
         longest = max(lengths, default=0)
+        budget, prompt = self.eng.kv_budget_tokens, self.world.workload.prompt_len
+        kv = sum(kv_token_steps(sum(n for _, n in s.segments), prompt(g.group_id), budget)
+                 for g in batch.groups for s in g.samples)  # fmt: skip
         rec = StepRecord(step=batch.step, delivered_s=self.now, tokens=sum(sequences),
                          response_tokens=sum(lengths), episodes=len(lengths), turns=turns,
                          bubble=(longest - sum(lengths) / len(lengths)) / longest if longest else 0.0,
-                         train_s=self.cfg.trainer.batch_train_s(sequences, self.trainer_gpus))  # fmt: skip
+                         train_s=self.cfg.trainer.batch_train_s(sequences, self.trainer_gpus),
+                         kv_token_steps=kv)  # fmt: skip
         self.steps.append(rec)
         for delay, victim in self._faults_at_step.get(batch.step, ()):
             self._at(self.now + delay, "kill", victim)

@@ -1,12 +1,11 @@
 """Reported metrics of a simulated run (steady state: the steps after ``run.warmup_steps``).
 
-``ideal_step_time_s`` is a lower bound from total decode capacity with perfect packing. A replica
-decodes at most ``S = min(max_slots, kv_budget_tokens / (prompt + mean_response / 2))`` sequences at
-once (the KV term uses a request's mean context over its life), i.e. ``S / (tpot_base_s + tpot_per_seq_s
-* S)`` tokens per second, so ``W`` replicas need at least ``R = response_tokens / (W * that)`` to generate a
-step's responses. With ``T`` the trainer's time for the same step, the bound is ``R + T`` colocated (the
-two phases share the accelerators) and ``max(R, T)`` disaggregated. No prefill, no straggler, no
-weight sync: a real schedule can only be slower, and ``fraction_of_ideal = ideal / measured``.
+``ideal_step_time_s`` is ``dora.sim.bounds``'s lower bound for the run's own split, applied to the mean of
+its window's batches: decode at the KV cache's limit (every sample weighed by the context it holds over its
+decode steps) or at ``max_slots``, whichever needs more decode steps, spread perfectly over the replicas,
+beside the trainer's own steps (``max(train, (D + E x train) / W)``, E elastic of W replicas). No prefill, no
+straggler, no weight sync, no role switch: a real schedule can only be slower, and ``fraction_of_ideal = ideal
+/ measured`` (a window can start with work done before it, so a short run can exceed 1 slightly).
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ from statistics import fmean
 from typing import Any
 
 from dora.config.sim import SimConfig
+from dora.sim.bounds import decode_replica_s, step_bound
 from dora.sim.des import Outcome, Totals
 
 LENGTH_BUCKETS = (0, 1024, 2048, 4096, 8192, 16384, 1 << 62)
@@ -85,18 +85,11 @@ def summarize(o: Outcome, cfg: SimConfig) -> dict[str, Any]:
 
 
 def ideal_step_time(o: Outcome, cfg: SimConfig, window: list) -> float:
-    e = cfg.engine
-    response = fmean(s.response_tokens for s in window)
-    per_sample = response / (cfg.core.train_groups * cfg.core.group_size)
-    prompt = fmean(s.tokens - s.response_tokens for s in window) / (cfg.core.train_groups * cfg.core.group_size)
-    slots = max(1.0, min(e.max_slots, e.kv_budget_tokens / (prompt + per_sample / 2)))
-    rate = slots / e.step_s(round(slots))  # tokens/s of one worker, always full
+    n = len(window)
+    decode = decode_replica_s(cfg.engine, sum(s.response_tokens for s in window) / n,
+                              sum(s.kv_token_steps for s in window) / n)  # fmt: skip
     train = fmean(s.train_s for s in window) + cfg.trainer.publish_s
-    if not o.elastic_workers:
-        return max(response / (o.rollout_workers * rate), train)
-    # Standalone workers roll out through the step; all of them while the trainer waits.
-    standalone = o.rollout_workers - o.elastic_workers
-    return train + max(0.0, response - standalone * rate * train) / (o.rollout_workers * rate)
+    return step_bound(decode, o.rollout_workers, o.elastic_workers, train)
 
 
 def dropped_by_length(o: Outcome) -> dict[str, float]:

@@ -139,10 +139,6 @@ class Workload:
         rng = random.Random(f"{self.seed}:prompt:{group}")
         return max(1, round(rng.lognormvariate(math.log(self.prompt_tokens), self.prompt_sigma)))
 
-    def mean_length(self, samples: int = 20_000) -> float:
-        """Monte-Carlo mean output length (for documentation and ideal-time bounds)."""
-        return sum(self.length(g // 16, g % 16, 0) for g in range(samples)) / samples
-
 
 def _lognormal(rng: random.Random, median: float, sigma: float) -> float:
     """``median * exp(sigma * z)``; draws ``z`` even when the median is 0, so later draws do not shift."""

@@ -21,6 +21,7 @@ from dora.sim.bounds import (
     step_work,
 )
 from dora.sim.des import Simulation
+from dora.sim.workload import from_section
 from tests.unit.simcfg import small
 
 EXAMPLES = int(os.environ.get("DORA_SIM_EXAMPLES", "300")) // 3
@@ -126,6 +127,10 @@ def test_no_simulated_run_beats_the_bound_of_the_work_it_trained(
     decode = run_decode_bound(cfg.engine, o.trained_lengths, 8)
     trained = sum(s.train_s for s in o.steps)
     assert len(o.trained_lengths) == steps * train_groups * group_size
+    budget = cfg.engine.kv_budget_tokens  # each step records its batch's KV work, as the bound counts it
+    assert sum(s.kv_token_steps for s in o.steps) == pytest.approx(
+        sum(kv_token_steps(n, 8, budget) for n in o.trained_lengths)
+    )
     bound = step_bound(decode, w, o.elastic_workers, trained)
     assert o.wall_s >= bound * (1 - 1e-9), (o.wall_s, bound, decode / w, trained)
 
@@ -142,3 +147,15 @@ def test_one_elastic_worker_in_sync_with_nothing_else_to_pay_runs_exactly_at_the
     decode = run_decode_bound(cfg.engine, o.trained_lengths, 8)
     assert decode == pytest.approx(3 * 100 * (0.02 + 4 * 0.0001))  # 300 decode steps of 4 sequences
     assert o.wall_s == pytest.approx(step_bound(decode, 1, 1, 3 * 5.0))
+
+
+def test_an_episode_counts_as_one_sample_of_all_its_turns_and_the_trainer_also_trains_its_tool_results():
+    cfg = small(train_groups=2, group_size=2, median=30.0, sigma=0.5)
+    cfg = replace(cfg, workload=replace(cfg.workload, max_turns=4, turns=2.0, observation_tokens=7.0, tool_s=1.0))
+    wl = from_section(cfg.workload, cfg.run.seed)
+    episodes = [(wl.prompt_len(g), wl.episode(g, i, 1)) for g in range(2) for i in range(2)]
+    assert any(len(ep.turns) > 1 and sum(ep.observations) > 0 for _, ep in episodes)
+    work = step_work(cfg, batches=1)
+    assert work.response_tokens == sum(ep.length for _, ep in episodes)
+    assert work.kv_token_steps == sum(kv_token_steps(ep.length, p) for p, ep in episodes)
+    assert work.batches == (tuple(p + ep.length + sum(ep.observations) for p, ep in episodes),)
