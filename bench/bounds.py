@@ -77,13 +77,13 @@ def report(label: str, path: pathlib.Path, target: float | None, batches: int, r
                            "kv_sequences": kv_slots, "baselines": base, "needed_s": need, "bounds": {}}  # fmt: skip
     print(f"  {'trainer':<22} {'placement':<14} {'best split (rollout/elastic/trainer GPUs)':>42} "
           f"{'train s':>8} {'decode s':>9} {'bound min':>10} {'/ sync':>7} {'/ partial':>9}")  # fmt: skip
-    for balanced, label in ((False, "as configured"), (True, "perfectly balanced")):
+    for balanced, trainer in ((False, "as configured"), (True, "perfectly balanced")):
         found = fleet_bounds(cfg, work, balanced=balanced)
-        out["bounds"][label] = {k: vars_of(b) for k, b in found.items()}
+        out["bounds"][trainer] = {k: vars_of(b) for k, b in found.items()}
         for key in ("disaggregated", "elastic", "colocated", "best"):
             b = found[key]
             split = f"{b.rollout_gpus}/{b.elastic_gpus}/{b.trainer_gpus}"
-            print(f"  {label:<22} {key:<14} {split:>42} {b.train_s:8.0f} {b.decode_s:9.0f} {b.step_s / 60:10.2f} "
+            print(f"  {trainer:<22} {key:<14} {split:>42} {b.train_s:8.0f} {b.decode_s:9.0f} {b.step_s / 60:10.2f} "
                   f"{base['sync'] / b.step_s:6.2f}x {base['partial'] / b.step_s:8.2f}x")  # fmt: skip
     if rows is not None:
         print(
