@@ -23,6 +23,7 @@ import json
 import pathlib
 import sys
 import time
+from dataclasses import asdict
 from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -79,7 +80,7 @@ def report(label: str, path: pathlib.Path, target: float | None, batches: int, r
           f"{'train s':>8} {'decode s':>9} {'bound min':>10} {'/ sync':>7} {'/ partial':>9}")  # fmt: skip
     for balanced, trainer in ((False, "as configured"), (True, "perfectly balanced")):
         found = fleet_bounds(cfg, work, balanced=balanced)
-        out["bounds"][trainer] = {k: vars_of(b) for k, b in found.items()}
+        out["bounds"][trainer] = {k: asdict(b) for k, b in found.items()}
         for key in ("disaggregated", "elastic", "colocated", "best"):
             b = found[key]
             split = f"{b.rollout_gpus}/{b.elastic_gpus}/{b.trainer_gpus}"
@@ -99,10 +100,6 @@ def report(label: str, path: pathlib.Path, target: float | None, batches: int, r
             print(f"    {name:<24} {row['rollout_gpus']}/{el * g}/{row['trainer_gpus']}: {took / 60:6.2f} min/step, "
                   f"bound {bound / 60:6.2f} ({bound / took:.0%})")  # fmt: skip
     return out
-
-
-def vars_of(b: Any) -> dict[str, Any]:
-    return {f: getattr(b, f) for f in b.__slots__}
 
 
 def main(argv: list[str]) -> int:

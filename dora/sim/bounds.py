@@ -27,7 +27,7 @@ perfectly balanced trainer (``fluid``, the strict bound: no split of a batch ove
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from statistics import fmean
 
@@ -141,9 +141,3 @@ def fleet_bounds(cfg: SimConfig, work: StepWork, *, balanced: bool = False) -> d
             if key not in best or b.step_s < best[key].step_s:
                 best[key] = b
     return best
-
-
-def run_decode_bound(engine: EngineSection, lengths: Sequence[int], prompt: int) -> float:
-    """D for samples of these response ``lengths`` after prompts of ``prompt`` tokens each."""
-    budget = engine.kv_budget_tokens
-    return decode_replica_s(engine, float(sum(lengths)), sum(kv_token_steps(n, prompt, budget) for n in lengths))

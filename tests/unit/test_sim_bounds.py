@@ -16,7 +16,6 @@ from dora.sim.bounds import (
     decode_replica_s,
     fleet_bounds,
     kv_token_steps,
-    run_decode_bound,
     step_bound,
     step_work,
 )
@@ -25,6 +24,12 @@ from dora.sim.workload import from_section
 from tests.unit.simcfg import small
 
 EXAMPLES = int(os.environ.get("DORA_SIM_EXAMPLES", "300")) // 3
+
+
+def run_decode_bound(engine: EngineSection, lengths: list[int], prompt: int) -> float:
+    """D for samples of these response ``lengths`` after prompts of ``prompt`` tokens each."""
+    budget = engine.kv_budget_tokens
+    return decode_replica_s(engine, float(sum(lengths)), sum(kv_token_steps(n, prompt, budget) for n in lengths))
 
 
 def test_decode_is_bound_by_the_slots_or_by_the_kv_cache_whichever_needs_more_steps():
