@@ -3,6 +3,7 @@
     python bench/paper_table.py                 # both paper configs + every sweep -> bench/out/
     python bench/paper_table.py --only table    # just the two paper configs
     python bench/paper_table.py --only sweeps --steps 8
+    python bench/paper_table.py --only pareto --table bench/out_table/paper_table.json --out bench/out_table
 
 Each run is the same `dora.core.core.Core` the broker runs, driven by the simulator. Only the
 64-GPU synchronous run was calibrated (bench/calibrate.py); everything else printed is a prediction.
@@ -15,9 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
+import statistics
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 from dora.config import load
@@ -78,33 +82,67 @@ def table(gpus: int, out: pathlib.Path, steps: int | None) -> dict[str, Any]:
     return rows
 
 
-def frontier(gpus: int, elastic: dict[str, Any], out: pathlib.Path, extra: list[str]) -> dict[str, Any]:
+FRONTIER_SEEDS = 3
+"""Seeds per point of the frontier: a 20-step run's throughput moves by several percent with the workload's seed
+(more than the gap between neighbouring K), so each point is the mean over seeds, each seed's run kept beside it."""
+POLICIES: list[tuple[str, list[str]]] = [(f"fixed K={k}", [f"core.max_staleness={k}"]) for k in (1, 2, 3)] + [
+    ("adaptive K=3", ["core.max_staleness=3", "core.deadlines=adaptive"])
+]
+KEPT = ("throughput_tokens_per_s", "mean_staleness", "step_time_s", "max_staleness_consumed", "c1_violations",
+        "dropped_groups")  # fmt: skip
+
+
+def _metrics(cfg_path: pathlib.Path, mode: Mode, overrides: list[str]) -> dict[str, Any]:
+    """One run's kept metrics (a process pool's task: the outcome itself stays in the worker)."""
+    m = run(cfg_path, mode, overrides).metrics
+    return {k: m[k] for k in KEPT}
+
+
+def frontier(gpus: int, elastic: dict[str, Any], out: pathlib.Path, extra: list[str], *, seeds: int = FRONTIER_SEEDS,
+             jobs: int = 1) -> dict[str, Any]:  # fmt: skip
     """Throughput against mean consumed staleness: fixed K = 1, 2, 3 and adaptive deadlines with K = 3, all on
-    the elastic placement the table found (the same workers, so only the deadline policy changes)."""
+    the elastic placement the table found (the same workers, so only the deadline policy changes), each the
+    mean of ``seeds`` runs (``run.seed`` 0, 1, ...; seed 0 is the table's own workload)."""
     g = elastic["rollout_gpus"] // elastic["rollout_workers"]
     place = ["cluster.placement.dora=elastic", f"cluster.elastic_gpus={elastic['elastic_workers'] * g}", *extra]
+    tasks = [(name, seed, [*place, *ov, f"run.seed={seed}"]) for name, ov in POLICIES for seed in range(seeds)]
+    with ProcessPoolExecutor(max(1, jobs)) as pool:
+        done = list(pool.map(_metrics, *zip(*[(CONFIGS[gpus], Mode.DORA, ov) for _, _, ov in tasks], strict=True)))
     points: dict[str, dict[str, Any]] = {}
-    for name, ov in [(f"fixed K={k}", [f"core.max_staleness={k}"]) for k in (1, 2, 3)] + [
-        ("adaptive K=3", ["core.max_staleness=3", "core.deadlines=adaptive"])
-    ]:
-        m = run(CONFIGS[gpus], Mode.DORA, place + ov).metrics
-        points[name] = {k: m[k] for k in ("throughput_tokens_per_s", "mean_staleness", "step_time_s",
-                                          "max_staleness_consumed", "c1_violations", "dropped_groups")}  # fmt: skip
+    for name, _ in POLICIES:
+        runs = [m for (n, _, _), m in zip(tasks, done, strict=True) if n == name]
+        points[name] = {
+            "throughput_tokens_per_s": statistics.fmean(r["throughput_tokens_per_s"] for r in runs),
+            "mean_staleness": statistics.fmean(r["mean_staleness"] for r in runs),
+            "step_time_s": statistics.fmean(r["step_time_s"] for r in runs),
+            "max_staleness_consumed": max(r["max_staleness_consumed"] for r in runs),
+            "c1_violations": sum(r["c1_violations"] for r in runs),
+            "dropped_groups": sum(r["dropped_groups"] for r in runs),
+            "per_seed": runs,
+        }
     print(f"\n#### {gpus} GPUs: throughput vs staleness (dora, {elastic['elastic_workers'] * g} of "
-          f"{elastic['rollout_gpus']} GPUs elastic)\n")  # fmt: skip
+          f"{elastic['rollout_gpus']} GPUs elastic; mean of {seeds} seeds, min-max beside)\n")  # fmt: skip
     print("| policy | tokens/s | mean staleness | max staleness | C1 viol. | dropped |")
     print("|---|---|---|---|---|---|")
     for name, m in points.items():
-        print(f"| {name} | {m['throughput_tokens_per_s']:,.0f} | {m['mean_staleness']:.2f} | "
-              f"{m['max_staleness_consumed']} | {m['c1_violations']} | {m['dropped_groups']} |")  # fmt: skip
+        tps = [r["throughput_tokens_per_s"] for r in m["per_seed"]]
+        st = [r["mean_staleness"] for r in m["per_seed"]]
+        print(f"| {name} | {m['throughput_tokens_per_s']:,.0f} ({min(tps):,.0f}-{max(tps):,.0f}) | "
+              f"{m['mean_staleness']:.2f} ({min(st):.2f}-{max(st):.2f}) | {m['max_staleness_consumed']} | "
+              f"{m['c1_violations']} | {m['dropped_groups']} |")  # fmt: skip
     a, k2, k3 = points["adaptive K=3"], points["fixed K=2"], points["fixed K=3"]
     dominates = (a["throughput_tokens_per_s"] >= k3["throughput_tokens_per_s"]
                  and a["mean_staleness"] <= k2["mean_staleness"])  # fmt: skip
-    print(f"\nadaptive K=3 dominates (tokens/s >= fixed K=3's and staleness <= fixed K=2's): "
+    paired = sum(
+        x["throughput_tokens_per_s"] >= y["throughput_tokens_per_s"] and x["mean_staleness"] <= z["mean_staleness"]
+        for x, y, z in zip(a["per_seed"], k3["per_seed"], k2["per_seed"], strict=True)
+    )
+    print(f"\nadaptive K=3 dominates (tokens/s >= fixed K=3's and staleness <= fixed K=2's), on the means: "
           f"{'yes' if dominates else 'no'} ({a['throughput_tokens_per_s'] / k3['throughput_tokens_per_s']:.3f}x "
-          f"K=3's tokens/s at {a['mean_staleness']:.2f} vs K=2's {k2['mean_staleness']:.2f})")  # fmt: skip
-    pareto(points, out / f"pareto_{gpus}gpu.png", title=f"paper-{gpus}gpu")
-    return points
+          f"K=3's tokens/s at {a['mean_staleness']:.2f} vs K=2's {k2['mean_staleness']:.2f}); "
+          f"seed by seed: {paired} of {seeds}")  # fmt: skip
+    pareto(points, out / f"pareto_{gpus}gpu.png", title=f"paper-{gpus}gpu, mean of {seeds} seeds")
+    return {**points, "dominance": {"on_means": dominates, "seeds_dominated": paired, "seeds": seeds}}
 
 
 def print_table(gpus: int, rows: dict[str, dict[str, Any]]) -> None:
@@ -261,7 +299,14 @@ def _report_modes(title: str, series: dict[Any, dict[str, dict[str, Any]]]) -> N
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", choices=["table", "sweeps"])
+    p.add_argument(
+        "--only",
+        choices=["table", "pareto", "sweeps"],
+        help="pareto: only the frontier, on the elastic placements of an earlier table (--table)",
+    )
+    p.add_argument("--table", help="with --only pareto: that table's paper_table.json (default: OUT's), updated")
+    p.add_argument("--seeds", type=int, default=FRONTIER_SEEDS, help="workload seeds per frontier point")
+    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="frontier runs at once")
     p.add_argument("--steps", type=int, help="steps per table run (default: the configs' 20)")
     p.add_argument("--sweep-steps", type=int, default=8)
     p.add_argument("--out", default=str(ROOT / "bench" / "out"))
@@ -271,14 +316,26 @@ def main(argv: list[str]) -> int:
     report: dict[str, Any] = {}
     t0 = time.perf_counter()
     fractions: dict[str, float] = {"dora": 0.5625, "one_step": 0.5625, "drop_stale": 0.5}
-    if args.only != "sweeps":
+    if args.seeds < 1 or args.jobs < 1:
+        p.error("--seeds and --jobs must be at least 1")
+    extra = [f"run.steps={args.steps}"] if args.steps else []
+    if args.only == "pareto":
+        path = pathlib.Path(args.table) if args.table else out / "paper_table.json"
+        try:
+            report = json.loads(path.read_text())
+            placements = {gpus: report[f"paper_{gpus}gpu"]["dora elastic"] for gpus in (64, 128)}
+        except (OSError, ValueError, KeyError) as e:
+            p.error(f"--only pareto needs a table run's paper_table.json with its dora elastic rows ({path}: {e})")
+        for gpus, elastic in placements.items():
+            report[f"pareto_{gpus}gpu"] = frontier(gpus, elastic, out, extra, seeds=args.seeds, jobs=args.jobs)
+    elif args.only != "sweeps":
         for gpus in (64, 128):
             report[f"paper_{gpus}gpu"] = rows = table(gpus, out, args.steps)
-            extra = [f"run.steps={args.steps}"] if args.steps else []
-            report[f"pareto_{gpus}gpu"] = frontier(gpus, rows["dora elastic"], out, extra)
+            report[f"pareto_{gpus}gpu"] = frontier(gpus, rows["dora elastic"], out, extra, seeds=args.seeds,
+                                                   jobs=args.jobs)  # fmt: skip
         report["scaling"] = scaling(report["paper_64gpu"], report["paper_128gpu"])
         fractions = split_fractions(report["paper_64gpu"])
-    if args.only != "table":
+    if args.only in (None, "sweeps"):
         report["sweeps"] = sweeps(out, args.sweep_steps, fractions)
     (out / "paper_table.json").write_text(json.dumps(report, indent=1, default=str))
     print(f"\nwrote {out}/paper_table.json and PNGs in {time.perf_counter() - t0:.0f}s", file=sys.stderr)

@@ -102,11 +102,17 @@ def xy_plot(
 
 
 def pareto(points: dict[str, dict[str, Any]], path: pathlib.Path, *, title: str) -> pathlib.Path:
-    """Throughput against mean consumed staleness, one labelled point per policy (up and left is better)."""
+    """Throughput against mean consumed staleness, one labelled point per policy (up and left is better); where a
+    point is a mean over runs (``per_seed``), each run is drawn small beside it."""
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, m in points.items():
         x, y = m["mean_staleness"], m["throughput_tokens_per_s"]
-        ax.scatter([x], [y], s=40, color="#d62728" if "adaptive" in name else "#1f77b4")
+        color = "#d62728" if "adaptive" in name else "#1f77b4"
+        runs = m.get("per_seed", ())
+        if runs:
+            ax.scatter([r["mean_staleness"] for r in runs], [r["throughput_tokens_per_s"] for r in runs], s=10,
+                       color=color, alpha=0.35)  # fmt: skip
+        ax.scatter([x], [y], s=40, color=color)
         ax.annotate(name, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
     ax.set_xlabel("mean staleness at consumption (versions)")
     ax.set_ylabel("tokens / s (steady state)")
