@@ -269,13 +269,14 @@ class Core:
     def _extend_and_take(self) -> DeliverBatch | None:
         """Adaptive deadlines: the trainer waits on groups due now that still run. Move each one's deadline a
         step later where v + K allows, if that lets the batch be taken now; otherwise change nothing.
+        Not while that would pause a running group on a yielding elastic worker (``_would_pause``).
         Moving groups from deadline s to s + 1 keeps the feasibility invariant (the counts at every later
         deadline are unchanged) and ``take`` still keeps it for s + 1, so C2, C3 and liveness hold."""
         s, B = self.step, self.cfg.train_groups
         if len(self.transfer) < B or not self.transfer.waiting_on(self.ledger.deadline_counts()):
             return None
         movable = [f for f in self.scheduler.due(s) if f.version + self.cfg.staleness > s]
-        if not movable:
+        if not movable or self._would_pause():
             return None
         for f in movable:
             self.ledger.move_group((f.version, s), (f.version, s + 1))
@@ -289,6 +290,28 @@ class Core:
             return None
         self.extended += len(movable)
         return batch
+
+    def _would_pause(self) -> bool:
+        """Would a batch taken now hold a running group paused through the step? The elastic workers yield for
+        it, and a group of theirs that no standalone worker of its version has room for waits on its yielded
+        worker (``_evacuate``): taking the batch early then only trades that group's rollout time for the
+        trainer's, and the group is due a step later anyway."""
+        sched = self.scheduler
+        holders = [
+            (self.ledger.version_of(w.worker_id),
+             tuple((g, sched.unfinished(sched.flights[g])) for g in sorted(w.groups)
+                   if sched.flights[g].state is GroupState.RUNNING))
+            for w in sched.workers.values()  # in join order, as _yield_elastic evacuates them
+            if w.elastic and not w.yielded and w.groups
+        ]  # fmt: skip
+        if not holders:
+            return False
+        room: dict[int, dict[WorkerId, int]] = {}
+        for p in sched.workers.values():  # the peers _evacuate hands groups to
+            version = self.ledger.version_of(p.worker_id)
+            if not p.elastic and p.ready and not p.leaving and version is not None:
+                room.setdefault(version, {})[p.worker_id] = p.free
+        return not orchestrator.all_placed(holders, room)  # type: ignore[arg-type]  (elastic holders are pinned)
 
     def _yield_elastic(self, batch: DeliverBatch, out: Outbox) -> None:
         """The batch is taken: elastic workers hand what they can to standalone peers of their version and

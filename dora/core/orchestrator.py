@@ -128,6 +128,24 @@ def place_some(groups: tuple[tuple[GroupId, int], ...], peers: list[WorkerView])
     return placed
 
 
+def all_placed(holders: list[tuple[int, tuple[tuple[GroupId, int], ...]]],
+               room: dict[int, dict[WorkerId, int]]) -> bool:  # fmt: skip
+    """Would every group of ``holders`` ((version, ((group, unfinished samples), ...)) each, in turn) find room on
+    ``room`` (version -> {peer: free slots}), each placed by ``place_some`` and taking its room from the next
+    holder's? ``room`` is used up in place."""
+    for version, groups in holders:
+        free = room.setdefault(version, {})
+        views = [WorkerView(worker_id=p, version=version, free=n, groups=(), settled=True, order=i)
+                 for i, (p, n) in enumerate(free.items())]  # fmt: skip
+        placed = place_some(groups, views)
+        if len(placed) < len(groups):
+            return False
+        need = dict(groups)
+        for gid, dst in placed:
+            free[dst] -= need[gid]
+    return True
+
+
 def _load(w: WorkerView) -> int:
     return sum(n for _, n in w.groups)
 

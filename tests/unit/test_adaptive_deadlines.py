@@ -11,13 +11,17 @@ import pytest
 from dora.config import CoreConfig
 from dora.core.core import Core
 from dora.core.events import (
+    Assign,
     BatchRequested,
     DeliverBatch,
     Lease,
+    Resume,
     SampleFinished,
     WeightsLoaded,
     WeightsPublished,
     WorkerJoined,
+    Yield,
+    Yielded,
 )
 from dora.ids import Mode
 from dora.sim.des import Simulation
@@ -65,6 +69,41 @@ def test_a_running_due_group_moves_later_only_to_spare_the_trainer_a_wait():
     assert core.transfer.waiting_on(core.ledger.deadline_counts()) == 1, "now step 2 must wait for g0"
     (b2,) = of(done(core, g0, now=3.0), DeliverBatch)
     assert g0.group_id in [g.group_id for g in b2.groups] and b0.step == 0
+
+
+@pytest.mark.parametrize("elastic", [False, True])
+def test_no_deadline_moves_where_taking_the_batch_would_pause_a_group_on_a_yielding_worker(elastic):
+    """Worker e holds g0 (v0, due at step 1), and no other worker serves v0 then. When the next group finishes,
+    moving g0 a step later would let step 1 take that group at once. A standalone e runs g0 on through the step,
+    so the move is made; an elastic e would yield for the batch with g0 paused on it (no worker of v0 to hand it
+    to), so the trainer waits for g0 instead."""
+    core = Core(CoreConfig(mode=Mode.DORA, max_staleness=2, train_groups=1, group_size=1, rollout_groups=2,
+                           deadlines="adaptive"))  # fmt: skip
+    core.handle(0, WorkerJoined(worker_id="e", slots=2, elastic=elastic))
+    g0, g1 = of(core.handle(0, WeightsLoaded(worker_id="e", version=0)), Lease)
+    core.handle(0, WorkerJoined(worker_id="s", slots=1))
+    core.handle(0, BatchRequested(step=0))
+    acts = done(core, g1, now=1.0)  # step 0 takes g1; an elastic e yields for it, holding g0 (s has no weights)
+    if elastic:
+        assert of(acts, Yield) and not of(acts, DeliverBatch)
+        acts += core.handle(1.0, Yielded(worker_id="e"))
+    assert [g.group_id for g in of(acts, DeliverBatch)[0].groups] == [g1.group_id]
+    acts += core.handle(1.0, WeightsPublished(version=1))
+    assert [a.worker_id for a in of(acts, Assign)] == ["s"] and len(of(acts, Resume)) == elastic
+    acts += core.handle(1.0, WeightsLoaded(worker_id="s", version=1))
+    (g2,) = of(acts, Lease)  # e's free slot on v0 while it stays, or s on v1
+    assert g2.worker_id == ("s" if elastic else "e")
+    core.handle(1.0, BatchRequested(step=1))
+    acts = done(core, g2, now=2.0)
+    if not elastic:
+        assert [g.group_id for g in of(acts, DeliverBatch)[0].groups] == [g2.group_id] and core.extended == 1
+        assert core.scheduler.flights[g0.group_id].deadline == 2
+        return
+    assert not of(acts, Yield) and not of(acts, DeliverBatch) and core.extended == 0, "no move that pauses g0"
+    assert core.scheduler.flights[g0.group_id].deadline == 1
+    acts = done(core, g0, now=3.0)  # step 1 takes g0 at its deadline, e yields with nothing left to pause
+    assert of(acts, Yield) and not of(acts, DeliverBatch)
+    assert [g.group_id for g in of(core.handle(3.0, Yielded(worker_id="e")), DeliverBatch)[0].groups] == [g0.group_id]
 
 
 def run(cfg, mode: Mode, deadlines: str):

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dora.core.orchestrator import WorkerView, allocate, plan
+from dora.core.orchestrator import WorkerView, all_placed, allocate, plan
 
 
 @pytest.mark.parametrize(
@@ -168,3 +168,19 @@ def test_with_drain_load_no_worker_is_packed_past_it_and_an_older_version_keeps_
         kept = [w for w in settled if w.worker_id not in p.moves]
         if pending.get(v):
             assert len(kept) >= min(len(settled), -(-pending[v] // drain)), (v, len(kept), pending[v], drain)
+
+
+@pytest.mark.parametrize(
+    ("holders", "room", "fits"),
+    [
+        ([], {}, True),  # no elastic worker holds a running group
+        ([(0, ((1, 3),))], {0: {"s": 3}}, True),  # room on a peer of its version
+        ([(0, ((1, 3),))], {0: {"s": 2}}, False),  # a group is never split
+        ([(0, ((1, 3),))], {1: {"s": 8}}, False),  # room only on another version's peer (C1)
+        ([(0, ((1, 3), (2, 2)))], {0: {"s": 3, "t": 2}}, True),  # largest first, each where it fits
+        ([(0, ((1, 2),)), (0, ((2, 2),))], {0: {"s": 3}}, False),  # the first holder's group takes the room
+        ([(0, ((1, 2),)), (1, ((2, 2),))], {0: {"s": 2}, 1: {"t": 2}}, True),
+    ],
+)
+def test_all_placed_places_every_holders_groups_on_peers_of_its_version_with_room(holders, room, fits):
+    assert all_placed(holders, room) is fits
