@@ -71,7 +71,8 @@ class CoreConfig:
     deadlines: str = "fixed"
     """fixed: a group dispatched on version v must be trained by step v + K. adaptive: its deadline is the
     earliest step in [v + 1, v + K] that admission allows (fresh data while the fleet keeps up), and it is
-    moved one step later, never past v + K, only when that lets a waiting trainer take its batch now.
+    moved one step later, never past v + K, only when that lets a waiting trainer take its batch now, and
+    not when the elastic workers yielding for that batch would hold a running group paused through the step.
     K stays the hard bound either way; K = 0 is synchronous training in both."""
 
     def __post_init__(self) -> None:

@@ -23,6 +23,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from dora.config import CoreConfig
 from dora.core.events import LoadReported, ResultsReported, SampleFinished, Tick, WorkerJoined
+from dora.core.scheduler import GroupState
 from dora.ids import Mode
 from dora.sim.workload import Workload
 from tests.unit.machine import Harness
@@ -204,6 +205,18 @@ class CoreMachine(RuleBasedStateMachine):
     @invariant()
     def live_versions_bounded(self):
         assert len(self.h.core.ledger.alive()) <= self.h.cfg.staleness + 1
+
+    @invariant()
+    def no_deadline_moved_to_pause_a_group(self):
+        """A deadline moves only where the elastic workers yielding for the batch it lets go hold no running
+        group paused: each one they held went to a standalone worker of its version."""
+        core = self.h.core
+        if core.extended > getattr(self, "extended", 0):
+            sched = core.scheduler
+            paused = [g for w in sched.workers.values() if w.elastic and w.yielded for g in w.groups
+                      if sched.flights[g].state is GroupState.RUNNING]  # fmt: skip
+            assert not paused, f"groups {paused} paused on yielded workers by a moved deadline"
+        self.extended = core.extended
 
     @invariant()
     def something_can_move(self):
