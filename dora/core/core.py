@@ -276,18 +276,20 @@ class Core:
         if len(self.transfer) < B or not self.transfer.waiting_on(self.ledger.deadline_counts()):
             return None
         movable = [f for f in self.scheduler.due(s) if f.version + self.cfg.staleness > s]
-        if not movable or self._would_pause():
+        if not movable:
             return None
         for f in movable:
             self.ledger.move_group((f.version, s), (f.version, s + 1))
             f.deadline = s + 1
-        batch = self.transfer.take(self.ledger.deadline_counts())
-        if batch is None:  # it would not help yet: keep the data fresh
+        counts = self.ledger.deadline_counts()
+        if not self.transfer.would_take(counts) or self._would_pause():  # no help yet, or a pause: keep them due
             for f in movable:
                 self.ledger.remove_group(f.version, s + 1)
                 self.ledger.add_group(f.version, s)
                 f.deadline = s
             return None
+        batch = self.transfer.take(counts)
+        assert batch is not None
         self.extended += len(movable)
         return batch
 

@@ -87,9 +87,7 @@ class TransferQueue:
             picked = sorted((f for q in self._by_deadline.values() for f in q), key=lambda f: f.seq)[:B]
         else:
             # Oldest first: earliest deadline, then completion order. Check the counts before building the batch.
-            take: dict[int, int] = {}
-            for d in sorted(self._by_deadline):
-                take[d] = min(len(self._by_deadline[d]), B - sum(take.values()))
+            take = self._oldest_first()
             if not deadline.keeps_invariant_after(counts, self.step, B, take):
                 return None
             for d, n in take.items():
@@ -104,6 +102,20 @@ class TransferQueue:
         self.in_training = batch
         self.step += 1
         return batch
+
+    def would_take(self, counts: dict[int, int]) -> bool:
+        """Would ``take(counts)`` assemble a batch now? (It changes nothing.)"""
+        if len(self) < self.train_groups:
+            return False
+        return self.drop_stale or deadline.keeps_invariant_after(counts, self.step, self.train_groups,
+                                                                  self._oldest_first())  # fmt: skip
+
+    def _oldest_first(self) -> dict[int, int]:
+        """{deadline: groups} of the batch taken oldest first: the earliest deadlines' finished groups."""
+        take: dict[int, int] = {}
+        for d in sorted(self._by_deadline):
+            take[d] = min(len(self._by_deadline[d]), self.train_groups - sum(take.values()))
+        return take
 
     def _consume(self, batch: DeliverBatch) -> None:
         """Per-batch and per-trajectory assertions (exact size, whole groups, C1, C3), then the histogram."""
