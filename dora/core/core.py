@@ -278,17 +278,15 @@ class Core:
         movable = [f for f in self.scheduler.due(s) if f.version + self.cfg.staleness > s]
         if not movable:
             return None
+        moved = self.ledger.deadline_counts()  # the counts once they are moved, checked before moving any
+        moved[s] -= len(movable)
+        moved[s + 1] = moved.get(s + 1, 0) + len(movable)
+        if not self.transfer.would_take({d: n for d, n in moved.items() if n}) or self._would_pause():
+            return None  # it would not help yet (keep the data fresh), or it would pause a group
         for f in movable:
             self.ledger.move_group((f.version, s), (f.version, s + 1))
             f.deadline = s + 1
-        counts = self.ledger.deadline_counts()
-        if not self.transfer.would_take(counts) or self._would_pause():  # no help yet, or a pause: keep them due
-            for f in movable:
-                self.ledger.remove_group(f.version, s + 1)
-                self.ledger.add_group(f.version, s)
-                f.deadline = s
-            return None
-        batch = self.transfer.take(counts)
+        batch = self.transfer.take(self.ledger.deadline_counts())
         assert batch is not None
         self.extended += len(movable)
         return batch
@@ -299,15 +297,13 @@ class Core:
         worker (``_evacuate``): taking the batch early then only trades that group's rollout time for the
         trainer's, and the group is due a step later anyway."""
         sched = self.scheduler
-        holders = [
+        holders = (  # made as they are placed: the first that does not fit ends the check
             (self.ledger.version_of(w.worker_id),
              tuple((g, sched.unfinished(sched.flights[g])) for g in sorted(w.groups)
                    if sched.flights[g].state is GroupState.RUNNING))
             for w in sched.workers.values()  # in join order, as _yield_elastic evacuates them
             if w.elastic and not w.yielded and w.groups
-        ]  # fmt: skip
-        if not holders:
-            return False
+        )  # fmt: skip
         room: dict[int, dict[WorkerId, int]] = {}
         for p in sched.workers.values():  # the peers _evacuate hands groups to
             version = self.ledger.version_of(p.worker_id)

@@ -26,6 +26,7 @@ within K + 1 live versions).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from dora.ids import GroupId, WorkerId
@@ -128,13 +129,15 @@ def place_some(groups: tuple[tuple[GroupId, int], ...], peers: list[WorkerView])
     return placed
 
 
-def all_placed(holders: list[tuple[int, tuple[tuple[GroupId, int], ...]]],
+def all_placed(holders: Iterable[tuple[int, tuple[tuple[GroupId, int], ...]]],
                room: dict[int, dict[WorkerId, int]]) -> bool:  # fmt: skip
     """Would every group of ``holders`` ((version, ((group, unfinished samples), ...)) each, in turn) find room on
     ``room`` (version -> {peer: free slots}), each placed by ``place_some`` and taking its room from the next
     holder's? ``room`` is used up in place."""
     for version, groups in holders:
         free = room.setdefault(version, {})
+        if sum(n for _, n in groups) > sum(free.values()):  # cannot fit however placed
+            return False
         views = [WorkerView(worker_id=p, version=version, free=n, groups=(), settled=True, order=i)
                  for i, (p, n) in enumerate(free.items())]  # fmt: skip
         placed = place_some(groups, views)
