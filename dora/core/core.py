@@ -305,9 +305,9 @@ class Core:
             if w.elastic and not w.yielded and w.groups
         )  # fmt: skip
         room: dict[int, dict[WorkerId, int]] = {}
-        for p in sched.workers.values():  # the peers _evacuate hands groups to
+        for p in self._evacuation_peers():
             version = self.ledger.version_of(p.worker_id)
-            if not p.elastic and p.ready and not p.leaving and version is not None:
+            if version is not None:
                 room.setdefault(version, {})[p.worker_id] = p.free
         return not orchestrator.all_placed(holders, room)  # type: ignore[arg-type]  (elastic holders are pinned)
 
@@ -319,7 +319,7 @@ class Core:
         if not elastic:
             out.emit(batch)
             return
-        peers = [w for w in sched.workers.values() if not w.elastic and w.ready and not w.leaving]
+        peers = self._evacuation_peers()
         for w in elastic:
             if not self.cfg.in_flight_swap:  # partial swaps every worker's weights at the publish anyway
                 self._evacuate(w, peers, out)
@@ -329,6 +329,10 @@ class Core:
             self.yielding.add(w.worker_id)
             out.emit(Yield(worker_id=w.worker_id))
         self.held = batch
+
+    def _evacuation_peers(self) -> list[Worker]:
+        """The workers a yielding elastic worker may hand running groups to: standalone, loaded, staying."""
+        return [w for w in self.scheduler.workers.values() if not w.elastic and w.ready and not w.leaving]
 
     def _evacuate(self, worker: Worker, peers: list[Worker], out: Outbox) -> None:
         """Migrate the worker's running groups to standalone workers of its version with room; the rest stay
