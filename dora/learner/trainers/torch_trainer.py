@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from dora.hostmem import Parking, module_tensors
 from dora.learner.loss import LossConfig, LossFn, checked, group_advantages, policy_loss, uniform_groups
 from dora.store import WeightStore
 from dora.wire import messages as m
@@ -87,16 +88,31 @@ class TorchTrainer:
         self.offloads = cfg.offload_between_steps and self.device.type == "cuda"
         """Between steps the weights and optimizer state wait in host memory (elastic workers use the GPU)."""
         self.offloaded = False
+        self.parking = Parking()
+        """Host memory of the offloaded state (one pinned buffer, reused by every offload)."""
+        if self.offloads and self.world == 1:  # the model's tensors, then AdamW's two moments per parameter
+            params = [p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad]
+            self.parking.reserve([t.numel() * t.element_size() for t in module_tensors(self.model)[0]] + params * 2)
 
     # ------------------------------------------------------------------ offload between steps
 
     def _move(self, device: torch.device) -> None:
-        """Weights and optimizer state to ``device`` (FSDP2 re-registers its shards on a module's ``to``)."""
-        self.model.to(device)
-        for state in self.opt.state.values():
-            for key, value in state.items():
-                if torch.is_tensor(value) and key != "step":  # AdamW keeps its step count on the CPU
-                    state[key] = value.to(device)
+        """Weights and optimizer state to ``device``. One rank parks them in one pinned host buffer
+        (``dora.hostmem``); FSDP2 ranks use the module's ``to``, on which FSDP2 re-registers its shards."""
+        # AdamW keeps its step count on the CPU
+        slots = [(state, key) for state in self.opt.state.values() for key, value in state.items()
+                 if torch.is_tensor(value) and key != "step"]  # fmt: skip
+        if self.world > 1:
+            self.model.to(device)
+            for state, key in slots:
+                state[key] = state[key].to(device)
+            return
+        tensors, put = module_tensors(self.model)
+        every = [*tensors, *(state[key] for state, key in slots)]
+        moved = self.parking.park(every) if device.type == "cpu" else self.parking.unpark(every, device)
+        put(moved[: len(tensors)])
+        for (state, key), t in zip(slots, moved[len(tensors) :], strict=True):
+            state[key] = t
 
     def offload(self) -> None:
         """The step is published: weights and optimizer state wait in host memory (with offload_between_steps)."""

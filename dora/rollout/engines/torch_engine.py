@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dora.hostmem import Parking, module_tensors
 from dora.ids import Finish
 from dora.rollout.engines.base import EngineError, Sample
 from dora.store import InPlaceUnfit, load_into, load_verified
@@ -101,6 +102,10 @@ class TorchEngine:
         """The tensors of the file the current weights were loaded from (on a CPU): what a refused load puts back."""
         self.sleep_on_yield = sleep_on_yield
         self.asleep = False
+        self.parking = Parking()
+        """The model's host memory while asleep (``dora.hostmem``: one pinned buffer, reused by every sleep)."""
+        if sleep_on_yield:
+            self.parking.reserve([t.numel() * t.element_size() for t in module_tensors(self.model)[0]])
 
     # ------------------------------------------------------------------ weights
 
@@ -250,7 +255,8 @@ class TorchEngine:
             seq.kv = None
         self.running, self.waiting = [], deque(held)
         self._batch, self._cache, self._mask = [], None, None
-        self.model.to("cpu")
+        tensors, put = module_tensors(self.model)
+        put(self.parking.park(tensors))
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self.asleep = True
@@ -258,7 +264,8 @@ class TorchEngine:
     def wake(self) -> None:
         """Take the accelerators back: the model returns to its device (the same weights)."""
         if self.asleep:
-            self.model.to(self.device)
+            tensors, put = module_tensors(self.model)
+            put(self.parking.unpark(tensors, self.device))
             self.asleep = False
 
     # ------------------------------------------------------------------ stepping
