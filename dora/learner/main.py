@@ -116,12 +116,11 @@ def make_trainer(cfg: RunConfig, loss_fn: Callable[..., Any] | None = None,
                        offload_between_steps=lc.offload_between_steps)  # fmt: skip
     trainer = TorchTrainer(lc.model, WeightStore(lc.store), loss, tc, loss_fn=loss_fn or resolve_loss(lc.loss),
                            device=device)  # fmt: skip
+    log.info("trainer_ready", device=str(trainer.device), offload_between_steps=trainer.offloads)
     resumed = trainer.restore()
     if resumed is not None:
-        import structlog
-
-        structlog.get_logger().info("resumed_from_checkpoint", version=resumed["version"],
-                                    groups=len(resumed["trained_groups"]), dir=lc.checkpoint_dir)  # fmt: skip
+        log.info("resumed_from_checkpoint", version=resumed["version"], groups=len(resumed["trained_groups"]),
+                 dir=lc.checkpoint_dir)  # fmt: skip
     return trainer, resumed
 
 

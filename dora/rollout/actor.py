@@ -228,7 +228,8 @@ class RolloutActor:
                 self.report_finished()  # what finished before the yield goes out first
                 self.engine.paused = True  # an engine that can sleep gives the accelerator's memory back here
                 self.yielded = True
-                log.info("yielded", version=self.version, release_s=round(self.clock() - now, 3))
+                log.info("yielded", version=self.version, release_s=round(self.clock() - now, 3),
+                         asleep=getattr(self.engine, "asleep", False))  # fmt: skip
                 self.send(m.Yielded())
             case m.Resume() if msg.version == self.version:
                 self.wake(now)

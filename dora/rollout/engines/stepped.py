@@ -57,6 +57,11 @@ class StepWorkerEngine:
         self._paused = value
 
     @property
+    def asleep(self) -> bool:
+        """Paused with the accelerator's memory given back (the engine slept)."""
+        return bool(getattr(self.engine, "asleep", False))
+
+    @property
     def tokens_generated(self) -> int:
         return self.engine.tokens_generated
 

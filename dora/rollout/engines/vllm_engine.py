@@ -199,6 +199,10 @@ class VllmEngine:
         self.llm.sleep(level=self.sleep_level)
         self.held = held
 
+    @property
+    def asleep(self) -> bool:
+        return self.held is not None
+
     def wake(self) -> None:
         """Take the accelerators back: vLLM wakes (the same weights), and each held request is re-prefilled on
         prompt + its tokens so far and goes on."""
