@@ -110,3 +110,38 @@ def test_a_reserved_buffer_is_the_one_the_first_park_fills():
     assert reserved is not None and parking.reserve_s is not None
     put(parking.park(tensors))
     assert parking.buffer is reserved
+
+
+def test_an_offloading_trainer_publishes_from_its_parked_weights(tiny_model, tmp_path):
+    """With offload_between_steps the version is written from the parked host copies (views of one buffer, which
+    safetensors takes as separate tensors). Forced on here: on the CPU a trainer does not offload by itself."""
+    from safetensors.torch import load_file
+
+    from dora.learner.loss import LossConfig
+    from dora.learner.trainers.torch_trainer import TorchTrainer
+    from dora.store import WeightStore
+    from tests.unit.test_fsdp import CFG, batch
+
+    store = WeightStore(tmp_path / "store")
+    t = TorchTrainer(tiny_model, store, LossConfig(), CFG)
+    t.offloads = True
+    written, publish = [], store.publish
+
+    def watched(version, state):
+        written.append({k: x.untyped_storage().data_ptr() for k, x in state.items()})
+        return publish(version, state)
+
+    store.publish = watched
+    t.train(batch())
+    uri, _, _ = t.publish(1)
+    assert t.offloaded
+    buffer = t.parking.buffer.untyped_storage().data_ptr()
+    assert all(p.untyped_storage().data_ptr() == buffer for p in t.model.parameters())
+    assert set(written[0].values()) == {buffer}  # what was written: the parked copies
+    published = load_file(uri.removeprefix("file://"))
+    state = t.model.state_dict()
+    assert published.keys() == state.keys() and all(torch.equal(published[k], state[k]) for k in state)
+    t.train(batch())  # back on its device for the next step, and parked again at the next publish
+    assert not t.offloaded
+    t.publish(2)
+    assert t.offloaded

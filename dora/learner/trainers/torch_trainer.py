@@ -307,6 +307,9 @@ class TorchTrainer:
         self._onload()
         try:
             if self.world == 1:
+                # offloading: park first, and write the version from the parked copies (the weights cross the
+                # host link once, through the pinned buffer, instead of once more tensor by tensor)
+                self.offload()
                 return self.store.publish(version, self.model.state_dict())
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
