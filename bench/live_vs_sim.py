@@ -61,6 +61,7 @@ def sim_config(cfg: RunConfig, workers: int, elastic: int) -> SimConfig:
         run=RunSection(
             steps=cfg.core.total_steps or 1,
             warmup_steps=WARMUP,
+            cooldown_steps=0,  # the live run ends in its drain, and is measured to its end: the same here
             seed=cfg.run.seed,
             tick_s=cfg.broker.tick_s / cfg.run.time_scale,
         ),

@@ -1,4 +1,5 @@
-"""Reported metrics of a simulated run (steady state: the steps after ``run.warmup_steps``).
+"""Reported metrics of a simulated run (steady state: the steps after ``run.warmup_steps`` up to ``run.steps``; the
+cooldown's steps after them are simulated so that the window does not end in the run's drain, and left out).
 
 ``ideal_step_time_s`` is ``dora.sim.bounds``'s lower bound for the run's own split, applied to the mean of
 its window's batches: decode at the KV cache's limit (every sample weighed by the context it holds over its
@@ -22,10 +23,11 @@ LENGTH_BUCKETS = (0, 1024, 2048, 4096, 8192, 16384, 1 << 62)
 
 
 def summarize(o: Outcome, cfg: SimConfig) -> dict[str, Any]:
-    warm = min(cfg.run.warmup_steps, len(o.steps) - 1)
-    window = o.steps[warm:]
+    measured = min(cfg.run.steps, len(o.steps))  # the cooldown's steps after them are left out
+    warm = min(cfg.run.warmup_steps, measured - 1)
+    window = o.steps[warm:measured]
     start = o.totals_at_step[warm - 1] if warm else Totals()
-    end = o.totals_at_step[-1]
+    end = o.totals_at_step[measured - 1]
     d = end.minus(start)
     elapsed = d.t or 1e-9
     tokens = sum(s.tokens for s in window)
@@ -45,8 +47,9 @@ def summarize(o: Outcome, cfg: SimConfig) -> dict[str, Any]:
         "trainer_gpus": o.trainer_gpus,
         "elastic_workers": o.elastic_workers,
         "yields": o.yields,
-        "steps": len(o.steps),
+        "steps": measured,
         "warmup_steps": warm,
+        "cooldown_steps": len(o.steps) - measured,
         "wall_s": o.wall_s,
         "throughput_tokens_per_s": tokens / elapsed,
         "step_time_s": step_time,

@@ -39,10 +39,13 @@ def small(
     prefill_s_per_token: float = 0.0,
     kv_budget_tokens: int = 1 << 40,
     placement: dict[str, str] | None = None,
+    cooldown_steps: int | None = 0,
 ) -> SimConfig:
-    """``workers`` rollout workers of one GPU each and a one-GPU trainer taking ``train_s`` per step."""
+    """``workers`` rollout workers of one GPU each and a one-GPU trainer taking ``train_s`` per step. No cooldown
+    by default: the run is exactly ``steps`` steps (``cooldown_steps=None``: the simulator's default, K + 2)."""
     return SimConfig(
-        run=RunSection(steps=steps, warmup_steps=0, tick_s=tick_s, restart_s=restart_s, seed=seed),
+        run=RunSection(steps=steps, warmup_steps=0, tick_s=tick_s, restart_s=restart_s, seed=seed,
+                       cooldown_steps=cooldown_steps),
         core=CoreConfig(max_staleness=k, train_groups=train_groups, group_size=group_size, rollout_groups=watermark,
                         legacy_fill=legacy_fill),
         cluster=ClusterSection(total_gpus=workers + 1, gpus_per_worker=1, rollout_gpus=workers,

@@ -53,7 +53,10 @@ def test_sim_runs_all_modes_and_reports_the_invariants(tmp_path):
     for mode, row in rows.items():
         assert row["max_staleness_consumed"] <= row["max_staleness"], mode
         if mode != "drop_stale":
-            assert row["groups_trained"] == 5 * 8 and row["max_live_versions"] <= row["max_staleness"] + 1
+            # the 5 measured steps, then the cooldown's K + 2 (the core still dispatching)
+            assert row["steps"] == 5 and row["cooldown_steps"] == row["max_staleness"] + 2, mode
+            assert row["groups_trained"] == (5 + row["cooldown_steps"]) * 8
+            assert row["max_live_versions"] <= row["max_staleness"] + 1
             assert row["groups_dispatched"] == row["groups_trained"] + row["groups_in_flight_at_end"]
     assert "C1" in r.stdout and "dora" in r.stdout
     pngs = sorted(p.name for p in plots.glob("*.png"))

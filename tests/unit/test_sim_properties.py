@@ -26,7 +26,9 @@ KEEPERS = [Mode.DORA, Mode.DORA, Mode.PARTIAL, Mode.ONE_STEP, Mode.SYNC]
 
 
 def check_run(o, cfg, mode: Mode) -> None:
-    steps, b, k = cfg.run.steps, cfg.core.train_groups, cfg.for_mode(mode).core.staleness
+    # every step of the run: the measured ones, then the cooldown's (the core still dispatching)
+    steps, b, k = cfg.for_mode(mode).core.total_steps, cfg.core.train_groups, cfg.for_mode(mode).core.staleness
+    assert steps == cfg.run.steps + cfg.run.cooldown(k)
     assert len(o.steps) == steps
     assert sorted(o.trained) == list(range(steps * b)), "C2: every group of the run trained exactly once"
     assert o.groups_dispatched == len(o.trained) + o.groups_in_flight, "conservation"
@@ -69,7 +71,7 @@ def test_simulated_runs_keep_every_invariant(
         workers=workers, credit=credit, max_running=max(1, round(credit * running_frac)), steps=steps, k=k,
         train_groups=train_groups, group_size=group_size, watermark=watermark, legacy_fill=legacy_fill, sigma=sigma,
         load_s=load_s, train_s=train_s, tick_s=1.5, restart_s=2.0, seed=seed, prefill_s_per_token=1e-3,
-        kv_budget_tokens=kv or 1 << 40, placement={m.value: placement for m in Mode},
+        kv_budget_tokens=kv or 1 << 40, placement={m.value: placement for m in Mode}, cooldown_steps=None,
     )  # fmt: skip
     cfg = replace(  # role switches cost about a second: offloads, wake-up, trainer state
         cfg,
@@ -81,7 +83,8 @@ def test_simulated_runs_keep_every_invariant(
     o = Simulation(cfg, mode, deaths=tuple(sorted(deaths)), strict=True).run()
     check_run(o, cfg, mode)
     if placement != "disaggregated" and not deaths:
-        assert o.yields == o.elastic_workers * steps, "every elastic worker yields for every step"
+        total = cfg.for_mode(mode).core.total_steps
+        assert o.yields == o.elastic_workers * total, "every elastic worker yields for every step"
     event(f"mode={mode.value} placement={placement} deadlines={deadlines}")
     event(f"drain_load={'bounded' if drain_load else 'free slots'}")
     event(f"migrated={'yes' if o.migrated_requests else 'no'}")
