@@ -59,19 +59,27 @@ def run(cfg_path: pathlib.Path, mode: Mode, overrides: list[str], *, timeline_on
     return simulate(cfg, mode, timeline=timeline_on)
 
 
-def table(gpus: int, out: pathlib.Path, steps: int | None) -> dict[str, Any]:
+def _row(gpus: int, name: str, mode: Mode, overrides: list[str]) -> ModeResult:
+    """One variant of the table (a process pool's task)."""
+    t0 = time.perf_counter()
+    r = run(CONFIGS[gpus], mode, overrides, timeline_on=name in ("sync", "dora", "partial"))
+    r.metrics["variant"] = name
+    r.metrics["sim_seconds"] = time.perf_counter() - t0
+    r.metrics["decision_s_per_step"] = r.outcome.decision_s / max(1, len(r.outcome.steps))  # wall clock
+    return r
+
+
+def table(gpus: int, out: pathlib.Path, steps: int | None, jobs: int = 1) -> dict[str, Any]:
     extra = [f"run.steps={steps}"] if steps else []
     rows: dict[str, dict[str, Any]] = {}
     results: dict[str, ModeResult] = {}
-    for name, mode, overrides in VARIANTS:
-        t0 = time.perf_counter()
-        r = run(CONFIGS[gpus], mode, overrides + extra, timeline_on=name in ("sync", "dora", "partial"))
-        r.metrics["variant"] = name
-        r.metrics["sim_seconds"] = time.perf_counter() - t0
-        r.metrics["decision_s_per_step"] = r.outcome.decision_s / max(1, len(r.outcome.steps))  # wall clock
-        rows[name], results[name] = r.metrics, r
-        print(f"  {gpus} GPUs {name:>20}: {r.metrics['step_time_s'] / 60:6.2f} min/step "
-              f"({r.metrics['sim_seconds']:.0f}s to simulate)", file=sys.stderr, flush=True)  # fmt: skip
+    with ProcessPoolExecutor(jobs) as pool:
+        futures = {name: pool.submit(_row, gpus, name, mode, overrides + extra) for name, mode, overrides in VARIANTS}
+        for name, future in futures.items():
+            r = future.result()
+            rows[name], results[name] = r.metrics, r
+            print(f"  {gpus} GPUs {name:>20}: {r.metrics['step_time_s'] / 60:6.2f} min/step "
+                  f"({r.metrics['sim_seconds']:.0f}s to simulate)", file=sys.stderr, flush=True)  # fmt: skip
     print_table(gpus, rows)
     picks = [results[n] for n in ("sync", "one_step", "partial", "dora", "drop_stale")]
     throughput_bars([r.metrics for r in results.values()], out / f"throughput_{gpus}gpu.png",
@@ -306,7 +314,7 @@ def main(argv: list[str]) -> int:
     )
     p.add_argument("--table", help="with --only pareto: that table's paper_table.json (default: OUT's), updated")
     p.add_argument("--seeds", type=int, default=FRONTIER_SEEDS, help="workload seeds per frontier point")
-    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="frontier runs at once")
+    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="table and frontier runs at once")
     p.add_argument("--steps", type=int, help="steps per table run (default: the configs' 20)")
     p.add_argument("--sweep-steps", type=int, default=8)
     p.add_argument("--out", default=str(ROOT / "bench" / "out"))
@@ -330,7 +338,7 @@ def main(argv: list[str]) -> int:
             report[f"pareto_{gpus}gpu"] = frontier(gpus, elastic, out, extra, seeds=args.seeds, jobs=args.jobs)
     elif args.only != "sweeps":
         for gpus in (64, 128):
-            report[f"paper_{gpus}gpu"] = rows = table(gpus, out, args.steps)
+            report[f"paper_{gpus}gpu"] = rows = table(gpus, out, args.steps, args.jobs)
             report[f"pareto_{gpus}gpu"] = frontier(gpus, rows["dora elastic"], out, extra, seeds=args.seeds,
                                                    jobs=args.jobs)  # fmt: skip
         report["scaling"] = scaling(report["paper_64gpu"], report["paper_128gpu"])
