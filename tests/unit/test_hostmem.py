@@ -104,7 +104,7 @@ def test_a_reserved_buffer_is_the_one_the_first_park_fills():
     net = Net()
     tensors, put = module_tensors(net)
     parking = Parking(pin=False)
-    parking.reserve([t.numel() * t.element_size() for t in tensors])
+    parking.reserve(tensors)
     parking.ready()
     reserved = parking.buffer
     assert reserved is not None and parking.reserve_s is not None

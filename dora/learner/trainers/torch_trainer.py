@@ -91,8 +91,8 @@ class TorchTrainer:
         self.parking = Parking()
         """Host memory of the offloaded state (one pinned buffer, reused by every offload)."""
         if self.offloads and self.world == 1:  # the model's tensors, then AdamW's two moments per parameter
-            params = [p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad]
-            self.parking.reserve([t.numel() * t.element_size() for t in module_tensors(self.model)[0]] + params * 2)
+            trained = [p for p in self.model.parameters() if p.requires_grad]
+            self.parking.reserve([*module_tensors(self.model)[0], *trained, *trained])
 
     # ------------------------------------------------------------------ offload between steps
 

@@ -105,7 +105,7 @@ class TorchEngine:
         self.parking = Parking()
         """The model's host memory while asleep (``dora.hostmem``: one pinned buffer, reused by every sleep)."""
         if sleep_on_yield:
-            self.parking.reserve([t.numel() * t.element_size() for t in module_tensors(self.model)[0]])
+            self.parking.reserve(module_tensors(self.model)[0])
 
     # ------------------------------------------------------------------ weights
 
