@@ -21,8 +21,10 @@ elastic (they yield while the trainer trains; colocated: all of them) and a step
     tau >= max(train, (D + E x train) / W)        (disaggregated: E = 0)
 
 ``fleet_bounds`` evaluates that for every split of the cluster the simulator accepts and gives the best one per
-placement, with the trainer as configured (its data-parallel barrier over batches in dispatch order) and with a
-perfectly balanced trainer (``fluid``, the strict bound: no split of a batch over replicas trains faster).
+placement, with the trainer as configured or perfectly balanced (``fluid``). Only the balanced trainer gives a
+strict bound: the configured one waits at each update for its busiest replica, and which sequences share a
+replica depends on the order a schedule hands the batch over (``completion_order``), so with it the figure is
+an estimate, given for batches in completion order and in dispatch order.
 """
 
 from __future__ import annotations
@@ -30,9 +32,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from statistics import fmean
+from typing import Literal
 
 from dora.config.sim import EngineSection, SimConfig, TrainerSection
 from dora.sim.workload import from_section
+
+Order = Literal["completion", "dispatch"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +49,13 @@ class StepWork:
     kv_token_steps: float
     """Q: the sum over samples of the KV context held at each of their decode steps."""
     batches: tuple[tuple[int, ...], ...]
-    """Each sampled batch's sequences (prompt + response tokens) in dispatch order: what the trainer trains."""
+    """Each sampled batch's sequences (prompt + response tokens), what the trainer trains, in completion order
+    (``completion_order``): how a batch of one deadline's groups reaches the trainer."""
+    dispatched: tuple[tuple[int, ...], ...] = ()
+    """The same batches in dispatch order (group by group, as the groups were drawn)."""
+
+    def ordered(self, order: Order) -> tuple[tuple[int, ...], ...]:
+        return self.batches if order == "completion" else self.dispatched
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,24 +95,41 @@ def step_work(cfg: SimConfig, batches: int = 16) -> StepWork:
     b, g = cfg.core.train_groups, cfg.core.group_size
     tokens = kv = 0.0
     seqs: list[tuple[int, ...]] = []
+    dispatched: list[tuple[int, ...]] = []
     for k in range(batches):
-        batch: list[int] = []
+        groups: list[tuple[int, list[int]]] = []
         for group in range(k * b, (k + 1) * b):
-            p = wl.prompt_len(group)
+            p, longest, members = wl.prompt_len(group), 0, []
             for i in range(g):
                 ep = wl.episode(group, i, 1)
                 n = ep.length
                 tokens += n
                 kv += kv_token_steps(n, p, cfg.engine.kv_budget_tokens)
-                batch.append(p + n + sum(ep.observations))
-        seqs.append(tuple(batch))
+                members.append(p + n + sum(ep.observations))
+                longest = max(longest, n)
+            groups.append((longest, members))
+        seqs.append(completion_order(groups))
+        dispatched.append(tuple(x for _, members in groups for x in members))
     return StepWork(samples=b * g, response_tokens=tokens / batches, kv_token_steps=kv / batches,
-                    batches=tuple(seqs))  # fmt: skip
+                    batches=tuple(seqs), dispatched=tuple(dispatched))  # fmt: skip
 
 
-def train_step_s(trainer: TrainerSection, work: StepWork, gpus: int) -> float:
-    """The mean train step (and its publish) over the sampled batches on ``gpus`` accelerators."""
-    return fmean(trainer.batch_train_s(list(s), gpus) for s in work.batches) + trainer.publish_s
+def completion_order(groups: list[tuple[int, list[int]]]) -> tuple[int, ...]:
+    """A batch's sequences in completion order, a group's samples together: the order in which the core hands
+    one deadline's groups to the trainer (``dora.core.transfer``: by deadline, then completion). Groups dispatched
+    together complete roughly in the order of their longest responses, so that is the order taken: ``groups``
+    are (longest response, the group's sequences).
+
+    The order prices a trainer that splits an update's sequences over its replicas by count: groups of like
+    lengths side by side balance the replicas, groups in dispatch order do not. A batch of several deadlines
+    (K > 0) is one such run per deadline, so a run's trainer falls between the two orders; the balanced
+    trainer (``fluid``) is the bound no order beats."""
+    return tuple(x for _, members in sorted(groups, key=lambda g: g[0]) for x in members)
+
+
+def train_step_s(trainer: TrainerSection, work: StepWork, gpus: int, order: Order = "completion") -> float:
+    """The mean train step (and its publish) over the sampled batches, in ``order``, on ``gpus`` accelerators."""
+    return fmean(trainer.batch_train_s(list(s), gpus) for s in work.ordered(order)) + trainer.publish_s
 
 
 def step_bound(decode_s: float, workers: int, elastic: int, train_s: float) -> float:
@@ -123,9 +151,11 @@ def splits(cfg: SimConfig) -> Iterable[tuple[str, int, int]]:
             yield placement, w, e
 
 
-def fleet_bounds(cfg: SimConfig, work: StepWork, *, balanced: bool = False) -> dict[str, Bound]:
-    """The lowest bound per placement (disaggregated, elastic, colocated) and over all of them (``best``).
-    ``balanced``: the trainer splits every batch perfectly over its accelerators (``data_parallel = fluid``)."""
+def fleet_bounds(cfg: SimConfig, work: StepWork, *, balanced: bool = False, order: Order = "completion"
+                 ) -> dict[str, Bound]:  # fmt: skip
+    """The lowest bound per placement (disaggregated, elastic, colocated) and over all of them (``best``), with
+    the trainer pricing the sampled batches in ``order``. ``balanced``: the trainer splits every batch perfectly
+    over its accelerators (``data_parallel = fluid``; then the order does not matter)."""
     trainer = replace(cfg.trainer, data_parallel="fluid") if balanced else cfg.trainer
     d = decode_replica_s(cfg.engine, work.response_tokens, work.kv_token_steps)
     g = cfg.cluster.gpus_per_worker
@@ -134,7 +164,7 @@ def fleet_bounds(cfg: SimConfig, work: StepWork, *, balanced: bool = False) -> d
     for placement, w, e in splits(cfg):
         gpus = cfg.cluster.total_gpus - (w - e) * g
         if gpus not in train:
-            train[gpus] = train_step_s(trainer, work, gpus)
+            train[gpus] = train_step_s(trainer, work, gpus, order)
         b = Bound(placement=placement, rollout_gpus=w * g, elastic_gpus=e * g, trainer_gpus=gpus, decode_s=d / w,
                   train_s=train[gpus], step_s=step_bound(d, w, e, train[gpus]))  # fmt: skip
         for key in (placement, "best"):

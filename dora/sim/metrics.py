@@ -75,6 +75,7 @@ def summarize(o: Outcome, cfg: SimConfig) -> dict[str, Any]:
         "requeued_groups": o.requeued,
         "preemptions": o.preemptions,
         "max_live_versions": o.max_live_versions,
+        "train_step_s": fmean(s.train_s for s in window),
         "ideal_step_time_s": ideal,
         "fraction_of_ideal": ideal / step_time if step_time else 0.0,
         "packing_bound_s": packing_bound / len(window),

@@ -13,6 +13,7 @@ from dora.config.sim import EngineSection, TrainerSection
 from dora.ids import Mode
 from dora.sim.bounds import (
     StepWork,
+    completion_order,
     decode_replica_s,
     fleet_bounds,
     kv_token_steps,
@@ -163,4 +164,30 @@ def test_an_episode_counts_as_one_sample_of_all_its_turns_and_the_trainer_also_t
     work = step_work(cfg, batches=1)
     assert work.response_tokens == sum(ep.length for _, ep in episodes)
     assert work.kv_token_steps == sum(kv_token_steps(ep.length, p) for p, ep in episodes)
-    assert work.batches == (tuple(p + ep.length + sum(ep.observations) for p, ep in episodes),)
+    by_group = [[(p + ep.length + sum(ep.observations), ep.length) for p, ep in episodes[k : k + 2]] for k in (0, 2)]
+    by_group.sort(key=lambda members: max(n for _, n in members))  # the trainer gets groups in completion order
+    assert work.batches == (tuple(seq for members in by_group for seq, _ in members),)
+
+
+def test_sampled_batches_reach_the_trainer_in_the_order_a_run_delivers_them(monkeypatch):
+    """A sync batch is one deadline's groups, delivered in completion order (dora.core.transfer); groups started
+    together on one worker complete in the order of their longest response, which is the order ``step_work``
+    gives its sampled batches (``completion_order``). The order prices the trainer's data-parallel barrier."""
+    cfg = small(workers=1, credit=64, steps=2, k=0, train_groups=6, group_size=3, median=60.0, sigma=0.8, cap=4000)
+    cfg = replace(cfg, workload=replace(cfg.workload, prompt_sigma=0.0))
+    trained, expected, dispatched = [], [], []
+    start = Simulation._start_training
+
+    def record(sim, batch):
+        groups = sorted(batch.groups, key=lambda g: g.group_id)  # dispatch order
+        lengths = [[sum(n for _, n in s.segments) for s in g.samples] for g in groups]
+        dispatched.append(tuple(8 + n for group in lengths for n in group))
+        expected.append(completion_order([(max(n), [8 + x for x in n]) for n in lengths]))
+        trained.append(tuple(8 + sum(n for _, n in s.segments) for g in batch.groups for s in g.samples))
+        return start(sim, batch)
+
+    monkeypatch.setattr(Simulation, "_start_training", record)
+    Simulation(cfg, Mode.SYNC).run()
+    assert len(trained) == 2 and trained == expected
+    assert trained != dispatched  # the run reorders its groups
+    assert any(t != tuple(sorted(t)) for t in trained)  # and keeps each whole: not a plain sort of the sequences
