@@ -31,6 +31,10 @@ class RunSection:
     it: a window that ended there would count work done before it and none done for after it, which no long run
     does (measured on the paper configs, 0 to 7% of tokens/s, more where the pool of work ahead is larger). While
     the cooldown runs, the core still dispatches for the steps after the window. None = K + 2."""
+    search_steps: int = 8
+    """Measured steps of each short run the split search tries (cluster.rollout_gpus or elastic_gpus left open):
+    warmup_steps, then these, then the cooldown; at most the run's own. Step times can swing 3x from one step to
+    the next (a version's tail), so a few steps rank splits by chance."""
     seed: int = 0
     """Seeds the workload's lengths and the fault schedule (the same for every mode)."""
     tick_s: float = 30.0
@@ -45,6 +49,8 @@ class RunSection:
             raise ConfigError(f"run.steps must be >= 1 and 0 <= run.warmup_steps < steps; got {self}")
         if self.tick_s <= 0 or self.restart_s < 0 or self.faults < 0:
             raise ConfigError("run.tick_s must be > 0, run.restart_s and run.faults >= 0")
+        if self.search_steps < 1:
+            raise ConfigError(f"run.search_steps must be >= 1; got {self.search_steps}")
         if self.cooldown_steps is not None and self.cooldown_steps < 0:
             raise ConfigError(f"run.cooldown_steps must be >= 0; got {self.cooldown_steps}")
 

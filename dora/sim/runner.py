@@ -44,12 +44,13 @@ def best_split(
     cfg: SimConfig, mode: Mode, key: str = "rollout_gpus", grid: int = 7
 ) -> tuple[int, list[tuple[int, float]]]:
     """The rollout pool size (``key = "rollout_gpus"``) or the number of elastic accelerators
-    (``"elastic_gpus"``) with the best steady-state throughput, on short runs: a coarse grid over the
-    whole range, then every worker count next to the best point (the curve is noisy, so no bracketing
-    search is trusted). Every split tried is returned, so the choice can be reported."""
+    (``"elastic_gpus"``) with the best steady-state throughput, on short runs (``run.search_steps`` measured
+    steps each): a coarse grid over the whole range, then every worker count next to the best point (the
+    curve is noisy, so no bracketing search is trusted). Every split tried is returned, so the choice can be
+    reported."""
     g = cfg.cluster.gpus_per_worker
-    steps = min(cfg.run.steps, max(cfg.run.warmup_steps + 3, 5))
-    probe = replace(cfg, run=replace(cfg.run, steps=steps, warmup_steps=min(cfg.run.warmup_steps, steps - 2)))
+    steps = min(cfg.run.steps, cfg.run.warmup_steps + cfg.run.search_steps)
+    probe = replace(cfg, run=replace(cfg.run, steps=steps))
     if key == "rollout_gpus":
         top = cfg.cluster.total_gpus // g - 1
     else:  # elastic: from one elastic worker to all of the rollout workers

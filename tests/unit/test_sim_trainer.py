@@ -78,6 +78,29 @@ def test_the_split_search_skips_splits_that_leave_the_trainer_without_a_replica(
     assert 8 - best >= 3 and dict(tried)[best] > 0
 
 
+def test_the_split_search_measures_search_steps_after_the_warmup(monkeypatch):
+    from dora.sim import runner
+
+    cfg = small(workers=4, steps=12, k=1)
+    cfg = replace(cfg, run=replace(cfg.run, warmup_steps=2, search_steps=6),
+                  cluster=replace(cfg.cluster, rollout_gpus=None))  # fmt: skip
+    probes: list[tuple[int, int]] = []
+    real = runner.Simulation
+
+    def probe(c, mode, **kw):
+        probes.append((c.run.steps, c.run.warmup_steps))
+        return real(c, mode, **kw)
+
+    monkeypatch.setattr(runner, "Simulation", probe)
+    runner.best_split(cfg, Mode.DORA)
+    assert probes and set(probes) == {(8, 2)}  # 2 warmup + 6 measured (the cooldown comes on top)
+    probes.clear()
+    runner.best_split(replace(cfg, run=replace(cfg.run, search_steps=20)), Mode.DORA)
+    assert set(probes) == {(12, 2)}  # never longer than the run itself
+    with pytest.raises(ConfigError, match="search_steps"):
+        replace(cfg.run, search_steps=0)
+
+
 def test_the_live_sim_trainer_takes_the_same_model_as_the_simulator():
     from types import SimpleNamespace
 
