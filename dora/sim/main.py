@@ -55,7 +55,8 @@ def main(argv: list[str]) -> int:
     for mode in modes:
         t0 = time.perf_counter()
         try:
-            results.append(simulate(cfg, mode, timeline=bool(args.plots)))
+            results.append(simulate(cfg, mode, timeline=bool(args.plots), progress=lambda line, m=mode: print(
+                f"{m.value:>10}: {line}", file=sys.stderr, flush=True)))  # fmt: skip
         except ConfigError as e:  # a placement the cluster cannot make (e.g. no trainer replica left)
             print(f"dora sim: {mode.value}: {e}", file=sys.stderr)
             return 2

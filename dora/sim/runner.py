@@ -3,6 +3,8 @@ elastic workers (elastic) where the config leaves it open."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -23,15 +25,17 @@ class ModeResult:
     disaggregated placement, elastic GPUs of an elastic one."""
 
 
-def simulate(cfg: SimConfig, mode: Mode, *, timeline: bool = False, strict: bool = False) -> ModeResult:
+def simulate(cfg: SimConfig, mode: Mode, *, timeline: bool = False, strict: bool = False,
+             progress: Callable[[str], None] | None = None) -> ModeResult:  # fmt: skip
+    """``progress`` gets a line per split the search tries (a search runs many short simulations)."""
     searched: list[tuple[int, float]] = []
     cl = cfg.cluster
     rollout_gpus, elastic_gpus = cl.rollout_gpus, cl.elastic_gpus
     key = "rollout_gpus"
     if cl.placement_of(mode) == "disaggregated" and rollout_gpus is None:
-        rollout_gpus, searched = best_split(cfg, mode)
+        rollout_gpus, searched = best_split(cfg, mode, progress=progress)
     elif cl.placement_of(mode) == "elastic" and elastic_gpus is None:
-        elastic_gpus, searched = best_split(cfg, mode, key := "elastic_gpus")
+        elastic_gpus, searched = best_split(cfg, mode, key := "elastic_gpus", progress=progress)
     o = Simulation(cfg, mode, rollout_gpus=rollout_gpus, elastic_gpus=elastic_gpus, strict=strict,
                    timeline=timeline).run()  # fmt: skip
     m = summarize(o, cfg)
@@ -41,8 +45,9 @@ def simulate(cfg: SimConfig, mode: Mode, *, timeline: bool = False, strict: bool
 
 
 def best_split(
-    cfg: SimConfig, mode: Mode, key: str = "rollout_gpus", grid: int = 7
-) -> tuple[int, list[tuple[int, float]]]:
+    cfg: SimConfig, mode: Mode, key: str = "rollout_gpus", grid: int = 7,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[int, list[tuple[int, float]]]:  # fmt: skip
     """The rollout pool size (``key = "rollout_gpus"``) or the number of elastic accelerators
     (``"elastic_gpus"``) with the best steady-state throughput, on short runs (``run.search_steps`` measured
     steps each): a coarse grid over the whole range, then every worker count next to the best point (the
@@ -57,14 +62,25 @@ def best_split(
         top = (cfg.cluster.rollout_gpus or cfg.cluster.total_gpus) // g
     seen: dict[int, float] = {}
 
+    what = "rollout" if key == "rollout_gpus" else "elastic"
+
+    def split(workers: int) -> str:
+        return f"{workers * g} {what} GPU{'s' if workers * g != 1 else ''}"
+
     def rate(workers: int) -> float:
         if workers not in seen:
+            t0 = time.perf_counter()
             try:
                 o = Simulation(probe, mode, **{key: workers * g}).run()
-            except ConfigError:  # e.g. too few trainer accelerators for one data-parallel replica
+            except ConfigError as e:  # e.g. too few trainer accelerators for one data-parallel replica
                 seen[workers] = 0.0
+                if progress is not None:
+                    progress(f"split search: {split(workers)}: not a placement ({e})")
             else:
                 seen[workers] = summarize(o, probe)["throughput_tokens_per_s"]
+                if progress is not None:
+                    progress(f"split search: {split(workers)}: {seen[workers]:,.0f} tokens/s over "
+                             f"{steps - probe.run.warmup_steps} steps ({time.perf_counter() - t0:.1f}s)")  # fmt: skip
         return seen[workers]
 
     coarse = sorted({max(1, min(top, round(1 + i * (top - 1) / (grid - 1)))) for i in range(grid)})

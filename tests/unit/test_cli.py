@@ -64,6 +64,19 @@ def test_sim_runs_all_modes_and_reports_the_invariants(tmp_path):
     assert all((plots / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
 
 
+def test_sim_prints_each_split_its_search_tries(tmp_path):
+    out = tmp_path / "sim.json"
+    r = dora("sim", "--mode", "dora", "--steps", "4", "--set", "core.train_groups=8",
+             "--set", "cluster.rollout_gpus=none", "--json", str(out))  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    (row,) = json.loads(out.read_text())
+    lines = [line for line in r.stderr.splitlines() if "split search:" in line]
+    assert len(lines) == len(row["split_search"]) > 1
+    for tried in row["split_search"]:
+        gpus, rate = tried["rollout_gpus"], tried["throughput_tokens_per_s"]
+        assert any(f" {gpus} rollout GPU" in line and f"{rate:,.0f} tokens/s over 2 steps" in line for line in lines)
+
+
 @pytest.mark.parametrize(
     ("args", "fragment"),
     [(["--set", "core.train_groups=0"], "train_groups"),
