@@ -51,7 +51,7 @@ class StepWork:
     batches: tuple[tuple[int, ...], ...]
     """Each sampled batch's sequences (prompt + response tokens), what the trainer trains, in completion order
     (``completion_order``): how a batch of one deadline's groups reaches the trainer."""
-    dispatched: tuple[tuple[int, ...], ...] = ()
+    dispatched: tuple[tuple[int, ...], ...]
     """The same batches in dispatch order (group by group, as the groups were drawn)."""
 
     def ordered(self, order: Order) -> tuple[tuple[int, ...], ...]:

@@ -19,6 +19,7 @@ from dora.sim.bounds import (
     kv_token_steps,
     step_bound,
     step_work,
+    train_step_s,
 )
 from dora.sim.des import Simulation
 from dora.sim.workload import from_section
@@ -62,7 +63,8 @@ def test_the_best_split_is_found_over_every_placement():
     cfg = small(workers=4)
     engine = replace(cfg.engine, tpot_base_s=1.0, tpot_per_seq_s=0.0, max_slots=4, tpot_scale=1.0)
     cfg = replace(cfg, trainer=TrainerSection(gpu_s_per_token=1.0, step_fixed_s=10.0, publish_s=0.0), engine=engine)
-    work = StepWork(samples=4, response_tokens=40, kv_token_steps=4 * kv_token_steps(10, 1), batches=((11,) * 4,))
+    work = StepWork(samples=4, response_tokens=40, kv_token_steps=4 * kv_token_steps(10, 1), batches=((11,) * 4,),
+                     dispatched=((11,) * 4,))  # fmt: skip
     # D = 1 s x max(40 / 4, 220 / 2**40) = 10 replica-s; train on n GPUs = 10 + 44 / n
     assert decode_replica_s(cfg.engine, 40, work.kv_token_steps) == 10
     found = fleet_bounds(cfg, work)
@@ -78,6 +80,18 @@ def test_the_best_split_is_found_over_every_placement():
     ))  # fmt: skip
     assert found["best"].step_s == min(found[k].step_s for k in ("disaggregated", "elastic", "colocated"))
     assert fleet_bounds(cfg, work, balanced=True)["best"].step_s <= found["best"].step_s
+
+
+def test_the_configured_trainer_prices_a_batch_in_the_order_it_comes():
+    """Two replicas of one GPU, two updates of two sequences, one per replica: each update lasts its longer
+    sequence. Dispatch order long, short, long, short waits on a long one twice; completion order once."""
+    trainer = TrainerSection(gpu_s_per_token=1.0, step_fixed_s=0.0, publish_s=0.0, data_parallel="count",
+                             updates_per_step=2, model_parallel_gpus=1)  # fmt: skip
+    work = StepWork(samples=4, response_tokens=0, kv_token_steps=0, batches=((10, 10, 90, 90),),
+                    dispatched=((90, 10, 90, 10),))  # fmt: skip
+    assert train_step_s(trainer, work, 2) == 10 + 90
+    assert train_step_s(trainer, work, 2, "dispatch") == 90 + 90
+    assert train_step_s(replace(trainer, data_parallel="fluid"), work, 2, "dispatch") == 200 / 2
 
 
 def test_the_sampled_step_of_a_config_is_its_workload_batch_by_batch():
