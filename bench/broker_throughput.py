@@ -9,11 +9,20 @@ So the broker's own work is what limits the rate: decode, the core's decision fo
 acks, leases and batch delivery.
 
 Workers stream what finished together as one message (here a whole group: G samples); the broker
-answers each with one ack message. In the same run, a bare pyzmq ROUTER echoes the same frames to
-the same number of DEALERs (one message in, a short one out): the local limit of this machine.
+answers each with one ack message. A fake worker reads what has come without a poll per message and
+re-encodes only the headers of an answer made once per size. In the same run:
 
-Printed: trajectories/s, MB/s of samples routed, broker CPU µs per trajectory (from /proc), and the
-ratio to the echo rate. Targets: >= 50% of the echo rate and >= 10,000 trajectories/s at 1,024 tokens.
+- a bare pyzmq ROUTER echoes the same frames to the same number of DEALERs (one message in, a short one
+  out, the clients sending pre-made frames with 256 in flight): the local limit of this machine;
+- the routing floor: a Python ROUTER that moves what the broker moves for the same fake workers and the
+  learner (per result message an ack and a new Generate, each made once; every B messages their frames
+  forwarded to the learner unread) and decides nothing. What it reaches is the most any broker written
+  in Python could reach with these workers on this machine; the broker's rate over the floor's is the
+  share its decisions leave.
+
+Printed: trajectories/s, MB/s of samples routed, broker CPU µs per trajectory and per message (from
+/proc), the floor's rate and CPU per message, and the ratios broker / echo, floor / echo and broker /
+floor. Targets: broker >= 50% of the echo rate and >= 10,000 trajectories/s at 1,024 tokens.
 """
 
 from __future__ import annotations
@@ -29,12 +38,14 @@ import sys
 import tempfile
 import time
 
+import msgspec
 import numpy as np
 import zmq
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from dora.broker import translate  # noqa: E402
 from dora.ids import Finish  # noqa: E402
 from dora.wire import codec, packed  # noqa: E402
 from dora.wire import messages as m  # noqa: E402
@@ -87,6 +98,29 @@ def pack_cost_us(tokens: int, n_samples: int = G, repeat: int = 200) -> float:
     return 1e6 * (time.perf_counter() - started) / repeat / n_samples
 
 
+class Replies:
+    """A fake worker's answers to Generates of one size, encoded once: each answer re-encodes only the headers'
+    plain data (the group, attempt, version and epoch changed) beside the same array frames. The bytes are those
+    of ``codec.encode(finished(...))`` (``tests/unit/test_bench_broker.py`` compares them)."""
+
+    def __init__(self, n_samples: int, ids: np.ndarray, lps: np.ndarray) -> None:
+        gen = m.Generate(group_id=0, attempt=0, version=0, prompt_ids=np.zeros(1, np.int32), n_samples=n_samples,
+                         max_tokens=len(ids))  # fmt: skip
+        frames = codec.encode(finished(gen, 0, ids, lps))
+        self.head, self.arrays = frames[:3], frames[4:]
+        self.body = msgspec.msgpack.decode(bytes(frames[3]))
+        self.tokens = len(ids)
+
+    def frames(self, gen: m.Generate, epoch: int) -> list:
+        for x in self.body["samples"]:
+            x["group_id"], x["attempt"], x["broker_epoch"] = gen.group_id, gen.attempt, epoch
+            x["segments"] = [[gen.version, self.tokens]]
+        return [*self.head, _plain.encode(self.body), *self.arrays]
+
+
+_plain = msgspec.msgpack.Encoder()
+
+
 def fake_worker(endpoint: str, name: str, slots: int, tokens: int, until: float) -> None:
     ctx = zmq.Context()
     s = ctx.socket(zmq.DEALER)
@@ -97,23 +131,31 @@ def fake_worker(endpoint: str, name: str, slots: int, tokens: int, until: float)
     lps = np.full(tokens, -0.7, np.float32)
     s.send_multipart(codec.encode(m.Hello(wire_version=m.WIRE_VERSION, role=m.Role.ROLLOUT, peer_id=name,
                                           pid=os.getpid(), host="bench", slots=slots, engine="zero")))  # fmt: skip
-    epoch = 0
+    epoch, replies = 0, {}
     while time.time() < until:
         if not s.poll(100):
             continue
-        msg = codec.decode(s.recv_multipart(copy=False))
-        match msg:
-            case m.Welcome():
-                epoch = msg.broker_epoch
-            case m.Assign():
-                s.send_multipart(codec.encode(m.WeightsLoaded(version=msg.version)))
-            case m.Generate():
-                s.send_multipart(codec.encode(finished(msg, epoch, ids, lps)), copy=False)
-            case m.MigrateOut():  # its groups are already done: nothing left to hand over
-                s.send_multipart(codec.encode(m.MigrationExported(group_id=msg.group_id, attempt=msg.attempt,
-                                                                  requests=())))  # fmt: skip
-            case m.Goodbye():
+        for _ in range(256):  # what has come, without a poll per message (as the echo's clients)
+            try:
+                frames = s.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
                 break
+            msg = codec.decode(frames)
+            match msg:
+                case m.Welcome():
+                    epoch = msg.broker_epoch
+                case m.Assign():
+                    s.send_multipart(codec.encode(m.WeightsLoaded(version=msg.version)))
+                case m.Generate():
+                    if (r := replies.get(msg.n_samples)) is None:
+                        r = replies[msg.n_samples] = Replies(msg.n_samples, ids, lps)
+                    s.send_multipart(r.frames(msg, epoch), copy=False)
+                case m.MigrateOut():  # its groups are already done: nothing left to hand over
+                    s.send_multipart(codec.encode(m.MigrationExported(group_id=msg.group_id, attempt=msg.attempt,
+                                                                      requests=())))  # fmt: skip
+                case m.Goodbye():
+                    ctx.destroy(linger=0)
+                    return
     ctx.destroy(linger=0)
 
 
@@ -242,6 +284,96 @@ def run_echo(seconds: float, clients: int, tokens: int) -> dict:
     return {"messages_per_s": rate}
 
 
+def floor_server(endpoint: str, tokens: int, warm_s: float, seconds: float, out: mp.Queue) -> None:
+    """The routing floor: a Python ROUTER that moves what the broker moves for the same workers and decides nothing.
+    Each worker gets a Welcome and its slots' worth of Generates; each message that comes back is answered with
+    an ack (encoded once: G accepted samples) and one new Generate (encoded once); every B result messages, their
+    frames go to the learner as one message, unread and uncopied, as a TrainBatch forwards its sources. No header
+    is decoded, no sample checked, no lease kept: whatever the broker does beyond this is its decisions."""
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.ROUTER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.bind(endpoint)
+    welcome = codec.encode(m.Welcome(broker_epoch=1, heartbeat_interval_s=1.0, liveness=60, newest_version=0))
+    prompt = np.zeros(32, np.int32)
+    generate = codec.encode(m.Generate(group_id=1, attempt=1, version=0, prompt_ids=prompt, n_samples=G,
+                                       max_tokens=tokens, broker_epoch=1))  # fmt: skip
+    headers = [m.SampleHeader(group_id=1, attempt=1, index=i, segments=((0, tokens),), reward=1.0,
+                              finish=Finish.STOP, offset=i * tokens, tokens=tokens, checksum=0, broker_epoch=1)
+               for i in range(G)]  # fmt: skip
+    ack = translate.all_accepted(headers)
+    result_kind = m.SamplesFinished.KIND.encode()
+    learner, batch, results, t0, c0 = None, [], 0, None, 0.0
+    start = time.time()
+    warm, end = start + warm_s, start + warm_s + seconds
+    while time.time() < end:
+        if not s.poll(100):
+            continue
+        for _ in range(1000):
+            try:
+                frames = s.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            who, kind = frames[0], frames[3].bytes
+            if kind == result_kind:
+                s.send_multipart([who, *ack], copy=False)
+                s.send_multipart([who, *generate], copy=False)
+                batch.extend(frames[4:])
+                if t0 is not None:
+                    results += 1
+                if len(batch) >= B * (len(frames) - 4) and learner is not None:
+                    s.send_multipart([learner, b"batch", *batch], copy=False)
+                    batch = []
+            elif kind == m.Hello.KIND.encode():
+                hello = codec.decode(frames[1:])
+                if hello.role is m.Role.LEARNER:
+                    learner = frames[0].bytes
+                    continue
+                s.send_multipart([who, *welcome], copy=False)
+                for _ in range(hello.slots // G):
+                    s.send_multipart([who, *generate], copy=False)
+        if t0 is None and time.time() >= warm:
+            t0, c0 = time.time(), time.process_time()
+    wall = time.time() - t0
+    cpu = time.process_time() - c0  # the process's threads: zmq's I/O thread too, as the broker's /proc figure
+    out.put({"messages_per_s": results / wall, "cpu_us_per_message": 1e6 * cpu / max(results, 1)})
+    ctx.destroy(linger=0)
+
+
+def floor_learner(endpoint: str, until: float) -> None:
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(endpoint)
+    s.send_multipart(codec.encode(m.Hello(wire_version=m.WIRE_VERSION, role=m.Role.LEARNER, peer_id="learner-0",
+                                          pid=os.getpid(), host="bench")))  # fmt: skip
+    while time.time() < until:
+        if s.poll(100):
+            s.recv_multipart(copy=False)
+    ctx.destroy(linger=0)
+
+
+def run_floor(seconds: float, workers: int, tokens: int) -> dict:
+    """The routing floor beside the same fake workers and a learner that takes the batches."""
+    tmp = tempfile.mkdtemp(prefix="dora-floor-")
+    endpoint = f"ipc://{tmp}/floor.sock"
+    q: mp.Queue = mp.Queue()
+    server = mp.Process(target=floor_server, args=(endpoint, tokens, 2.0, seconds, q))
+    server.start()
+    time.sleep(0.3)
+    until = time.time() + seconds + 3
+    procs = [mp.Process(target=fake_worker, args=(endpoint, f"z{i}", 2 * B * G // workers, tokens, until))
+             for i in range(workers)]  # fmt: skip
+    procs.append(mp.Process(target=floor_learner, args=(endpoint, until)))
+    for p in procs:
+        p.start()
+    got = q.get(timeout=seconds + 30)
+    server.join(timeout=10)
+    for p in procs:
+        p.join(timeout=10)
+    return got
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seconds", type=float, default=10.0)
@@ -250,6 +382,7 @@ def main() -> int:
     p.add_argument("--profile", metavar="OUT.prof", help="run the broker under cProfile (slower) and write the profile")
     args = p.parse_args()
     echo = run_echo(args.seconds, args.workers, args.tokens)
+    floor = run_floor(args.seconds, args.workers, args.tokens)
     b = run_broker(args.seconds, args.workers, args.tokens, args.profile)
     b["messages_per_s"] = b["trajectories_per_s"] / G
     ratio = b["messages_per_s"] / echo["messages_per_s"]
@@ -262,6 +395,11 @@ def main() -> int:
         f"{b['mb_per_s']:,.1f} MB/s of samples, {b['cpu_us_per_trajectory']:.0f} µs broker CPU per trajectory, "
         f"{b['steps']} steps in {b['wall_s']:.1f} s"
     )
+    print(f"routing floor (a Python ROUTER moving the broker's messages for the same workers, deciding nothing): "
+          f"{floor['messages_per_s']:,.0f} result msg/s, {floor['cpu_us_per_message']:.0f} µs CPU per message; "
+          f"floor / bare echo = {floor['messages_per_s'] / echo['messages_per_s']:.2f}")  # fmt: skip
+    print(f"dora broker: {1e6 * b['cpu_s'] / max(b['trajectories'] / G, 1):.0f} µs CPU per message; "
+          f"broker / floor = {b['messages_per_s'] / floor['messages_per_s']:.2f}")  # fmt: skip
     busy = b["cores_busy"]
     print(f"cores busy meanwhile (of {os.cpu_count()}): broker {busy['broker']:.2f}, workers {busy['workers']:.2f}, "
           f"learner {busy['learner']:.2f}")  # fmt: skip
@@ -272,7 +410,8 @@ def main() -> int:
     pack_us = pack_cost_us(args.tokens)
     print(f"a worker's own cost to pack its finished samples (pack_samples, checksums included): "
           f"{pack_us:.1f} µs per trajectory of {args.tokens} tokens")  # fmt: skip
-    print(json.dumps({"echo": echo, "broker": b, "ratio": ratio, "worker_pack_us_per_trajectory": pack_us}))
+    print(json.dumps({"echo": echo, "floor": floor, "broker": b, "ratio": ratio,
+                      "worker_pack_us_per_trajectory": pack_us}))  # fmt: skip
     return 0
 
 
