@@ -231,19 +231,24 @@ def run_broker(seconds: float, workers: int, tokens: int, profile: str | None = 
             broker.wait()
 
 
-def echo_server(endpoint: str, until: float) -> None:
+def echo_server(endpoint: str, until: float, out: mp.Queue) -> None:
     ctx = zmq.Context()
     s = ctx.socket(zmq.ROUTER)
     s.setsockopt(zmq.LINGER, 0)
     s.bind(endpoint)
+    n, c0 = 0, None
     while time.time() < until:
         if s.poll(100):
+            if c0 is None:
+                c0 = time.process_time()
             for _ in range(1000):
                 try:
                     frames = s.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
                 s.send_multipart([frames[0], b"ack"], copy=False)  # a small answer, as an ack is
+                n += 1
+    out.put(1e6 * (time.process_time() - (c0 or 0.0)) / max(n, 1))
     ctx.destroy(linger=0)
 
 
@@ -271,17 +276,19 @@ def echo_client(endpoint: str, tokens: int, seconds: float, window: int, out: mp
 def run_echo(seconds: float, clients: int, tokens: int) -> dict:
     tmp = tempfile.mkdtemp(prefix="dora-echo-")
     endpoint = f"ipc://{tmp}/echo.sock"
-    server = mp.Process(target=echo_server, args=(endpoint, time.time() + seconds + 5))
-    server.start()
     q: mp.Queue = mp.Queue()
+    cpu: mp.Queue = mp.Queue()
+    server = mp.Process(target=echo_server, args=(endpoint, time.time() + seconds + 2, cpu))
+    server.start()
     procs = [mp.Process(target=echo_client, args=(endpoint, tokens, seconds, 256, q)) for _ in range(clients)]
     for p in procs:
         p.start()
     rate = sum(q.get(timeout=seconds + 30) for _ in procs)
     for p in procs:
         p.join()
-    server.kill()
-    return {"messages_per_s": rate}
+    cpu_us = cpu.get(timeout=30)  # the server's CPU per message, from its first to its end (the clients' tail idle)
+    server.join(timeout=10)
+    return {"messages_per_s": rate, "cpu_us_per_message": cpu_us}
 
 
 def floor_server(endpoint: str, tokens: int, warm_s: float, seconds: float, out: mp.Queue) -> None:
@@ -388,7 +395,8 @@ def main() -> int:
     ratio = b["messages_per_s"] / echo["messages_per_s"]
     print(f"bare pyzmq ROUTER/DEALER echo ({args.workers} clients; one message = {G} samples of {args.tokens} "
           f"tokens, answered by a short ack): {echo['messages_per_s']:,.0f} msg/s "
-          f"= {G * echo['messages_per_s']:,.0f} samples/s")  # fmt: skip
+          f"= {G * echo['messages_per_s']:,.0f} samples/s; the server's CPU {echo['cpu_us_per_message']:.0f} µs "
+          "per message")  # fmt: skip
     print(
         f"dora broker ({args.workers} zero-latency workers, G={G}, B={B}, K={K}): "
         f"{b['messages_per_s']:,.0f} result msg/s = {b['trajectories_per_s']:,.0f} trajectories/s, "
