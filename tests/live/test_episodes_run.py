@@ -53,6 +53,19 @@ class SlowGuess(Guess):
 
 
 def test_episodes_migrated_between_workers_of_one_version_train_with_one_version_per_turn(tmp_path, tiny_model):
+    # Whether a publish finds a worker to move that still holds open episodes depends on where the episodes are at
+    # that moment: on a loaded machine a run can drain each worker before it moves, migrating nothing. Every run is
+    # checked whole; the scenario runs again (at most three times) until one of them migrates.
+    for attempt in range(3):
+        if migrated_run(tmp_path / f"run{attempt}", tiny_model):
+            return
+    pytest.fail("no episode was migrated in three runs")
+
+
+def migrated_run(tmp_path: pathlib.Path, tiny_model: pathlib.Path) -> bool:
+    """One run of two workers and a learner on multi-turn episodes, every invariant checked; True if an episode
+    was migrated (and then only between workers of one version, and trained)."""
+    tmp_path.mkdir()
     steps = 6
     task = {"name": "dataset", "dataset": str(GUESS), "prompt_field": "question", "chat_template": True,
             "env": f"{__name__}:SlowGuess", "max_turns": 4, "max_episode_tokens": 96, "reward": None}  # fmt: skip
@@ -78,6 +91,6 @@ def test_episodes_migrated_between_workers_of_one_version_train_with_one_version
                 assert assigned[r["source"]] == assigned[r["target"]] == r["version"] and r["source"] != r["target"]
                 assert r["requests"] >= 1 and r["tokens_moved"] > 0
                 moved.add(r["group_id"])
-        assert moved, "no episode was migrated"
         assert moved <= {g for r in audit for g in r["groups"]}, "a migrated group was not trained"
         assert not [r for w in ("w0", "w1") for r in c.events(w) if r.get("level") == "error"]
+    return bool(moved)

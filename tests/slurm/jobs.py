@@ -70,9 +70,13 @@ def groups_held(slurm: LocalSlurm, run: pathlib.Path, host: str) -> int:
     return sum(w["groups"] for name, w in workers.items() if f"/{host}-" in name)  # rollout/<host>-<pid>/...
 
 
+def events_in_order(path: pathlib.Path) -> list[dict[str, Any]]:
+    """Every JSON log line of ``path``, in order (none if it does not exist)."""
+    return [json.loads(x) for x in path.read_text().splitlines() if x.startswith("{")] if path.exists() else []
+
+
 def events(path: pathlib.Path, event: str) -> list[dict[str, Any]]:
-    rows = [json.loads(x) for x in path.read_text().splitlines() if x.startswith("{")] if path.exists() else []
-    return [r for r in rows if r.get("event") == event]
+    return [r for r in events_in_order(path) if r.get("event") == event]
 
 
 def wait_steps(slurm: LocalSlurm, job: str, journal: pathlib.Path, n: int, timeout_s: float = 180) -> None:

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 
 from dora.ops.audit import audit_run
-from tests.slurm.jobs import FINAL, SCRIPT, events, groups_held, job_env, submit_nodes, ts, wait_steps
+from tests.slurm.jobs import FINAL, SCRIPT, events, events_in_order, groups_held, job_env, submit_nodes, ts, wait_steps
 from tests.slurm.localslurm import LocalSlurm
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(420)]
@@ -61,7 +61,14 @@ def test_a_job_over_three_nodes_trains_across_them_with_curve_and_its_invariants
     assert done["steps"] == 8
     assert "elastic on: node2)" in out, out
     yielded = [r["worker"].split("/")[1].split("-")[0] for r in events(logs / "broker.log", "worker_yielded")]
-    assert yielded == ["node2"] * 8, yielded
+    assert set(yielded) == {"node2"} and len(events(logs / "broker.log", "yield_requested")) == len(yielded)
+    # The elastic worker yields for every batch taken while it is in the fleet. The fleet is ready with node3's
+    # worker, so a batch the learner asked for before node2's worker joined (its first, on a loaded machine) may
+    # leave without it: the learner asks at its hello and after each publish.
+    flow = [(r["event"], r.get("role"), r.get("host")) for r in events_in_order(logs / "broker.log")]
+    joined_at = flow.index(("peer_joined", "rollout", "node2"))
+    asked_before = sum(1 for e in flow[:joined_at] if e[0] == "train_step" or e == ("peer_joined", "learner", "node1"))
+    assert 8 - asked_before <= len(yielded) <= 8, (asked_before, yielded)
 
 
 SLOW_ROLLOUT = ("engine.max_slots=2", "engine.credit_slots=4", "run.max_tokens=32")
