@@ -309,7 +309,7 @@ def floor_server(endpoint: str, tokens: int, warm_s: float, seconds: float, out:
                               finish=Finish.STOP, offset=i * tokens, tokens=tokens, checksum=0, broker_epoch=1)
                for i in range(G)]  # fmt: skip
     ack = translate.all_accepted(headers)
-    result_kind = m.SamplesFinished.KIND.encode()
+    result_kind, hello_kind = m.SamplesFinished.KIND.encode(), m.Hello.KIND.encode()
     learner, batch, results, t0, c0 = None, [], 0, None, 0.0
     start = time.time()
     warm, end = start + warm_s, start + warm_s + seconds
@@ -331,7 +331,7 @@ def floor_server(endpoint: str, tokens: int, warm_s: float, seconds: float, out:
                 if len(batch) >= B * (len(frames) - 4) and learner is not None:
                     s.send_multipart([learner, b"batch", *batch], copy=False)
                     batch = []
-            elif kind == m.Hello.KIND.encode():
+            elif kind == hello_kind:
                 hello = codec.decode(frames[1:])
                 if hello.role is m.Role.LEARNER:
                     learner = frames[0].bytes
@@ -348,12 +348,9 @@ def floor_server(endpoint: str, tokens: int, warm_s: float, seconds: float, out:
 
 
 def floor_learner(endpoint: str, until: float) -> None:
+    """The broker run's learner, taking the floor's batches (its request for one is ignored there)."""
     ctx = zmq.Context()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(endpoint)
-    s.send_multipart(codec.encode(m.Hello(wire_version=m.WIRE_VERSION, role=m.Role.LEARNER, peer_id="learner-0",
-                                          pid=os.getpid(), host="bench")))  # fmt: skip
+    s = fake_learner(ctx, endpoint)
     while time.time() < until:
         if s.poll(100):
             s.recv_multipart(copy=False)
