@@ -37,7 +37,7 @@ from dora.core.core import Core
 from dora.core.ledger import InvariantViolation
 from dora.core.scheduler import GroupFailed
 from dora.ids import WorkerId
-from dora.storedir import retire_uri
+from dora.store.dirs import retire_uri
 from dora.wire import codec
 from dora.wire import messages as m
 

@@ -32,7 +32,7 @@ from dora.config import ConfigError, load
 from dora.config.run import RunConfig
 from dora.core.core import Core
 from dora.logging import configure_logging
-from dora.storedir import retire_older
+from dora.store.dirs import retire_older
 from dora.tasks.prompts import prompt_source
 
 log = structlog.get_logger()

@@ -60,10 +60,17 @@ class LiveRun:
     """`dora run`: CPU threads per process (OMP_NUM_THREADS); 0 = this machine's cores shared out among the
     standalone workers and learner ranks, the elastic workers splitting the learner ranks' share. Oversubscribed
     OpenMP threads spin against each other: CPU steps get 10-30x slower."""
+    worker_start_timeout_s: float = 600.0
+    """`dora run`: seconds the rollout workers have, from their start, to join the broker, all of them (the first
+    leases wait for the whole fleet); past it, `dora run` stops every process, prints each missing worker's last
+    log line and exits 1. A worker that exits is reported at once, whatever this is. Leave room for a slow engine
+    start: vLLM loading and compiling a large model, or starting on CPU."""
 
     def __post_init__(self) -> None:
         if self.threads < 0:
             raise ConfigError(f"run.threads must be >= 0; got {self.threads}")
+        if not self.worker_start_timeout_s > 0:
+            raise ConfigError(f"run.worker_start_timeout_s must be > 0; got {self.worker_start_timeout_s}")
         if self.time_scale <= 0:
             raise ConfigError(f"run.time_scale must be > 0; got {self.time_scale}")
         if self.workers < 1:
@@ -168,8 +175,10 @@ class RolloutSection:
     """torch and vllm engines: the model's dtype (float32, bfloat16, float16)."""
     kv_cache_mib: int = 256
     """vllm: KV cache memory, always explicit (vLLM on CPU would otherwise take most of the machine)."""
-    max_model_len: int = 4096
-    """vllm: the longest prompt + completion it accepts, in tokens."""
+    max_model_len: int | None = None
+    """The longest prompt + completion the torch and vllm engines run, in tokens; None: the model's own limit
+    (max_position_embeddings). Above that limit, or below the longest prompt + run.max_tokens, it is refused at
+    start."""
     elastic: bool = False
     """This worker shares its accelerators (on CPU: its cores) with the learner: the broker asks it to yield them
     for each train step; it pauses what it holds meanwhile and goes on, on the same weights, after the publish."""
@@ -223,8 +232,9 @@ class TaskSection:
     """env: assistant turns per episode at most (the environment scores the last one, then the episode ends)."""
     max_episode_tokens: int = 1024
     """env: tokens per episode at most, the environment's included; rollout.max_tokens bounds each turn."""
-    turn_end: tuple[str, ...] = ("<|im_end|>",)
-    """env: tokens (their text, each one token of the vocabulary) that end an assistant turn, besides EOS."""
+    turn_end: tuple[str, ...] = ()
+    """env: tokens (their text, each one token of the vocabulary) that end an assistant turn, besides the model's
+    own stops; empty: the chat template's end of turn (the special token it writes after an assistant's content)."""
     env_timeout_s: float = 10.0
     """env: an environment call (reset or step) taking longer ends its episode (reason: timeout)."""
     env_failure: str = "zero"
@@ -307,6 +317,12 @@ class LearnerSection:
     device: str = "auto"
     """torch trainer: ``auto`` (this rank's GPU, ``cuda:<local rank>``, when there is one, else the CPU), ``cpu``,
     ``cuda`` (``cuda:<local rank>``) or a torch device string. GPUs use NCCL between ranks, CPUs gloo."""
+    publish_dtype: str = "auto"
+    """The dtype each published version's floating-point weights are written in (float32, bfloat16, float16);
+    auto: the rollout engines' (rollout.dtype). The learner keeps float32 master weights either way."""
+    publish_shard_mib: int = 5120
+    """A version's weights go in one model.safetensors up to this size, else in shards of at most this size with
+    model.safetensors.index.json (as a hub checkpoint)."""
     offload_between_steps: bool = False
     """torch trainer on a GPU shared with elastic workers: after each publish its weights and optimizer state go to
     host memory, and come back for the next step (or a checkpoint), so the workers get the GPU's memory while the
@@ -319,6 +335,11 @@ class LearnerSection:
             raise ConfigError("learner.checkpoint_every and learner.keep_checkpoints must be >= 1")
         if self.ranks < 1 or self.micro_batch < 1:
             raise ConfigError("learner.ranks and learner.micro_batch must be >= 1")
+        if self.publish_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"learner.publish_dtype must be auto, float32, bfloat16 or float16; "
+                              f"got {self.publish_dtype!r}")  # fmt: skip
+        if self.publish_shard_mib < 1:
+            raise ConfigError(f"learner.publish_shard_mib must be >= 1; got {self.publish_shard_mib}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -113,8 +113,10 @@ def make_trainer(cfg: RunConfig, loss_fn: Callable[..., Any] | None = None,
     tc = TrainerConfig(lr=lc.lr, micro_batch=lc.micro_batch, temperature=cfg.run.temperature,
                        max_grad_norm=lc.max_grad_norm, seed=cfg.run.seed, dtype=lc.dtype,
                        checkpoint_dir=lc.checkpoint_dir, keep_checkpoints=lc.keep_checkpoints,
-                       offload_between_steps=lc.offload_between_steps)  # fmt: skip
-    trainer = TorchTrainer(lc.model, WeightStore(lc.store), loss, tc, loss_fn=loss_fn or resolve_loss(lc.loss),
+                       offload_between_steps=lc.offload_between_steps,
+                       publish_dtype=cfg.rollout.dtype if lc.publish_dtype == "auto" else lc.publish_dtype)  # fmt: skip
+    store = WeightStore(lc.store, shard_bytes=lc.publish_shard_mib << 20)
+    trainer = TorchTrainer(lc.model, store, loss, tc, loss_fn=loss_fn or resolve_loss(lc.loss),
                            device=device)  # fmt: skip
     log.info("trainer_ready", device=str(trainer.device), offload_between_steps=trainer.offloads)
     resumed = trainer.restore()

@@ -75,7 +75,7 @@ def test_two_rank_fsdp_step_equals_one_process_and_published_weights_serve(tiny_
     want = single.train(batch())
     from safetensors.torch import load_file
 
-    sharded = load_file(out["uri"].removeprefix("file://"))
+    sharded = load_file(out["uri"].removeprefix("file://") + "/model.safetensors")
     after = single.model.state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in after), "the step changed nothing"
     # AdamW's first step moves each weight by about lr = 1e-2 whatever its gradient's size, so a gradient
@@ -109,7 +109,7 @@ def test_bf16_mixed_precision_keeps_fp32_master_weights_and_follows_the_fp32_ste
     out = torch.load(tmp_path / "sharded" / "rank0.pt")
     from safetensors.torch import load_file
 
-    sharded = load_file(out["uri"].removeprefix("file://"))
+    sharded = load_file(out["uri"].removeprefix("file://") + "/model.safetensors")
     ref = TorchTrainer(tiny_model, WeightStore(tmp_path / "fp32"), LossConfig(), CFG)
     before = {k: v.clone() for k, v in ref.model.state_dict().items()}
     want = ref.train(batch())

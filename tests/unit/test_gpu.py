@@ -31,7 +31,7 @@ def test_the_learner_trains_on_its_gpu_like_on_the_cpu_and_publishes_loadable_we
     uri, _, _ = gpu.publish(1)
     from safetensors.torch import load_file
 
-    published = load_file(uri.removeprefix("file://"))
+    published = load_file(uri.removeprefix("file://") + "/model.safetensors")
     for k, v in cpu.model.state_dict().items():
         assert published[k].device.type == "cpu"
         assert (published[k] - v).abs().max().item() <= 2 * CFG.lr, k  # the same AdamW step, within rounding
@@ -120,5 +120,6 @@ def test_a_learner_that_offloads_between_steps_frees_the_gpu_and_trains_as_one_t
         uri, _, _ = moved.publish(step + 1)
         assert moved.offloaded and all(p.device.type == "cpu" for p in moved.model.parameters())
         assert on_gpu - torch.cuda.memory_allocated() >= 3 * weights  # weights and both AdamW moments
-    a, b = load_file(kept_uri.removeprefix("file://")), load_file(uri.removeprefix("file://"))
+    a = load_file(kept_uri.removeprefix("file://") + "/model.safetensors")
+    b = load_file(uri.removeprefix("file://") + "/model.safetensors")
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)

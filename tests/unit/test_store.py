@@ -18,8 +18,9 @@ from safetensors.torch import save_file
 from structlog.testing import capture_logs
 
 import dora.store
-from dora.digest import Digest, DigestMismatch, digest_file
+import dora.store.load
 from dora.store import WeightStore, load_verified, retire_uri, sha256_file, store_path
+from dora.store.digest import Digest, DigestMismatch, digest_file, folder_root
 
 MIB = 1 << 20
 
@@ -37,9 +38,11 @@ def test_publish_writes_a_complete_version_with_its_digest(tmp_path):
     path = store_path(uri)
     assert uri.startswith("file://") and path == tmp_path / "store" / "v3" and seconds >= 0
     manifest = json.loads((path / "manifest.json").read_text())
-    assert manifest["format"] == 2 and manifest["version"] == 3 and manifest["digest"] == digest == store.digest(3)
+    assert manifest["format"] == 3 and manifest["version"] == 3 and manifest["digest"] == digest == store.digest(3)
     found = digest_file(path / "model.safetensors")
-    assert str(found.digest) == digest and manifest["chunks"] == list(found.chunks)
+    assert manifest["files"] == {"model.safetensors": {"bytes": found.size, "chunks": list(found.chunks)}}
+    want = folder_root("xxh3_128", 16 * MIB, {"model.safetensors": (found.size, found.chunks)})
+    assert digest == f"xxh3_128/16MiB/dir:{want}" and manifest["dtype"] == "float32"
     assert manifest["bytes"] == (path / "model.safetensors").stat().st_size
     assert set(manifest["timings_s"]) == {"write", "hash", "fsync"}
     back = store.load(3)
@@ -50,6 +53,8 @@ def test_publish_writes_a_complete_version_with_its_digest(tmp_path):
 def test_a_digest_names_its_algorithm_and_chunk_size_and_a_plain_sha256_still_parses():
     tree = Digest("xxh3_128", 16 * MIB, "ab" * 16)
     assert str(tree) == "xxh3_128/16MiB:" + "ab" * 16 and Digest.parse(str(tree)) == tree
+    folder = Digest("sha256", 4 * MIB, "cd" * 32, folder=True)
+    assert str(folder) == "sha256/4MiB/dir:" + "cd" * 32 and Digest.parse(str(folder)) == folder != tree
     assert Digest.parse("0" * 64) == Digest("sha256", 0, "0" * 64)
     for bad in ("", "md5/16MiB:00", "xxh3_128/0MiB:00", "sha256:" + "0" * 64, "0" * 63):
         with pytest.raises(ValueError, match="not a weight digest"):
@@ -60,7 +65,7 @@ def test_a_digest_names_its_algorithm_and_chunk_size_and_a_plain_sha256_still_pa
 def test_a_flipped_byte_is_refused_naming_the_version_and_the_chunk(tmp_path, algo):
     store = WeightStore(tmp_path, algo=algo, chunk_bytes=MIB)
     _, digest, _ = store.publish(4, state())
-    assert digest.startswith(f"{algo}/1MiB:")
+    assert digest.startswith(f"{algo}/1MiB/dir:")
     file = store.path(4) / "model.safetensors"
     data = bytearray(file.read_bytes())
     data[2 * MIB + 17] ^= 0x01  # one bit, in the third chunk
@@ -82,8 +87,8 @@ def test_a_truncated_file_is_refused_with_its_size_and_the_manifests(tmp_path):
         f.truncate(size - 100)
     with pytest.raises(DigestMismatch, match=rf"v2 at .*: the file has {size - 100} bytes, its manifest says {size}"):
         store.load(2)
-    (store.path(2) / "manifest.json").unlink()  # no manifest beside it: the digest alone still refuses it
-    with pytest.raises(DigestMismatch, match=rf"v2 at .*does not match the published .*\({size - 100} bytes\)"):
+    (store.path(2) / "manifest.json").unlink()  # no manifest beside it: nothing vouches for the files
+    with pytest.raises(DigestMismatch, match=r"v2 at .*: no manifest.json beside the files"):
         load_verified(file, digest, name="v2")
 
 
@@ -106,7 +111,8 @@ def test_a_format_1_manifest_is_still_read_and_checked_as_a_plain_sha256(tmp_pat
 @pytest.mark.parametrize(
     ("manifest", "error"),
     [
-        ({"format": 3, "version": 1, "digest": "x"}, "manifest format 3 is newer than this dora reads"),
+        ({"format": 4, "version": 1, "digest": "x"}, "manifest format 4 is newer than this dora reads"),
+        ({"format": 3, "version": 1, "bytes": 1, "digest": "sha256/1MiB/dir:00"}, "not a readable manifest .KeyError"),
         ({"format": "2"}, "manifest format '2' is not one this dora reads"),
         ({"format": 2, "version": 1}, "not a readable manifest .KeyError"),
         ({"format": 2, "version": 1, "bytes": 1, "chunks": [], "digest": "md5:00"}, "not a weight digest"),
@@ -123,7 +129,7 @@ def test_the_bytes_checked_are_the_bytes_loaded_even_if_the_version_is_replaced_
     store = WeightStore(tmp_path)
     _, digest, _ = store.publish(1, state(1, mib=2))
     file = store.path(1) / "model.safetensors"
-    checked = dora.store.verify
+    checked = dora.store.load.verify
 
     def check_then_replace(*args, **kwargs):  # a re-publish lands between the check and the mapping
         found = checked(*args, **kwargs)
@@ -131,7 +137,7 @@ def test_the_bytes_checked_are_the_bytes_loaded_even_if_the_version_is_replaced_
         os.replace(tmp_path / "other.safetensors", file)
         return found
 
-    monkeypatch.setattr(dora.store, "verify", check_then_replace)
+    monkeypatch.setattr(dora.store.load, "verify", check_then_replace)
     loaded = load_verified(file, digest, name="v1")
     assert torch.equal(loaded["a"], state(1, mib=2)["a"])  # the checked file, not the one now under its name
 

@@ -6,10 +6,13 @@ Per batch:
 3. The model scores the sampled tokens at the rollout temperature, each distinct prompt run once per
    micro-batch (``_score``). The clipped surrogate against the trajectory's behaviour log-probs is
    back-propagated, and micro-batches are weighted so the accumulated gradient equals the full batch's.
-4. One AdamW step. Then ``publish`` writes the new version to the weight store.
+4. One AdamW step. Then ``publish`` writes the new version to the weight store: a model folder (the start
+   folder's config, generation config and tokenizer beside the weights) in ``publish_dtype``, each tied tensor
+   once (``dora.hf.tensors``).
 
-Single process, or sharded with FSDP2 when a process group of several ranks is initialised (each
-rank takes every world-th trajectory; gradients are reduced by FSDP, metrics by an all-reduce).
+Single process, or sharded with FSDP2 when a process group of several ranks is initialised (each decoder block
+the model declares in ``_no_split_modules`` is a shard unit, then the root; each rank takes every world-th
+trajectory; gradients are reduced by FSDP, metrics by an all-reduce).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from typing import Any
 
 import torch
 
+from dora.hf.folder import companion_files, with_dtype
+from dora.hf.tensors import blocks, publishable, tied_copies, with_copies
 from dora.hostmem import Parking, module_tensors
 from dora.learner.loss import LossConfig, LossFn, checked, group_advantages, policy_loss, uniform_groups
 from dora.store import WeightStore
@@ -49,6 +54,8 @@ class TrainerConfig:
     keep_checkpoints: int = 2
     offload_between_steps: bool = False
     """On a GPU: weights and optimizer state to host memory after each publish, back for the next use."""
+    publish_dtype: str = "float32"
+    """The dtype of the published versions' floating-point weights (the engines')."""
 
 
 class TorchTrainer:
@@ -67,6 +74,14 @@ class TorchTrainer:
         self.device = torch.device(device)
         self.model_dir = str(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).to(self.device)
+        self.copies = tied_copies(self.model)
+        """Tied parameters' second names: published once, under the first (as ``save_pretrained`` does)."""
+        self.publish_dtype = getattr(torch, cfg.publish_dtype)
+        self.beside = companion_files(self.model_dir)
+        """What a version holds besides its weights: the start folder's config (naming the dtype written),
+        generation config and tokenizer files, so every version is a model folder."""
+        if "config.json" in self.beside:
+            self.beside["config.json"] = with_dtype(self.beside["config.json"], cfg.publish_dtype)
         self.trained_steps = 0
         """Steps taken since the weights were last loaded (from the model folder or a checkpoint)."""
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -76,8 +91,8 @@ class TorchTrainer:
 
             mesh = dist.device_mesh.init_device_mesh(self.device.type, (self.world,))
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if self.bf16 else None, reduce_dtype=torch.float32)
-            for layer in self.model.model.layers:
-                fully_shard(layer, mesh=mesh, mp_policy=mp)
+            for block in blocks(self.model):
+                fully_shard(block, mesh=mesh, mp_policy=mp)
             fully_shard(self.model, mesh=mesh, mp_policy=mp)
         self.model.train()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
@@ -299,7 +314,9 @@ class TorchTrainer:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         with self._on_device():
-            set_model_state_dict(self.model, self.store.load(version), options=StateDictOptions(full_state_dict=True))
+            state = with_copies(self.store.load(version), self.copies)  # in the published dtype: made float32
+            state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+            set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True))
 
     def publish(self, version: int) -> tuple[str, str, float] | None:
         """Write the version to the store. Sharded: a collective; rank 0 writes and returns, others None. Then,
@@ -310,10 +327,14 @@ class TorchTrainer:
                 # offloading: park first, and write the version from the parked copies (the weights cross the
                 # host link once, through the pinned buffer, instead of once more tensor by tensor)
                 self.offload()
-                return self.store.publish(version, self.model.state_dict())
+                return self._publish(version, self.model.state_dict())
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
             state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-            return self.store.publish(version, state) if self.rank == 0 else None
+            return self._publish(version, state) if self.rank == 0 else None
         finally:
             self.offload()
+
+    def _publish(self, version: int, state: dict[str, torch.Tensor]) -> tuple[str, str, float]:
+        return self.store.publish(version, publishable(state, self.copies), beside=self.beside,
+                                  dtype=self.publish_dtype)  # fmt: skip

@@ -15,13 +15,17 @@
   actually drawn from: ``softmax(logits / temperature)``, renormalised over the top-p nucleus when
   ``top_p < 1`` (vLLM's ``processed_logprobs``; the learner must score with the same temperature).
 
-Weights: ``load_weights(version, path, digest)`` reads a safetensors file (or an HF folder's
-``model.safetensors``), checks its digest (``dora.digest``) and refuses a mismatch or a load while requests run;
-on refusal the engine stays on its current version, bit for bit. On a CPU, once a version was loaded from a file,
-that file's private mapping is kept (clean file pages, shared with every process mapping it): the next version is
-then checked chunk by chunk as it is copied into the model (``dora.store.load_into``: every byte read once), and a
-chunk that does not match puts the kept version's bytes back. The first load, or one on another device, checks the
-whole file before it touches the model (``dora.store.load_verified``).
+- **Stops.** A turn ends on any of the model's stop ids (``dora.hf.folder``: the config's and generation
+  config's EOS ids and the chat template's end of turn), or on the request's own ``stops``.
+
+Weights: ``load_weights(version, path, digest)`` reads a published version folder (or any model folder, or one
+safetensors file), checks its digest (``dora.store``) and refuses a mismatch or a load while requests run; on
+refusal the engine stays on its current version, bit for bit. A tied model's copies (``lm_head.weight``) are not in
+a version: they follow the tensor they share. On a CPU, once a version was loaded from files, their private
+mappings are kept (clean file pages, shared with every process mapping them): the next version is then checked
+chunk by chunk as it is copied into the model (``dora.store.load_into``: every byte read once), and a chunk that
+does not match puts the kept version's bytes back. The first load, one in another dtype, or one on another device,
+checks every file before it touches the model (``dora.store.load_verified``).
 
 Sleep (an elastic worker's yield, made with ``sleep_on_yield``): every sequence's cache is dropped and the model
 moves to host memory, so a learner on the same GPU gets its memory; on wake the model comes back and each sequence
@@ -39,6 +43,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from dora.hf.folder import facts
+from dora.hf.tensors import tied_copies
 from dora.hostmem import Parking, module_tensors
 from dora.ids import Finish
 from dora.rollout.engines.base import EngineError, Sample
@@ -57,22 +63,16 @@ class Sequence(Sample):
         return len(self.prompt) + len(self.tokens) - 1
 
 
-def weights_file(path: str | pathlib.Path) -> pathlib.Path:
-    p = pathlib.Path(path)
-    return p / "model.safetensors" if p.is_dir() else p
-
-
 def read_weights(version: int, path: str | pathlib.Path, digest: str | None, device: str = "cpu") -> dict[str, Any]:
     """A published version's tensors, its digest checked first (``dora.store.load_verified``: one read of a private
     mapping of the file, whose tensors are then cut from that same mapping). Every way the read can fail is an
     EngineError (the worker stays on its version and lets the broker re-plan), a file gone before it is opened
     included: the broker may retire a version it told this worker to load, once a newer assignment has replaced that
     order, and the newer one is then already on its way. Once opened, the file is read whole even if it is retired."""
-    file = weights_file(path)
     try:
-        return load_verified(file, digest, name=f"v{version}", device=device)
+        return load_verified(path, digest, name=f"v{version}", device=device)
     except OSError as e:
-        raise EngineError(f"v{version}: cannot read {file}: {e.strerror or e}") from None
+        raise EngineError(f"v{version}: cannot read {e.filename or path}: {e.strerror or e}") from None
     except ValueError as e:  # a digest mismatch, or a digest this dora cannot read
         raise EngineError(str(e)) from None
 
@@ -88,7 +88,10 @@ class TorchEngine:
         self.device = torch.device(device)
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
         self.model.to(self.device).eval()
-        self.eos = self.model.config.eos_token_id
+        self.stops = facts(model_dir).stop_ids
+        """Tokens that end every turn: the model's EOS ids and its chat template's end of turn."""
+        self.copies = tied_copies(self.model)
+        """Tied parameters' second names (not in a published version: they follow the tensor they share)."""
         self.max_slots = max_slots
         self.version = version
         self.running: list[Sequence] = []
@@ -121,29 +124,29 @@ class TorchEngine:
             raise EngineError(f"cannot load v{version}: {len(self.running) + len(self.waiting)} requests are running")
         if digest is not None and self._loaded_from is not None:
             try:
-                self._loaded_from = self._load_in_place(version, weights_file(path), digest)
+                self._loaded_from = self._load_in_place(version, path, digest)
                 self.version = version
                 return
             except InPlaceUnfit:
                 pass  # checked whole first, then loaded
         state = read_weights(version, path, digest, device=str(self.device))
         missing, unexpected = self.model.load_state_dict(state, strict=False)
-        if unexpected or [k for k in missing if "rotary" not in k]:
+        if unexpected or [k for k in missing if "rotary" not in k and k not in self.copies]:
             raise EngineError(f"v{version} does not fit the model: missing {missing[:3]}, extra {unexpected[:3]}")
         self.version = version
         self._loaded_from = state if self.device.type == "cpu" else None  # views of the file's mapping
 
-    def _load_in_place(self, version: int, file: pathlib.Path, digest: str) -> dict[str, torch.Tensor]:
-        into = {k: t for k, t in self.model.state_dict().items() if "rotary" not in k}
+    def _load_in_place(self, version: int, path: str | pathlib.Path, digest: str) -> dict[str, torch.Tensor]:
+        into = {k: t for k, t in self.model.state_dict().items() if "rotary" not in k and k not in self.copies}
         kept = self._loaded_from
 
         def undo() -> None:  # the version this engine holds, from the mapping of the file it was loaded from
             self.model.load_state_dict(kept, strict=False)
 
         try:
-            return load_into(file, digest, name=f"v{version}", into=into, undo=undo)
+            return load_into(path, digest, name=f"v{version}", into=into, undo=undo)
         except OSError as e:
-            raise EngineError(f"v{version}: cannot read {file}: {e.strerror or e}") from None
+            raise EngineError(f"v{version}: cannot read {e.filename or path}: {e.strerror or e}") from None
         except ValueError as e:  # a digest mismatch (the model was put back), or a file that is not safetensors
             raise EngineError(str(e)) from None
 
@@ -431,7 +434,7 @@ class TorchEngine:
             s.logprobs.append(lp)
             s.mask.append(1)
             self.tokens_generated += 1
-            if token == self.eos or token in s.stops:
+            if token in self.stops or token in s.stops:
                 s.finish = Finish.STOP
             elif len(s.tokens) - s.turn_start >= s.max_tokens:
                 s.finish = Finish.LENGTH

@@ -8,6 +8,9 @@ and pages the KV cache itself.
 - **Log-probs**: ``logprobs_mode="processed_logprobs"``: the log-probability of each sampled token
   under the distribution it was drawn from (temperature, top-p), like the torch engine.
 - **Seeds**: each sample gets its own seed from the request's seed and its index.
+- **Stops**: every request ends on the model's stop ids (``dora.hf.folder``: the config's and generation
+  config's EOS ids and the chat template's end of turn) as well as its own.
+- **Length**: ``max_model_len`` None takes the model's own limit (``max_position_embeddings``).
 - **KV memory** is always bounded by ``kv_cache_bytes``. vLLM's CPU default would size the cache to
   most of the machine's memory.
 - **Weights**: ``load_weights`` checks the file's digest, then reloads the tensors in place with
@@ -37,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from dora.hf.folder import facts
 from dora.ids import Finish
 from dora.rollout.engines.base import EngineError, Sample
 from dora.rollout.engines.torch_engine import hash_seed, read_weights
@@ -54,7 +58,7 @@ class VllmEngine:
     name = "vllm"
 
     def __init__(self, model_dir: str | pathlib.Path, *, max_slots: int = 64, kv_cache_bytes: int = 64 << 20,
-                 dtype: str = "float32", max_model_len: int = 4096, version: int | None = None,
+                 dtype: str = "float32", max_model_len: int | None = None, version: int | None = None,
                  seed: int = 0, sleep_level: int | None = None) -> None:  # fmt: skip
         """``sleep_level``: what ``sleep`` does (1: weights to host memory and KV cache freed, which needs
         ``sleep_mode_available()``; 0: the scheduler paused); None: ``sleep`` is a no-op (the worker only stops
@@ -70,6 +74,8 @@ class VllmEngine:
                        kv_cache_memory_bytes=kv_cache_bytes, max_num_seqs=max_slots,
                        logprobs_mode="processed_logprobs", enable_sleep_mode=sleep_level == 1)  # fmt: skip
         self.engine = self.llm.llm_engine
+        self.stops = facts(model_dir).stop_ids
+        """Tokens that end every turn: the model's EOS ids and its chat template's end of turn."""
         self.max_slots = max_slots
         self.version = version
         self.requests: dict[str, Request] = {}
@@ -108,7 +114,7 @@ class VllmEngine:
         req.prefix = len(req.tokens)
         params = SamplingParams(max_tokens=req.max_tokens - (req.prefix - req.turn_start), temperature=req.temperature,
                                 top_p=req.top_p, seed=hash_seed(req.seed, req.index + 7919 * req.prefix), logprobs=0,
-                                stop_token_ids=sorted(req.stops))  # fmt: skip
+                                stop_token_ids=sorted(self.stops | req.stops))  # fmt: skip
         rid = f"{req.group_id}:{req.attempt}:{req.index}:{uuid.uuid4().hex[:8]}"
         self.requests[rid] = req
         self.engine.add_request(rid, {"prompt_token_ids": req.prompt + req.tokens}, params)

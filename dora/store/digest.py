@@ -43,7 +43,7 @@ CHUNK_BYTES = 16 << 20
 PIECE_BYTES = 1 << 20
 """One read: small enough that the bytes are still in cache when they are hashed."""
 THREADS = min(4, os.cpu_count() or 1)
-_TREE = re.compile(r"(?P<algo>[a-z0-9_]+)/(?P<mib>\d+)MiB:(?P<root>[0-9a-f]+)")
+_TREE = re.compile(r"(?P<algo>[a-z0-9_]+)/(?P<mib>\d+)MiB(?P<folder>/dir)?:(?P<root>[0-9a-f]+)")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -57,6 +57,8 @@ class Digest:
     chunk_bytes: int
     """0: one hash of the whole file (a format-1 manifest's plain sha256)."""
     root: str
+    folder: bool = False
+    """A folder's digest (``<algo>/<n>MiB/dir:<root>``): ``root`` is ``folder_root`` of its files' manifest entries."""
 
     @classmethod
     def parse(cls, text: str) -> Digest:
@@ -64,11 +66,13 @@ class Digest:
             return cls("sha256", 0, text)
         found = _TREE.fullmatch(text)
         if found is None or found["algo"] not in ALGOS or int(found["mib"]) < 1:
-            raise ValueError(f"not a weight digest: {text[:80]!r} (expected <algo>/<n>MiB:<hex> or a sha256)")
-        return cls(found["algo"], int(found["mib"]) << 20, found["root"])
+            raise ValueError(f"not a weight digest: {text[:80]!r} (expected <algo>/<n>MiB[/dir]:<hex> or a sha256)")
+        return cls(found["algo"], int(found["mib"]) << 20, found["root"], found["folder"] is not None)
 
     def __str__(self) -> str:
-        return self.root if not self.chunk_bytes else f"{self.algo}/{self.chunk_bytes >> 20}MiB:{self.root}"
+        if not self.chunk_bytes:
+            return self.root
+        return f"{self.algo}/{self.chunk_bytes >> 20}MiB{'/dir' if self.folder else ''}:{self.root}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +90,17 @@ def root_of(algo: str, chunk_bytes: int, size: int, chunks: Sequence[str]) -> st
     h.update(f"dora-weights/{algo}/{chunk_bytes}/{size}\n".encode())
     for c in chunks:
         h.update(bytes.fromhex(c))
+    return h.hexdigest()
+
+
+def folder_root(algo: str, chunk_bytes: int, files: dict[str, tuple[int, Sequence[str]]]) -> str:
+    """The digest of a folder: one line per file (name, size, its own chunk root), names in order. ``files``:
+    name -> (size, chunk digests), as a version's manifest lists them."""
+    h = ALGOS[algo]()
+    h.update(f"dora-folder/{algo}/{chunk_bytes}\n".encode())
+    for name in sorted(files):
+        size, chunks = files[name]
+        h.update(f"{name}\t{size}\t{root_of(algo, chunk_bytes, size, chunks)}\n".encode())
     return h.hexdigest()
 
 

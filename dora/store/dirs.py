@@ -1,9 +1,9 @@
 """The weight store's directories on disk: their names, the leftovers of writers that died, and the removal of a
 version, which is all the broker needs of the store (it retires the versions its ledger no longer holds).
 
-``<root>/v<N>/model.safetensors`` plus ``manifest.json``; a version being written or removed is a temporary
-directory ``<root>/.v<N>.<pid>@<host>.<rand>.tmp``. Nothing here reads a tensor: no torch, no safetensors, so
-the broker, which imports this module and not ``dora.store``, never loads them.
+``<root>/v<N>/``: a model folder plus ``manifest.json`` (a version of an older dora: ``model.safetensors`` and
+its manifest); a version being written or removed is a temporary directory ``<root>/.v<N>.<pid>@<host>.<rand>.tmp``.
+Nothing here reads a tensor: no torch, no safetensors, so the broker, which imports this module, never loads them.
 """
 
 from __future__ import annotations
@@ -67,14 +67,16 @@ def remove_version(path: pathlib.Path) -> bool:
 
 
 def store_path(uri: str) -> pathlib.Path | None:
-    """The version directory a ``file://`` weight URI points into (None for other schemes)."""
+    """The version directory a ``file://`` weight URI names (``file://<store>/v<N>``, or an older dora's
+    ``file://<store>/v<N>/model.safetensors``); None for other schemes."""
     if not uri.startswith("file://"):
         return None
-    return pathlib.Path(uri.removeprefix("file://")).parent
+    path = pathlib.Path(uri.removeprefix("file://"))
+    return path.parent if path.suffix == ".safetensors" else path
 
 
 def retire_uri(uri: str) -> pathlib.Path | None:
-    """Delete the store version a published ``file://`` URI names (``file://<store>/v<N>/model.safetensors``).
+    """Delete the store version a published ``file://`` URI names (``file://<store>/v<N>``).
     Only a directory the store wrote (``v<N>`` with its manifest) is deleted; returns it, or None."""
     path = store_path(uri)
     if path is None:

@@ -1,0 +1,103 @@
+"""A user's model and its settings, checked before any process starts: each mistake is one line (a ConfigError,
+exit 2), never a worker's traceback.
+
+- a folder with no ``config.json`` or no ``tokenizer.json``; a model that is not a causal LM;
+- a tokenizer with more tokens than the model's embedding has rows;
+- an architecture the chosen engine cannot run (vLLM: not among the architectures it registers);
+- a length that does not fit: ``rollout.max_model_len`` above the model's own limit, or the longest prompt
+  (``task.max_prompt_tokens``, else the dataset's longest) plus ``run.max_tokens`` (an episode:
+  ``task.max_episode_tokens``) above the limit the engines run with.
+(``task.chat_template = true`` with a tokenizer that has no template is refused where prompts are rendered.)
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib.util
+import pathlib
+
+from dora.config import ConfigError
+from dora.hf.folder import ModelFacts, facts, load_tokenizer
+
+
+def causal_lm_types() -> frozenset[str]:
+    """The model types transformers builds with ``AutoModelForCausalLM``."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+@functools.cache
+def vllm_architectures() -> frozenset[str] | None:
+    """The architectures vLLM registers for text generation, read from its registry's source (importing vLLM
+    takes 15-25 s on a CPU; this takes milliseconds); None when vLLM is not installed or the source is not
+    readable this way (the engine then says itself)."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:
+        return None
+    source = pathlib.Path(spec.origin).parent / "model_executor" / "models" / "registry.py"
+    try:
+        tree = ast.parse(source.read_text())
+    except (OSError, SyntaxError):
+        return None
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict):
+            target = node.targets[0]
+            if isinstance(target, ast.Name) and target.id in ("_TEXT_GENERATION_MODELS", "_MULTIMODAL_MODELS"):
+                names |= {k.value for k in node.value.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)}
+    return frozenset(names) or None
+
+
+def check_model(folder: str | pathlib.Path, *, key: str, engine: str | None = None,
+                chat_template: bool = True) -> ModelFacts:  # fmt: skip
+    """What ``folder`` says, once it is a causal LM with a fast tokenizer that fits its embedding and, when
+    ``engine`` is named (torch or vllm), an architecture that engine runs. ``key``: the setting it came from."""
+    folder = pathlib.Path(folder)
+    if not folder.is_dir():
+        raise ConfigError(f"{key} = {str(folder)!r}: no such folder")
+    try:
+        found = facts(folder, chat_template=chat_template)
+    except ConfigError as e:
+        raise ConfigError(f"{key}: {e}") from None
+    tok = load_tokenizer(folder)
+    if found.model_type not in causal_lm_types():
+        raise ConfigError(f"{key}: {folder} is a {found.model_type or 'model of no model_type'} "
+                          f"({', '.join(found.architectures) or 'no architectures'}), not a causal LM "
+                          "(AutoModelForCausalLM does not build it)")  # fmt: skip
+    if found.vocab_size is not None and len(tok) > found.vocab_size:
+        raise ConfigError(f"{key}: the tokenizer of {folder} has {len(tok)} tokens but the model's embedding "
+                          f"{found.vocab_size} rows (vocab_size): resize the embedding (resize_token_embeddings) "
+                          "or use the model's own tokenizer")  # fmt: skip
+    if engine == "vllm":
+        known = vllm_architectures()
+        missing = [a for a in found.architectures if known is not None and a not in known]
+        if missing:
+            raise ConfigError(f"{key}: vLLM has no implementation of {', '.join(missing)} ({folder}); "
+                              "use run.engine = 'torch'")  # fmt: skip
+    return found
+
+
+def model_limit(found: ModelFacts, max_model_len: int | None, *, key: str = "rollout.max_model_len") -> int | None:
+    """The longest prompt + completion the engines run with: ``max_model_len``, else the model's own limit.
+    A ``max_model_len`` above the model's limit is a ConfigError."""
+    own = found.max_positions
+    if max_model_len is not None and own is not None and max_model_len > own:
+        raise ConfigError(f"{key} = {max_model_len} is above what {found.folder} holds ({own} positions, its "
+                          f"max_position_embeddings); set it to at most {own} or leave it out")  # fmt: skip
+    return max_model_len if max_model_len is not None else own
+
+
+def check_lengths(limit: int | None, *, prompt_tokens: int, prompt_from: str, completion_tokens: int,
+                  completion_from: str) -> None:  # fmt: skip
+    """A prompt of ``prompt_tokens`` and a completion of ``completion_tokens`` fit in ``limit`` positions;
+    the ``*_from`` name the settings (or data) they come from, for the error."""
+    if limit is None or prompt_tokens + completion_tokens <= limit:
+        return
+    room = limit - prompt_tokens
+    fix = f"lower {completion_from} to at most {room}" if room > 0 else "shorten the prompts"
+    raise ConfigError(f"{completion_from} = {completion_tokens} after prompts of up to {prompt_tokens} tokens "
+                      f"({prompt_from}) needs {prompt_tokens + completion_tokens} positions; the engines hold "
+                      f"{limit} (rollout.max_model_len, else the model's max_position_embeddings): {fix}, "
+                      "or set task.max_prompt_tokens lower")  # fmt: skip

@@ -1,0 +1,28 @@
+"""The weight store: one model folder per published version, written atomically, checked on load, retired by the
+broker.
+
+Below the three processes: the learner publishes into it, the rollout engines check what they load against the
+digest published with it, and the broker deletes the versions its ledger retired. The modules:
+
+- ``publish``: ``WeightStore``, a version as a model folder (safetensors in the engines' dtype, sharded above a
+  size, tied tensors once, the config and tokenizer beside them) renamed into place whole;
+- ``manifest``: every file of a version with its chunk digests, and the digest they make;
+- ``load``: the bytes checked are the bytes loaded (``load_verified``, ``load_into``);
+- ``digest``: chunked digests (xxh3_128 or sha256 per 16 MiB chunk), hashed in parallel, in place;
+- ``tensorfile``: a safetensors file mapped once, its tensors as views of the mapping;
+- ``dirs``: the store's directories, a dead publisher's leftovers, retirement: all the broker imports. Nothing
+  here imports torch until a version is published or loaded.
+
+The ledger keeps at most K + 1 versions alive, so the store holds at most K + 2 while the next one is written.
+A broker restarted from its journal holds only the newest version alive: it retires the older ones at once
+(``retire_older``), or they would stay on disk for good.
+"""
+
+from dora.store.digest import DigestMismatch, sha256_file
+from dora.store.dirs import retire_older, retire_uri, store_path
+from dora.store.load import InPlaceUnfit, load_into, load_verified
+from dora.store.manifest import Manifest
+from dora.store.publish import WeightStore
+
+__all__ = ["DigestMismatch", "InPlaceUnfit", "Manifest", "WeightStore", "load_into", "load_verified", "retire_older",
+           "retire_uri", "sha256_file", "store_path"]  # fmt: skip
