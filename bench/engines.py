@@ -9,7 +9,7 @@
 2. Migration cost of one request at each prefix length: export + import with its KV cache vs
    export without KV + re-prefill of prompt + prefix on the target, both to the first new token.
 
-The model is built offline (dora.tasks.model) into a temp folder and loaded through the normal path.
+The model is built offline (dora.hf.tiny) into a temp folder and loaded through the normal path.
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from dora.hf.tiny import TinySpec, build_model  # noqa: E402
 from dora.rollout.engines.torch_engine import TorchEngine  # noqa: E402
-from dora.tasks.model import TinySpec, build_model  # noqa: E402
 
 
 def torch_engine_rate(model: pathlib.Path, batch: int, tokens: int) -> float:
     e = TorchEngine(model, max_slots=batch, version=0)
-    e.eos = -1  # never stop early: every request makes exactly `tokens` tokens
+    e.stops = frozenset()  # never stop early: every request makes exactly `tokens` tokens
     e.submit(group_id=0, attempt=1, prompt=[11, 12, 13, 14], n=batch, max_tokens=tokens, seed=1)
     start = time.perf_counter()
     while len(e):
@@ -76,7 +76,7 @@ def migration_cost(model: pathlib.Path, prefix: int) -> tuple[float, float]:
     """Seconds from export to the first new token on the target: (with KV, by re-prefill)."""
     prompt = [11 + (i % 500) for i in range(prefix)]  # the context to carry over: same length either way
     src, dst = TorchEngine(model, max_slots=1, version=0), TorchEngine(model, max_slots=1, version=0)
-    src.eos = dst.eos = -1
+    src.stops = dst.stops = frozenset()
     costs = []
     for with_kv in (True, False):
         src.submit(group_id=0, attempt=1, prompt=prompt, n=1, max_tokens=8, seed=1)
