@@ -71,7 +71,7 @@ def main(argv: list[str]) -> int:
         cluster.stop()
         return 2
     try:
-        from dora.tasks.model import build_model
+        from dora.hf.tiny import build_model
 
         model = build_model(tmp / "model")
         job = submit_nodes(cluster, tmp, model, "core.total_steps=1000000")

@@ -1,11 +1,16 @@
 """The weight path per GB: publish, verify and load a real architecture's weights through the store, beside the
 disk's own bandwidth measured in the same run.
 
-    .venv/bin/python bench/weights.py                        # Qwen2-shaped, ~0.8 GB fp32, 3 versions (~80 s)
+    .venv/bin/python bench/weights.py                        # Qwen2-shaped, tied, 3 versions in fp32 then bf16 (~3 min)
     .venv/bin/python bench/weights.py --algo sha256 --out bench/out/weights_sha256.json   # a cryptographic digest
     .venv/bin/python bench/weights.py --dtype bfloat16 --hidden 1536 --layers 16 --versions 4
 
-The model is a transformers Qwen2 built from a config with random weights (nothing downloaded). Every stage is
+The model is a transformers Qwen2 built from a config with random weights (nothing downloaded), its embeddings
+tied by default as in the families users start from. A version is published the way the learner publishes it: a
+model folder (the config, generation config and tokenizer beside the weights), each tied tensor once, the weights
+in the publish dtype. The run measures each of ``--publish-dtypes`` in turn (default: float32, what every version
+was written in before versions followed the engine's dtype, then bfloat16, a GPU engine's dtype), each loaded by a
+torch engine of that dtype, and prints them side by side: bytes per version and seconds per stage. Every stage is
 timed in the same run, in GB/s of the version's safetensors file:
 
 - **disk**: a file of the same size written in 16 MiB blocks then fsync'd, after ``os.sync()`` (write to the page
@@ -49,26 +54,33 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from dora.digest import digest_file  # noqa: E402
+from dora.hf.folder import companion_files, with_dtype  # noqa: E402
+from dora.hf.tensors import publishable, tied_copies  # noqa: E402
 from dora.rollout.engines.torch_engine import TorchEngine  # noqa: E402
 from dora.store import WeightStore, sha256_file  # noqa: E402
+from dora.store.digest import digest_file  # noqa: E402
 
 BLOCK = 16 << 20
 TARGET = 0.25
 """verify / load: the check may add at most a quarter of the load."""
 
 
-def build_model(out: pathlib.Path, *, hidden: int, layers: int, vocab: int, dtype: str) -> torch.nn.Module:
-    """A Qwen2 causal LM with random weights, saved as an HF folder (the run's version 0) at ``out``."""
+def build_model(out: pathlib.Path, *, hidden: int, layers: int, vocab: int, dtype: str,
+                tied: bool = True) -> torch.nn.Module:  # fmt: skip
+    """A Qwen2 causal LM with random weights, saved as an HF folder (the run's version 0) at ``out``, with dora's
+    tokenizer beside it (what makes each published version a model folder)."""
     from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from dora.hf.tiny import build_tokenizer
 
     heads = max(2, hidden // 64)
     cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=int(hidden * 2.75) // 64 * 64,
                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 4),
-                      max_position_embeddings=2048, tie_word_embeddings=False)  # fmt: skip
+                      max_position_embeddings=2048, tie_word_embeddings=tied)  # fmt: skip
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
     model.save_pretrained(out)
+    build_tokenizer(1024).save_pretrained(out)
     return model
 
 
@@ -146,24 +158,34 @@ TWIN = 1000
 hold, since a torch engine keeps the mapping of the file it last loaded (clean pages a drop cannot evict)."""
 
 
-def versions(model: torch.nn.Module, store: WeightStore, engine: TorchEngine, n: int, reps: int) -> list[dict]:
+def versions(model: torch.nn.Module, store: WeightStore, engine: TorchEngine, n: int, reps: int, *,
+             folder: pathlib.Path, publish_dtype: str) -> list[dict]:  # fmt: skip
     """Publish ``n`` versions; each one loaded by the engine ``reps`` times cold and warm, without and with its
     digest (alternating which goes first), and read by a plain sha256 pass. Every load reads the copy of the
     version the engine does not hold (``TWIN``)."""
     rows = []
     held = None
+    copies = tied_copies(model)
+    beside = companion_files(folder)
+    beside["config.json"] = with_dtype(beside["config.json"], publish_dtype)
+    dtype = getattr(torch, publish_dtype)
+
+    def publish(version: int) -> tuple[str, str, float]:  # as the learner does (TorchTrainer._publish)
+        return store.publish(version, publishable(model.state_dict(), copies), beside=beside, dtype=dtype)
+
     for v in range(1, n + 1):
         with torch.no_grad():  # a new version: every byte differs from the last one's
             for p in model.parameters():
                 p.mul_(1.0 + 1e-3)
         os.sync()  # the publish's fsync waits for its own bytes, not for what the last step left dirty
-        uri, digest, publish_s = store.publish(v, model.state_dict())
-        file = pathlib.Path(uri.removeprefix("file://"))
-        twin_uri, twin_digest, _ = store.publish(TWIN + v, model.state_dict())
+        uri, digest, publish_s = publish(v)
+        file = pathlib.Path(uri.removeprefix("file://")) / "model.safetensors"
+        twin_uri, twin_digest, _ = publish(TWIN + v)
         assert twin_digest == digest, "the same tensors make the same file"
-        twin = pathlib.Path(twin_uri.removeprefix("file://"))
+        twin = pathlib.Path(twin_uri.removeprefix("file://")) / "model.safetensors"
         manifest = json.loads((file.parent / "manifest.json").read_text())
-        row: dict = {"version": v, "bytes": file.stat().st_size, "publish_s": [publish_s],
+        row: dict = {"version": v, "bytes": file.stat().st_size, "folder_bytes": manifest["bytes"],
+                     "publish_s": [publish_s],
                      **{f"publish_{k}_s": [s] for k, s in manifest.get("timings_s", {}).items()}}  # fmt: skip
         for rep in range(reps):
             for temp in ("cold", "warm"):
@@ -229,12 +251,26 @@ def report(s: dict[str, float], label: str, reps: int) -> None:
         print(f"verify / load {temp}: {r:.3f} (target <= {TARGET}: {'met' if r <= TARGET else 'not met'}){note}")
 
 
+def compare(results: dict[str, dict[str, float]]) -> None:
+    """The publish dtypes side by side: bytes of a version and seconds (and s/GB of the float32 version's size)."""
+    base = results.get("float32", next(iter(results.values())))["gb"]
+    stages = [("publish", "publish_s"), ("verified load cold", "verified_cold_s"),
+              ("verified load warm", "verified_warm_s"), ("load warm (no digest)", "load_warm_s"),
+              ("verify warm", "verify_warm_s")]  # fmt: skip
+    print(f"\nper version, by publish dtype (s per GB: of the float32 version's {base:.3f} GB, the same parameters)")
+    print(f"{'':24s}" + "".join(f"{d:>22s}" for d in results))
+    print(f"{'GB written':24s}" + "".join(f"{r['gb']:22.3f}" for r in results.values()))
+    for name, key in stages:
+        print(f"{name + ' s (s/GB)':24s}" + "".join(f"{r[key]:13.3f} ({r[key] / base:6.3f})" for r in results.values()))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--untied", action="store_true", help="untied embeddings (default: tied, as Qwen2.5 / Llama-3.2)")
+    p.add_argument("--publish-dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     p.add_argument("--versions", type=int, default=3)
     p.add_argument("--reps", type=int, default=3, help="loads of each kind per version (the best is kept)")
     p.add_argument("--algo", default="xxh3_128", help="the store's digest (xxh3_128 or sha256; a store of this tree)")
@@ -243,26 +279,34 @@ def main() -> int:
     p.add_argument("--out", default=str(ROOT / "bench" / "out" / "weights.json"))
     args = p.parse_args()
     torch.set_num_threads(min(4, os.cpu_count() or 1))
+    results, rows_by = {}, {}
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="dora-weights-") as tmp:
         scratch = pathlib.Path(tmp)
         started = time.perf_counter()
-        model = build_model(scratch / "hf", hidden=args.hidden, layers=args.layers, vocab=args.vocab, dtype=args.dtype)
+        model = build_model(scratch / "hf", hidden=args.hidden, layers=args.layers, vocab=args.vocab,
+                            dtype="float32", tied=not args.untied)  # fmt: skip
         size = (scratch / "hf" / "model.safetensors").stat().st_size
-        engine = TorchEngine(scratch / "hf", dtype=args.dtype, version=0)
-        engine.load_weights(0, scratch / "hf", None)  # every parameter page touched once before anything is timed
         built_s = time.perf_counter() - started
         io = disk(scratch, size, args.reps)
-        rows = versions(model, WeightStore(scratch / "store", algo=args.algo), engine, args.versions, args.reps)
-    s = summary(rows, io)
-    report(s, args.label, args.reps)
+        for dtype in args.publish_dtypes:
+            engine = TorchEngine(scratch / "hf", dtype=dtype, version=0)
+            engine.load_weights(0, scratch / "hf", None)  # every parameter page touched once before anything is timed
+            store = WeightStore(scratch / f"store-{dtype}", algo=args.algo)
+            rows = versions(model, store, engine, args.versions, args.reps, folder=scratch / "hf", publish_dtype=dtype)
+            results[dtype], rows_by[dtype] = summary(rows, io), rows
+            report(results[dtype], f"{args.label}, published in {dtype}", args.reps)
+            del engine
+    if len(results) > 1:
+        compare(results)
     params = sum(p.numel() for p in model.parameters())
-    shape = {"arch": "qwen2", "params": params, "dtype": args.dtype, "hidden": args.hidden, "layers": args.layers,
-             "vocab": args.vocab, "digest": args.algo, "build_s": round(built_s, 1)}  # fmt: skip
-    result = {"label": args.label, "model": shape, "summary": s, "versions": rows, "target_verify_over_load": TARGET}
+    shape = {"arch": "qwen2", "params": params, "tied": not args.untied, "hidden": args.hidden,
+             "layers": args.layers, "vocab": args.vocab, "digest": args.algo, "build_s": round(built_s, 1)}  # fmt: skip
+    result = {"label": args.label, "model": shape, "by_publish_dtype": results, "versions": rows_by,
+              "target_verify_over_load": TARGET}  # fmt: skip
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result))
+    print(json.dumps({k: v for k, v in result.items() if k != "versions"}))
     return 0
 
 

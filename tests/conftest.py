@@ -12,6 +12,6 @@ settings.register_profile("mutation", phases=[Phase.explicit, Phase.reuse, Phase
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> pathlib.Path:
     """A tiny untied Qwen2 model and tokenizer, built offline once per session, loaded like any HF folder."""
-    from dora.tasks.model import build_model
+    from dora.hf.tiny import build_model
 
     return build_model(tmp_path_factory.mktemp("tiny") / "model")

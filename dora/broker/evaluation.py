@@ -240,7 +240,7 @@ def eval_rounds(cfg: RunConfig) -> EvalRounds | None:
         raise ConfigError("eval.every_steps needs task.tokenizer (the model folder), to encode the held-out rows")
     held = eval_task(cfg, cfg.task.tokenizer)
     rows = held.rows[: e.limit] if e.limit else held.rows
-    prompts = [np.array(held.tokenizer.encode(held.texts[r.index]).ids, dtype=np.int32) for r in rows]
+    prompts = [np.array(held.encode(held.texts[r.index]), dtype=np.int32) for r in rows]
     b = cfg.broker
     return EvalRounds(prompts, every_steps=e.every_steps, samples=e.samples, temperature=e.temperature,
                       max_tokens=e.max_tokens or cfg.run.max_tokens, seed=cfg.run.seed,

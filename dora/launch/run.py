@@ -13,7 +13,13 @@ Each run gets its own directory under ``run.dir``, holding:
 The broker listens on an ipc socket in that directory and serves Prometheus metrics on a free local
 port (``metrics_url`` in ``broker.json``). The progress line, read from ``metrics.jsonl``, shows step,
 reward, staleness and throughput. Ctrl-C (or SIGTERM) stops every process by its PID: SIGTERM first,
-then SIGKILL after the grace period. The exit status is 0 only if every process exited 0.
+then SIGKILL after the grace period.
+
+A rollout worker that exits is reported at once, one line with its last error (from its log). The run goes on
+without it once every worker has joined the broker; it stops (every process, by PID) and exits 1 when no worker
+is left, when a worker exits before the whole fleet has joined, or when the fleet has not joined within
+``run.worker_start_timeout_s``. The exit status is 0 only if the run finished and every process but such
+reported workers exited 0.
 """
 
 from __future__ import annotations
@@ -31,7 +37,10 @@ from typing import Any
 
 from dora.config import ConfigError, load, to_data
 from dora.config.run import RunConfig
+from dora.hf.checks import check_model
+from dora.hf.preflight import check_run_model, model_folder
 from dora.launch.local import LocalRun
+from dora.launch.watch import RunStuck, WorkerWatch, new_lines
 from dora.ops.plot import EVAL, METRICS, TIMELINE, PlotError, render
 
 
@@ -51,14 +60,11 @@ def prepare(cfg: RunConfig, rundir: pathlib.Path) -> dict[str, Any]:
             data["metrics"][key] = str(rundir / data["metrics"][key])
     data["log"]["format"] = "json"
     if cfg.run.engine != "sim" or cfg.run.trainer != "sim":
-        model = cfg.rollout.model or cfg.learner.model
-        if not model:
-            raise ConfigError("run.engine/run.trainer torch|vllm need rollout.model (an HF model folder)")
-        if not (pathlib.Path(model) / "config.json").is_file():
-            from dora.tasks.model import build_model
-
-            print(f"dora run: building the tiny model into {model} (first run only)", file=sys.stderr)
-            build_model(model)
+        name = cfg.rollout.model or cfg.learner.model
+        if not name:
+            raise ConfigError("run.engine/run.trainer torch|vllm need rollout.model (a model folder or a hub id)")
+        model = model_folder(name, key="rollout.model", build_tiny=True, who="dora run")
+        check_model(model, key="rollout.model", chat_template=cfg.task.chat_template)  # before the task reads it
         data["rollout"]["model"] = data["learner"]["model"] = str(model)
         data["task"].setdefault("tokenizer", str(model))
     return data
@@ -130,7 +136,10 @@ def main(argv: list[str]) -> int:
         rundir = pathlib.Path(cfg.run.dir) / time.strftime("%Y%m%d-%H%M%S")
         rundir.mkdir(parents=True, exist_ok=False)
         data = prepare(cfg, rundir)
-        report_task(check_task(data))
+        about = check_task(data)
+        report_task(about)
+        if cfg.run.engine != "sim" or cfg.run.trainer != "sim":
+            check_run_model(cfg, pathlib.Path(data["rollout"]["model"]), cfg.run.engine, about)
         before = held_out(data, rundir, 0) if cfg.eval.dataset else None
     except (ConfigError, ValueError, FileExistsError) as e:
         print(f"dora run: {e}", file=sys.stderr)
@@ -157,6 +166,8 @@ def main(argv: list[str]) -> int:
         print(f"dora run: CPU threads: {shares.describe(elastic=elastic, standalone=cfg.run.workers - elastic)}",
               file=sys.stderr)  # fmt: skip
     codes: dict[str, int | None] = {}
+    broken = False
+    watch: WorkerWatch | None = None
     try:
         run.start_broker()
         url = json.loads((rundir / "broker.json").read_text()).get("metrics_url")
@@ -166,29 +177,36 @@ def main(argv: list[str]) -> int:
         for i in range(cfg.run.workers):
             flag, threads = (["--elastic"], shares.elastic) if i < elastic else ([], shares.standalone)
             run.start_worker(f"w{i}", cfg.run.engine, *extra, *flag, threads=threads)
+        names = [f"w{i}" for i in range(cfg.run.workers)]
+        watch = WorkerWatch(run, names, start_timeout_s=cfg.run.worker_start_timeout_s)
         learner = ["learner", "--trainer", cfg.run.trainer, "--broker", str(rundir / "broker.json")]
         if cfg.run.trainer == "torch" and cfg.learner.ranks > 1:  # FSDP2 over local ranks, started by torchrun
             run.spawn_command("learner", ["-m", "torch.distributed.run", "--standalone",
                                           f"--nproc-per-node={cfg.learner.ranks}", "-m", "dora", *learner])  # fmt: skip
         else:
             run.spawn("learner", *learner)
-        follow(run, rundir, cfg.core.total_steps, lambda: stopping)
+        follow(run, rundir, cfg.core.total_steps, lambda: stopping, watch)
     except (RuntimeError, TimeoutError) as e:
-        print(f"dora run: {e}", file=sys.stderr)
+        broken = True
+        print(f"dora run: {e}" + ("; stopping every process" if isinstance(e, RunStuck) else ""), file=sys.stderr)
     finally:
         codes = run.stop(grace_s=args.grace)
+        if broken and watch is not None:
+            watch.settle(codes)
         try:
             render(rundir)
         except PlotError as e:
             print(f"dora run: no figures: {e}", file=sys.stderr)
-    failed = {k: v for k, v in codes.items() if v != 0}
+    lost = watch.lost if watch is not None and not broken else {}
+    failed = {k: v for k, v in codes.items() if v != 0 and k not in lost}
     if stopping:
         print(f"dora run: stopped; every process ended ({codes}); logs in {rundir}", file=sys.stderr)
         return 130
-    if failed:
+    if failed or broken:
         print(f"dora run: processes failed: {failed}; logs in {rundir}", file=sys.stderr)
         return 1
-    print(f"dora run: done; metrics in {rundir / 'metrics.jsonl'}", file=sys.stderr)
+    gone = f" ({len(lost)} rollout worker{'s' * (len(lost) > 1)} lost on the way: {', '.join(lost)})" if lost else ""
+    print(f"dora run: done{gone}; metrics in {rundir / 'metrics.jsonl'}", file=sys.stderr)
     if before is not None:
         from dora.store import WeightStore
 
@@ -231,8 +249,9 @@ def check_invariants(rundir: pathlib.Path) -> int:
     return 0 if report.ok else 1
 
 
-def follow(run: LocalRun, rundir: pathlib.Path, total: int, stopped: Any) -> None:
-    """Show progress from the broker's metrics.jsonl as steps are trained, until the run ends."""
+def follow(run: LocalRun, rundir: pathlib.Path, total: int, stopped: Any, watch: WorkerWatch | None = None) -> None:
+    """Show progress from the broker's metrics.jsonl as steps are trained, until the run ends; ``watch``: check
+    the rollout workers on each pass (RunStuck when the run cannot go on)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     offset, tokens = 0, 0.0
@@ -261,16 +280,6 @@ def follow(run: LocalRun, rundir: pathlib.Path, total: int, stopped: Any) -> Non
                 continue
             if broker.poll() is not None:
                 raise RuntimeError(f"the broker exited with {broker.returncode}; see {rundir}/broker.log")
+            if watch is not None:
+                watch.check()
             time.sleep(0.5)
-
-
-def new_lines(path: pathlib.Path, offset: int) -> tuple[list[dict[str, Any]], int]:
-    """The whole JSON lines written to ``path`` past byte ``offset``, and the offset after them."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            data = f.read()
-    except FileNotFoundError:
-        return [], offset
-    whole = data[: data.rfind(b"\n") + 1]
-    return [json.loads(x) for x in whole.splitlines() if x.strip()], offset + len(whole)

@@ -19,6 +19,7 @@ import os
 import pathlib
 import shutil
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -30,6 +31,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from dora.hf.tensors import with_copies
+
 
 def _rank() -> int:
     import torch.distributed as dist
@@ -38,8 +41,11 @@ def _rank() -> int:
 
 
 def save(model: torch.nn.Module, opt: torch.optim.Optimizer, root: str | pathlib.Path, *, version: int,
-         trained_groups: list[int], keep: int = 2) -> pathlib.Path | None:  # fmt: skip
-    """Write checkpoint ``version``; keep the newest ``keep``. Returns its path on rank 0, None elsewhere."""
+         trained_groups: list[int], keep: int = 2,
+         copies: Mapping[str, str] | None = None) -> pathlib.Path | None:  # fmt: skip
+    """Write checkpoint ``version``; keep the newest ``keep``. Returns its path on rank 0, None elsewhere.
+    ``copies``: tied parameters' second names (``dora.hf.tensors.tied_copies``), left out: a tied tensor is
+    written once, under its first name."""
     from safetensors.torch import save_file
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -49,7 +55,7 @@ def save(model: torch.nn.Module, opt: torch.optim.Optimizer, root: str | pathlib
         return None
     root = pathlib.Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    tensors = {f"model/{k}": v.contiguous() for k, v in model_sd.items()}
+    tensors = {f"model/{k}": v.contiguous() for k, v in model_sd.items() if k not in (copies or {})}
     for name, slots in opt_sd.get("state", {}).items():
         for key, value in slots.items():
             tensors[f"optim/{name}/{key}"] = torch.as_tensor(value).contiguous()
@@ -80,14 +86,17 @@ def checkpoints(root: str | pathlib.Path) -> list[pathlib.Path]:
     return sorted(found, key=lambda p: int(p.name[6:]))
 
 
-def load(model: torch.nn.Module, opt: torch.optim.Optimizer, path: str | pathlib.Path) -> dict[str, Any]:
-    """Restore a checkpoint into ``model`` and ``opt``; returns its meta (version, trained_groups)."""
+def load(model: torch.nn.Module, opt: torch.optim.Optimizer, path: str | pathlib.Path,
+         copies: Mapping[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Restore a checkpoint into ``model`` and ``opt``; returns its meta (version, trained_groups). ``copies``:
+    tied parameters' second names, filled from the tensor they share."""
     from safetensors.torch import load_file
 
     path = pathlib.Path(path)
     meta = json.loads((path / "meta.json").read_text())
     tensors = load_file(str(path / "state.safetensors"))
-    model_sd = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
+    model_sd = with_copies({k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")},
+                           copies or {})  # fmt: skip
     state: dict[str, dict[str, torch.Tensor]] = {}
     for k, v in tensors.items():
         if k.startswith("optim/"):

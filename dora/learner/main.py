@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import os
-import pathlib
 import signal
 import sys
 from collections.abc import Callable
@@ -22,6 +22,8 @@ from dora.actor.security import check_keys
 from dora.actor.signals import ignore_sigterm_while_exiting
 from dora.config import ConfigError, load
 from dora.config.run import RunConfig
+from dora.hf.checks import check_model
+from dora.hf.preflight import model_folder
 from dora.learner.actor import LearnerActor
 from dora.learner.trainers import Trainer
 from dora.learner.trainers.sim import SimTrainer
@@ -48,9 +50,12 @@ def main(argv: list[str]) -> int:
         overrides = [*args.set, *([f"learner.model={args.model}"] if args.model else [])]
         cfg = load(RunConfig, path=args.config, env=os.environ, env_prefix="DORA_", overrides=overrides)
         cluster = ClusterInfo.from_env(os.environ)
-        model = cfg.learner.model
-        if args.trainer == "torch" and not (model and pathlib.Path(model, "config.json").is_file()):
-            raise ConfigError(f"--trainer torch needs --model DIR (an HF folder); got {cfg.learner.model}")
+        if args.trainer == "torch":
+            if not cfg.learner.model:
+                raise ConfigError("--trainer torch needs --model (a model folder or a hub id; learner.model)")
+            folder = model_folder(cfg.learner.model, key="learner.model")
+            check_model(folder, key="learner.model", chat_template=False)
+            cfg = dataclasses.replace(cfg, learner=dataclasses.replace(cfg.learner, model=str(folder)))
         check_keys(cfg, "learner")
         endpoint = wait_for_endpoint(args.broker, cfg.broker.discovery_wait_s, cluster)
         loss_fn = None

@@ -1,6 +1,7 @@
-"""`dora eval --model DIR [--dataset FILE] [--store DIR --version N]`: a model's held-out accuracy, alone.
+"""`dora eval --model DIR|HUB_ID [--dataset FILE] [--store DIR --version N]`: a model's held-out accuracy, alone.
 
-The model folder gives the architecture, tokenizer and chat template; with ``--store`` and ``--version`` the
+The model folder (any model folder: a published version's folder is one, ``runs/<time>/weights/v<N>``) gives
+the architecture, tokenizer and chat template, and its weights; with ``--store`` and ``--version`` the
 weights are that published version's, checked against its manifest's digest, as a rollout worker loads them.
 The rows, their fields, the template and the reward are the run config's ([task], [eval]); ``--dataset`` and
 the other flags override [eval]. Prints one summary line on stderr and the metrics as one JSON object on
@@ -39,7 +40,7 @@ def evaluate_model(cfg: RunConfig, model: str, store: str | None = None, version
         ws = WeightStore(store)
         if version not in ws.versions():
             raise ConfigError(f"--store {store}: no version {version} (versions: {ws.versions()})")
-        engine.load_weights(version, ws.path(version) / "model.safetensors", ws.digest(version))
+        engine.load_weights(version, ws.path(version), ws.digest(version))
     return {"version": version or 0, **evaluate_on(engine, task, cfg, limit=e.limit)}
 
 
@@ -72,7 +73,8 @@ def line(metrics: dict[str, Any]) -> str:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="dora eval", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--model", required=True, help="the model folder (architecture, tokenizer, chat template)")
+    about = "the model folder (architecture, tokenizer, chat template; a published version's folder is one) or a hub id"
+    p.add_argument("--model", required=True, help=about)
     p.add_argument("--dataset", help="held-out rows (overrides eval.dataset)")
     p.add_argument("--store", help="a weight store: evaluate --version from it")
     p.add_argument("--version", type=int, help="the store version to evaluate")
@@ -85,7 +87,10 @@ def main(argv: list[str]) -> int:
         if (args.store is None) != (args.version is None):
             raise ConfigError("--store and --version go together")
         cfg = load(RunConfig, path=args.config, env=os.environ, env_prefix="DORA_", overrides=sets)
-        metrics = evaluate_model(cfg, args.model, args.store, args.version)
+        from dora.hf.preflight import model_folder
+
+        model = str(model_folder(args.model, key="--model"))  # a folder (a published version is one) or a hub id
+        metrics = evaluate_model(cfg, model, args.store, args.version)
     except (ConfigError, ValueError, EngineError) as e:
         print(f"dora eval: {e}", file=sys.stderr)
         return 2

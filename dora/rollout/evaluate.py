@@ -34,7 +34,7 @@ def evaluate(engine: Any, task: TaskRun, *, samples: int = 1, temperature: float
                                     max_tokens=max_tokens, seed=seed))  # fmt: skip
         return {**out, "seconds": round(time.perf_counter() - started, 3)}
     for r in rows:
-        prompt = task.tokenizer.encode(task.texts[r.index]).ids
+        prompt = task.encode(task.texts[r.index])
         engine.submit(group_id=r.index, attempt=0, prompt=prompt, n=samples, max_tokens=max_tokens,
                       temperature=temperature, seed=row_seed(seed, r.index))  # fmt: skip
     done: dict[int, list[Any]] = {r.index: [] for r in rows}
@@ -66,7 +66,7 @@ async def _episodes(engine: Any, task: TaskRun, rows: list[Any], *, samples: int
 
     episodes = Episodes(engine, task)
     for r in rows:
-        prompt = np.array(task.tokenizer.encode(task.texts[r.index]).ids, np.int32)
+        prompt = np.array(task.encode(task.texts[r.index]), np.int32)
         episodes.submit(m.Generate(group_id=r.index, attempt=0, version=engine.version or 0, prompt_ids=prompt,
                                    n_samples=samples, max_tokens=max_tokens, temperature=temperature,
                                    seed=row_seed(seed, r.index)),

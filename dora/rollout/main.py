@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
-import pathlib
 import signal
 import socket
 import sys
@@ -22,6 +22,8 @@ from dora.actor.security import check_keys
 from dora.actor.signals import ignore_sigterm_while_exiting
 from dora.config import ConfigError, load
 from dora.config.run import RunConfig
+from dora.hf.checks import check_model
+from dora.hf.preflight import check_run_model, model_folder
 from dora.logging import configure_logging
 from dora.rollout.actor import RolloutActor
 from dora.rollout.engines.base import WorkerEngine
@@ -47,8 +49,11 @@ def main(argv: list[str]) -> int:
         cfg = load(RunConfig, path=args.config, env=os.environ, env_prefix="DORA_", overrides=overrides)
         cluster = ClusterInfo.from_env(os.environ)
         if args.engine != "sim":
-            if not cfg.rollout.model or not (pathlib.Path(cfg.rollout.model) / "config.json").is_file():
-                raise ConfigError(f"--engine {args.engine} needs --model DIR (an HF folder); got {cfg.rollout.model}")
+            if not cfg.rollout.model:
+                raise ConfigError(f"--engine {args.engine} needs --model (a model folder or a hub id)")
+            folder = model_folder(cfg.rollout.model, key="rollout.model")
+            check_model(folder, key="rollout.model", engine=args.engine, chat_template=cfg.task.chat_template)
+            cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, model=str(folder)))
             if cfg.task.name == "synthetic":
                 raise ConfigError(f"--engine {args.engine} needs a real task: set task.dataset, or task.name "
                                   "(arithmetic, countdown)")  # fmt: skip
@@ -62,6 +67,8 @@ def main(argv: list[str]) -> int:
         if cfg.rollout.sleep_on_yield:
             check_sleep(args.engine, cfg.rollout.device)
         task = load_task(cfg) if args.engine != "sim" else None
+        if task is not None:
+            check_run_model(cfg, folder, args.engine, task[0].about)
         check_keys(cfg)
         # a bad address is a usage error now (a file not written yet is waited for); every session re-reads it
         wait_for_endpoint(args.broker, cfg.broker.discovery_wait_s, cluster)
@@ -114,8 +121,9 @@ def make_engine(cfg: RunConfig, kind: str, now: float, task: Any = None) -> Work
         if kind == "torch":
             from dora.rollout.engines.torch_engine import TorchEngine
 
+            sleeps = r.elastic and r.sleep_on_yield
             engine = TorchEngine(r.model, max_slots=slots, device=r.device, dtype=r.dtype,
-                                 sleep_on_yield=r.elastic and r.sleep_on_yield)  # fmt: skip
+                                 max_model_len=r.max_model_len, sleep_on_yield=sleeps)  # fmt: skip
             return StepWorkerEngine(engine, task, held_out)
         from dora.rollout.engines.vllm_engine import VllmEngine
 

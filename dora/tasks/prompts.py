@@ -63,7 +63,7 @@ class TaskRun:
             self.texts = [self.renderer.render(r.messages, f"{task.dataset} row {r.index}") for r in self.rows]
         else:
             self.texts = [self._episode(self._row_source(r)).prompt for r in range(len(self.rows))]
-        lengths = [len(self.tokenizer.encode(t).ids) for t in self.texts]
+        lengths = [len(self.encode(t)) for t in self.texts]
         kept, filtered = datasets.kept_rows(self.rows, lambda r: lengths[r.index], task.max_prompt_tokens)
         self.epochs = datasets.Epochs(kept, task.seed)
         digest = hashlib.sha256()
@@ -71,6 +71,7 @@ class TaskRun:
             digest.update(f"{self.texts[i]}\x00{self.rows[i].answer}\x00".encode())
         self.about.update(dataset=task.dataset, rows=len(self.rows), kept=len(kept), filtered=len(filtered),
                           filtered_rows=filtered[:20], max_prompt_tokens=task.max_prompt_tokens,
+                          longest_prompt=max((lengths[i] for i in kept), default=0),
                           fingerprint=digest.hexdigest()[:16])  # fmt: skip
         self.item = self._from_dataset
 
@@ -118,7 +119,13 @@ class TaskRun:
                           meta={"row": row})  # fmt: skip
 
     def prompt_ids(self, group: int) -> np.ndarray:
-        return np.array(self.tokenizer.encode(self.item(group).prompt).ids, dtype=np.int32)
+        return np.array(self.encode(self.item(group).prompt), dtype=np.int32)
+
+    def encode(self, text: str) -> list[int]:
+        """A prompt's token ids. Rendered with the chat template, the text already holds every special token the
+        model expects (its BOS among them): the tokenizer adds none, as transformers' ``apply_chat_template``
+        and vLLM's chat path do not; plain text gets the tokenizer's own (a BOS where it adds one)."""
+        return self.tokenizer.encode(text, add_special_tokens=not self.section.chat_template).ids
 
     def score(self, group: int, tokens: list[int]) -> rewards.Scored:
         return self._score(self.item(group), tokens)
@@ -136,7 +143,12 @@ class TaskRun:
 
 def stop_ids(task: TaskRun, texts: tuple[str, ...]) -> list[int]:
     """The token ids of ``texts`` (task.turn_end); a text that is not one token of the vocabulary is a
-    ConfigError."""
+    ConfigError. No texts: the chat template's end of turn (``dora.hf.folder``), if it writes one."""
+    if not texts:
+        from dora.hf.folder import template_turn_end
+
+        end = template_turn_end(pathlib.Path(task.renderer.model_dir))
+        return [] if end is None else [end]
     out = []
     for text in texts:
         token = task.tokenizer.token_to_id(text)

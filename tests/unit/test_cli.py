@@ -94,7 +94,7 @@ def test_sim_bad_input_is_one_clear_error(args, fragment):
 
 @pytest.mark.parametrize(
     ("argv", "fragment"),
-    [(["rollout", "--broker", "tcp://127.0.0.1:9", "--engine", "torch", "--model", "/nonexistent"], "needs --model"),
+    [(["rollout", "--broker", "tcp://127.0.0.1:9", "--engine", "torch", "--model", "/nonexistent"], "no such folder"),
      (["rollout", "--broker", "/nonexistent/broker.json"], "no broker at"),
      (["broker", "--set", "task.name=arithmetic", "--set", "task.tokenizer=/nonexistent"], "no tokenizer.json"),
      (["broker", "--set", "task.name=poetry"], "task.name must be"),

@@ -24,7 +24,7 @@ EXAMPLE = ROOT / "examples" / "data" / "arithmetic"
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory) -> pathlib.Path:
     """The project's tokenizer with its ChatML template, saved like a model folder's."""
-    from dora.tasks.model import build_tokenizer
+    from dora.hf.tiny import build_tokenizer
 
     out = tmp_path_factory.mktemp("tok")
     build_tokenizer().save_pretrained(out)

@@ -22,7 +22,7 @@ def tied_folder(tmp_path_factory):
     """A tiny Qwen2 with tied embeddings (as Qwen2.5-0.5B), saved with its tokenizer and generation config."""
     from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config
 
-    from dora.tasks.model import build_tokenizer
+    from dora.hf.tiny import build_tokenizer
 
     out = tmp_path_factory.mktemp("tied")
     tok = build_tokenizer(512)

@@ -94,7 +94,7 @@ class TorchTrainer:
             for block in blocks(self.model):
                 fully_shard(block, mesh=mesh, mp_policy=mp)
             fully_shard(self.model, mesh=mesh, mp_policy=mp)
-        self.model.train()
+        self.model.eval()  # scored as the engines sample: no dropout (GPT-2's configs set 0.1); gradients still flow
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
         self.store = store
         self.loss_cfg = loss
@@ -226,8 +226,9 @@ class TorchTrainer:
 
         A group's samples share their prompt, so each distinct prompt is run once, and every sample continues
         from its prompt's keys and values (gradients flow back through them to the shared prompt pass):
-        1. The distinct prompts, right-padded: their caches, and the logits at each one's last position,
-           which predict every sample's first token.
+        1. The distinct prompts, left-padded (position ids counted from each one's first token): their caches, and
+           the logits at the last position, which predict every sample's first token. Left, so each prompt's keys
+           sit next to its samples' in the cache: a sliding window (Gemma 2, Mistral) counts cache slots.
         2. Every sample's tokens but the last, on its prompt's cache: the logits predicting the rest. The
            attention mask leaves out the prompt's padding; position ids continue from the prompt's length.
         Causal attention keeps every real position from seeing padding after it, so each sample computes what
@@ -238,14 +239,14 @@ class TorchTrainer:
         distinct: dict[tuple[int, ...], int] = {}
         which = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p, _, _ in rows])
         plen = torch.tensor([len(p) for p in distinct])
-        width, shortest = int(plen.max()), int(plen.min())
+        width = int(plen.max())
         lengths = [len(s.token_ids) for _, s, _ in rows]
         longest = max(lengths)
         pids = torch.zeros((len(distinct), width), dtype=torch.long)
         pattn = torch.zeros((len(distinct), width), dtype=torch.long)
         for u, p in enumerate(distinct):
-            pids[u, : len(p)] = torch.tensor(p)
-            pattn[u, : len(p)] = 1
+            pids[u, width - len(p) :] = torch.tensor(p)
+            pattn[u, width - len(p) :] = 1
         tokens = torch.zeros((len(rows), longest), dtype=torch.long)
         beh = torch.zeros((len(rows), longest), dtype=torch.float32)
         real = torch.zeros((len(rows), longest), dtype=torch.long)  # attended to: every token, the env's too
@@ -258,9 +259,11 @@ class TorchTrainer:
         dev = self.device
         autocast = self.bf16 and self.world == 1  # sharded: the FSDP2 policy casts instead
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
-            out = self.model(input_ids=pids.to(dev), attention_mask=pattn.to(dev), use_cache=True,
-                             logits_to_keep=torch.arange(shortest - 1, width, device=dev))  # fmt: skip
-            firsts = out.logits[torch.arange(len(distinct), device=dev), (plen - shortest).to(dev)].float()
+            # a cache of every position (a model's own would keep only a sliding window's last ones)
+            out = self.model(input_ids=pids.to(dev), attention_mask=pattn.to(dev), past_key_values=DynamicCache(),
+                             position_ids=(pattn.cumsum(1) - 1).clamp(min=0).to(dev), use_cache=True,
+                             logits_to_keep=1)  # fmt: skip
+            firsts = out.logits[:, -1].float()
             logits = [firsts[which.to(dev)][:, None]]  # [B, 1, V]: each sample's first token
             if longest > 1:
                 index = which.to(dev)
@@ -282,7 +285,7 @@ class TorchTrainer:
         started = time.perf_counter()
         assert self.cfg.checkpoint_dir is not None
         with self._on_device():
-            checkpoint.save(self.model, self.opt, self.cfg.checkpoint_dir, version=version,
+            checkpoint.save(self.model, self.opt, self.cfg.checkpoint_dir, version=version, copies=self.copies,
                             trained_groups=trained_groups, keep=self.cfg.keep_checkpoints)  # fmt: skip
         return time.perf_counter() - started
 
@@ -298,7 +301,7 @@ class TorchTrainer:
         found = checkpoint.checkpoints(self.cfg.checkpoint_dir) if self.cfg.checkpoint_dir else []
         if found:
             self.trained_steps = 0
-            return checkpoint.load(self.model, self.opt, found[-1])
+            return checkpoint.load(self.model, self.opt, found[-1], copies=self.copies)
         if self.trained_steps:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
             from transformers import AutoModelForCausalLM

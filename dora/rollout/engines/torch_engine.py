@@ -81,15 +81,19 @@ class TorchEngine:
     name = "torch"
 
     def __init__(self, model_dir: str | pathlib.Path, *, max_slots: int = 64, device: str = "cpu",
-                 dtype: str = "float32", version: int | None = None, sleep_on_yield: bool = False) -> None:  # fmt: skip
-        """``sleep_on_yield``: ``sleep`` gives the accelerator's memory back (otherwise it is a no-op)."""
+                 dtype: str = "float32", version: int | None = None, sleep_on_yield: bool = False,
+                 max_model_len: int | None = None) -> None:  # fmt: skip
+        """``sleep_on_yield``: ``sleep`` gives the accelerator's memory back (otherwise it is a no-op);
+        ``max_model_len``: a sequence ends (LENGTH) when prompt + tokens reach it (None: the model's own limit)."""
         from transformers import AutoModelForCausalLM
 
         self.device = torch.device(device)
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
         self.model.to(self.device).eval()
-        self.stops = facts(model_dir).stop_ids
+        found = facts(model_dir)
+        self.stops = found.stop_ids
         """Tokens that end every turn: the model's EOS ids and its chat template's end of turn."""
+        self.max_len = max_model_len or found.max_positions or 1 << 62
         self.copies = tied_copies(self.model)
         """Tied parameters' second names (not in a published version: they follow the tensor they share)."""
         self.max_slots = max_slots
@@ -309,7 +313,11 @@ class TorchEngine:
         batch = torch.zeros((len(rows), max(lengths)), dtype=torch.long)
         for b, ids in enumerate(rows):
             batch[b, : len(ids)] = torch.tensor(ids)
-        out = self.model(input_ids=batch.to(self.device), use_cache=True)
+        from transformers import DynamicCache
+
+        # a cache of every position: a model's own keeps only a sliding window's last ones (Gemma 2), and each
+        # sequence's cache is cut from this one whole; the attention mask applies the window
+        out = self.model(input_ids=batch.to(self.device), past_key_values=DynamicCache(), use_cache=True)
         layers = out.past_key_values.layers
         first: list[Sequence] = []
         last: list[torch.Tensor] = []
@@ -436,7 +444,7 @@ class TorchEngine:
             self.tokens_generated += 1
             if token in self.stops or token in s.stops:
                 s.finish = Finish.STOP
-            elif len(s.tokens) - s.turn_start >= s.max_tokens:
+            elif len(s.tokens) - s.turn_start >= s.max_tokens or len(s.prompt) + len(s.tokens) >= self.max_len:
                 s.finish = Finish.LENGTH
 
 
