@@ -8,6 +8,7 @@ time by ``run.time_scale``.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -447,13 +448,27 @@ class SftSection:
     seed: int = 0
     """Seeds torch and the order of the rows in each epoch."""
     threads: int = 0
-    """torch CPU threads; 0 = all of this machine's cores."""
+    """torch CPU threads per rank; 0 = this machine's cores shared out among the ranks."""
     trace_field: str | None = None
     """task.env: the dataset column holding each row's recorded episode after the opening (chat turns); the
     assistant turns are trained on (max_answer_tokens bounds their tokens), the environment's are context."""
+    device: str = "auto"
+    """``auto`` (this rank's GPU, ``cuda:<local rank>``, when there is one, else the CPU), ``cpu``, ``cuda``
+    (``cuda:<local rank>``) or a torch device string (``cuda:1``: one rank only). GPUs use NCCL between ranks,
+    CPUs gloo."""
+    dtype: str = "auto"
+    """``auto`` (bfloat16 on a GPU, float32 on the CPU), ``float32`` or ``bfloat16``: bf16 computes in bfloat16
+    (autocast on one rank, FSDP2's MixedPrecisionPolicy over several) while the master weights, AdamW's state and
+    the gradient reduction stay float32, and the folder written is float32 either way."""
+    ranks: int = 1
+    """Processes that train together, each on its share of every batch's rows (the batch, its loss and its gradient
+    are the one-rank run's), the model sharded with FSDP2 per decoder block as the learner's; rank 0 prints and
+    writes sft.out. More than one: `dora sft` starts itself under ``python -m torch.distributed.run --standalone
+    --nproc-per-node=<ranks>`` on this node, unless it already is one of several ranks (torchrun's, or srun's
+    tasks: then sft.ranks must equal their number)."""
 
     def __post_init__(self) -> None:
-        for key in ("epochs", "batch_size", "max_answer_tokens"):
+        for key in ("epochs", "batch_size", "max_answer_tokens", "ranks"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"sft.{key} must be >= 1; got {getattr(self, key)}")
         if not self.lr > 0:
@@ -463,6 +478,14 @@ class SftSection:
         for key in ("model", "out"):
             if getattr(self, key) == "":
                 raise ConfigError(f"sft.{key} must not be empty (a model folder)")
+        if not re.fullmatch(r"auto|cpu|(cuda|xpu|mps|hpu|npu)(:\d+)?", self.device):
+            raise ConfigError(f"sft.device must be auto, cpu, cuda or a torch device string (cuda:1); "
+                              f"got {self.device!r}")  # fmt: skip
+        if self.ranks > 1 and self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"sft.device must be auto, cpu or cuda (each rank its own cuda:<local rank>) with "
+                              f"sft.ranks = {self.ranks}; got {self.device!r}")  # fmt: skip
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ConfigError(f"sft.dtype must be auto, float32 or bfloat16; got {self.dtype!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

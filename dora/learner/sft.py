@@ -13,6 +13,8 @@ format (and a little of the task) on the same dataset config RL uses:
    then a cosine to a tenth of ``sft.lr``; gradients clipped to norm 1), one progress line per epoch.
 4. The result is written atomically (a temporary sibling folder, then a rename) as an ordinary HF folder:
    ``save_pretrained`` plus the start folder's tokenizer files, so it loads exactly like the start folder.
+5. On ``sft.device`` (a GPU: bf16 compute, fp32 weights), over ``sft.ranks`` ranks sharded with FSDP2, each on its
+   share of every batch: the steps, the loss and the folder are the one-rank run's (``dora.learner.sft_ranks``).
 """
 
 from __future__ import annotations
@@ -29,8 +31,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dora.actor.cluster import ClusterInfo
 from dora.config import ConfigError
 from dora.config.run import RunConfig, SftSection
+from dora.learner import sft_ranks
+from dora.learner.sft_ranks import ONE_CPU, Placement
 from dora.tasks.prompts import TaskRun
 
 IGNORE = -100
@@ -62,17 +67,17 @@ class Examples:
     answer_tokens: int
 
 
-def start_folder(cfg: RunConfig) -> pathlib.Path:
-    """The folder `dora sft` starts from, built as the tiny model when it has no config.json yet."""
+def start_folder(cfg: RunConfig, build: bool = True) -> pathlib.Path:
+    """The folder `dora sft` starts from (a folder, or a hub id's cached snapshot), checked; with ``build``, built as
+    the tiny model when it is written as a path and has no config.json yet."""
+    from dora.hf.checks import check_model
+    from dora.hf.preflight import model_folder
+
     name = cfg.sft.model or cfg.rollout.model
     if not name:
-        raise ConfigError("dora sft needs sft.model or rollout.model (the model folder to start from)")
-    folder = pathlib.Path(name)
-    if not (folder / "config.json").is_file():
-        from dora.tasks.model import build_model
-
-        print(f"dora sft: building the tiny model into {folder} (it has no config.json)", file=sys.stderr)
-        build_model(folder)
+        raise ConfigError("dora sft needs sft.model or rollout.model (the model folder or hub id to start from)")
+    folder = model_folder(name, key="sft.model", build_tiny=build, who="dora sft")
+    check_model(folder, key="sft.model", chat_template=cfg.task.chat_template)
     return folder
 
 
@@ -87,21 +92,26 @@ def load_model(folder: pathlib.Path) -> torch.nn.Module:
         raise ConfigError(f"sft.model: {folder} does not load as a causal LM: {first}") from None
 
 
-def eos_id(model: torch.nn.Module) -> int:
-    eos = model.config.eos_token_id
-    eos = eos[0] if isinstance(eos, list | tuple) and eos else eos
-    if not isinstance(eos, int):
-        raise ConfigError("sft.model: its config.json names no eos_token_id (the token that ends an answer)")
-    return eos
+def answer_end(folder: pathlib.Path, chat_template: bool) -> int:
+    """The token an answer ends with: with the chat template, the end of turn it writes after an assistant's
+    content (what the model must learn to emit, and what the engines stop on); else the first EOS id."""
+    from dora.hf.folder import facts
+
+    found = facts(folder, chat_template=chat_template)
+    end = found.answer_end if chat_template else (found.eos_ids[0] if found.eos_ids else None)
+    if end is None:
+        raise ConfigError(f"sft.model: {folder} names no eos_token_id (config.json or generation_config.json) and its "
+                          "chat template no end of turn: no token ends an answer")  # fmt: skip
+    return end
 
 
 def encode(run: TaskRun, eos: int, max_answer_tokens: int) -> Examples:
-    """The task's kept rows as examples: ``run.tokenizer.encode(run.texts[i])`` + answer ids + EOS."""
+    """The task's kept rows as examples: ``run.encode(run.texts[i])`` + answer ids + EOS."""
     if run.epochs is None:
         raise ConfigError("dora sft needs a dataset (task.dataset): the built-in tasks have no answers to imitate")
     items, truncated, answer_tokens = [], 0, 0
     for i in run.epochs.kept.tolist():
-        prompt = run.tokenizer.encode(run.texts[i]).ids
+        prompt = run.encode(run.texts[i])
         answer = [*run.tokenizer.encode(run.rows[i].answer, add_special_tokens=False).ids, eos]
         if len(answer) > max_answer_tokens:
             truncated += 1
@@ -148,7 +158,7 @@ def encode_episodes(run: TaskRun, field: str, max_answer_tokens: int) -> Example
         ):
             raise ConfigError(f"{run.section.dataset} row {i}: {field!r} must be a list of {{role, content}} turns")
         chat = list(run.row_item(i).meta["messages"])
-        ids, trained = list(run.tokenizer.encode(run.texts[i]).ids), []
+        ids, trained = list(run.encode(run.texts[i])), []
         prompt_len = len(ids)
         for k, turn in enumerate(trace):
             if turn.get("role") != "assistant":
@@ -170,6 +180,13 @@ def encode_episodes(run: TaskRun, field: str, max_answer_tokens: int) -> Example
         answer_tokens += sum(trained)
         items.append(Example(row=i, ids=tuple(ids), prompt_len=prompt_len, trained=tuple(trained)))
     return Examples(items=items, truncated=truncated, answer_tokens=answer_tokens)
+
+
+def answer_count(e: Example) -> int:
+    """The tokens of ``e`` the loss covers (``answer_nll``'s count for it): its trained tokens after the prompt, less
+    the first when there is no prompt (nothing predicts it)."""
+    trained = e.trained if e.trained is not None else (True,) * (len(e.ids) - e.prompt_len)
+    return sum(trained[1:] if e.prompt_len == 0 else trained)
 
 
 def answer_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -214,8 +231,11 @@ class EpochReport:
 
 
 def train(model: torch.nn.Module, examples: Sequence[Example], sft: SftSection, pad_id: int,
-          report: Callable[[EpochReport], None] = lambda r: None) -> list[EpochReport]:  # fmt: skip
-    """``sft.epochs`` passes of AdamW over ``examples`` (each epoch a permutation seeded by (sft.seed, epoch))."""
+          report: Callable[[EpochReport], None] = lambda r: None,
+          where: Placement = ONE_CPU) -> list[EpochReport]:  # fmt: skip
+    """``sft.epochs`` passes of AdamW over ``examples`` (each epoch a permutation seeded by (sft.seed, epoch)), the
+    model on ``where``'s device (and sharded over its ranks: ``sft_ranks.shard``). Over several ranks every rank
+    calls this with the same examples and takes every world-th row of each batch; the step is one rank's."""
     torch.manual_seed(sft.seed)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=sft.lr, betas=(0.9, 0.99), weight_decay=0.0)
@@ -227,16 +247,23 @@ def train(model: torch.nn.Module, examples: Sequence[Example], sft: SftSection, 
         order = np.random.default_rng([sft.seed, epoch]).permutation(len(examples))
         for start in range(0, len(order), sft.batch_size):
             batch = [examples[i] for i in order[start : start + sft.batch_size]]
-            ids, labels = collate(batch, pad_id)
+            mine = batch[where.rank :: where.world]
+            ids, labels = collate(mine or batch[:1], pad_id)  # no row here: one, weighted 0 (FSDP's calls pair up)
             for group in opt.param_groups:
                 group["lr"] = lr_at(step)
             opt.zero_grad(set_to_none=True)
-            loss, n = answer_loss(model, ids, labels)
+            with torch.autocast(where.device.type, dtype=torch.bfloat16, enabled=where.autocast):
+                mean, n = answer_loss(model, ids.to(where.device), labels.to(where.device))
+            n = n if mine else 0
+            whole = n if where.world == 1 else sum(map(answer_count, batch))  # the batch's answer tokens
+            # several ranks: this share of the batch's answer-token sum, times the world (FSDP averages over ranks)
+            loss = mean if where.world == 1 else mean * (n / max(whole, 1) * where.world)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
             opt.step()
             step += 1
-            nll, count, tokens = nll + float(loss.detach()) * n, count + n, tokens + sum(len(e.ids) for e in batch)
+            nll, count, tokens = nll + float(mean.detach()) * n, count + whole, tokens + sum(len(e.ids) for e in batch)
+        nll = sft_ranks.total([nll], where)[0]
         reports.append(EpochReport(epoch=epoch, loss=nll / max(count, 1), tokens=tokens,
                                    seconds=time.perf_counter() - started))  # fmt: skip
         report(reports[-1])
@@ -250,16 +277,18 @@ def check_out(out: pathlib.Path) -> None:
         raise ConfigError(f"sft.out: {out} exists and is not a model folder (not replacing it)")
 
 
-def write(model: torch.nn.Module, start: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
+def write(model: torch.nn.Module, start: pathlib.Path, out: pathlib.Path,
+          state: dict[str, torch.Tensor] | None = None) -> pathlib.Path:  # fmt: skip
     """Write the model folder ``out`` atomically: ``save_pretrained`` into a temporary sibling, with the start
     folder's other files (tokenizer, chat template) beside it, then a rename. An existing model folder at
-    ``out`` is replaced; anything else there is an error."""
+    ``out`` is replaced; anything else there is an error. ``state``: the weights to write (a sharded model's,
+    gathered: ``sft_ranks.full_state``), else the model's own."""
     check_out(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        model.save_pretrained(str(tmp))
+        model.save_pretrained(str(tmp), state_dict=state)
         written = {p.name for p in tmp.iterdir()}
         for src in sorted(start.iterdir()):
             if src.is_file() and src.name not in written and not src.name.endswith(WEIGHTS):
@@ -279,8 +308,20 @@ def write(model: torch.nn.Module, start: pathlib.Path, out: pathlib.Path) -> pat
     return out
 
 
-def run(cfg: RunConfig) -> pathlib.Path:
-    """`dora sft`: load, train and write; bad input is a ConfigError (or ValueError) before any training."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Plan:
+    """What `dora sft` trains on and writes, checked before any model is loaded."""
+
+    start: pathlib.Path
+    out: pathlib.Path
+    task: TaskRun
+    data: Examples
+
+
+def plan(cfg: RunConfig, build: bool = True) -> Plan:
+    """The start folder (with ``build``, built as the tiny model if need be), sft.out and the encoded rows; bad input
+    is a ConfigError (or ValueError). `dora sft` checks this before it starts ranks, and every rank makes it again
+    (one of several does not build: they would race; the process that started them has built it)."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one line per epoch is the progress shown
@@ -288,29 +329,50 @@ def run(cfg: RunConfig) -> pathlib.Path:
     if not sft.out:
         raise ConfigError("dora sft needs sft.out (the model folder to write)")
     out = pathlib.Path(sft.out)
-    start = start_folder(cfg)
+    start = start_folder(cfg, build)
     if out.resolve() == start.resolve():
         raise ConfigError(f"sft.out must differ from the folder it starts from ({start})")
     check_out(out)
     task = TaskRun(cfg.task, cfg.task.tokenizer or str(start))
-    torch.set_num_threads(sft.threads or os.cpu_count() or 1)
-    model = load_model(start)
     if task.env is not None:
         if not sft.trace_field:
             raise ConfigError("dora sft on an environment's task needs sft.trace_field (recorded episodes to imitate)")
         data = encode_episodes(task, sft.trace_field, sft.max_answer_tokens)
     else:
-        data = encode(task, eos_id(model), sft.max_answer_tokens)
-    vocab = model.get_input_embeddings().num_embeddings
-    if max(max(e.ids) for e in data.items) >= vocab:
-        raise ConfigError(f"the tokenizer of {cfg.task.tokenizer or start} has ids past the model's {vocab} embeddings")
-    print(f"dora sft: {len(data.items)} rows of {task.about['dataset']} ({task.about['filtered']} filtered out), "
-          f"{data.answer_tokens} answer tokens, {data.truncated} answers cut at sft.max_answer_tokens = "
-          f"{sft.max_answer_tokens}; {sft.epochs} epochs from {start}", file=sys.stderr)  # fmt: skip
+        data = encode(task, answer_end(start, cfg.task.chat_template), sft.max_answer_tokens)
+    return Plan(start=start, out=out, task=task, data=data)
 
-    def progress(r: EpochReport) -> None:
-        print(f"dora sft: epoch {r.epoch + 1}/{sft.epochs}  loss {r.loss:.4f}  {r.tokens / r.seconds:,.0f} tok/s  "
-              f"{r.seconds:.1f} s", file=sys.stderr)  # fmt: skip
 
-    train(model, data.items, sft, pad_id=eos_id(model), report=progress)
-    return write(model, start, out)
+def run(cfg: RunConfig, cluster: ClusterInfo) -> pathlib.Path | None:
+    """`dora sft` on this rank: load, train and write; bad input is a ConfigError (or ValueError) before any
+    training. Rank 0 writes sft.out and returns it; the other ranks return None."""
+    from dora.hf.tensors import tied_copies
+
+    sft, job = cfg.sft, plan(cfg, build=cluster.world == 1)
+    where = sft_ranks.place(sft, cluster)
+    try:
+        torch.set_num_threads(sft.threads or max(1, (os.cpu_count() or 1) // where.world))
+        model = load_model(job.start)
+        vocab = model.get_input_embeddings().num_embeddings
+        if max(max(e.ids) for e in job.data.items) >= vocab:
+            raise ConfigError(f"the tokenizer of {cfg.task.tokenizer or job.start} has ids past the model's {vocab} "
+                              "embeddings")  # fmt: skip
+        lead, data, about = where.rank == 0, job.data, job.task.about
+        if lead:
+            print(f"dora sft: {len(data.items)} rows of {about['dataset']} ({about['filtered']} filtered out), "
+                  f"{data.answer_tokens} answer tokens, {data.truncated} answers cut at sft.max_answer_tokens = "
+                  f"{sft.max_answer_tokens}; {sft.epochs} epochs from {job.start} on {where.describe()}",
+                  file=sys.stderr)  # fmt: skip
+
+        def progress(r: EpochReport) -> None:
+            if lead:
+                print(f"dora sft: epoch {r.epoch + 1}/{sft.epochs}  loss {r.loss:.4f}  "
+                      f"{r.tokens / r.seconds:,.0f} tok/s  {r.seconds:.1f} s", file=sys.stderr)  # fmt: skip
+
+        copies = tied_copies(model)  # named before sharding, as the learner's trainer does
+        model = sft_ranks.shard(model, where)
+        train(model, data.items, sft, pad_id=0, report=progress, where=where)  # padding is out of the loss: any id
+        state = sft_ranks.full_state(model, copies, where)
+        return write(model, job.start, job.out, state=state) if lead else None
+    finally:
+        sft_ranks.leave(where)

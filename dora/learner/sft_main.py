@@ -4,6 +4,8 @@ Fine-tunes ``sft.model`` (default: rollout.model; the tiny model is built there 
 config.json) on the (prompt, answer) rows of ``task.dataset``, rendered exactly as RL renders them, and
 writes the model folder ``sft.out``. Then point ``rollout.model`` at it and run `dora run`. Bad input
 (a missing dataset, a bad row, no sft.out, a model folder that does not load) is one line and exit 2.
+It trains on sft.device (auto: a GPU if there is one, in bf16); with sft.ranks > 1 it starts itself that many
+times under torchrun on this node (or runs as srun's tasks), the model sharded with FSDP2.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import argparse
 import os
 import sys
 
+from dora.actor.cluster import ClusterInfo
 from dora.config import ConfigError, load
 from dora.config.run import RunConfig
 
@@ -26,14 +29,20 @@ def main(argv: list[str]) -> int:
         cfg = load(RunConfig, path=args.config, env=os.environ, env_prefix="DORA_", overrides=args.set)
         if not cfg.sft.out:
             raise ConfigError("dora sft needs sft.out (the model folder to write)")
-        from dora.learner import sft  # torch and transformers: only once the config is good
+        cluster = ClusterInfo.from_env(os.environ)
+        from dora.learner import sft, sft_ranks  # torch and transformers: only once the config is good
 
-        out = sft.run(cfg)
+        if sft_ranks.relaunches(cfg.sft, cluster):  # checked here, so that a mistake is one line, not one per rank
+            sft.plan(cfg)
+            sft_ranks.device_of(cfg.sft, cluster)
+            sft_ranks.relaunch(argv, cfg.sft, env=os.environ)
+        out = sft.run(cfg, cluster)
     except (ConfigError, ValueError, OSError) as e:
         print(f"dora sft: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("dora sft: stopped; nothing written", file=sys.stderr)
         return 130
-    print(f'dora sft: wrote {out}; start RL from it with rollout.model = "{out}"', file=sys.stderr)
+    if out is not None:  # rank 0
+        print(f'dora sft: wrote {out}; start RL from it with rollout.model = "{out}"', file=sys.stderr)
     return 0

@@ -14,6 +14,7 @@ import torch
 
 from dora.config import ConfigError, load
 from dora.config.run import RunConfig, SftSection
+from dora.hf.folder import facts
 from dora.learner import sft, sft_main
 from dora.tasks import gsm_style
 from dora.tasks.prompts import TaskRun
@@ -184,7 +185,7 @@ def broken_model(tmp_path: pathlib.Path, tiny_model: pathlib.Path) -> pathlib.Pa
 @pytest.mark.parametrize(
     ("case", "fragment"),
     [("no_out", "needs sft.out"), ("no_dataset", "no such file"), ("bad_row", "row 3"),
-     ("broken_model", "does not load as a causal LM"), ("zero_epochs", "sft.epochs must be >= 1"),
+     ("broken_model", "not a causal LM"), ("zero_epochs", "sft.epochs must be >= 1"),
      ("out_is_start", "must differ")],
 )  # fmt: skip
 def test_bad_input_is_one_line_and_exit_2(case, fragment, tiny_model, tmp_path, capsys):
@@ -242,16 +243,16 @@ def final_number(text: str) -> str | None:
 
 def greedy(model, run: TaskRun, rows: range, max_new_tokens: int = 16) -> list[str]:
     """Greedy completions of ``rows`` (left-padded into one batch), decoded without special tokens."""
-    eos = sft.eos_id(model)
+    stops = sorted(facts(run.renderer.model_dir).stop_ids)  # what the engines stop on
     prompts = [run.tokenizer.encode(run.texts[i]).ids for i in rows]
     width = max(map(len, prompts))
-    ids = torch.full((len(prompts), width), eos)
+    ids = torch.full((len(prompts), width), 0)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for b, p in enumerate(prompts):
         ids[b, width - len(p) :], mask[b, width - len(p) :] = torch.tensor(p), 1
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
-                             eos_token_id=eos, pad_token_id=eos)  # fmt: skip
+                             eos_token_id=stops, pad_token_id=0)  # fmt: skip
     return [run.tokenizer.decode(out[b, width:].tolist(), skip_special_tokens=True) for b in range(len(prompts))]
 
 
@@ -276,12 +277,14 @@ def test_one_epoch_teaches_the_answer_layout_on_held_out_prompts(tiny_model):
     test = task_run(tiny_model, DATA / "test.jsonl")
     before = held_out(model, test, range(50))
     train = task_run(tiny_model, DATA / "train.jsonl")
-    data = sft.encode(train, eos=sft.eos_id(model), max_answer_tokens=64)
-    sft.train(model, data.items, SftSection(epochs=1, lr=1e-3, batch_size=32), pad_id=sft.eos_id(model))
+    end = sft.answer_end(tiny_model, chat_template=True)
+    assert end == train.tokenizer.token_to_id("<|im_end|>")  # what the template writes after an answer
+    data = sft.encode(train, eos=end, max_answer_tokens=64)
+    sft.train(model, data.items, SftSection(epochs=1, lr=1e-3, batch_size=32), pad_id=0)
     after = held_out(model, test, range(50))
     print(f"held-out (50 rows) exact, layout: before {before}, after one epoch {after}")
     assert before[0] <= 0.1 and before[1] == 0.0  # answers are numbers below 40: a random model hits a few
-    assert after[1] >= 0.8  # every answer ends in the layout the reward reads, and stops (EOS)
+    assert after[1] >= 0.8  # every answer ends in the layout the reward reads, and stops (its end of turn)
 
 
 def test_help_lists_sft_and_never_imports_torch():
