@@ -1,0 +1,54 @@
+"""Per family: a live run (broker, a `dora rollout --engine torch` worker, the torch learner) trains, publishes
+model folders each family's own loader opens, and survives a kill -9 of its learner: a new learner resumes from
+the checkpoint (a tied model's too), takes what was published after it from the store, and the run ends with every
+group trained once."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+import torch
+
+from dora.hf import zoo
+from tests.live.cluster import cluster
+from tests.live.test_model_run import torch_run, wait_steps
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.mark.parametrize("family", zoo.FAMILIES)
+def test_a_family_trains_publishes_model_folders_and_resumes_after_its_learner_is_killed(zoo_model, tmp_path,
+                                                                                        family):  # fmt: skip
+    from transformers import AutoModelForCausalLM
+
+    model = zoo_model(family)
+    steps, ckpt = 4, tmp_path / "ckpt"
+    overrides = torch_run(tmp_path, model, steps, min_workers=1, max_tokens=8,
+                          core={"train_groups": 2, "group_size": 2},
+                          learner={"checkpoint_dir": str(ckpt), "checkpoint_every": 1})  # fmt: skip
+    with cluster(tmp_path, overrides) as c:
+        c.start_broker()
+        c.start_worker("w0", "torch", "--model", str(model))
+        learner = ["learner", "--trainer", "torch", "--broker", str(tmp_path / "broker.json")]
+        c.spawn("learner", *learner)
+        wait_steps(c, 2, "learner")
+        c.signal("learner", signal.SIGKILL)
+        c.procs["learner"].wait(10)
+        assert sorted(ckpt.glob("ckpt-v*")), "a checkpoint was written before the kill"
+        c.spawn("learner2", *learner)
+        assert c.wait("learner2", 200) == 0, c.log("learner2")[-3000:]
+        assert c.wait("broker", 15) == 0, c.log("broker")[-3000:]
+        assert c.events("learner2", "resumed_from_checkpoint"), c.log("learner2")[-2000:]
+        assert [r["version"] for r in c.events("broker", "train_step")] == list(range(1, steps + 1))
+        trained = [g for r in c.audit() for g in r["groups"]]
+        assert len(trained) == len(set(trained))
+        assert not [r for r in c.events("w0") if r.get("level") == "error"]
+    newest = tmp_path / "store" / f"v{steps}"
+    manifest = json.loads((newest / "manifest.json").read_text())
+    assert {"config.json", "tokenizer.json", "generation_config.json"} <= set(manifest["files"])
+    opened = AutoModelForCausalLM.from_pretrained(newest, dtype=torch.float32)  # the version folder, as it is
+    assert [r for r in c.events("w0", "weights_loaded") if r.get("version") == steps - 1], "the worker loaded v3"
+    assert zoo.ZOO[family].tied == (opened.get_output_embeddings().weight.data_ptr()
+                                    == opened.get_input_embeddings().weight.data_ptr())  # fmt: skip
