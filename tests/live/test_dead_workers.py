@@ -9,19 +9,14 @@ import pathlib
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
+from tests.live.test_dora_run import dora_run
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(120)
-
-
-def dora_run(tmp_path: pathlib.Path, config: str, *sets: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "dora", "run", "--config", str(ROOT / config),
-                             "--set", f"run.dir={tmp_path / 'runs'}", *[x for s in sets for x in ("--set", s)]],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
 
 
 def state(pid: int) -> str | None:
@@ -71,7 +66,7 @@ def test_every_worker_failing_at_startup_stops_the_run_with_each_error_and_leave
     model = tmp_path / "broken"
     shutil.copytree(tiny_model, model)
     (model / "model.safetensors").write_bytes(b"these are not safetensors")
-    proc = dora_run(tmp_path, "examples/quickstart.toml", f"rollout.model={model}", "run.trainer=sim",
+    proc = dora_run(tmp_path / "runs", "examples/quickstart.toml", f"rollout.model={model}", "run.trainer=sim",
                     "core.total_steps=2")  # fmt: skip
     died: dict[int, float | None] = {}
     """Each child of `dora run` (the broker, the workers, the learner): when it was first seen exited."""
@@ -101,7 +96,7 @@ def test_every_worker_failing_at_startup_stops_the_run_with_each_error_and_leave
 @pytest.mark.skipif(not pathlib.Path("/proc/self/stat").exists(), reason="reads /proc")
 def test_a_worker_killed_mid_run_is_reaped_and_reported_and_the_run_finishes_on_the_other(tmp_path):
     steps = 10
-    proc = dora_run(tmp_path, "examples/live/sim.toml", "run.workers=2", "run.time_scale=0.01",
+    proc = dora_run(tmp_path / "runs", "examples/live/sim.toml", "run.workers=2", "run.time_scale=0.01",
                     f"core.total_steps={steps}")  # fmt: skip
 
     def both_joined():
