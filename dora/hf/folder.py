@@ -14,7 +14,10 @@
   that template emits to end its answer. None without a template, or when what follows is not one special token.
 - ``stop_ids``: both together, what every engine ends a turn on.
 - ``max_positions``: the model's own limit on prompt + completion (``max_position_embeddings``, GPT-2's
-  ``n_positions``, ...), which bounds ``rollout.max_model_len``.
+  ``n_positions``, MPT's ``max_seq_len``, ...), which bounds ``rollout.max_model_len``. None where the config names
+  none (BLOOM: ALiBi has no table of positions).
+- ``layer_types``: each layer's kind, where the config lists them (what ``dora.hf.checks`` reads to refuse a model
+  whose cache the torch engine cannot cut).
 """
 
 from __future__ import annotations
@@ -33,7 +36,9 @@ HUB_FILES = ("*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktok
 """What is fetched of a hub model: safetensors weights, configs, the tokenizer and template (no .bin, .pth, onnx)."""
 COMPANION_MAX_BYTES = 64 << 20
 """A non-weight file larger than this is not copied into published versions (a tokenizer is a few MB)."""
-POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx", "max_seq_len",
+                 "model_max_length")  # fmt: skip
+"""Where configs keep the longest sequence (MPT and DBRX: ``max_seq_len``; Kimi-Linear: ``model_max_length``)."""
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 MARK = "\u27e6dora:turn\u27e7"
 """Stands for an assistant turn's content while the template is rendered to find what follows it."""
@@ -109,6 +114,9 @@ class ModelFacts:
     tied: bool
     experts: int = 0
     """Routed experts per MoE layer (0: a dense model)."""
+    layer_types: tuple[str, ...] = ()
+    """Each layer's kind (``config.layer_types``: ``full_attention``, ``sliding_attention``, ``linear_attention``,
+    ``conv``, ...), when the config lists them."""
 
     @property
     def stop_ids(self) -> frozenset[int]:
@@ -140,7 +148,8 @@ def facts(folder: str | pathlib.Path, *, chat_template: bool = True) -> ModelFac
                       max_positions=min(limits) if limits else None,
                       vocab_size=vocab if isinstance(vocab, int) else None,
                       tied=bool(cfg.get("tie_word_embeddings", raw.get("tie_word_embeddings", True))),
-                      experts=max([cfg[k] for k in EXPERT_KEYS if isinstance(cfg.get(k), int)], default=0))  # fmt: skip
+                      experts=max([cfg[k] for k in EXPERT_KEYS if isinstance(cfg.get(k), int)], default=0),
+                      layer_types=tuple(t for t in cfg.get("layer_types") or () if isinstance(t, str)))  # fmt: skip
 
 
 def load_tokenizer(folder: pathlib.Path) -> Any:  # -> PreTrainedTokenizerFast

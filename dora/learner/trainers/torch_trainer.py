@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from dora.hf.folder import companion_files, with_dtype
-from dora.hf.tensors import blocks, publishable, tied_copies, with_copies
+from dora.hf.tensors import blocks, padding_gap, publishable, tied_copies, with_copies
 from dora.hostmem import Parking, module_tensors
 from dora.learner.loss import LossConfig, LossFn, checked, group_advantages, policy_loss, uniform_groups
 from dora.store import WeightStore
@@ -76,6 +76,9 @@ class TorchTrainer:
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).to(self.device)
         self.copies = tied_copies(self.model)
         """Tied parameters' second names: published once, under the first (as ``save_pretrained`` does)."""
+        self.whole_rows = padding_gap(self.model) is not None
+        """Its sequences cannot be batched by left padding (layers that keep a state, or positions padding moves):
+        each sample is scored as one whole row, its prompt included (``_whole_rows``)."""
         self.publish_dtype = getattr(torch, cfg.publish_dtype)
         self.beside = companion_files(self.model_dir)
         """What a version holds besides its weights: the start folder's config (naming the dtype written),
@@ -233,7 +236,8 @@ class TorchTrainer:
            attention mask leaves out the prompt's padding; position ids continue from the prompt's length.
         Causal attention keeps every real position from seeing padding after it, so each sample computes what
         it would alone (to float rounding), and no vocabulary projection is made at a position no sampled
-        token is predicted from."""
+        token is predicted from. A model that cannot be batched so (``whole_rows``) is scored one whole row per
+        sample instead."""
         from transformers import DynamicCache
 
         distinct: dict[tuple[int, ...], int] = {}
@@ -259,24 +263,44 @@ class TorchTrainer:
         dev = self.device
         autocast = self.bf16 and self.world == 1  # sharded: the FSDP2 policy casts instead
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
-            # a cache of every position (a model's own would keep only a sliding window's last ones)
-            out = self.model(input_ids=pids.to(dev), attention_mask=pattn.to(dev), past_key_values=DynamicCache(),
-                             position_ids=(pattn.cumsum(1) - 1).clamp(min=0).to(dev), use_cache=True,
-                             logits_to_keep=1)  # fmt: skip
-            firsts = out.logits[:, -1].float()
-            logits = [firsts[which.to(dev)][:, None]]  # [B, 1, V]: each sample's first token
-            if longest > 1:
-                index = which.to(dev)
-                cache = DynamicCache(ddp_cache_data=[(layer.keys[index], layer.values[index])
-                                                     for layer in out.past_key_values.layers])  # fmt: skip
-                attn = torch.cat([pattn[which], real[:, :-1]], 1)
-                positions = plen[which][:, None] + torch.arange(longest - 1)[None]
-                rest = self.model(input_ids=tokens[:, :-1].to(dev), attention_mask=attn.to(dev),
-                                  position_ids=positions.to(dev), past_key_values=cache, use_cache=True)  # fmt: skip
-                logits.append(rest.logits.float())
+            if self.whole_rows:
+                logits = [self._whole_rows([p for p, _, _ in rows], tokens, lengths)]
+            else:
+                # a cache of every position (a model's own would keep only a sliding window's last ones)
+                out = self.model(input_ids=pids.to(dev), attention_mask=pattn.to(dev), past_key_values=DynamicCache(),
+                                 position_ids=(pattn.cumsum(1) - 1).clamp(min=0).to(dev), use_cache=True,
+                                 logits_to_keep=1)  # fmt: skip
+                firsts = out.logits[:, -1].float()
+                logits = [firsts[which.to(dev)][:, None]]  # [B, 1, V]: each sample's first token
+                if longest > 1:
+                    index = which.to(dev)
+                    cache = DynamicCache(ddp_cache_data=[(layer.keys[index], layer.values[index])
+                                                         for layer in out.past_key_values.layers])  # fmt: skip
+                    attn = torch.cat([pattn[which], real[:, :-1]], 1)
+                    positions = plen[which][:, None] + torch.arange(longest - 1)[None]
+                    rest = self.model(input_ids=tokens[:, :-1].to(dev), attention_mask=attn.to(dev),
+                                      position_ids=positions.to(dev), past_key_values=cache,
+                                      use_cache=True)  # fmt: skip
+                    logits.append(rest.logits.float())
         logp = torch.log_softmax(torch.cat(logits, 1) / self.cfg.temperature, -1)
         scored = logp.gather(2, tokens.to(dev)[..., None]).squeeze(2)
         return scored * mask.to(dev), beh.to(dev), mask.to(dev)
+
+    def _whole_rows(self, prompts: list[list[int]], tokens: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """The logits predicting every sample's tokens, [B, T, V], from one right-padded row per sample: its prompt,
+        then its tokens but the last (the prompt runs once per sample). Each position sees only what precedes it,
+        through attention or a recurrent state alike, so the padding after it changes nothing."""
+        dev = self.device
+        plen = torch.tensor([len(p) for p in prompts])
+        ids = torch.zeros((len(prompts), int(plen.max()) + tokens.shape[1] - 1), dtype=torch.long)
+        attn = torch.zeros_like(ids)
+        for b, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
+            fed = [*p, *tokens[b, : max(n - 1, 0)].tolist()]
+            ids[b, : len(fed)] = torch.tensor(fed)
+            attn[b, : len(fed)] = 1
+        out = self.model(input_ids=ids.to(dev), attention_mask=attn.to(dev), use_cache=False).logits
+        index = (plen[:, None] - 1 + torch.arange(tokens.shape[1])[None]).to(dev)  # where token t is predicted
+        return out.gather(1, index[..., None].expand(-1, -1, out.shape[-1])).float()
 
     def checkpoint(self, version: int, trained_groups: list[int]) -> float:
         """Save a checkpoint (a collective when sharded; rank 0 writes); returns the seconds it took."""

@@ -8,7 +8,9 @@
 - **Per-sequence KV cache.** Each sequence keeps its own keys and values per layer. That is what
   makes migration cheap: ``export`` hands over the token prefix, the behaviour log-probs, the
   sampler's RNG state and the KV cache; ``import_`` resumes from them without a re-prefill. A
-  request exported without KV is re-prefilled from prompt + prefix on import.
+  request exported without KV is re-prefilled from prompt + prefix on import. Keys and values may differ in
+  width (DeepSeek's latent attention). A model whose layers keep a state instead (linear attention, Mamba), or
+  whose positions move with left padding, is refused at start (``dora.hf.tensors.padding_gap``).
 - **Sampling.** Temperature and top-p, one ``torch.Generator`` per sequence seeded from the
   request's seed and the sample index, so a sample's tokens do not depend on what else runs.
 - **Behaviour log-prob** of each sampled token: its log-probability under the distribution it was
@@ -44,7 +46,7 @@ import numpy as np
 import torch
 
 from dora.hf.folder import facts
-from dora.hf.tensors import tied_copies
+from dora.hf.tensors import padding_gap, tied_copies
 from dora.hostmem import Parking, module_tensors
 from dora.ids import Finish
 from dora.rollout.engines.base import EngineError, Sample
@@ -90,6 +92,11 @@ class TorchEngine:
         self.device = torch.device(device)
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
         self.model.to(self.device).eval()
+        why = padding_gap(self.model)
+        if why:  # dora.hf.checks refuses the known kinds before any process starts; this is every other one
+            raise EngineError(f"the torch engine cannot run {type(self.model).__name__} ({model_dir}): {why}; it "
+                              "batches sequences by cutting each one's keys and values out of the cache and padding "
+                              "them on the left")  # fmt: skip
         found = facts(model_dir)
         self.stops = found.stop_ids
         """Tokens that end every turn: the model's EOS ids and its chat template's end of turn."""
@@ -450,14 +457,15 @@ class TorchEngine:
 
 def left_padded(seqs: list[Sequence]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[int]]:
     """Per layer (keys, values) of the sequences' own caches stacked into a batch, each left-padded with zeros to
-    the longest; and each one's cache length."""
+    the longest; and each one's cache length. Keys and values are each their own shape: DeepSeek's multi-head latent
+    attention caches its compressed latent (512 wide in DeepSeek-V3) as keys and the rotary key (64) as values."""
     lengths = [s.kv[0][0].shape[1] for s in seqs]
     longest = max(lengths)
     data = []
     for layer in range(len(seqs[0].kv)):
-        k0 = seqs[0].kv[layer][0]
+        k0, v0 = seqs[0].kv[layer]
         keys = k0.new_zeros((len(seqs), k0.shape[0], longest, k0.shape[2]))
-        values = keys.clone()
+        values = v0.new_zeros((len(seqs), v0.shape[0], longest, v0.shape[2]))
         for b, (s, n) in enumerate(zip(seqs, lengths, strict=True)):
             keys[b, :, longest - n :], values[b, :, longest - n :] = s.kv[layer]
         data.append((keys, values))
