@@ -13,7 +13,7 @@ answers in does not matter to the metric, only whether the number is right. A ti
 this mixture imitates both styles, and it is right far more often when it writes the steps out (it
 cannot add four numbers in one token). That is the gap reinforcement learning is for: GRPO rewards the
 correct answers, which are mostly worked ones, so the policy moves to showing its steps and held-out
-exact match rises (README, "Training on your own data").
+exact match rises (docs/data.md).
 
 Train and test questions are disjoint, so accuracy on the test split is held out.
 ``python -m dora.tasks.gsm_style DIR`` writes ``DIR/train.jsonl`` and ``DIR/test.jsonl``

@@ -15,15 +15,26 @@ from dora.config.run import RunConfig
 from dora.config.sim import SimConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-REGENERATE = "python -m dora config reference --write README.md"
+DOC = ROOT / reference.DOC
+REGENERATE = f"python -m dora config reference --write {reference.DOC}"
 
 
-def test_readme_holds_the_generated_reference():
-    text = (ROOT / "README.md").read_text()
-    assert reference.BEGIN in text and reference.END in text, f"README.md lost its reference markers; {REGENERATE}"
-    assert reference.splice(text, reference.render()) == text, (
-        f"README.md's configuration reference differs from the config dataclasses; regenerate it: {REGENERATE}"
+def test_docs_configuration_holds_the_generated_reference():
+    text = DOC.read_text()
+    assert reference.BEGIN in text and reference.END in text, (
+        f"{reference.DOC} lost its reference markers; {REGENERATE}"
     )
+    between = text[text.index(reference.BEGIN) + len(reference.BEGIN) : text.index(reference.END)]
+    assert between == "\n\n" + reference.render() + "\n", (
+        f"{reference.DOC}'s configuration reference differs from `dora config reference`; regenerate it: {REGENERATE}"
+    )
+    assert reference.splice(text, reference.render()) == text
+
+
+def test_the_readme_points_at_the_reference_and_holds_no_copy():
+    readme = (ROOT / "README.md").read_text()
+    assert reference.BEGIN not in readme and reference.END not in readme
+    assert "](docs/configuration.md)" in readme
 
 
 def test_every_config_key_has_a_docstring():
@@ -105,8 +116,21 @@ def test_dora_config_commands():
     assert r.returncode == 0 and tomllib.loads(r.stdout)["run"]["steps"] == 3, r.stderr
     r = dora("reference")
     assert r.returncode == 0 and r.stdout == reference.render()
+    assert r.stdout in DOC.read_text(), f"{reference.DOC} differs from `dora config reference`; {REGENERATE}"
     for args, fragment in ((["show", "--set", "broker.liveness=1"], "liveness"),
                            (["show", "--config", "/nonexistent.toml"], "not found"),
                            (["reference", "--write", "pyproject.toml"], "no reference markers")):  # fmt: skip
         r = dora(*args)
         assert r.returncode == 2 and fragment in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_write_without_a_file_rewrites_docs_configuration_in_the_working_directory(tmp_path):
+    stale = f"# Configuration\n\nWritten by hand.\n\n{reference.BEGIN}\n\nstale\n\n{reference.END}\n\nAfter.\n"
+    doc = tmp_path / reference.DOC
+    doc.parent.mkdir(parents=True)
+    doc.write_text(stale)
+    r = subprocess.run([sys.executable, "-m", "dora", "config", "reference", "--write"], capture_output=True,
+                       text=True, timeout=60, cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 0 and "updated" in r.stderr, r.stderr
+    assert doc.read_text() == reference.splice(stale, reference.render())
+    assert doc.read_text().startswith("# Configuration\n\nWritten by hand.\n") and doc.read_text().endswith("After.\n")
