@@ -45,7 +45,7 @@ MUTANTS = [
     ),
     Mutant(
         "admission-bound",
-        "dora/core/scheduler.py",
+        "dora/core/dispatch.py",
         "if deadline.admits(counts",
         "if True or deadline.admits(counts",
         "fresh groups are dispatched without the deadline admission check",

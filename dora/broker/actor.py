@@ -34,8 +34,8 @@ from dora.broker.snapshot import snapshot
 from dora.config.run import RunConfig
 from dora.core import events as ev
 from dora.core.core import Core
+from dora.core.intake import GroupFailed
 from dora.core.ledger import InvariantViolation
-from dora.core.scheduler import GroupFailed
 from dora.ids import WorkerId
 from dora.store.dirs import retire_uri
 from dora.wire import codec

@@ -26,7 +26,8 @@ from __future__ import annotations
 from collections import Counter
 
 from dora.config import CoreConfig
-from dora.core import deadline, orchestrator
+from dora.core import deadline, intake, orchestrator
+from dora.core.dispatch import budget_left, dispatch
 from dora.core.events import (
     Action,
     Assign,
@@ -110,7 +111,7 @@ class Core:
         if not self.fleet_ready and len(self.scheduler.workers) >= self.cfg.min_workers:
             self.fleet_ready = True
         if self.fleet_ready:
-            self.scheduler.dispatch(self.transfer.step, out)
+            dispatch(self.scheduler, self.transfer.step, out)
         for version in self.ledger.collect_retired():
             self.scheduler.forget(version)
             out.emit(Retire(version=version))
@@ -188,18 +189,18 @@ class Core:
                 self.ledger.mark_loaded(v)
                 return False
             case SampleFinished():
-                flight = sched.accept(event, out)
+                flight = intake.accept(sched, event, out)
                 if flight is not None:
                     self._finished(flight)
                 return False
             case SamplesFinished(samples=samples):
                 for sample in samples:
-                    flight = sched.accept(sample, out)
+                    flight = intake.accept(sched, sample, out)
                     if flight is not None:
                         self._finished(flight)
                 return False
             case ResultsReported(worker_id=w, samples=samples, payloads=payloads):
-                for flight in sched.accept_report(w, samples, payloads, out):
+                for flight in intake.accept_report(sched, w, samples, payloads, out):
                     self._finished(flight)
                 return False
             case MigrationExported(worker_id=w, group_id=g, attempt=a, n_requests=n, state=state):
@@ -487,7 +488,7 @@ class Core:
         pending = sched.pending_requests()
         newest = self.ledger.newest
         top_up = len(sched.queue)
-        if not self.cfg.waves and sched.budget_left():
+        if not self.cfg.waves and budget_left(sched):
             room = deadline.admissible(
                 self.ledger.deadline_counts(), self.step, self.cfg.train_groups, newest + self.cfg.staleness
             )

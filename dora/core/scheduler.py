@@ -1,25 +1,26 @@
-"""Scheduler: leases whole groups to workers, fences results, and re-queues work of lost workers.
+"""Scheduler: the lease book. It leases whole groups to workers, fences results, re-queues the work of lost
+workers, and migrates running groups between workers of one version.
 
 A group (one prompt x G samples) is leased to exactly one worker at a time and so carries exactly
 one version (C1). Every lease gets a fresh attempt id; a result is accepted only from the current
-holder with the current attempt, so a late result from a dead or superseded lease is refused and
-nothing is trained twice. A lost lease returns to the front of the queue whole (C2): partial output
-is discarded and the prompt re-runs on the newest version, so its deadline only moves later.
+holder with the current attempt (``check_result``), so a late result from a dead or superseded lease is
+refused and nothing is trained twice. A lost lease returns to the front of the queue whole (C2): partial
+output is discarded and the prompt re-runs on the newest version, so its deadline only moves later.
 
-Which group goes where and when (admission, waves, legacy fill) is decided in ``dispatch``; the
-admission arithmetic itself lives in ``deadline``.
+The scheduler holds the state (flights, workers, the queue, the prompt cursor) and keeps what it derives from
+it consistent: slot use, the idle, leaving and unready workers, the roster, and pending samples per version.
+``check`` recomputes all of it from scratch. The choice of which group is leased next, on which version,
+with which deadline, is made in ``dispatch`` (the admission arithmetic itself lives in ``deadline``). The
+checks on a finished sample that passed the fence, and the taking of it into its group, live in ``intake``.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
 
 from dora.config import CoreConfig
-from dora.core import deadline
 from dora.core.events import (
     Cancel,
     Lease,
@@ -27,12 +28,11 @@ from dora.core.events import (
     MigrateOut,
     Outbox,
     Refused,
-    SampleFinished,
     TrainSample,
 )
 from dora.core.ledger import InvariantViolation, Ledger
 from dora.core.roster import Roster
-from dora.ids import AttemptId, Finish, GroupId, Mode, WorkerId
+from dora.ids import AttemptId, GroupId, WorkerId
 
 
 class GroupState(StrEnum):
@@ -84,12 +84,11 @@ class Worker:
         return self.slots - self.used
 
 
-class GroupFailed(RuntimeError):
-    """A group errored max_group_failures times: it can be neither trained nor dropped."""
-
-
 class Scheduler:
-    """Leases, workers and the prompt cursor. Pure: no I/O, no clock."""
+    """Leases, workers and the prompt cursor. Pure: no I/O, no clock.
+
+    The cursor, the owed groups, the wave and the admission horizon are the state ``dispatch`` reads and moves;
+    ``took`` and ``release`` are the bookkeeping ``intake`` calls as samples are taken."""
 
     def __init__(self, cfg: CoreConfig, ledger: Ledger, start_cursor: int = 0) -> None:
         self.cfg = cfg
@@ -215,10 +214,6 @@ class Scheduler:
         self.roster.forget([version])
         self.pending.pop(version, None)
 
-    def budget_left(self) -> bool:
-        budget = self.cfg.prompt_budget
-        return bool(self.owed) or budget is None or self.cursor < budget
-
     # ------------------------------------------------------------------ workers
 
     def join(self, worker: WorkerId, slots: int, *, elastic: bool = False) -> Worker:
@@ -291,88 +286,11 @@ class Scheduler:
         self.stats_requeued += 1
         self.queue.appendleft(flight.group_id)
 
-    def new_flight(self) -> Flight:
-        if self.owed:
-            gid = self.owed.popleft()
-            self.reissued += 1
-        else:
-            gid = GroupId(self.cursor)
-            self.cursor += 1
-        flight = Flight(group_id=gid, version=self.ledger.newest, state=GroupState.QUEUED)
-        self.flights[gid] = flight
-        if self.cfg.waves:
-            self.wave.add(gid)
-        return flight
-
-    def dispatch(self, step: int, out: Outbox) -> None:
-        """Lease re-runs first, then fresh groups, as far as admission, capacity and the mode allow."""
-        newest = self.ledger.newest
-        G = self.cfg.group_size
-        # Re-runs go to the newest version; their deadline only moves later, so no admission check is needed.
-        while self.queue:
-            worker = self.pick_worker(newest, G)
-            if worker is None:
-                break
-            flight = self.flights[self.queue.popleft()]
-            later = max(flight.deadline, newest + self.first_offset)
-            self.ledger.move_group((flight.version, flight.deadline), (newest, later))
-            flight.deadline = later
-            self.lease(flight, worker, newest, out)
-        if self.queue:
-            return
-        if self.cfg.waves:
-            if self.wave_left == 0 and not self.wave and self.budget_left():
-                self.wave_left = self.cfg.train_groups
-            while self.wave_left > 0 and self.budget_left():
-                if not self._fresh(newest, step, out):
-                    break
-                self.wave_left -= 1
-            return
-        watermark = self.cfg.watermark
-        while len(self.flights) < watermark and self.budget_left():
-            if self._fresh(newest, step, out):
-                continue
-            if not (self.cfg.mode is Mode.DORA and self.cfg.legacy_fill and self._legacy_fill(step, out)):
-                break
-
-    def pick_deadline(self, version: int, step: int) -> int | None:
-        """The earliest deadline in [v + first offset, v + horizon] that admission allows; None if none does."""
-        last = version + self.horizon
-        if self.cfg.drops_stale:
-            return last
-        counts = self.ledger.deadline_counts()
-        for d in range(max(version + self.first_offset, step), last + 1):
-            if deadline.admits(counts, step, self.cfg.train_groups, d):
-                return d
-        return None
-
-    def _fresh(self, version: int, step: int, out: Outbox) -> bool:
-        """Lease one new group on ``version`` if admission and capacity allow."""
-        d = self.pick_deadline(version, step)
-        if d is None:
-            return False
-        worker = self.pick_worker(version, self.cfg.group_size)
-        if worker is None:
-            return False
-        flight = self.new_flight()
-        self.ledger.add_group(version, d)
-        flight.version, flight.deadline = version, d
-        self.lease(flight, worker, version, out)
-        return True
-
     def due(self, step: int) -> list[Flight]:
         """Unfinished groups whose deadline is ``step``."""
         return [f for f in self.flights.values() if f.deadline == step]
 
-    def _legacy_fill(self, step: int, out: Outbox) -> bool:
-        """dora: one new group into an idle slot of a middle version whose deadline is not the next step."""
-        alive = self.ledger.alive()
-        for version in reversed(alive[1:-1]):  # never the oldest, never the newest (handled above)
-            if version + self.cfg.staleness > step and self._fresh(version, step, out):
-                return True
-        return False
-
-    # ------------------------------------------------------------------ results
+    # ------------------------------------------------------------------ results (taken by intake)
 
     def check_result(self, worker: WorkerId, group: GroupId, attempt: AttemptId) -> Flight | str:
         """The flight a result belongs to, or the reason it is refused."""
@@ -387,81 +305,7 @@ class Scheduler:
             return "not_holder"
         return flight
 
-    def accept(self, ev: SampleFinished, out: Outbox) -> Flight | None:
-        """Record one finished sample. Returns the flight when it completes the group."""
-        found = self.check_result(ev.worker_id, ev.group_id, ev.attempt)
-        if isinstance(found, str):
-            out.emit(Refused(reason=found, worker_id=ev.worker_id, group_id=ev.group_id, attempt=ev.attempt,
-                             index=ev.index))  # fmt: skip
-            return None
-        flight = found
-        problem = self._sample_problem(flight, ev)
-        if problem is not None:
-            out.emit(Refused(reason=problem, worker_id=ev.worker_id, group_id=ev.group_id, attempt=ev.attempt,
-                             index=ev.index))  # fmt: skip
-            if problem != "duplicate_sample":
-                self._failed(flight, problem, out)
-            return None
-        flight.done[ev.index] = TrainSample(index=ev.index, segments=ev.segments, finish=ev.finish, payload=ev.payload)
-        self._took(flight, 1)
-        if len(flight.done) < self.cfg.group_size:
-            return None
-        self._release(flight)
-        return flight
-
-    def accept_report(
-        self, worker: WorkerId, samples: Sequence[Any], payloads: Sequence[Any], out: Outbox
-    ) -> Iterator[Flight]:
-        """Record a worker's report of finished samples (see ``ResultsReported``), in order, exactly as ``accept``
-        of each would: the same refusals and the same state, the lease checked once per run of samples of one
-        lease and slots, pending counts and the roster updated once per run. Yields each flight as the sample
-        that completes its group is taken (the caller hands it on before the next sample is looked at)."""
-        G, swap = self.cfg.group_size, self.cfg.in_flight_swap
-        i, n = 0, len(samples)
-        while i < n:
-            s = samples[i]
-            group, attempt = s.group_id, s.attempt
-            found = self.check_result(worker, group, attempt)
-            if isinstance(found, str):
-                out.emit(Refused(reason=found, worker_id=worker, group_id=group, attempt=attempt, index=s.index))
-                i += 1
-                continue
-            flight, done, version = found, found.done, found.version
-            taken, failed = 0, None
-            while i < n and (s := samples[i]).group_id == group and s.attempt == attempt:
-                payload = payloads[i]
-                i += 1
-                index, segments = s.index, s.segments
-                problem = None
-                # the common case in one test: one run of tokens, all of the lease's version (else: the full check)
-                if (
-                    swap
-                    or not 0 <= index < G
-                    or index in done
-                    or s.finish is Finish.ERROR
-                    or len(segments) != 1
-                    or segments[0][0] != version
-                    or segments[0][1] < 0
-                ):
-                    problem = self._sample_problem(flight, s)
-                if problem is None:
-                    done[index] = TrainSample(index=index, segments=segments, finish=s.finish, payload=payload)
-                    taken += 1
-                    if len(done) == G:
-                        break
-                    continue
-                out.emit(Refused(reason=problem, worker_id=worker, group_id=group, attempt=attempt, index=index))
-                if problem != "duplicate_sample":
-                    failed = problem
-                    break
-            self._took(flight, taken)
-            if failed is not None:
-                self._failed(flight, failed, out)
-            elif len(done) == G:
-                self._release(flight)
-                yield flight
-
-    def _took(self, flight: Flight, samples: int) -> None:
+    def took(self, flight: Flight, samples: int) -> None:
         """``samples`` more of the flight's samples finished: their slots are free (and reserved no more on a
         migration's target)."""
         if not samples:
@@ -475,34 +319,7 @@ class Scheduler:
             target.used -= samples
             self._offer(target)
 
-    def _failed(self, flight: Flight, problem: str, out: Outbox) -> None:
-        """A sample of the flight failed: the group re-runs whole, unless it failed too often to be re-run."""
-        flight.failures += 1
-        if flight.failures >= self.cfg.max_group_failures:
-            raise GroupFailed(
-                f"group {flight.group_id} failed {flight.failures} times (last: {problem}); "
-                "it can be neither trained nor dropped"
-            )
-        self.requeue(flight, out)
-
-    def _sample_problem(self, flight: Flight, ev: SampleFinished) -> str | None:
-        if not 0 <= ev.index < self.cfg.group_size:
-            return "bad_sample_index"
-        if ev.index in flight.done:
-            return "duplicate_sample"
-        if ev.finish is Finish.ERROR:
-            return "generation_error"
-        if not ev.segments or any(n < 0 for _, n in ev.segments):
-            return "bad_segments"
-        if self.cfg.in_flight_swap:
-            # partial resumes on newer weights by design: no token may predate the start version (C1 is counted).
-            if any(v < flight.version for v, _ in ev.segments):
-                return "wrong_version"
-        elif any(v != flight.version for v, _ in ev.segments):
-            return "c1_violation"
-        return None
-
-    def _release(self, flight: Flight) -> None:
+    def release(self, flight: Flight) -> None:
         """A finished group leaves the scheduler (its slots are already free)."""
         if flight.worker is not None and flight.worker in self.workers:
             self._unhold(self.workers[flight.worker], flight.group_id)

@@ -32,7 +32,7 @@ from dora.core.events import (
     WorkerJoined,
     WorkerLost,
 )
-from dora.core.scheduler import GroupFailed
+from dora.core.intake import GroupFailed
 from dora.ids import Finish, Mode
 from dora.sim.des import Simulation
 from tests.unit.simcfg import small

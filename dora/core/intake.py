@@ -1,0 +1,134 @@
+"""Intake: finished samples taken into their groups, and what a bad sample costs its group.
+
+A result first passes the lease fence (``Scheduler.check_result``: the current holder, the current attempt),
+then the sample checks (``_sample_problem``): an index in [0, G) not taken yet, no generation error,
+well-formed version segments, and every token of the lease's version (C1; under in-flight swap, none older
+than it). A taken sample frees its slot (``Scheduler.took``). The sample that completes the group releases it
+from the scheduler (``Scheduler.release``), and the caller hands it on to training. A duplicate is refused
+and otherwise ignored. Any other problem re-runs the group whole (C2), until the group has failed
+``max_group_failures`` times (``GroupFailed``).
+
+The fence and the slot bookkeeping belong to the ``scheduler``, and what is leased next to ``dispatch``. The
+``Core`` hands a completed group to the transfer queue.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from dora.config import CoreConfig
+from dora.core.events import Outbox, Refused, SampleFinished, TrainSample
+from dora.core.scheduler import Flight, Scheduler
+from dora.ids import Finish, WorkerId
+
+
+class GroupFailed(RuntimeError):
+    """A group errored max_group_failures times: it can be neither trained nor dropped."""
+
+
+def accept(sched: Scheduler, ev: SampleFinished, out: Outbox) -> Flight | None:
+    """Record one finished sample. Returns the flight when it completes the group."""
+    found = sched.check_result(ev.worker_id, ev.group_id, ev.attempt)
+    if isinstance(found, str):
+        out.emit(Refused(reason=found, worker_id=ev.worker_id, group_id=ev.group_id, attempt=ev.attempt,
+                         index=ev.index))  # fmt: skip
+        return None
+    flight = found
+    problem = _sample_problem(sched.cfg, flight, ev)
+    if problem is not None:
+        out.emit(Refused(reason=problem, worker_id=ev.worker_id, group_id=ev.group_id, attempt=ev.attempt,
+                         index=ev.index))  # fmt: skip
+        if problem != "duplicate_sample":
+            _failed(sched, flight, problem, out)
+        return None
+    flight.done[ev.index] = TrainSample(index=ev.index, segments=ev.segments, finish=ev.finish, payload=ev.payload)
+    sched.took(flight, 1)
+    if len(flight.done) < sched.cfg.group_size:
+        return None
+    sched.release(flight)
+    return flight
+
+
+def accept_report(
+    sched: Scheduler, worker: WorkerId, samples: Sequence[Any], payloads: Sequence[Any], out: Outbox
+) -> Iterator[Flight]:
+    """Record a worker's report of finished samples (see ``ResultsReported``), in order, exactly as ``accept``
+    of each would: the same refusals and the same state, the lease checked once per run of samples of one
+    lease and slots, pending counts and the roster updated once per run. Yields each flight as the sample
+    that completes its group is taken (the caller hands it on before the next sample is looked at)."""
+    cfg = sched.cfg
+    G, swap = cfg.group_size, cfg.in_flight_swap
+    i, n = 0, len(samples)
+    while i < n:
+        s = samples[i]
+        group, attempt = s.group_id, s.attempt
+        found = sched.check_result(worker, group, attempt)
+        if isinstance(found, str):
+            out.emit(Refused(reason=found, worker_id=worker, group_id=group, attempt=attempt, index=s.index))
+            i += 1
+            continue
+        flight, done, version = found, found.done, found.version
+        taken, failed = 0, None
+        while i < n and (s := samples[i]).group_id == group and s.attempt == attempt:
+            payload = payloads[i]
+            i += 1
+            index, segments = s.index, s.segments
+            problem = None
+            # the common case in one test: one run of tokens, all of the lease's version (else: the full check)
+            if (
+                swap
+                or not 0 <= index < G
+                or index in done
+                or s.finish is Finish.ERROR
+                or len(segments) != 1
+                or segments[0][0] != version
+                or segments[0][1] < 0
+            ):
+                problem = _sample_problem(cfg, flight, s)
+            if problem is None:
+                done[index] = TrainSample(index=index, segments=segments, finish=s.finish, payload=payload)
+                taken += 1
+                if len(done) == G:
+                    break
+                continue
+            out.emit(Refused(reason=problem, worker_id=worker, group_id=group, attempt=attempt, index=index))
+            if problem != "duplicate_sample":
+                failed = problem
+                break
+        sched.took(flight, taken)
+        if failed is not None:
+            _failed(sched, flight, failed, out)
+        elif len(done) == G:
+            sched.release(flight)
+            yield flight
+
+
+def _failed(sched: Scheduler, flight: Flight, problem: str, out: Outbox) -> None:
+    """A sample of the flight failed: the group re-runs whole, unless it failed too often to be re-run."""
+    flight.failures += 1
+    if flight.failures >= sched.cfg.max_group_failures:
+        raise GroupFailed(
+            f"group {flight.group_id} failed {flight.failures} times (last: {problem}); "
+            "it can be neither trained nor dropped"
+        )
+    sched.requeue(flight, out)
+
+
+def _sample_problem(cfg: CoreConfig, flight: Flight, ev: SampleFinished) -> str | None:
+    """Why a finished sample of the flight's current lease cannot be taken; None if it can."""
+    if not 0 <= ev.index < cfg.group_size:
+        return "bad_sample_index"
+    if ev.index in flight.done:
+        return "duplicate_sample"
+    if ev.finish is Finish.ERROR:
+        return "generation_error"
+    if not ev.segments or any(n < 0 for _, n in ev.segments):
+        return "bad_segments"
+    if cfg.in_flight_swap:
+        # partial resumes on newer weights by design: no token may predate the start version (C1 is counted).
+        if any(v < flight.version for v, _ in ev.segments):
+            return "wrong_version"
+    elif any(v != flight.version for v, _ in ev.segments):
+        return "c1_violation"
+    return None
