@@ -87,6 +87,9 @@ class BrokerActor:
         self.peers = self.links.peers
         self.lost: deque[dict[str, Any]] = deque(maxlen=32)
         """The latest peers declared dead or gone, with why (for `dora status`)."""
+        self.declared_dead: dict[tuple[str, str, int], tuple[str, float]] = {}
+        """(name, host, pid) of each peer declared dead by silence or stall -> (reason, when): a Hello from that
+        same process later means it was alive, only slow or cut off for a while (a false death, counted)."""
         self.acts: deque[ev.Action] = deque()
         """The core's actions not yet carried out, in the order it decided them (ACTS_PER_TURN)."""
         self.waiting = Counter[WorkerId]()
@@ -244,6 +247,7 @@ class BrokerActor:
             log.error("peer_rejected", peer=hello.peer_id, reason=reason)
             self.links.send_raw(identity, m.Reject(reason=reason, wire_version=m.WIRE_VERSION))
             return
+        self.count_false_death(identity, hello)
         old = self.peers.get(identity)
         if old is not None and old.role is hello.role and old.name == hello.peer_id:
             self.counters["hello repeated"] += 1  # identities are per session: a copy, or its Welcome was lost
@@ -251,7 +255,7 @@ class BrokerActor:
             return
         if old is not None:
             self.peer_lost(old, "hello again")
-        peer = Peer(identity=identity, role=hello.role, name=hello.peer_id)
+        peer = Peer(identity=identity, role=hello.role, name=hello.peer_id, process=(hello.host, hello.pid))
         self.peers[identity] = peer
         timeout = self.cfg.broker.learner_timeout_s if hello.role is m.Role.LEARNER else None
         self.liveness.joined(identity.decode(), self.clock(), timeout_s=timeout)
@@ -484,6 +488,27 @@ class BrokerActor:
                 self.links.send_raw(peer.identity, m.Disconnect(reason=reason))
                 self.peer_lost(peer, reason)
 
+    def count_false_death(self, identity: bytes, hello: m.Hello) -> None:
+        """A process says hello again: if the broker had declared it dead, that was a false death (it was alive);
+        if it is still registered under another socket identity, it judged the broker silent and reconnected (its
+        engine dropped what it held): the old registration is lost now, its leases re-queued without waiting for
+        its silence. Both are counted (``false deaths``, ``reconnected while registered``) and logged; at the
+        default liveness neither should happen to a process that is only slow."""
+        key = (hello.peer_id, hello.host, hello.pid)
+        if key in self.declared_dead:
+            reason, at = self.declared_dead.pop(key)
+            self.counters[f"false deaths ({hello.role.value})"] += 1
+            log.warning("declared_dead_but_alive", peer=hello.peer_id, role=hello.role.value, reason=reason,
+                        back_after_s=round(self.clock() - at, 3))  # fmt: skip
+            return
+        for other in self.peers.values():
+            same = other.role is hello.role and other.name == hello.peer_id and other.process == key[1:]
+            if same and other.identity != identity:
+                self.counters[f"reconnected while registered ({hello.role.value})"] += 1
+                log.warning("peer_reconnected_while_registered", peer=hello.peer_id, role=hello.role.value)
+                self.peer_lost(other, "reconnected")
+                return
+
     def peer_lost(self, peer: Peer, reason: str) -> None:
         held = self.core.scheduler.workers.get(WorkerId(peer.identity.decode()))
         log.warning("peer_lost", peer=peer.name, role=peer.role.value, reason=reason,
@@ -493,6 +518,8 @@ class BrokerActor:
         self.peers.pop(peer.identity, None)
         self.liveness.forget(peer.identity.decode())
         self.counters[f"lost {peer.role.value}"] += 1
+        if reason in ("silent", "stalled") and peer.process[1]:
+            self.declared_dead[(peer.name, *peer.process)] = (reason, self.clock())
         self.metrics.peer_lost(peer.role.value, reason)
         self.evals.worker_lost(WorkerId(peer.identity.decode()))
         if peer.role is m.Role.ROLLOUT and WorkerId(peer.identity.decode()) in self.core.scheduler.workers:

@@ -75,6 +75,9 @@ class Peer:
     identity: bytes
     role: m.Role
     name: str
+    process: tuple[str, int] = ("", 0)
+    """(host, pid) from its Hello: a later Hello from the same process under the same name is that process
+    back, however its socket identity changed."""
     worker: WorkerId = field(init=False)
     """The identity as text: the peer's key in the core and in liveness."""
     outbox: deque[list[Any]] = field(default_factory=deque)

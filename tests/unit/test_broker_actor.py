@@ -66,14 +66,14 @@ class Fake:
                     return msg
                 self.backlog.append(msg)
 
-    async def hello(self, role: m.Role, slots: int = 0) -> m.Welcome:
-        await self.send(m.Hello(wire_version=m.WIRE_VERSION, role=role, peer_id=self.name, pid=os.getpid(),
-                                host="test", slots=slots, engine="fake"))  # fmt: skip
+    async def hello(self, role: m.Role, slots: int = 0, peer_id: str | None = None) -> m.Welcome:
+        await self.send(m.Hello(wire_version=m.WIRE_VERSION, role=role, peer_id=peer_id or self.name,
+                                pid=os.getpid(), host="test", slots=slots, engine="fake"))  # fmt: skip
         return await self.recv(m.Welcome)
 
-    async def worker(self, slots: int) -> m.Assign:
+    async def worker(self, slots: int, peer_id: str | None = None) -> m.Assign:
         """Join as a rollout worker and load the version the broker assigns."""
-        await self.hello(m.Role.ROLLOUT, slots)
+        await self.hello(m.Role.ROLLOUT, slots, peer_id)
         assign = await self.recv(m.Assign)
         await self.send(m.WeightsLoaded(version=assign.version, load_s=0.0))
         return assign
@@ -192,6 +192,33 @@ async def test_a_silent_worker_is_dropped_its_group_re_leased_and_its_late_resul
         await asyncio.sleep(0.05)
         assert actor.counters["refused result from an unregistered peer"] == 1
         assert actor.snapshot()["requeued_groups"] >= 1
+
+
+async def test_a_process_declared_dead_that_says_hello_again_is_counted_as_a_false_death():
+    async with running_broker("broker.liveness=3") as (actor, ep, ctx):
+        first = Fake(ctx, ep, "rollout/a/1")
+        await first.worker(slots=G, peer_id="a")
+        assert isinstance(await first.recv(m.Disconnect), m.Disconnect)  # silent for 3 x 0.05 s: declared dead
+        assert actor.counters["lost rollout"] == 1 and actor.counters["false deaths (rollout)"] == 0
+        again = Fake(ctx, ep, "rollout/a/2")  # the same process (name, host, pid) on a new session: it was alive
+        await again.worker(slots=G, peer_id="a")
+        assert actor.counters["false deaths (rollout)"] == 1
+        other = Fake(ctx, ep, "rollout/b/1")  # another process that was never declared dead is not counted
+        await other.worker(slots=G, peer_id="b")
+        assert actor.counters["false deaths (rollout)"] == 1
+
+
+async def test_a_worker_that_reconnects_while_registered_has_its_old_session_ended_at_once():
+    async with running_broker() as (actor, ep, ctx):  # liveness 40 x 0.05 s: nothing expires by silence here
+        first = Fake(ctx, ep, "rollout/a/1")
+        await first.worker(slots=G, peer_id="a")
+        gen = await first.recv(m.Generate)
+        again = Fake(ctx, ep, "rollout/a/2")  # it judged the broker silent, dropped its work and said hello anew
+        await again.worker(slots=G, peer_id="a")
+        rerun = await again.recv(m.Generate)
+        assert rerun.group_id == gen.group_id and rerun.attempt != gen.attempt  # re-leased without waiting 2 s
+        assert actor.counters["reconnected while registered (rollout)"] == 1
+        assert b"rollout/a/1" not in actor.peers and actor.lost[-1]["reason"] == "reconnected"
 
 
 async def test_bad_peers_get_a_clear_answer_and_the_broker_lives_on():
