@@ -68,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     name, rest = argv[0], argv[1:]
     summary, module = COMMANDS[name]
+    if name in ("broker", "rollout", "learner"):  # a SIGTERM is orderly from here on, not only once serving
+        from dora.actor.signals import stop_before_serving
+
+        stop_before_serving()
     if module is None:
         print(f"dora {name}: not built yet ({summary}).", file=sys.stderr)
         return 2

@@ -1,5 +1,9 @@
 """Signals at the end of a process's life, shared by the broker, rollout and learner processes.
 
+Before that, from the first instruction of ``main`` (``stop_before_serving``), a SIGTERM ends the process with
+exit 0 at once: it has nothing to drain yet (it is importing torch, loading a model, waiting for the broker), and
+under load those seconds are a window in which the default action would kill it (-15).
+
 Each process's ``serve`` turns SIGTERM into its stop event with ``loop.add_signal_handler``. At interpreter exit,
 Python puts the default action back on every signal that has a Python-level handler, and the default action of
 SIGTERM kills: one that lands while the process exits (a second one from an impatient operator, or Slurm's after a
@@ -17,3 +21,15 @@ def ignore_sigterm_while_exiting() -> None:
     SIGTERM finds the default action meanwhile; Python's exit leaves an ignored signal ignored, and a closed
     uvloop loop does not put its own handler's default back."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def stop_before_serving() -> None:
+    """The first instruction of a serving process (broker, rollout, learner): until its event loop takes SIGTERM
+    over, a SIGTERM ends it with exit 0 (``SystemExit``, so ``finally`` blocks run), and any further one while it
+    unwinds is ignored."""
+    signal.signal(signal.SIGTERM, _exit_before_serving)
+
+
+def _exit_before_serving(signum: int, frame: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise SystemExit(0)

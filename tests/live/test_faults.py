@@ -284,3 +284,29 @@ def test_message_chaos_on_every_link_loses_nothing_and_trains_nothing_twice(tmp_
         lost = c.events("broker", "lease_lost")
         assert lost, "no lease was lost on the way: the reconciliation went untested"
         print(f"T6: {len(lost)} leases found lost by heartbeats and re-queued; proxy counts {counts}")
+
+
+def maps(pid: int, library: str) -> bool:
+    """The process has mapped a shared library whose name holds ``library`` (it is importing it, or has)."""
+    with open(f"/proc/{pid}/maps") as f:
+        return library in f.read()
+
+
+@pytest.mark.parametrize("after_s", [0.0, 0.5])
+def test_sigterm_while_starting_exits_0(tmp_path, tiny_model, after_s):
+    """SIGTERM twice 10 ms apart to a worker and a learner still starting (importing torch, loading the model; their
+    event loops do not run yet) ends them with exit 0 and no traceback, as it does once they serve: never the
+    default action's death by signal (-15)."""
+    with cluster(tmp_path, {"rollout": {"model": str(tiny_model)}, "learner": {"model": str(tiny_model)}}) as c:
+        procs = {"w0": c.start_worker("w0", "torch"), "learner": c.start_learner("torch")}
+        for name, proc in procs.items():  # torch is a second or more of imports before any event loop
+            wait_until(lambda p=proc: p.poll() is not None or maps(p.pid, "libtorch"), 20, f"{name} to import torch")
+        time.sleep(after_s)
+        for name in procs:
+            c.signal(name, signal.SIGTERM)
+            time.sleep(0.01)
+            with contextlib.suppress(ProcessLookupError):
+                c.signal(name, signal.SIGTERM)
+        for name in procs:
+            assert c.wait(name, 10) == 0, c.log(name)[-2000:]
+            assert "Traceback" not in c.log(name), c.log(name)[-2000:]
