@@ -66,8 +66,30 @@ class LiveRun:
     leases wait for the whole fleet); past it, `dora run` stops every process, prints each missing worker's last
     log line and exits 1. A worker that exits is reported at once, whatever this is. Leave room for a slow engine
     start: vLLM loading and compiling a large model, or starting on CPU."""
+    gpus: int | str | tuple[int, ...] = "auto"
+    """`dora run`: the GPUs it may give its processes: ``auto`` (every visible one: CUDA_VISIBLE_DEVICES's, else
+    every GPU torch counts), a count (the first that many visible) or a list of GPU ids (``[0, 1]``, ids as
+    CUDA_VISIBLE_DEVICES or nvidia-smi name them). The learner takes learner.gpus, elastic workers share those,
+    standalone workers get rollout.gpus_per_worker GPUs each of the rest; each process is told its own through
+    CUDA_VISIBLE_DEVICES. A layout that does not fit is refused before any process starts. No GPU visible: every
+    process runs as without this setting."""
+    share_gpus: bool = False
+    """`dora run`: when run.gpus has too few GPUs for every standalone worker to get its own beside the learner's,
+    let the standalone workers share them (the free ones first, then the learner's), each process sized to fit
+    beside the others (small models on one GPU); false: such a layout is refused."""
 
     def __post_init__(self) -> None:
+        gpus = self.gpus
+        if isinstance(gpus, str) and gpus != "auto":
+            try:
+                gpus = tuple(int(x) for x in gpus.strip().strip("[]").split(",") if x.strip())
+            except ValueError:
+                raise ConfigError(f"run.gpus must be auto, a count or a list of GPU ids; got {self.gpus!r}") from None
+            object.__setattr__(self, "gpus", gpus)
+        if (isinstance(gpus, int) and gpus < 1) or (isinstance(gpus, tuple) and not gpus):
+            raise ConfigError(f"run.gpus must be auto, a count >= 1 or a list of GPU ids; got {self.gpus!r}")
+        if isinstance(gpus, tuple) and (min(gpus) < 0 or len(set(gpus)) < len(gpus)):
+            raise ConfigError(f"run.gpus: GPU ids are >= 0, each once; got {list(gpus)}")
         if self.threads < 0:
             raise ConfigError(f"run.threads must be >= 0; got {self.threads}")
         if not self.worker_start_timeout_s > 0:
@@ -171,11 +193,27 @@ class RolloutSection:
     model: str | None = None
     """An HF model folder for the torch and vllm engines (the version-0 weights)."""
     device: str = "cpu"
-    """torch engine: the torch device it runs on (cpu, cuda, cuda:1). vLLM runs on its own platform's device."""
-    dtype: str = "float32"
-    """torch and vllm engines: the model's dtype (float32, bfloat16, float16)."""
-    kv_cache_mib: int = 256
-    """vllm: KV cache memory, always explicit (vLLM on CPU would otherwise take most of the machine)."""
+    """torch engine: the torch device it runs on (cpu, cuda, cuda:1). vLLM runs on its own platform's device.
+    Under `dora run` on GPUs, ``cuda`` is the first of the worker's own GPUs (run.gpus)."""
+    dtype: str = "auto"
+    """torch and vllm engines: the model's dtype (float32, bfloat16, float16); auto: bfloat16 on CUDA (vllm: its
+    platform is CUDA or ROCm; torch: rollout.device is a GPU), float32 on the CPU."""
+    kv_cache_mib: int | None = None
+    """vllm: KV cache memory in MiB; None: 256 on the CPU (vLLM there would otherwise take most of the machine's
+    memory), and on a GPU whatever rollout.gpu_memory_utilization leaves beside the weights and activations."""
+    gpu_memory_utilization: float = 0.9
+    """vllm on a GPU: the fraction of each of its GPUs' memory the engine may use (weights, activations, KV cache;
+    vLLM's own setting). vLLM checks at start that this much is free, even with rollout.kv_cache_mib set: workers
+    sharing a GPU (elastic ones, run.share_gpus) need fractions that add up to at most 1."""
+    enforce_eager: bool | str = "auto"
+    """vllm: run eagerly, with no CUDA graphs (true), or capture them (false: faster decoding, a slower start);
+    auto: false on a GPU, true on the CPU."""
+    tensor_parallel_size: int = 1
+    """vllm: GPUs one engine shards the model over (vLLM's tensor parallelism, its ``mp`` executor: one process per
+    GPU beside the worker's). It must divide rollout.gpus_per_worker. The torch engine runs on one device."""
+    gpus_per_worker: int = 0
+    """`dora run` on GPUs: the GPUs each rollout worker gets (CUDA_VISIBLE_DEVICES); 0: rollout.tensor_parallel_size
+    (1 unless set)."""
     max_model_len: int | None = None
     """The longest prompt + completion the torch and vllm engines run, in tokens; None: the model's own limit
     (max_position_embeddings). Above that limit, or below the longest prompt + run.max_tokens, it is refused at
@@ -188,6 +226,34 @@ class RolloutSection:
     sleeps at level 1, weights to host memory and KV cache freed, which needs CUDA, ROCm or XPU; torch on a GPU:
     caches dropped, model to host memory); what it held is re-prefilled on the same weights when it resumes.
     Off: a yield only stops decoding."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"rollout.dtype must be auto, float32, bfloat16 or float16; got {self.dtype!r}")
+        if self.kv_cache_mib is not None and self.kv_cache_mib < 1:
+            raise ConfigError(f"rollout.kv_cache_mib must be >= 1 or unset; got {self.kv_cache_mib}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"rollout.gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}")
+        if self.enforce_eager not in (True, False, "auto"):
+            raise ConfigError(f"rollout.enforce_eager must be true, false or auto; got {self.enforce_eager!r}")
+        if self.tensor_parallel_size < 1 or self.gpus_per_worker < 0:
+            raise ConfigError(f"rollout.tensor_parallel_size must be >= 1 and rollout.gpus_per_worker >= 0; got "
+                              f"{self.tensor_parallel_size}, {self.gpus_per_worker}")  # fmt: skip
+        if self.gpus_each % self.tensor_parallel_size:
+            raise ConfigError(f"rollout.tensor_parallel_size = {self.tensor_parallel_size} does not divide "
+                              f"rollout.gpus_per_worker = {self.gpus_per_worker}: an engine shards over "
+                              f"tensor_parallel_size of its worker's GPUs")  # fmt: skip
+
+    @property
+    def gpus_each(self) -> int:
+        """GPUs per rollout worker under `dora run` on GPUs: rollout.gpus_per_worker, else tensor_parallel_size."""
+        return self.gpus_per_worker or self.tensor_parallel_size
+
+    def engine_dtype(self, cuda: bool) -> str:
+        """rollout.dtype with auto resolved: bfloat16 on CUDA (``cuda``: the engine runs there), else float32."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if cuda else "float32"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -279,12 +345,34 @@ class LearnerSection:
     """torch trainer: the HF model folder it starts from (the same version 0 the rollout workers load)."""
     ranks: int = 1
     """`dora run`: learner processes (torchrun --nproc-per-node); more than one shards the model with FSDP2."""
+    gpus: tuple[int, ...] = ()
+    """`dora run` on GPUs: the GPU ids of the learner's ranks, one rank per GPU (learner.ranks of them), each rank
+    on its own (``cuda:<local rank>``), NCCL between them; empty: the first learner.ranks GPUs of run.gpus."""
     store: str = "weights"
     """Weight store directory, reachable by every process (published versions, retired by the broker)."""
     lr: float = 1e-4
     """torch trainer: AdamW learning rate (betas 0.9, 0.99; no weight decay)."""
     micro_batch: int = 16
     """torch trainer: trajectories per forward/backward; gradients accumulate over the batch."""
+    micro_batch_tokens: int = 0
+    """torch trainer: a token budget per forward/backward instead of micro_batch: a micro-batch takes a rank's
+    trajectories in order (a group's samples together, groups by length) while rows x its longest prompt +
+    completion stays within it; a longer trajectory is one alone. 0: micro_batch trajectories each."""
+    balance: Literal["tokens", "stride"] = "tokens"
+    """torch trainer over several ranks: how the batch's trajectories go to ranks. ``tokens``: greedy, longest
+    first to the rank with the fewest tokens, a group whole where its rank stays within an even share (the
+    busiest rank holds at most an even share + one trajectory); ``stride``: every world-th in length order
+    (equal counts; with a group size a multiple of the ranks, every group's longest on the last rank). The step
+    waits for the busiest rank; its metric ``rank_imbalance`` is busiest / mean tokens. The simulator's
+    trainer.data_parallel prices the same two."""
+    activation_checkpointing: bool = False
+    """torch trainer: recompute each decoder block's activations in the backward instead of keeping them
+    (transformers' gradient checkpointing, non-reentrant; with FSDP2 too): less memory, about a third more
+    compute. Samples are then scored as whole rows (a group's prompt runs once per sample)."""
+    peak_tflops: float = 0.0
+    """torch trainer: the accelerator's peak TFLOP/s the step's ``mfu`` metric is reckoned against (6 x
+    parameters x tokens / step time / ranks / peak). 0: a CUDA device's dense bf16 peak from a table by name (H100
+    989, H200 989, A100 312, ...); on a CPU, or a GPU not listed, no mfu is reported."""
     max_grad_norm: float = 1.0
     """torch trainer: gradients are clipped to this global norm before each step."""
     clip_low: float = 0.2
@@ -320,7 +408,8 @@ class LearnerSection:
     ``cuda`` (``cuda:<local rank>``) or a torch device string. GPUs use NCCL between ranks, CPUs gloo."""
     publish_dtype: str = "auto"
     """The dtype each published version's floating-point weights are written in (float32, bfloat16, float16);
-    auto: the rollout engines' (rollout.dtype). The learner keeps float32 master weights either way."""
+    auto: the rollout engines' (rollout.dtype; its auto is read on the learner's device: bfloat16 when the learner is
+    on a GPU, float32 on the CPU). The learner keeps float32 master weights either way."""
     publish_shard_mib: int = 5120
     """A version's weights go in one model.safetensors up to this size, else in shards of at most this size with
     model.safetensors.index.json (as a hub checkpoint)."""
@@ -336,6 +425,16 @@ class LearnerSection:
             raise ConfigError("learner.checkpoint_every and learner.keep_checkpoints must be >= 1")
         if self.ranks < 1 or self.micro_batch < 1:
             raise ConfigError("learner.ranks and learner.micro_batch must be >= 1")
+        if self.micro_batch_tokens < 0 or self.peak_tflops < 0:
+            raise ConfigError(f"learner.micro_batch_tokens and learner.peak_tflops must be >= 0 (0: off); got "
+                              f"{self.micro_batch_tokens} and {self.peak_tflops}")  # fmt: skip
+        if self.balance not in ("tokens", "stride"):
+            raise ConfigError(f"learner.balance must be tokens or stride; got {self.balance!r}")
+        if self.gpus and len(self.gpus) != self.ranks:
+            raise ConfigError(f"learner.gpus names {len(self.gpus)} GPU(s) ({list(self.gpus)}) but learner.ranks = "
+                              f"{self.ranks}: the learner runs one rank per GPU")  # fmt: skip
+        if self.gpus and (min(self.gpus) < 0 or len(set(self.gpus)) < len(self.gpus)):
+            raise ConfigError(f"learner.gpus: GPU ids are >= 0, each once; got {list(self.gpus)}")
         if self.publish_dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"learner.publish_dtype must be auto, float32, bfloat16 or float16; "
                               f"got {self.publish_dtype!r}")  # fmt: skip

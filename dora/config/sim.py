@@ -7,10 +7,10 @@ error. ``examples/sim/*.toml`` document where each number comes from.
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from dora.balance import assign, rank_loads
 from dora.config import ConfigError, CoreConfig
 from dora.ids import Mode
 
@@ -189,11 +189,13 @@ class TrainerSection:
     state_bytes: float = 0.0
     """Bytes of the trainer's state (parameters, gradients, optimizer), loaded from host memory before each
     step and offloaded after it when the trainer shares its accelerators (colocated, elastic)."""
-    data_parallel: Literal["fluid", "count", "tokens"] = "fluid"
+    data_parallel: Literal["fluid", "count", "stride", "tokens"] = "fluid"
     """How an update's sequences go to the data-parallel replicas. ``fluid``: work divides perfectly over the
     accelerators (no replica waits for another); ``count``: each replica takes an equal number of consecutive
-    sequences, in the batch's order (a plain data loader's split); ``tokens``: balanced by tokens, longest
-    sequence first to the least loaded replica."""
+    sequences, in the batch's order (a plain data loader's split); ``stride`` and ``tokens``: the torch learner's
+    two ``learner.balance`` assignments (dora/balance.py), the same function: every world-th sequence in the
+    learner's length order, or greedy by tokens, longest first to the least loaded replica, a group whole where
+    its replica stays within an even share."""
     updates_per_step: int = 1
     """Optimizer updates per train step (mini-batches of the batch's sequences, in order); each ends with a
     barrier across the data-parallel replicas. Not used when fluid."""
@@ -206,8 +208,9 @@ class TrainerSection:
             raise ConfigError("trainer: costs must be >= 0")
         if self.updates_per_step < 1 or self.model_parallel_gpus < 1:
             raise ConfigError("trainer.updates_per_step and trainer.model_parallel_gpus must be >= 1")
-        if self.data_parallel not in ("fluid", "count", "tokens"):
-            raise ConfigError(f"trainer.data_parallel must be fluid, count or tokens; got {self.data_parallel!r}")
+        if self.data_parallel not in ("fluid", "count", "stride", "tokens"):
+            raise ConfigError(f"trainer.data_parallel must be fluid, count, stride or tokens; "
+                              f"got {self.data_parallel!r}")  # fmt: skip
 
     def train_s(self, tokens: int, gpus: int) -> float:
         """The fluid step: ``tokens`` spread perfectly over ``gpus``."""
@@ -217,8 +220,9 @@ class TrainerSection:
         """Data-parallel replicas of a trainer of ``gpus`` accelerators (0: too few for one)."""
         return gpus if self.data_parallel == "fluid" else gpus // self.model_parallel_gpus
 
-    def batch_train_s(self, sequences: list[int], gpus: int) -> float:
-        """A step on a batch of sequences of these token counts (in the batch's order) on ``gpus``."""
+    def batch_train_s(self, sequences: list[int], gpus: int, group_size: int = 1) -> float:
+        """A step on a batch of sequences of these token counts (in the batch's order, each ``group_size``
+        consecutive ones a group) on ``gpus``."""
         if self.data_parallel == "fluid":
             return self.train_s(sum(sequences), gpus)
         dp = self.replicas(gpus)
@@ -228,22 +232,21 @@ class TrainerSection:
         n, u = len(sequences), min(self.updates_per_step, max(1, len(sequences)))
         busiest = 0
         for i in range(u):
-            update = sequences[i * n // u : (i + 1) * n // u]
-            busiest += max(replica_loads(update, dp, self.data_parallel), default=0)
+            update = range(i * n // u, (i + 1) * n // u)
+            groups = [j // group_size for j in update]
+            busiest += max(replica_loads([sequences[j] for j in update], dp, self.data_parallel, groups), default=0)
         return self.step_fixed_s + busiest * self.gpu_s_per_token / self.model_parallel_gpus
 
 
-def replica_loads(sequences: list[int], replicas: int, split: str) -> list[int]:
+def replica_loads(sequences: list[int], replicas: int, split: str, groups: list[int] | None = None) -> list[int]:
     """Tokens each data-parallel replica trains of one update's ``sequences``: ``count``, consecutive equal
-    shares (sizes differ by at most one); ``tokens``, longest first to the least loaded."""
+    shares (sizes differ by at most one); ``stride`` and ``tokens``, the learner's assignment
+    (``dora.balance.assign``) with ``groups[i]`` sequence i's group (None: each its own)."""
     if split == "count":
         n = len(sequences)
         return [sum(sequences[r * n // replicas : (r + 1) * n // replicas]) for r in range(replicas)]
-    loads = [(0, r) for r in range(replicas)]
-    for length in sorted(sequences, reverse=True):
-        load, r = heapq.heappop(loads)
-        heapq.heappush(loads, (load + length, r))
-    return [load for load, _ in loads]
+    groups = list(range(len(sequences))) if groups is None else groups
+    return rank_loads(sequences, assign(sequences, groups, replicas, split))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

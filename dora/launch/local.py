@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from dora.config import dumps_toml
@@ -26,11 +27,14 @@ def to_toml(cfg: dict[str, dict[str, Any]]) -> str:
 
 
 class LocalRun:
-    def __init__(self, rundir: pathlib.Path, cfg: dict[str, dict[str, Any]], *, threads: int | None = None) -> None:
+    def __init__(self, rundir: pathlib.Path, cfg: dict[str, dict[str, Any]], *, threads: int | None = None,
+                 envs: Mapping[str, Mapping[str, str]] | None = None) -> None:  # fmt: skip
         """``threads``: OMP_NUM_THREADS for every child (unless set already in this environment; a child started
-        with its own ``threads`` gets those)."""
+        with its own ``threads`` gets those); ``envs``: what each child, by name, gets in its environment besides
+        this one's (its GPUs: ``dora.launch.placement``)."""
         self.dir = rundir
         self.env = dict(os.environ)
+        self.envs = {name: dict(extra) for name, extra in (envs or {}).items()}
         self.threads_given = "OMP_NUM_THREADS" in os.environ
         """The user set OMP_NUM_THREADS: every child keeps it."""
         if threads is not None:
@@ -53,8 +57,9 @@ class LocalRun:
 
     def spawn_command(self, name: str, argv: list[str], *, threads: int | None = None) -> subprocess.Popen[bytes]:
         """``python ARGV --config <the run's config>``, logging to ``<name>.log``; ``threads``: its OMP_NUM_THREADS
-        (unless the user set it)."""
+        (unless the user set it); its entries of ``envs`` go in its environment."""
         env = self.env if threads is None or self.threads_given else {**self.env, "OMP_NUM_THREADS": str(threads)}
+        env = {**env, **self.envs.get(name, {})}
         with open(self.dir / f"{name}.log", "wb") as log:
             proc = subprocess.Popen([sys.executable, *argv, "--config", str(self.config)],
                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True,

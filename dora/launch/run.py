@@ -15,6 +15,10 @@ port (``metrics_url`` in ``broker.json``). The progress line, read from ``metric
 reward, staleness and throughput. Ctrl-C (or SIGTERM) stops every process by its PID: SIGTERM first,
 then SIGKILL after the grace period.
 
+On a machine with GPUs each process gets its own (``dora.launch.placement``: run.gpus, learner.gpus,
+rollout.gpus_per_worker) through CUDA_VISIBLE_DEVICES, printed in one line at the start; a layout that does not fit
+is refused before any process starts. On a machine without GPUs nothing is placed.
+
 A rollout worker that exits is reported at once, one line with its last error (from its log). The run goes on
 without it once every worker has joined the broker; it stops (every process, by PID) and exits 1 when no worker
 is left, when a worker exits before the whole fleet has joined, or when the fleet has not joined within
@@ -40,6 +44,7 @@ from dora.config.run import RunConfig
 from dora.hf.checks import check_model
 from dora.hf.preflight import check_run_model, model_folder
 from dora.launch.local import LocalRun
+from dora.launch.placement import plan, visible_gpus, wants_gpus
 from dora.launch.watch import RunStuck, WorkerWatch, new_lines
 from dora.ops.plot import EVAL, METRICS, TIMELINE, PlotError, render
 
@@ -129,10 +134,12 @@ def main(argv: list[str]) -> int:
             raise ConfigError("dora run needs core.total_steps")
         if cfg.task.env is not None and cfg.run.engine == "sim":
             raise ConfigError("task.env: multi-turn episodes run on run.engine = 'torch' or 'vllm', not 'sim'")
-        if cfg.rollout.sleep_on_yield:
-            from dora.rollout.main import check_sleep
+        from dora.rollout.main import check_engine, check_sleep
 
+        check_engine(cfg.run.engine, cfg)
+        if cfg.rollout.sleep_on_yield:
             check_sleep(cfg.run.engine, cfg.rollout.device)
+        placement = plan(cfg, visible_gpus(os.environ) if wants_gpus(cfg) else ())
         rundir = pathlib.Path(cfg.run.dir) / time.strftime("%Y%m%d-%H%M%S")
         rundir.mkdir(parents=True, exist_ok=False)
         data = prepare(cfg, rundir)
@@ -149,7 +156,7 @@ def main(argv: list[str]) -> int:
     t = cfg.run.threads
     shares = Threads(t, t, t) if t else thread_shares(os.cpu_count() or 1, workers=cfg.run.workers, elastic=elastic,
                                                        ranks=ranks)  # fmt: skip
-    run = LocalRun(rundir, data, threads=shares.learner_rank)
+    run = LocalRun(rundir, data, threads=shares.learner_rank, envs=placement.envs)
     stopping = False
 
     def on_signal(signum: int, frame: Any) -> None:
@@ -165,6 +172,8 @@ def main(argv: list[str]) -> int:
     if not run.threads_given:
         print(f"dora run: CPU threads: {shares.describe(elastic=elastic, standalone=cfg.run.workers - elastic)}",
               file=sys.stderr)  # fmt: skip
+    if placement.gpus:
+        print(f"dora run: {placement.describe()}", file=sys.stderr)
     codes: dict[str, int | None] = {}
     broken = False
     watch: WorkerWatch | None = None

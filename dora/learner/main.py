@@ -119,16 +119,27 @@ def make_trainer(cfg: RunConfig, loss_fn: Callable[..., Any] | None = None,
                        max_grad_norm=lc.max_grad_norm, seed=cfg.run.seed, dtype=lc.dtype,
                        checkpoint_dir=lc.checkpoint_dir, keep_checkpoints=lc.keep_checkpoints,
                        offload_between_steps=lc.offload_between_steps,
-                       publish_dtype=cfg.rollout.dtype if lc.publish_dtype == "auto" else lc.publish_dtype)  # fmt: skip
+                       micro_batch_tokens=lc.micro_batch_tokens or None, balance=lc.balance,
+                       activation_checkpointing=lc.activation_checkpointing, peak_tflops=lc.peak_tflops or None,
+                       publish_dtype=publish_dtype(cfg, device))  # fmt: skip
     store = WeightStore(lc.store, shard_bytes=lc.publish_shard_mib << 20)
     trainer = TorchTrainer(lc.model, store, loss, tc, loss_fn=loss_fn or resolve_loss(lc.loss),
                            device=device)  # fmt: skip
-    log.info("trainer_ready", device=str(trainer.device), offload_between_steps=trainer.offloads)
+    log.info("trainer_ready", device=str(trainer.device), offload_between_steps=trainer.offloads,
+             scoring=trainer.scorer.path, scoring_why=trainer.scorer.gap)  # fmt: skip
     resumed = trainer.restore()
     if resumed is not None:
         log.info("resumed_from_checkpoint", version=resumed["version"], groups=len(resumed["trained_groups"]),
                  dir=lc.checkpoint_dir)  # fmt: skip
     return trainer, resumed
+
+
+def publish_dtype(cfg: RunConfig, device: str) -> str:
+    """learner.publish_dtype, auto resolved: rollout.dtype, whose own auto is bfloat16 when the learner's ``device``
+    is a GPU (the engines beside it are on GPUs too), else float32."""
+    if cfg.learner.publish_dtype != "auto":
+        return cfg.learner.publish_dtype
+    return cfg.rollout.engine_dtype(device.startswith("cuda"))
 
 
 async def serve(cfg: RunConfig, endpoint: str, kind: str = "sim", world: int = 1,

@@ -23,11 +23,13 @@ TRAIN, PUBLISH, STOP, CHECKPOINT, ADOPT, RESTORE = 1, 2, 3, 4, 5, 6
 
 
 def learner_device(setting: str, cluster: ClusterInfo) -> torch.device:
-    """``learner.device``: ``auto`` is this rank's GPU (``cuda:<local rank>``) when there is one, else the CPU."""
+    """``learner.device``: ``auto`` is this rank's GPU when there is one, else the CPU. This rank's GPU is
+    ``cuda:<local rank>`` among the node's (torchrun's ranks, or srun's tasks, all seeing the same GPUs), or
+    ``cuda:0`` when the process sees exactly one (srun ``--gpus-per-task=1`` binds each task to its own)."""
     if setting == "auto":
         setting = "cuda" if torch.cuda.is_available() else "cpu"
     if setting == "cuda":
-        return torch.device("cuda", cluster.local_rank)
+        return torch.device("cuda", 0 if torch.cuda.device_count() == 1 else cluster.local_rank)
     return torch.device(setting)
 
 

@@ -48,8 +48,9 @@ def eval_engine(cfg: RunConfig, model: str) -> Any:  # -> TorchEngine
     """The engine evaluations run on: a torch engine on ``model``'s folder, sized and placed as [rollout] says."""
     from dora.rollout.engines.torch_engine import TorchEngine
 
-    return TorchEngine(model, max_slots=cfg.rollout.slots or cfg.engine.max_slots, device=cfg.rollout.device,
-                       dtype=cfg.rollout.dtype, version=0)  # fmt: skip
+    r = cfg.rollout
+    return TorchEngine(model, max_slots=r.slots or cfg.engine.max_slots, device=r.device,
+                       dtype=r.engine_dtype(r.device == "cuda" or r.device.startswith("cuda:")), version=0)  # fmt: skip
 
 
 def evaluate_on(engine: Any, task: Any, cfg: RunConfig, *, limit: int | None) -> dict[str, Any]:

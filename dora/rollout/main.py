@@ -64,6 +64,7 @@ def main(argv: list[str]) -> int:
                 import vllm  # noqa: F401
             except ImportError:
                 raise ConfigError("--engine vllm needs the vllm extra: pip install -e '.[vllm]'") from None
+        check_engine(args.engine, cfg)
         if cfg.rollout.sleep_on_yield:
             check_sleep(args.engine, cfg.rollout.device)
         task = load_task(cfg) if args.engine != "sim" else None
@@ -78,6 +79,18 @@ def main(argv: list[str]) -> int:
     configure_logging(cfg.log, process="rollout", worker_id=args.name, **cluster.log_fields())
     endpoint = lambda: resolve_endpoint(args.broker, cluster)  # noqa: E731
     return uvloop.run(serve(cfg, endpoint, args.name, args.engine, cluster, task))
+
+
+def on_cuda(device: str) -> bool:
+    """Whether the torch device string ``device`` (rollout.device) is a CUDA GPU."""
+    return device == "cuda" or device.startswith("cuda:")
+
+
+def check_engine(engine: str, cfg: RunConfig) -> None:
+    """What the engine cannot run: tensor parallelism is vLLM's."""
+    if engine != "vllm" and cfg.rollout.tensor_parallel_size > 1:
+        raise ConfigError(f"rollout.tensor_parallel_size = {cfg.rollout.tensor_parallel_size}: only the vllm engine "
+                          f"shards a model over several devices; the {engine} engine runs on one")  # fmt: skip
 
 
 def check_sleep(engine: str, device: str) -> None:
@@ -122,14 +135,16 @@ def make_engine(cfg: RunConfig, kind: str, now: float, task: Any = None) -> Work
             from dora.rollout.engines.torch_engine import TorchEngine
 
             sleeps = r.elastic and r.sleep_on_yield
-            engine = TorchEngine(r.model, max_slots=slots, device=r.device, dtype=r.dtype,
+            engine = TorchEngine(r.model, max_slots=slots, device=r.device, dtype=r.engine_dtype(on_cuda(r.device)),
                                  max_model_len=r.max_model_len, sleep_on_yield=sleeps)  # fmt: skip
             return StepWorkerEngine(engine, task, held_out)
         from dora.rollout.engines.vllm_engine import VllmEngine
 
-        engine = VllmEngine(r.model, max_slots=slots, kv_cache_bytes=r.kv_cache_mib << 20, dtype=r.dtype,
-                            max_model_len=r.max_model_len, seed=cfg.run.seed,
-                            sleep_level=1 if r.elastic and r.sleep_on_yield else None)  # fmt: skip
+        kv = r.kv_cache_mib << 20 if r.kv_cache_mib is not None else None
+        engine = VllmEngine(r.model, max_slots=slots, kv_cache_bytes=kv, dtype=r.dtype, max_model_len=r.max_model_len,
+                            seed=cfg.run.seed, sleep_level=1 if r.elastic and r.sleep_on_yield else None,
+                            gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=r.enforce_eager,
+                            tensor_parallel_size=r.tensor_parallel_size)  # fmt: skip
         return StepWorkerEngine(engine, task, held_out)
     return SimEngine(cfg.engine, from_section(cfg.workload, cfg.run.seed), time_scale=cfg.run.time_scale, now=now)
 

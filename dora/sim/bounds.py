@@ -53,6 +53,8 @@ class StepWork:
     (``completion_order``): how a batch of one deadline's groups reaches the trainer."""
     dispatched: tuple[tuple[int, ...], ...]
     """The same batches in dispatch order (group by group, as the groups were drawn)."""
+    group_size: int = 1
+    """Sequences of a group, side by side in either order (the trainer keeps a group together where it can)."""
 
     def ordered(self, order: Order) -> tuple[tuple[int, ...], ...]:
         return self.batches if order == "completion" else self.dispatched
@@ -111,7 +113,7 @@ def step_work(cfg: SimConfig, batches: int = 16) -> StepWork:
         seqs.append(completion_order(groups))
         dispatched.append(tuple(x for _, members in groups for x in members))
     return StepWork(samples=b * g, response_tokens=tokens / batches, kv_token_steps=kv / batches,
-                    batches=tuple(seqs), dispatched=tuple(dispatched))  # fmt: skip
+                    batches=tuple(seqs), dispatched=tuple(dispatched), group_size=g)  # fmt: skip
 
 
 def completion_order(groups: list[tuple[int, list[int]]]) -> tuple[int, ...]:
@@ -129,7 +131,8 @@ def completion_order(groups: list[tuple[int, list[int]]]) -> tuple[int, ...]:
 
 def train_step_s(trainer: TrainerSection, work: StepWork, gpus: int, order: Order = "completion") -> float:
     """The mean train step (and its publish) over the sampled batches, in ``order``, on ``gpus`` accelerators."""
-    return fmean(trainer.batch_train_s(list(s), gpus) for s in work.ordered(order)) + trainer.publish_s
+    steps = [trainer.batch_train_s(list(s), gpus, work.group_size) for s in work.ordered(order)]
+    return fmean(steps) + trainer.publish_s
 
 
 def step_bound(decode_s: float, workers: int, elastic: int, train_s: float) -> float:

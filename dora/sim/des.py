@@ -338,7 +338,7 @@ class Simulation:
         rec = StepRecord(step=batch.step, delivered_s=self.now, tokens=sum(sequences),
                          response_tokens=sum(lengths), episodes=len(lengths), turns=turns,
                          bubble=(longest - sum(lengths) / len(lengths)) / longest if longest else 0.0,
-                         train_s=self.cfg.trainer.batch_train_s(sequences, self.trainer_gpus),
+                         train_s=self.cfg.trainer.batch_train_s(sequences, self.trainer_gpus, self.cfg.core.group_size),
                          kv_token_steps=kv)  # fmt: skip
         self.steps.append(rec)
         for delay, victim in self._faults_at_step.get(batch.step, ()):

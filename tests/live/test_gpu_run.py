@@ -1,4 +1,5 @@
-"""`dora run` on one GPU (skipped without CUDA): two torch workers and the torch learner share the device; the
+"""`dora run` on one GPU (skipped without CUDA): two torch workers and the torch learner share the device
+(run.share_gpus: the standalone worker has no GPU of its own beside the learner's); the
 elastic worker sleeps (model to host memory, caches dropped) for each train step and the learner puts its weights
 and optimizer state in host memory between steps. Every group is trained once and the run's invariants hold."""
 
@@ -25,7 +26,7 @@ def test_an_elastic_torch_worker_sleeps_for_each_step_beside_a_learner_that_offl
     proc = dora_run(tmp_path, "examples/quickstart.toml", f"rollout.model={tmp_path / 'model'}",
                     f"core.total_steps={steps}", f"core.train_groups={groups}", "core.group_size=4",
                     "run.elastic_workers=1", "rollout.device=cuda", "rollout.sleep_on_yield=true",
-                    "learner.device=auto", "learner.offload_between_steps=true")  # fmt: skip
+                    "learner.device=auto", "learner.offload_between_steps=true", "run.share_gpus=true")  # fmt: skip
     out, _ = proc.communicate(timeout=280)
     assert proc.returncode == 0, out
     assert "2 torch workers (1 elastic)" in out and "invariants hold" in out, out

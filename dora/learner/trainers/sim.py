@@ -26,7 +26,8 @@ class SimTrainer:
 
     def train(self, batch: m.Batch) -> dict[str, float]:
         sequences = [len(s.token_ids) for g in batch.groups for s in g.samples]
-        train_s = self.cfg.trainer.batch_train_s(sequences, self.cfg.learner.sim_gpus) * self.cfg.run.time_scale
+        train_s = self.cfg.trainer.batch_train_s(sequences, self.cfg.learner.sim_gpus, self.cfg.core.group_size)
+        train_s *= self.cfg.run.time_scale
         time.sleep(train_s)
         return {"train_s": train_s}
 

@@ -1,9 +1,17 @@
 """The `vllm` engine: vLLM's continuous batching, in process, stepped by the rollout worker.
 
-The engine core runs in the worker's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the ``uni``
-executor): it starts in seconds instead of the 20–30 s of a separate engine-core process. The worker
-adds requests and calls ``step()``, exactly as it drives the torch engine; vLLM schedules, batches
-and pages the KV cache itself.
+The engine core runs in the worker's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): it starts in seconds
+instead of the 20–30 s of a separate engine-core process. The worker adds requests and calls ``step()``, exactly as
+it drives the torch engine; vLLM schedules, batches and pages the KV cache itself.
+
+- **Devices**: one device runs the model in the worker's own process (the ``uni`` executor); with
+  ``tensor_parallel_size`` N > 1 vLLM's ``mp`` executor starts N shard processes beside it, one per device (on a
+  GPU: ``cuda:0`` .. ``cuda:N-1`` of what CUDA_VISIBLE_DEVICES shows the worker). On the CPU each shard gets its
+  share of this process's cores (``VLLM_CPU_OMP_THREADS_BIND``, unless set: vLLM's own default binds one shard per
+  NUMA node and refuses a machine with fewer nodes than shards).
+- **Platform defaults** (``"auto"``): dtype bfloat16 on CUDA or ROCm, float32 elsewhere; CUDA graphs captured on
+  a GPU (``enforce_eager`` false), eager on the CPU; KV memory ``CPU_KV_CACHE_BYTES`` on the CPU when
+  ``kv_cache_bytes`` is None, and on a GPU what ``gpu_memory_utilization`` leaves.
 
 - **Log-probs**: ``logprobs_mode="processed_logprobs"``: the log-probability of each sampled token
   under the distribution it was drawn from (temperature, top-p), like the torch engine.
@@ -11,17 +19,21 @@ and pages the KV cache itself.
 - **Stops**: every request ends on the model's stop ids (``dora.hf.folder``: the config's and generation
   config's EOS ids and the chat template's end of turn) as well as its own.
 - **Length**: ``max_model_len`` None takes the model's own limit (``max_position_embeddings``).
-- **KV memory** is always bounded by ``kv_cache_bytes``. vLLM's CPU default would size the cache to
-  most of the machine's memory.
+- **KV memory**: ``kv_cache_bytes`` bounds it when given; vLLM's CPU default would size the cache to most of the
+  machine's memory, so on the CPU it is always bounded.
 - **Weights**: ``load_weights`` checks the file's digest, then reloads the tensors in place with
   ``reload_weights``, with no restart. A mismatch is refused, and so is a load while requests run.
-  The prefix cache is reset, because its entries were computed with the old weights.
+  The prefix cache is reset, because its entries were computed with the old weights. Under tensor parallelism
+  the checked tensors go to every shard (``collective_rpc``: vLLM's shared-memory queue carries CPU tensors as
+  out-of-band buffers) and each shard's ``load_weights`` keeps its own slice: the shards load exactly the
+  bytes that were checked, even if the version is retired meanwhile.
 - **Episodes** (``keep_kv``): a turn ends at EOS, a stop token or the turn's budget; ``extend`` appends the
   environment's tokens and queues the next turn as a new request on the whole context, whose computed
   prefix vLLM's prefix cache keeps.
 - **Sleep** (an elastic worker's yield, ``sleep_level``): its requests leave vLLM with their tokens so far, then
   vLLM sleeps: at level 1 its weights go to host memory and its KV cache is freed (vLLM's sleep mode: CUDA, ROCm,
-  XPU), so the learner gets the accelerator's memory; level 0 only pauses its scheduler. On wake the weights come
+  XPU), so the learner gets the accelerator's memory; level 0 only pauses its scheduler. Sleep and wake are
+  collective: every shard of a tensor-parallel engine sleeps and wakes with it. On wake the weights come
   back bit for bit and each held request is re-prefilled on prompt + prefix and goes on, as after a migration: the
   same version samples every token (C1).
 - **Migration**: vLLM cannot hand over a request's KV cache or sampler state. ``export`` aborts the
@@ -45,6 +57,9 @@ from dora.ids import Finish
 from dora.rollout.engines.base import EngineError, Sample
 from dora.rollout.engines.torch_engine import hash_seed, read_weights
 
+CPU_KV_CACHE_BYTES = 256 << 20
+"""KV cache memory on the CPU when none is given (vLLM's own default there takes most of the machine's memory)."""
+
 
 @dataclass(slots=True, kw_only=True)
 class Request(Sample):
@@ -57,22 +72,40 @@ class Request(Sample):
 class VllmEngine:
     name = "vllm"
 
-    def __init__(self, model_dir: str | pathlib.Path, *, max_slots: int = 64, kv_cache_bytes: int = 64 << 20,
+    def __init__(self, model_dir: str | pathlib.Path, *, max_slots: int = 64, kv_cache_bytes: int | None = 64 << 20,
                  dtype: str = "float32", max_model_len: int | None = None, version: int | None = None,
-                 seed: int = 0, sleep_level: int | None = None) -> None:  # fmt: skip
+                 seed: int = 0, sleep_level: int | None = None, gpu_memory_utilization: float = 0.9,
+                 enforce_eager: bool | str = True, tensor_parallel_size: int = 1) -> None:  # fmt: skip
         """``sleep_level``: what ``sleep`` does (1: weights to host memory and KV cache freed, which needs
         ``sleep_mode_available()``; 0: the scheduler paused); None: ``sleep`` is a no-op (the worker only stops
-        stepping)."""
+        stepping). ``dtype`` and ``enforce_eager`` may be ``"auto"`` and ``kv_cache_bytes`` None: the platform's
+        defaults (the module's docstring)."""
         if sleep_level not in (None, 0, 1):
             raise ValueError(f"sleep_level must be None, 0 or 1; got {sleep_level}")
+        if tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1; got {tensor_parallel_size}")
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")  # vLLM's own sockets stay on loopback
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
+        from vllm.platforms import current_platform
 
+        gpu = current_platform.is_cuda_alike()
+        if dtype == "auto":
+            dtype = "bfloat16" if gpu else "float32"
+        if enforce_eager == "auto":
+            enforce_eager = not gpu
+        if kv_cache_bytes is None and current_platform.is_cpu():
+            kv_cache_bytes = CPU_KV_CACHE_BYTES
+        if tensor_parallel_size > 1 and current_platform.is_cpu():
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(tensor_parallel_size))
         self.llm = LLM(model=str(model_dir), tokenizer=str(model_dir), dtype=dtype, max_model_len=max_model_len,
-                       enforce_eager=True, seed=seed, distributed_executor_backend="uni",
-                       kv_cache_memory_bytes=kv_cache_bytes, max_num_seqs=max_slots,
-                       logprobs_mode="processed_logprobs", enable_sleep_mode=sleep_level == 1)  # fmt: skip
+                       enforce_eager=bool(enforce_eager), seed=seed, tensor_parallel_size=tensor_parallel_size,
+                       distributed_executor_backend="mp" if tensor_parallel_size > 1 else "uni",
+                       kv_cache_memory_bytes=kv_cache_bytes, gpu_memory_utilization=gpu_memory_utilization,
+                       max_num_seqs=max_slots, logprobs_mode="processed_logprobs",
+                       enable_sleep_mode=sleep_level == 1)  # fmt: skip
+        self.dtype = dtype
+        self.tensor_parallel_size = tensor_parallel_size
         self.engine = self.llm.llm_engine
         self.stops = facts(model_dir).stop_ids
         """Tokens that end every turn: the model's EOS ids and its chat template's end of turn."""
@@ -241,6 +274,21 @@ class VllmEngine:
                 del self.requests[out.request_id]
                 done.append(req)
         return done
+
+
+def cpu_binding(shards: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``shards`` CPU shards: this process's cores split into that many runs,
+    ``0,1,2,3|4,5,6,7`` (cores repeat when there are fewer than shards)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < shards:
+        return "|".join(str(cores[i % len(cores)]) for i in range(shards))
+    size, extra = divmod(len(cores), shards)
+    runs, start = [], 0
+    for i in range(shards):
+        end = start + size + (i < extra)
+        runs.append(",".join(map(str, cores[start:end])))
+        start = end
+    return "|".join(runs)
 
 
 def sleep_mode_available() -> bool:
