@@ -8,11 +8,11 @@ time by ``run.time_scale``.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Literal
 
 from dora.config import ConfigError, CoreConfig
+from dora.config.models import LearnerSection, RolloutSection, SftSection
 from dora.config.sim import EngineSection, TrainerSection, WorkloadSection
 
 
@@ -182,81 +182,6 @@ def split_host_port(bind: str) -> tuple[str, int]:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class RolloutSection:
-    """A rollout worker (`dora rollout`) and its engine."""
-
-    slots: int = 0
-    """Sequences this worker accepts at once (its credit), and for torch and vllm also the most decoded at
-    once; 0 = engine.credit_slots (or 2 x engine.max_slots) accepted, engine.max_slots decoded."""
-    reconnect_max_s: float = 32.0
-    """Cap of the reconnect backoff (1 s, doubling) after the broker is lost; it starts over after a welcome."""
-    model: str | None = None
-    """An HF model folder for the torch and vllm engines (the version-0 weights)."""
-    device: str = "cpu"
-    """torch engine: the torch device it runs on (cpu, cuda, cuda:1). vLLM runs on its own platform's device.
-    Under `dora run` on GPUs, ``cuda`` is the first of the worker's own GPUs (run.gpus)."""
-    dtype: str = "auto"
-    """torch and vllm engines: the model's dtype (float32, bfloat16, float16); auto: bfloat16 on CUDA (vllm: its
-    platform is CUDA or ROCm; torch: rollout.device is a GPU), float32 on the CPU."""
-    kv_cache_mib: int | None = None
-    """vllm: KV cache memory in MiB; None: 256 on the CPU (vLLM there would otherwise take most of the machine's
-    memory), and on a GPU whatever rollout.gpu_memory_utilization leaves beside the weights and activations."""
-    gpu_memory_utilization: float = 0.9
-    """vllm on a GPU: the fraction of each of its GPUs' memory the engine may use (weights, activations, KV cache;
-    vLLM's own setting). vLLM checks at start that this much is free, even with rollout.kv_cache_mib set: workers
-    sharing a GPU (elastic ones, run.share_gpus) need fractions that add up to at most 1."""
-    enforce_eager: bool | str = "auto"
-    """vllm: run eagerly, with no CUDA graphs (true), or capture them (false: faster decoding, a slower start);
-    auto: false on a GPU, true on the CPU."""
-    tensor_parallel_size: int = 1
-    """vllm: GPUs one engine shards the model over (vLLM's tensor parallelism, its ``mp`` executor: one process per
-    GPU beside the worker's). It must divide rollout.gpus_per_worker. The torch engine runs on one device."""
-    gpus_per_worker: int = 0
-    """`dora run` on GPUs: the GPUs each rollout worker gets (CUDA_VISIBLE_DEVICES); 0: rollout.tensor_parallel_size
-    (1 unless set)."""
-    max_model_len: int | None = None
-    """The longest prompt + completion the torch and vllm engines run, in tokens; None: the model's own limit
-    (max_position_embeddings). Above that limit, or below the longest prompt + run.max_tokens, it is refused at
-    start."""
-    elastic: bool = False
-    """This worker shares its accelerators (on CPU: its cores) with the learner: the broker asks it to yield them
-    for each train step; it pauses what it holds meanwhile and goes on, on the same weights, after the publish."""
-    sleep_on_yield: bool = False
-    """Elastic workers on accelerators: while yielded, the engine gives the accelerator's memory back (vllm: it
-    sleeps at level 1, weights to host memory and KV cache freed, which needs CUDA, ROCm or XPU; torch on a GPU:
-    caches dropped, model to host memory); what it held is re-prefilled on the same weights when it resumes.
-    Off: a yield only stops decoding."""
-
-    def __post_init__(self) -> None:
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ConfigError(f"rollout.dtype must be auto, float32, bfloat16 or float16; got {self.dtype!r}")
-        if self.kv_cache_mib is not None and self.kv_cache_mib < 1:
-            raise ConfigError(f"rollout.kv_cache_mib must be >= 1 or unset; got {self.kv_cache_mib}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ConfigError(f"rollout.gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}")
-        if self.enforce_eager not in (True, False, "auto"):
-            raise ConfigError(f"rollout.enforce_eager must be true, false or auto; got {self.enforce_eager!r}")
-        if self.tensor_parallel_size < 1 or self.gpus_per_worker < 0:
-            raise ConfigError(f"rollout.tensor_parallel_size must be >= 1 and rollout.gpus_per_worker >= 0; got "
-                              f"{self.tensor_parallel_size}, {self.gpus_per_worker}")  # fmt: skip
-        if self.gpus_each % self.tensor_parallel_size:
-            raise ConfigError(f"rollout.tensor_parallel_size = {self.tensor_parallel_size} does not divide "
-                              f"rollout.gpus_per_worker = {self.gpus_per_worker}: an engine shards over "
-                              f"tensor_parallel_size of its worker's GPUs")  # fmt: skip
-
-    @property
-    def gpus_each(self) -> int:
-        """GPUs per rollout worker under `dora run` on GPUs: rollout.gpus_per_worker, else tensor_parallel_size."""
-        return self.gpus_per_worker or self.tensor_parallel_size
-
-    def engine_dtype(self, cuda: bool) -> str:
-        """rollout.dtype with auto resolved: bfloat16 on CUDA (``cuda``: the engine runs there), else float32."""
-        if self.dtype != "auto":
-            return self.dtype
-        return "bfloat16" if cuda else "float32"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
 class TaskSection:
     """The prompts (the broker encodes them) and the reward (the workers score with it): a built-in task, or
     the user's dataset (a JSONL or Parquet file, or a datasets save_to_disk folder)."""
@@ -331,115 +256,6 @@ class TaskSection:
                 raise ConfigError(f"task.{name} must be >= 1; got {getattr(self, name)}")
         if not self.env_timeout_s > 0:
             raise ConfigError(f"task.env_timeout_s must be > 0; got {self.env_timeout_s}")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class LearnerSection:
-    """The learner (`dora learner`): its trainer, loss, weight store and checkpoints."""
-
-    audit_file: str | None = None
-    """JSON lines, one per trained step: the groups it trained (for exactly-once checks)."""
-    sim_gpus: int = 1
-    """Accelerators the sim trainer stands for (its step time is the trainer model's for this many)."""
-    model: str | None = None
-    """torch trainer: the HF model folder it starts from (the same version 0 the rollout workers load)."""
-    ranks: int = 1
-    """`dora run`: learner processes (torchrun --nproc-per-node); more than one shards the model with FSDP2."""
-    gpus: tuple[int, ...] = ()
-    """`dora run` on GPUs: the GPU ids of the learner's ranks, one rank per GPU (learner.ranks of them), each rank
-    on its own (``cuda:<local rank>``), NCCL between them; empty: the first learner.ranks GPUs of run.gpus."""
-    store: str = "weights"
-    """Weight store directory, reachable by every process (published versions, retired by the broker)."""
-    lr: float = 1e-4
-    """torch trainer: AdamW learning rate (betas 0.9, 0.99; no weight decay)."""
-    micro_batch: int = 16
-    """torch trainer: trajectories per forward/backward; gradients accumulate over the batch."""
-    micro_batch_tokens: int = 0
-    """torch trainer: a token budget per forward/backward instead of micro_batch: a micro-batch takes a rank's
-    trajectories in order (a group's samples together, groups by length) while rows x its longest prompt +
-    completion stays within it; a longer trajectory is one alone. 0: micro_batch trajectories each."""
-    balance: Literal["tokens", "stride"] = "tokens"
-    """torch trainer over several ranks: how the batch's trajectories go to ranks. ``tokens``: greedy, longest
-    first to the rank with the fewest tokens, a group whole where its rank stays within an even share (the
-    busiest rank holds at most an even share + one trajectory); ``stride``: every world-th in length order
-    (equal counts; with a group size a multiple of the ranks, every group's longest on the last rank). The step
-    waits for the busiest rank; its metric ``rank_imbalance`` is busiest / mean tokens. The simulator's
-    trainer.data_parallel prices the same two."""
-    activation_checkpointing: bool = False
-    """torch trainer: recompute each decoder block's activations in the backward instead of keeping them
-    (transformers' gradient checkpointing, non-reentrant; with FSDP2 too): less memory, about a third more
-    compute. Samples are then scored as whole rows (a group's prompt runs once per sample)."""
-    peak_tflops: float = 0.0
-    """torch trainer: the accelerator's peak TFLOP/s the step's ``mfu`` metric is reckoned against (6 x
-    parameters x tokens / step time / ranks / peak). 0: a CUDA device's dense bf16 peak from a table by name (H100
-    989, H200 989, A100 312, ...); on a CPU, or a GPU not listed, no mfu is reported."""
-    max_grad_norm: float = 1.0
-    """torch trainer: gradients are clipped to this global norm before each step."""
-    clip_low: float = 0.2
-    """PPO clip: the ratio is clipped below at 1 - clip_low."""
-    clip_high: float = 0.2
-    """PPO clip: the ratio is clipped above at 1 + clip_high (DAPO's clip-higher raises it, e.g. 0.28)."""
-    token_level: bool = False
-    """Loss reduction: false = mean per trajectory, then over trajectories (GRPO); true = mean over every token
-    of the batch (DAPO), so long answers weigh per token."""
-    scale_by_std: bool = True
-    """Advantages divided by the group's reward std (GRPO); false = reward minus group mean (Dr. GRPO)."""
-    filter_uniform_groups: bool = False
-    """Mask out groups whose rewards are all equal (zero advantage) and report how many (DAPO dynamic sampling);
-    the batch still holds train_groups groups."""
-    loss: str | None = None
-    """torch trainer: `module:function` called instead of `dora.learner.loss:policy_loss`, with the same
-    arguments, returning the same (loss, metrics); the contract is in dora/learner/loss.py. None: policy_loss."""
-    dtype: str = "float32"
-    """torch trainer: ``bfloat16`` computes in bf16 (FSDP2 MixedPrecisionPolicy; autocast on one rank), master
-    weights, optimizer state and gradient reduction stay fp32."""
-    checkpoint_dir: str | None = None
-    """torch trainer: where checkpoints go (model, optimizer, RNG, version, trained group ids); the learner
-    resumes from the newest one there. None: no checkpoints (`dora run` puts them in the run directory)."""
-    checkpoint_every: int = 10
-    """Steps between checkpoints (the last step is always checkpointed)."""
-    keep_checkpoints: int = 2
-    """Checkpoints kept; older ones are deleted after a new one is written."""
-    checkpoint_on_stop: bool = True
-    """On SIGTERM, checkpoint the newest committed version before exiting if it is not checkpointed yet (SIGUSR1
-    always does, at the next step boundary). Checkpoints are written atomically: a SIGKILL during one loses only it."""
-    device: str = "auto"
-    """torch trainer: ``auto`` (this rank's GPU, ``cuda:<local rank>``, when there is one, else the CPU), ``cpu``,
-    ``cuda`` (``cuda:<local rank>``) or a torch device string. GPUs use NCCL between ranks, CPUs gloo."""
-    publish_dtype: str = "auto"
-    """The dtype each published version's floating-point weights are written in (float32, bfloat16, float16);
-    auto: the rollout engines' (rollout.dtype; its auto is read on the learner's device: bfloat16 when the learner is
-    on a GPU, float32 on the CPU). The learner keeps float32 master weights either way."""
-    publish_shard_mib: int = 5120
-    """A version's weights go in one model.safetensors up to this size, else in shards of at most this size with
-    model.safetensors.index.json (as a hub checkpoint)."""
-    offload_between_steps: bool = False
-    """torch trainer on a GPU shared with elastic workers: after each publish its weights and optimizer state go to
-    host memory, and come back for the next step (or a checkpoint), so the workers get the GPU's memory while the
-    learner waits. No effect on a CPU."""
-
-    def __post_init__(self) -> None:
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ConfigError(f"learner.dtype must be float32 or bfloat16; got {self.dtype!r}")
-        if self.checkpoint_every < 1 or self.keep_checkpoints < 1:
-            raise ConfigError("learner.checkpoint_every and learner.keep_checkpoints must be >= 1")
-        if self.ranks < 1 or self.micro_batch < 1:
-            raise ConfigError("learner.ranks and learner.micro_batch must be >= 1")
-        if self.micro_batch_tokens < 0 or self.peak_tflops < 0:
-            raise ConfigError(f"learner.micro_batch_tokens and learner.peak_tflops must be >= 0 (0: off); got "
-                              f"{self.micro_batch_tokens} and {self.peak_tflops}")  # fmt: skip
-        if self.balance not in ("tokens", "stride"):
-            raise ConfigError(f"learner.balance must be tokens or stride; got {self.balance!r}")
-        if self.gpus and len(self.gpus) != self.ranks:
-            raise ConfigError(f"learner.gpus names {len(self.gpus)} GPU(s) ({list(self.gpus)}) but learner.ranks = "
-                              f"{self.ranks}: the learner runs one rank per GPU")  # fmt: skip
-        if self.gpus and (min(self.gpus) < 0 or len(set(self.gpus)) < len(self.gpus)):
-            raise ConfigError(f"learner.gpus: GPU ids are >= 0, each once; got {list(self.gpus)}")
-        if self.publish_dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ConfigError(f"learner.publish_dtype must be auto, float32, bfloat16 or float16; "
-                              f"got {self.publish_dtype!r}")  # fmt: skip
-        if self.publish_shard_mib < 1:
-            raise ConfigError(f"learner.publish_shard_mib must be >= 1; got {self.publish_shard_mib}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -518,73 +334,6 @@ class EvalSection:
             raise ConfigError(f"eval.every_steps must be >= 0; got {self.every_steps}")
         if (self.limit is not None and self.limit < 1) or (self.max_tokens is not None and self.max_tokens < 1):
             raise ConfigError("eval.limit and eval.max_tokens must be >= 1 or unset")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SftSection:
-    """`dora sft`: a supervised warm start on the task dataset's (prompt, answer) rows, so RL starts from a model
-    that already answers a little. The prompts are rendered exactly as RL renders them (task.chat_template,
-    task.system_prompt); the loss is on the answer tokens (the answer, then EOS) only."""
-
-    model: str | None = None
-    """The model folder to start from (built as the tiny model when it has no config.json, like `dora run`);
-    None: rollout.model."""
-    out: str | None = None
-    """The model folder to write (required): weights, config and the start folder's tokenizer files, written
-    atomically; an existing model folder there is replaced. Point rollout.model at it for `dora run`."""
-    epochs: int = 10
-    """Passes over the dataset's kept rows, each in a new order seeded by sft.seed and the epoch. The defaults
-    suit the tiny model on examples/data/arithmetic (2000 rows: about 50 s on 2 CPU cores, 29-43% held-out
-    exact match); a pretrained model wants 1-3 epochs at an lr near 1e-5."""
-    lr: float = 1e-3
-    """AdamW learning rate (betas 0.9, 0.99; no weight decay), warmed up over the first steps, then decayed
-    along a cosine to a tenth of it by the last step."""
-    batch_size: int = 32
-    """Rows per optimizer step (one forward/backward, right-padded); the loss is the mean over the batch's answer
-    tokens."""
-    max_answer_tokens: int = 64
-    """Answer tokens (the EOS included) trained per row; longer answers are cut, and counted in the report."""
-    seed: int = 0
-    """Seeds torch and the order of the rows in each epoch."""
-    threads: int = 0
-    """torch CPU threads per rank; 0 = this machine's cores shared out among the ranks."""
-    trace_field: str | None = None
-    """task.env: the dataset column holding each row's recorded episode after the opening (chat turns); the
-    assistant turns are trained on (max_answer_tokens bounds their tokens), the environment's are context."""
-    device: str = "auto"
-    """``auto`` (this rank's GPU, ``cuda:<local rank>``, when there is one, else the CPU), ``cpu``, ``cuda``
-    (``cuda:<local rank>``) or a torch device string (``cuda:1``: one rank only). GPUs use NCCL between ranks,
-    CPUs gloo."""
-    dtype: str = "auto"
-    """``auto`` (bfloat16 on a GPU, float32 on the CPU), ``float32`` or ``bfloat16``: bf16 computes in bfloat16
-    (autocast on one rank, FSDP2's MixedPrecisionPolicy over several) while the master weights, AdamW's state and
-    the gradient reduction stay float32, and the folder written is float32 either way."""
-    ranks: int = 1
-    """Processes that train together, each on its share of every batch's rows (the batch, its loss and its gradient
-    are the one-rank run's), the model sharded with FSDP2 per decoder block as the learner's; rank 0 prints and
-    writes sft.out. More than one: `dora sft` starts itself under ``python -m torch.distributed.run --standalone
-    --nproc-per-node=<ranks>`` on this node, unless it already is one of several ranks (torchrun's, or srun's
-    tasks: then sft.ranks must equal their number)."""
-
-    def __post_init__(self) -> None:
-        for key in ("epochs", "batch_size", "max_answer_tokens", "ranks"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"sft.{key} must be >= 1; got {getattr(self, key)}")
-        if not self.lr > 0:
-            raise ConfigError(f"sft.lr must be > 0; got {self.lr}")
-        if self.threads < 0:
-            raise ConfigError(f"sft.threads must be >= 0 (0 = all cores); got {self.threads}")
-        for key in ("model", "out"):
-            if getattr(self, key) == "":
-                raise ConfigError(f"sft.{key} must not be empty (a model folder)")
-        if not re.fullmatch(r"auto|cpu|(cuda|xpu|mps|hpu|npu)(:\d+)?", self.device):
-            raise ConfigError(f"sft.device must be auto, cpu, cuda or a torch device string (cuda:1); "
-                              f"got {self.device!r}")  # fmt: skip
-        if self.ranks > 1 and self.device not in ("auto", "cpu", "cuda"):
-            raise ConfigError(f"sft.device must be auto, cpu or cuda (each rank its own cuda:<local rank>) with "
-                              f"sft.ranks = {self.ranks}; got {self.device!r}")  # fmt: skip
-        if self.dtype not in ("auto", "float32", "bfloat16"):
-            raise ConfigError(f"sft.dtype must be auto, float32 or bfloat16; got {self.dtype!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

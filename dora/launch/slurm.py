@@ -30,7 +30,8 @@ import sys
 from typing import Any
 
 from dora.config import ConfigError, load, to_data
-from dora.config.run import BrokerSection, LearnerSection, RunConfig
+from dora.config.models import LearnerSection
+from dora.config.run import BrokerSection, RunConfig
 from dora.launch.local import to_toml
 
 DEFAULTS_BROKER, DEFAULTS_LEARNER = BrokerSection(), LearnerSection()

@@ -33,7 +33,8 @@ import torch
 
 from dora.actor.cluster import ClusterInfo
 from dora.config import ConfigError
-from dora.config.run import RunConfig, SftSection
+from dora.config.models import SftSection
+from dora.config.run import RunConfig
 from dora.learner import sft_ranks
 from dora.learner.sft_ranks import ONE_CPU, Placement
 from dora.tasks.prompts import TaskRun

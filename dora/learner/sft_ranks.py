@@ -28,7 +28,7 @@ import torch
 
 from dora.actor.cluster import ClusterInfo
 from dora.config import ConfigError
-from dora.config.run import SftSection
+from dora.config.models import SftSection
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from dora.config import ConfigError, load
-from dora.config.run import RunConfig, SftSection
+from dora.config.models import SftSection
+from dora.config.run import RunConfig
 from dora.hf.folder import facts
 from dora.learner import sft, sft_main
 from dora.tasks import gsm_style

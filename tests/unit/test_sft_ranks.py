@@ -18,7 +18,8 @@ import torch.multiprocessing as mp
 
 from dora.actor.cluster import ClusterInfo
 from dora.config import ConfigError, load
-from dora.config.run import RunConfig, SftSection
+from dora.config.models import SftSection
+from dora.config.run import RunConfig
 from dora.hf.tensors import tied_copies
 from dora.learner import sft, sft_main, sft_ranks
 from tests.unit.test_fsdp import free_port
