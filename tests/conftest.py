@@ -15,3 +15,40 @@ def tiny_model(tmp_path_factory) -> pathlib.Path:
     from dora.hf.tiny import build_model
 
     return build_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+SHARED_MODULES = ("test_zoo_builds.py", "test_store_folders.py", "test_datasets.py", "test_sft_ranks.py")
+"""Test files whose module-scoped fixtures are worth making once: each runs whole on one worker."""
+
+
+def shared_scope(nodeid: str) -> str | None:
+    """The tests that must run on one worker under ``-n`` (pytest-xdist), by their id: the Slurm tests share the
+    session's cluster (``slurm``), the engine tests on vLLM share one engine (``vllm-engine``), and the files of
+    ``SHARED_MODULES`` share their module's fixtures. None: the test goes wherever a worker is free."""
+    path = nodeid.partition("::")[0]
+    if path.startswith("tests/slurm/"):
+        return "slurm"
+    if path == "tests/engines/test_engines.py" and "vllm" in nodeid.partition("::")[2]:
+        return "vllm-engine"
+    if path.rpartition("/")[2] in SHARED_MODULES:
+        return path
+    return None
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """Under ``-n``: xdist's load scheduling, each test on whichever worker is free, except the groups of
+    ``shared_scope``, each sent whole to one worker (the biggest first)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Shared(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return shared_scope(nodeid) or nodeid
+
+    return Shared(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The longest tests first (Slurm, live, zoo, engines): under ``-n`` they go out at the start, so the workers
+    finish together instead of one waiting on a long test that came late."""
+    first = ("slurm", "live", "zoo", "engines")
+    items.sort(key=lambda item: first.index(item.path.parent.name) if item.path.parent.name in first else len(first))
