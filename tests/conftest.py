@@ -17,8 +17,15 @@ def tiny_model(tmp_path_factory) -> pathlib.Path:
     return build_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
-SHARED_MODULES = ("test_zoo_builds.py", "test_store_folders.py", "test_datasets.py", "test_sft_ranks.py")
-"""Test files whose module-scoped fixtures are worth making once: each runs whole on one worker."""
+SHARED_MODULES = (
+    "test_zoo_builds.py",
+    "test_store_folders.py",
+    "test_datasets.py",
+    "test_sft_ranks.py",
+    "test_sandbox.py",
+)
+"""Test files that run whole on one worker: module-scoped fixtures worth making once, and the sandbox's hostile
+programs (a fork bomb), which must not run beside each other: each checks that no sandboxed process is left."""
 
 
 def shared_scope(nodeid: str) -> str | None:
