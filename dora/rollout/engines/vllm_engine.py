@@ -98,6 +98,10 @@ class VllmEngine:
             kv_cache_bytes = CPU_KV_CACHE_BYTES
         if tensor_parallel_size > 1 and current_platform.is_cpu():
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(tensor_parallel_size))
+            from vllm import envs
+
+            if hasattr(envs.__getattr__, "cache_clear"):  # an engine made earlier in this process froze vLLM's env
+                envs.__getattr__.cache_clear()
         self.llm = LLM(model=str(model_dir), tokenizer=str(model_dir), dtype=dtype, max_model_len=max_model_len,
                        enforce_eager=bool(enforce_eager), seed=seed, tensor_parallel_size=tensor_parallel_size,
                        distributed_executor_backend="mp" if tensor_parallel_size > 1 else "uni",
