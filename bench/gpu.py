@@ -15,8 +15,10 @@ tied embeddings) with random weights, saved (bf16) and loaded back through ``fro
 order they run, each guarded (one that fails records its error and the next runs):
 
 1. **engine**: decode tokens/s, bf16, at batch 64 and 256 (128-token prompts, 8 samples each, 256 new tokens,
-   EOS never ends a sample, prefill included) of dora's torch engine (submit, step until empty) and of HF
-   ``generate`` on the same prompts (sampling over the whole vocabulary), each after a short warm-up; dora / HF.
+   EOS never ends a sample, prefill included) of dora's torch engine (submit, step until empty; on CUDA with its
+   decode steps as CUDA graphs, then without: ``dora_eager``) and of HF ``generate`` with its dynamic cache on the
+   same prompts (sampling over the whole vocabulary); dora / HF. Each engine first runs a few steps of each batch
+   size, sized as the timed run (its cache grown, its graphs captured: ``dora_first_s``, as HF static's first call).
 2. **learner**: one ``TorchTrainer`` step (bf16, micro-batch 16) on 16 groups x 8 samples x (256 prompt + 512
    completion) tokens, and a plain loop on the same tokens (bf16 autocast forward of prompt + completion,
    log-softmax gather of the completion's tokens, a group-normalised policy gradient, AdamW), each timed after a
@@ -30,7 +32,7 @@ order they run, each guarded (one that fails records its error and the next runs
    the device and 40 steps, as subprocesses with timeouts; the held-out accuracy before -> after.
 5. **static**: HF ``generate`` with ``cache_implementation="static"`` (on CUDA, transformers compiles its decode
    step) per batch, in a child process given the time left of ``--budget-s`` (compiling may be long); the first
-   call (compiling) and a second timed one; dora / it.
+   call (compiling) and a second timed one; dora / it (``dora_over_hf_static``, dora's rate from **engine**).
 """
 
 from __future__ import annotations
@@ -176,6 +178,22 @@ def engine_rate(engine: Any, batch: int, sz: Sizes, vocab: int, new_tokens: int)
     return made / s
 
 
+def engine_warm(engine: Any, batch: int, sz: Sizes, vocab: int) -> float:
+    """Seconds of a few steps of ``batch`` samples sized as the timed run's (its cache capacity, its CUDA graphs:
+    what a first call pays, as HF's static cache compiles on its first call), then cancelled."""
+    groups = prompts(batch // sz.group, sz.prompt, vocab, seed=batch)
+    for g, p in enumerate(groups):
+        engine.submit(group_id=g, attempt=1, prompt=p, n=sz.group, max_tokens=sz.new_tokens, seed=g)
+
+    def steps() -> None:
+        for _ in range(3):
+            engine.step()
+        for g in range(len(groups)):
+            engine.cancel(g, 1)
+
+    return timed(engine.device, steps)
+
+
 def hf_rate(model: Any, batch: int, sz: Sizes, new_tokens: int, **kw: Any) -> float:
     """Tokens/s of HF generate on the same prompts (each repeated group times), sampling from the whole vocabulary."""
     distinct = prompts(batch // sz.group, sz.prompt, model.config.vocab_size, seed=batch)
@@ -191,25 +209,37 @@ def hf_rate(model: Any, batch: int, sz: Sizes, new_tokens: int, **kw: Any) -> fl
 
 
 def part_engine(model_dir: pathlib.Path, device: torch.device, sz: Sizes) -> dict[str, Any]:
+    """dora's torch engine (CUDA graphs where the device has them, then without) and HF ``generate`` (a dynamic
+    cache: plain) at each batch size; HF with a static cache is ``part_static``'s."""
     from transformers import AutoModelForCausalLM
 
     from dora.rollout.engines.torch_engine import TorchEngine
 
     out: dict[str, Any] = {"prompt": sz.prompt, "group": sz.group, "new_tokens": sz.new_tokens, "dtype": "bfloat16"}
-    engine = TorchEngine(model_dir, max_slots=max(sz.batches), device=str(device), dtype="bfloat16", version=0)
-    engine.stops = frozenset()  # no stop token: every sample makes exactly new_tokens, as HF with min_new_tokens
-    vocab = engine.model.config.vocab_size
-    engine_rate(engine, sz.batches[0], sz, vocab, 4)  # warm-up
-    dora = {b: engine_rate(engine, b, sz, vocab, sz.new_tokens) for b in sz.batches}
-    engine = None
-    free(device)
+    modes = {"dora": None, "dora_eager": False} if device.type == "cuda" else {"dora": None}
+    rates: dict[str, dict[int, float]] = {}
+    for mode, graphs in modes.items():
+        engine = TorchEngine(model_dir, max_slots=max(sz.batches), device=str(device), dtype="bfloat16", version=0,
+                             cuda_graphs=graphs)  # fmt: skip
+        engine.stops = frozenset()  # no stop token: every sample makes exactly new_tokens, as HF with min_new_tokens
+        vocab = engine.model.config.vocab_size
+        first = {b: engine_warm(engine, b, sz, vocab) for b in sz.batches}  # captures, cache sized: a first call
+        rates[mode] = {b: engine_rate(engine, b, sz, vocab, sz.new_tokens) for b in sz.batches}
+        made = engine.batch.graphs
+        out[f"{mode}_cuda_graphs"] = (None if made is None else
+                                      {"captured": len(made.graphs), "broken": made.broken})  # fmt: skip
+        out[f"{mode}_first_s"] = first
+        out[f"{mode}_max_memory_allocated_gb"] = peak_gb(device)
+        engine = made = None
+        free(device)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).to(device).eval()
     hf_rate(model, sz.batches[0], sz, 4)
     hf = {b: hf_rate(model, b, sz, sz.new_tokens) for b in sz.batches}
     model = None
     free(device)
     for b in sz.batches:
-        out[f"batch_{b}"] = {"dora_tok_s": dora[b], "hf_tok_s": hf[b], "dora_over_hf": dora[b] / hf[b]}
+        row = {f"{mode}_tok_s": rates[mode][b] for mode in modes}
+        out[f"batch_{b}"] = {**row, "hf_tok_s": hf[b], "dora_over_hf": rates["dora"][b] / hf[b]}
     return out
 
 
@@ -427,7 +457,7 @@ def part_run(device: torch.device, sz: Sizes, scratch: pathlib.Path, config: str
     dev = "cuda" if device.type == "cuda" else str(device)
     sets = [f"sft.model={scratch / 'tiny-model'}", f"sft.out={scratch / 'sft'}", f"rollout.model={scratch / 'sft'}",
             f"run.dir={scratch / 'runs'}", f"rollout.device={dev}", f"learner.device={dev}",
-            f"core.total_steps={sz.run_steps}"]  # fmt: skip
+            f"core.total_steps={sz.run_steps}", "run.share_gpus=true"]  # fmt: skip
     sets += [f"sft.epochs={sz.sft_epochs}"] if sz.sft_epochs else []
     sets += [f"eval.limit={sz.eval_limit}"] if sz.eval_limit else []
     sets += [f"sft.threads={sz.cpu_threads}", f"run.threads={sz.cpu_threads}"] if sz.cpu_threads else []
@@ -500,7 +530,8 @@ def summary(name: str, r: dict[str, Any]) -> str:
         for k, v in r.items():
             if k.startswith("batch_") and name == "engine":
                 ratio = v["dora_over_hf"]
-                rows.append(f"{k}: dora {v['dora_tok_s']:,.0f} tok/s, HF {v['hf_tok_s']:,.0f} ({ratio:.2f}x)")
+                eager = f", without graphs {v['dora_eager_tok_s']:,.0f}" if "dora_eager_tok_s" in v else ""
+                rows.append(f"{k}: dora {v['dora_tok_s']:,.0f} tok/s{eager}, HF {v['hf_tok_s']:,.0f} ({ratio:.2f}x)")
             elif k.startswith("batch_"):
                 ratio = f" (dora {v['dora_over_hf_static']:.2f}x)" if "dora_over_hf_static" in v else ""
                 rows.append(f"{k}: HF static {v['tok_s']:,.0f} tok/s{ratio}, first call {v['first_s']:.0f} s")

@@ -115,9 +115,9 @@ def test_a_sleep_drops_every_cache_and_after_the_wake_each_sample_goes_on_exactl
     e.submit(group_id=4, attempt=1, prompt=PROMPT[:3], n=2, max_tokens=30, temperature=1.0, seed=12)
     for _ in range(10):
         e.step()
-    assert len(e.running) == 3 and len(e.waiting) == 1 and e._cache is not None
+    assert len(e.running) == 3 and len(e.waiting) == 1 and e.batch.cache.allocated
     e.sleep()
-    assert e.asleep and len(e) == 4 and not e.running and e._cache is None
+    assert e.asleep and len(e) == 4 and not e.running and not e.batch.cache.allocated
     assert all(s.kv is None for s in e.waiting) and e.step() == []
     assert e.groups() == {(3, 2), (4, 1)}
     e.wake()
@@ -139,7 +139,7 @@ def test_without_sleep_on_yield_a_sleep_changes_nothing(tiny_model):
     e.submit(group_id=1, attempt=1, prompt=PROMPT, n=2, max_tokens=20, temperature=1.0, seed=3)
     e.step()
     e.sleep()
-    assert not e.asleep and len(e.running) == 2 and e._cache is not None  # the batch cache is kept
+    assert not e.asleep and len(e.running) == 2 and e.batch.cache.allocated  # the slot cache is kept
 
 
 def test_weights_load_in_place_are_verified_and_change_the_output(tiny_model, tmp_path):

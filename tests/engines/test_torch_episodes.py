@@ -36,7 +36,7 @@ def test_an_episode_turn_continues_on_its_kept_cache_as_a_fresh_prefix_would(tin
     assert sorted(s.index for s in ended) == [0, 1]
     assert all(s.kv is not None and s.kv[0][0].shape[1] == s.positions for s in ended)
     first = [len(s.tokens) for s in seqs]
-    states = [s.generator.get_state() for s in seqs]
+    seeds = [s.seed for s in seqs]
     answers = [OBS, OBS[:2]]  # answers of different lengths, caught up in one padded pass
     for s, obs in zip(seqs, answers, strict=True):
         e.extend(s, obs)
@@ -44,15 +44,15 @@ def test_an_episode_turn_continues_on_its_kept_cache_as_a_fresh_prefix_would(tin
     if crowd:
         e.submit(group_id=9, attempt=2, prompt=[5, 6], n=2, max_tokens=30, seed=2)
     drain(e)
-    for s, n, state, obs in zip(seqs, first, states, answers, strict=True):
+    for s, n, seed, obs in zip(seqs, first, seeds, answers, strict=True):
         assert s.mask == [1] * n + [0] * len(obs) + [1] * (len(s.tokens) - n - len(obs))
         assert s.turn_start == n + len(obs) and len(s.tokens) > n + len(obs)
-        # the reference: the whole prefix re-prefilled from scratch, the sampler where the turn left it
+        # the reference: the whole prefix re-prefilled from scratch, the same sampler seed
         ref = TorchEngine(tiny_model, version=0)
         prefix = s.tokens[: n + len(obs)]
         ref.import_(group_id=2, attempt=1, prompt=PROMPT,
                     requests=[{"index": s.index, "token_ids": prefix, "logprobs": [0.0] * len(prefix),
-                               "rng_state": state.numpy().tobytes(), "kv": ()}],
+                               "rng_state": seed.to_bytes(8, "little"), "kv": ()}],
                     max_tokens=12)  # fmt: skip
         ref.waiting[0].stops, ref.waiting[0].turn_start = stops, len(prefix)
         (r,) = drain(ref)

@@ -2,8 +2,8 @@
 the shapes dora meets when a user brings another causal LM.
 
 - DeepSeek's multi-head latent attention caches its compressed latent as keys and the rotary key as values, of two
-  widths (32 and 16 here, 512 and 64 in DeepSeek-V3): the torch engine's batches hold each in its own shape, and
-  sequences joining a running batch still compute what they would alone.
+  widths (32 and 16 here, 512 and 64 in DeepSeek-V3): the torch engine's slot cache holds each in its own shape,
+  and sequences joining a running batch still compute what they would alone.
 - Layers that keep a state instead of one key and value per token (LFM2's convolutions, Qwen3-Next's linear
   attention, Mamba) cannot be cut per sequence nor padded into a batch: the torch engine refuses them in one line
   before any process starts (and at its own start), and the learner scores them one whole row per sample.
@@ -109,9 +109,9 @@ def test_latent_attention_keys_and_values_of_two_sizes_are_batched_and_scored_ex
     engine.submit(group_id=0, attempt=1, prompt=list(PROMPTS[0]), n=2, max_tokens=20, temperature=1.0, seed=1)
     for _ in range(4):
         engine.step()
-    keys, values = engine._cache.layers[0].keys, engine._cache.layers[0].values
+    keys, values = engine.batch.cache.keys[0], engine.batch.cache.values[0]
     assert keys.shape[-1] == LATENT["kv_lora_rank"] and values.shape[-1] == LATENT["qk_rope_head_dim"]
-    # these join the running batch: every cache is cut out of it and left-padded into a new one
+    # these join the running batch, each in a cache slot of its own, while the others decode on
     engine.submit(group_id=1, attempt=1, prompt=list(PROMPTS[1]), n=2, max_tokens=16, temperature=0.8, seed=2)
     engine.submit(group_id=2, attempt=1, prompt=list(PROMPTS[2]), n=1, max_tokens=16, temperature=0.0)
     done = drain(engine)

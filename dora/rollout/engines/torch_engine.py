@@ -1,24 +1,32 @@
 """The `torch` engine: a transformers causal LM with its own continuous batching.
 
-- **Continuous batching.** Sequences join and leave at step boundaries. Joining sequences are prefilled
-  together in one forward pass, a group's samples sharing one row (one prompt, n samples), then join the
-  decode batch. Each decode step runs every
-  running sequence once: their caches are left-padded to one length, masked, and given their own
-  position ids, so a sequence computes what it would compute alone (to float rounding).
-- **Per-sequence KV cache.** Each sequence keeps its own keys and values per layer. That is what
-  makes migration cheap: ``export`` hands over the token prefix, the behaviour log-probs, the
-  sampler's RNG state and the KV cache; ``import_`` resumes from them without a re-prefill. A
-  request exported without KV is re-prefilled from prompt + prefix on import. Keys and values may differ in
-  width (DeepSeek's latent attention). A model whose layers keep a state instead (linear attention, Mamba), or
-  whose positions move with left padding, is refused at start (``dora.hf.tensors.padding_gap``).
-- **Sampling.** Temperature and top-p, one ``torch.Generator`` per sequence seeded from the
-  request's seed and the sample index, so a sample's tokens do not depend on what else runs.
+- **Continuous batching in cache slots.** Each running sequence owns one slot of a preallocated KV cache
+  (``dora.rollout.engines.slots``), its token at position ``p`` keyed at column ``p``: sequences join and leave at
+  step boundaries without rebuilding anyone else's cache. Joining sequences are prefilled together in one forward
+  pass, a group's samples sharing one row (one prompt, n samples); each decode step runs every running sequence once
+  at its own position, under a mask that hides what is not its own (``dora.rollout.engines.attention``), so a sequence
+  computes what it would compute alone (to float rounding). The batch, its fills and its steps:
+  ``dora.rollout.engines.batch``; on CUDA a decode step replays a CUDA graph (``dora.rollout.engines.graphs``).
+- **Migration.** ``export`` hands over the token prefix, the behaviour log-probs, the sampler's seed and the KV
+  columns of the sequence's slot; ``import_`` copies them into a slot of its own and resumes without a re-prefill. A
+  request exported without KV is re-prefilled from prompt + prefix on import. Keys and values may differ in width
+  (DeepSeek's latent attention). A model whose layers keep a state instead (linear attention, Mamba), or whose
+  positions move with padding, is refused at start (``dora.hf.tensors.padding_gap``).
+- **Sampling on the device.** Temperature and top-p, by inverse CDF with one uniform per token that is a pure
+  function of the sequence's seed (from the request's seed and the sample index) and the token's index in the
+  sequence (``dora.rollout.engines.sampling``): a sample's tokens do not depend on what else runs, where it ran
+  before a migration, or whether it was re-prefilled. A sequence's sampler state is its seed (``rng_state``: 8 bytes,
+  little-endian). One small transfer per step brings the tokens back to the host.
 - **Behaviour log-prob** of each sampled token: its log-probability under the distribution it was
   actually drawn from: ``softmax(logits / temperature)``, renormalised over the top-p nucleus when
   ``top_p < 1`` (vLLM's ``processed_logprobs``; the learner must score with the same temperature).
 
 - **Stops.** A turn ends on any of the model's stop ids (``dora.hf.folder``: the config's and generation
-  config's EOS ids and the chat template's end of turn), or on the request's own ``stops``.
+  config's EOS ids and the chat template's end of turn), or on the request's own ``stops``, checked on the device.
+- **Memory.** The slot cache holds, per layer, ``max_slots`` x capacity columns of keys and values, the capacity the
+  next power of two of the longest a sequence may grow in its turn (prompt + ``max_tokens``, at most the model's
+  limit), grown when a longer one joins: Qwen2.5-0.5B in bf16, 256 slots x 512 columns, 1.6 GB. It is sized by the
+  longest sequence, not by the tokens held (a paged cache would be).
 
 Weights: ``load_weights(version, path, digest)`` reads a published version folder (or any model folder, or one
 safetensors file), checks its digest (``dora.store``) and refuses a mismatch or a load while requests run; on
@@ -29,9 +37,10 @@ chunk by chunk as it is copied into the model (``dora.store.load_into``: every b
 does not match puts the kept version's bytes back. The first load, one in another dtype, or one on another device,
 checks every file before it touches the model (``dora.store.load_verified``).
 
-Sleep (an elastic worker's yield, made with ``sleep_on_yield``): every sequence's cache is dropped and the model
-moves to host memory, so a learner on the same GPU gets its memory; on wake the model comes back and each sequence
-is re-prefilled from prompt + prefix and goes on with its own generator, as after a migration without KV (C1).
+Sleep (an elastic worker's yield, made with ``sleep_on_yield``): every sequence's cache is dropped (the slot cache's
+memory too) and the model moves to host memory, so a learner on the same GPU gets its memory; on wake the model comes
+back and each sequence is re-prefilled from prompt + prefix and draws on from its seed, as after a migration without
+KV (C1).
 """
 
 from __future__ import annotations
@@ -49,15 +58,19 @@ from dora.hf.folder import facts
 from dora.hf.tensors import padding_gap, tied_copies
 from dora.hostmem import Parking, module_tensors
 from dora.ids import Finish
+from dora.rollout.engines.attention import install
 from dora.rollout.engines.base import EngineError, Sample
+from dora.rollout.engines.batch import Running
 from dora.store import InPlaceUnfit, load_into, load_verified
 
 
 @dataclass(slots=True, kw_only=True)
 class Sequence(Sample):
-    generator: torch.Generator
+    seed: int
+    """The sampler's 63-bit seed: the draw for the token at index t is ``sampling.uniform(seed, t)``."""
     kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-    """Per layer (keys, values) of shape [kv_heads, positions, head_dim]; positions = prompt + tokens - 1."""
+    """Its own cache while it holds no slot (an episode between turns, a migrated request, one taken out with its
+    cache): per layer (keys, values) of shape [kv_heads, positions, head_dim]; positions = prompt + tokens - 1."""
 
     @property
     def positions(self) -> int:
@@ -84,19 +97,22 @@ class TorchEngine:
 
     def __init__(self, model_dir: str | pathlib.Path, *, max_slots: int = 64, device: str = "cpu",
                  dtype: str = "float32", version: int | None = None, sleep_on_yield: bool = False,
-                 max_model_len: int | None = None) -> None:  # fmt: skip
+                 max_model_len: int | None = None, cuda_graphs: bool | None = None) -> None:  # fmt: skip
         """``sleep_on_yield``: ``sleep`` gives the accelerator's memory back (otherwise it is a no-op);
-        ``max_model_len``: a sequence ends (LENGTH) when prompt + tokens reach it (None: the model's own limit)."""
+        ``max_model_len``: a sequence ends (LENGTH) when prompt + tokens reach it (None: the model's own limit);
+        ``cuda_graphs``: decode steps replay CUDA graphs (None: on a CUDA device)."""
         from transformers import AutoModelForCausalLM
 
         self.device = torch.device(device)
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
+        if self.model.config._attn_implementation not in ("sdpa", "eager"):  # kernels that take no dense mask
+            self.model.set_attn_implementation("sdpa")
         self.model.to(self.device).eval()
         why = padding_gap(self.model)
         if why:  # dora.hf.checks refuses the known kinds before any process starts; this is every other one
             raise EngineError(f"the torch engine cannot run {type(self.model).__name__} ({model_dir}): {why}; it "
-                              "batches sequences by cutting each one's keys and values out of the cache and padding "
-                              "them on the left")  # fmt: skip
+                              "batches sequences by keeping each one's keys and values in a cache slot of its own "
+                              "and reading them at the sequence's own positions")  # fmt: skip
         found = facts(model_dir)
         self.stops = found.stop_ids
         """Tokens that end every turn: the model's EOS ids and its chat template's end of turn."""
@@ -105,13 +121,9 @@ class TorchEngine:
         """Tied parameters' second names (not in a published version: they follow the tensor they share)."""
         self.max_slots = max_slots
         self.version = version
-        self.running: list[Sequence] = []
+        kernel = install(self.model)  # grouped decode attention over the model's own
+        self.batch = Running(self.model, self.device, max_slots, self.max_len, kernel, cuda_graphs)
         self.waiting: deque[Sequence] = deque()
-        self.tokens_generated = 0
-        self._batch: list[Sequence] = []
-        """The sequences whose caches live, in this order, as rows of the last decode step's batch cache."""
-        self._cache: Any = None
-        self._mask: torch.Tensor | None = None
         self._loaded_from: dict[str, torch.Tensor] | None = None
         """The tensors of the file the current weights were loaded from (on a CPU): what a refused load puts back."""
         self.sleep_on_yield = sleep_on_yield
@@ -120,6 +132,15 @@ class TorchEngine:
         """The model's host memory while asleep (``dora.hostmem``: one pinned buffer, reused by every sleep)."""
         if sleep_on_yield:
             self.parking.reserve(module_tensors(self.model)[0])
+
+    @property
+    def running(self) -> list[Sequence]:
+        """The sequences decoding, in slot order."""
+        return self.batch.seqs
+
+    @property
+    def tokens_generated(self) -> int:
+        return self.batch.made
 
     # ------------------------------------------------------------------ weights
 
@@ -131,7 +152,7 @@ class TorchEngine:
                 return self.load_weights(version, path, digest)
             finally:
                 self.sleep()
-        if self.running or self.waiting:
+        if self.batch or self.waiting:
             raise EngineError(f"cannot load v{version}: {len(self.running) + len(self.waiting)} requests are running")
         if digest is not None and self._loaded_from is not None:
             try:
@@ -172,10 +193,9 @@ class TorchEngine:
             raise EngineError("no weights loaded")
         out = []
         for i in range(n):
-            g = torch.Generator(device="cpu")
-            g.manual_seed(hash_seed(seed, i))
             seq = Sequence(group_id=group_id, attempt=attempt, index=i, prompt=list(prompt), max_tokens=max_tokens,
-                           temperature=temperature, top_p=top_p, generator=g, stops=stops, keep_kv=keep_kv)  # fmt: skip
+                           temperature=temperature, top_p=top_p, seed=hash_seed(seed, i), stops=stops,
+                           keep_kv=keep_kv)  # fmt: skip
             self.waiting.append(seq)
             out.append(seq)
         return out
@@ -187,18 +207,18 @@ class TorchEngine:
         self.waiting.append(seq)
 
     def export(self, group_id: int, attempt: int, *, with_kv: bool = True) -> list[dict[str, Any]]:
-        """Remove the group's unfinished samples and return their state (prefix, log-probs, RNG, KV)."""
-        return [self.state(seq, with_kv=with_kv) for seq in self._take(group_id, attempt)]
+        """Remove the group's unfinished samples and return their state (prefix, log-probs, seed, KV)."""
+        return [self.state(seq, with_kv=with_kv) for seq in self._take(group_id, attempt, with_kv=with_kv)]
 
     def state(self, seq: Sequence, *, with_kv: bool = True) -> dict[str, Any]:
-        """What ``import_`` resumes a sequence from: prefix, log-probs, loss mask, RNG state, KV (an episode's
-        sequence between turns too: its kept cache)."""
+        """What ``import_`` resumes a sequence from: prefix, log-probs, loss mask, the sampler's seed, KV (an
+        episode's sequence between turns too: its kept cache)."""
         state: dict[str, Any] = {
             "index": seq.index,
             "token_ids": np.array(seq.tokens, dtype=np.int32),
             "logprobs": np.array(seq.logprobs, dtype=np.float32),
             "mask": np.array(seq.mask, dtype=np.uint8),
-            "rng_state": seq.generator.get_state().numpy().tobytes(),
+            "rng_state": seq.seed.to_bytes(8, "little"),
             "kv": (),
         }
         if with_kv and seq.kv is not None:
@@ -208,20 +228,19 @@ class TorchEngine:
     def import_(self, *, group_id: int, attempt: int, prompt: list[int], requests: list[dict[str, Any]],
                 max_tokens: int, temperature: float = 1.0, top_p: float = 1.0, stops: frozenset[int] = frozenset(),
                 keep_kv: bool = False) -> list[Sequence]:  # fmt: skip
-        """Resume exported samples here: with their KV cache as is, or re-prefilled from prompt + prefix.
+        """Resume exported samples here: with their KV cache as is, or re-prefilled from prompt + prefix. They join
+        at the next step, before anything already waiting, in the order of ``requests``.
 
         An episode's state (``keep_kv``) may carry ``mask`` and ``turn_start`` (where its open turn began); one
         with ``paused`` set ended its turn and waits on its environment: it is returned, not queued, and its
         next turn starts with ``extend``. Returns the sequences made, in the order of ``requests``."""
-        out = []
+        out, queued = [], []
         for st in requests:
-            g = torch.Generator(device="cpu")
-            g.set_state(torch.frombuffer(bytearray(st["rng_state"]), dtype=torch.uint8))
             tokens = [int(x) for x in st["token_ids"]]
             mask = st.get("mask")
             seq = Sequence(group_id=group_id, attempt=attempt, index=st["index"], prompt=list(prompt),
-                           max_tokens=max_tokens, temperature=temperature, top_p=top_p, generator=g, tokens=tokens,
-                           logprobs=[float(x) for x in st["logprobs"]],
+                           max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed_of(st["rng_state"]),
+                           tokens=tokens, logprobs=[float(x) for x in st["logprobs"]],
                            mask=[1] * len(tokens) if mask is None or not len(mask) else [int(x) for x in mask],
                            turn_start=int(st.get("turn_start", 0)), stops=stops, keep_kv=keep_kv)  # fmt: skip
             out.append(seq)
@@ -231,31 +250,35 @@ class TorchEngine:
                 seq.kv = [(t[2 * i], t[2 * i + 1]) for i in range(len(t) // 2)]
             if st.get("paused"):
                 seq.finish = Finish.STOP
-            elif seq.kv is not None and seq.kv[0][0].shape[1] == seq.positions and len(self.running) < self.max_slots:
-                self.running.append(seq)
             else:
-                self.waiting.appendleft(seq)  # (re-)prefilled, or its cache caught up, when admitted
+                queued.append(seq)
+        self.waiting.extendleft(reversed(queued))
         return out
 
     def cancel(self, group_id: int, attempt: int) -> None:
         self._take(group_id, attempt)
 
-    def _take(self, group_id: int, attempt: int) -> list[Sequence]:
-        self._materialize()
-        match = [s for s in [*self.running, *self.waiting] if (s.group_id, s.attempt) == (group_id, attempt)]
-        self.running = [s for s in self.running if (s.group_id, s.attempt) != (group_id, attempt)]
-        self.waiting = deque(s for s in self.waiting if (s.group_id, s.attempt) != (group_id, attempt))
-        return sorted(match, key=lambda s: s.index)
+    def _take(self, group_id: int, attempt: int, *, with_kv: bool = False) -> list[Sequence]:
+        """Remove the group's sequences, running or waiting. A running one takes a copy of its cache along if
+        ``with_kv`` or if it is an episode's (whose state its caller may still hand over)."""
+
+        def match(s: Sequence) -> bool:
+            return (s.group_id, s.attempt) == (group_id, attempt)
+
+        taken = self.batch.take(match, lambda s: with_kv or s.keep_kv)
+        taken += [s for s in self.waiting if match(s)]
+        self.waiting = deque(s for s in self.waiting if not match(s))
+        return sorted(taken, key=lambda s: s.index)
 
     def groups(self) -> set[tuple[int, int]]:
         return {(s.group_id, s.attempt) for s in [*self.running, *self.waiting]}
 
     def load(self) -> tuple[int, float]:
         """(running sequences, slot use 0..1)."""
-        return len(self.running), len(self.running) / self.max_slots
+        return len(self.batch), len(self.batch) / self.max_slots
 
     def __len__(self) -> int:
-        return len(self.running) + len(self.waiting)
+        return len(self.batch) + len(self.waiting)
 
     # ------------------------------------------------------------------ sleep (elastic workers)
 
@@ -264,11 +287,10 @@ class TorchEngine:
         running ones first) and the model moves to host memory. A no-op without ``sleep_on_yield``."""
         if not self.sleep_on_yield or self.asleep:
             return
-        held = [*self.running, *self.waiting]
+        held = [*self.batch.drop(), *self.waiting]
         for seq in held:
             seq.kv = None
-        self.running, self.waiting = [], deque(held)
-        self._batch, self._cache, self._mask = [], None, None
+        self.waiting = deque(held)
         tensors, put = module_tensors(self.model)
         put(self.parking.park(tensors))
         if self.device.type == "cuda":
@@ -284,192 +306,24 @@ class TorchEngine:
 
     # ------------------------------------------------------------------ stepping
 
-    @torch.inference_mode()
     def step(self) -> list[Sequence]:
         """Admit waiting sequences (prefill), then one decode step of every running one. Returns those done."""
         if self.asleep:
             return []
-        admitted: list[Sequence] = []
-        while self.waiting and len(self.running) + len(admitted) < self.max_slots:
-            admitted.append(self.waiting.popleft())
-        self._prefill([s for s in admitted if s.kv is None])
-        self._catch_up([s for s in admitted if s.kv is not None and s.kv[0][0].shape[1] < s.positions])
-        done = [s for s in admitted if s.finish is not None]
-        self.running += [s for s in admitted if s.finish is None]
-        if self.running:
-            self._decode(self.running)
-            ended = [s for s in self.running if s.finish is not None]
-            self._keep([s for s in ended if s.keep_kv])
-            done += ended
-            self.running = [s for s in self.running if s.finish is None]
+        room = self.max_slots - len(self.batch)
+        joining = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
+        done = self.batch.admit(joining, self.stops) if joining else []
+        if self.batch:
+            done += self.batch.decode()
         return done
 
-    def _prefill(self, seqs: list[Sequence]) -> None:
-        """Fill the caches of joining sequences in one forward pass, and sample each one's first token.
 
-        A sequence's cache covers its prompt and any migrated prefix but the last token. Sequences with the
-        same such tokens (a group's samples: one prompt, n samples) share one row and its cache; each still
-        draws its first token with its own generator. Rows are right-padded: causal attention keeps every
-        real position from seeing the padding after it, so each row computes what it would alone."""
-        if not seqs:
-            return
-        rows: dict[tuple[int, ...], list[Sequence]] = {}
-        for seq in seqs:
-            rows.setdefault(tuple(seq.prompt + seq.tokens[:-1] if seq.tokens else seq.prompt), []).append(seq)
-        lengths = [len(ids) for ids in rows]
-        batch = torch.zeros((len(rows), max(lengths)), dtype=torch.long)
-        for b, ids in enumerate(rows):
-            batch[b, : len(ids)] = torch.tensor(ids)
-        from transformers import DynamicCache
-
-        # a cache of every position: a model's own keeps only a sliding window's last ones (Gemma 2), and each
-        # sequence's cache is cut from this one whole; the attention mask applies the window
-        out = self.model(input_ids=batch.to(self.device), past_key_values=DynamicCache(), use_cache=True)
-        layers = out.past_key_values.layers
-        first: list[Sequence] = []
-        last: list[torch.Tensor] = []
-        for b, (same, n) in enumerate(zip(rows.values(), lengths, strict=True)):
-            kv = [(layer.keys[b, :, :n], layer.values[b, :, :n]) for layer in layers]
-            for seq in same:
-                seq.kv = kv  # read only: a decode batch copies it, a sequence leaving one gets its own copy
-                if not seq.tokens:
-                    first.append(seq)
-                    last.append(out.logits[b, n - 1])
-        if first:
-            self._sample(first, torch.stack(last))
-
-    def _catch_up(self, seqs: list[Sequence]) -> None:
-        """Prefill the tokens episodes' sequences gained since their caches were made (the end of the last turn and
-        the environment's answer, but the newest token), on top of those caches, in one forward pass: caches
-        left-padded to the longest, new tokens right-padded, both masked; position ids continue each cache."""
-        if not seqs:
-            return
-        from transformers import DynamicCache
-
-        data, have = left_padded(seqs)
-        feeds = [(s.prompt + s.tokens)[h : s.positions] for s, h in zip(seqs, have, strict=True)]
-        past, width = max(have), max(map(len, feeds))
-        ids = torch.zeros((len(seqs), width), dtype=torch.long)
-        mask = torch.zeros((len(seqs), past + width), dtype=torch.long)
-        for b, (h, feed) in enumerate(zip(have, feeds, strict=True)):
-            ids[b, : len(feed)] = torch.tensor(feed)
-            mask[b, past - h : past + len(feed)] = 1
-        positions = torch.tensor(have)[:, None] + torch.arange(width)[None]
-        out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                         position_ids=positions.to(self.device), past_key_values=DynamicCache(ddp_cache_data=data),
-                         use_cache=True)  # fmt: skip
-        for b, (s, h, feed) in enumerate(zip(seqs, have, feeds, strict=True)):
-            span = slice(past - h, past + len(feed))
-            s.kv = [(layer.keys[b, :, span].clone(), layer.values[b, :, span].clone())
-                    for layer in out.past_key_values.layers]  # fmt: skip
-
-    def _keep(self, seqs: list[Sequence]) -> None:
-        """Copy the rows of the last decode batch's cache that belong to ``seqs`` (episodes whose turn just ended)
-        before the next step drops them."""
-        if not seqs or self._cache is None:
-            return
-        rows = {id(x): b for b, x in enumerate(self._batch)}
-        width = self._mask.shape[1]
-        for seq in seqs:
-            b, n = rows[id(seq)], seq.positions
-            seq.kv = [(layer.keys[b, :, width - n :].clone(), layer.values[b, :, width - n :].clone())
-                      for layer in self._cache.layers]  # fmt: skip
-
-    def _materialize(self) -> None:
-        """Give each batched sequence its own copy of its rows of the batch cache (before the batch changes)."""
-        if self._cache is None:
-            return
-        width = self._mask.shape[1]
-        for b, seq in enumerate(self._batch):
-            if seq.finish is None and seq.kv is None:  # a kv of its own: kept at a turn's end, newer than its row
-                n = seq.positions
-                seq.kv = [(layer.keys[b, :, width - n :].clone(), layer.values[b, :, width - n :].clone())
-                          for layer in self._cache.layers]  # fmt: skip
-        self._batch, self._cache, self._mask = [], None, None
-
-    def _decode(self, seqs: list[Sequence]) -> None:
-        """One token for every running sequence. While the batch stays the same, its cache is reused as
-        is; sequences leaving drop their rows; a sequence joining makes the batch be rebuilt (left-padded)."""
-        ids = {id(x): i for i, x in enumerate(self._batch)}
-        if self._cache is not None and all(id(x) in ids and x.kv is None for x in seqs):
-            rows = [ids[id(x)] for x in seqs]
-            mask = self._mask
-            if rows != list(range(len(self._batch))):
-                index = torch.tensor(rows, device=self.device)
-                self._cache.batch_select_indices(index)
-                mask = mask[index]
-            cache = self._cache
-            mask = torch.cat([mask, mask.new_ones((len(seqs), 1))], 1)
-        else:
-            self._materialize()
-            cache, mask = self._padded(seqs)
-        out = self.model(
-            input_ids=torch.tensor([[s.tokens[-1]] for s in seqs], device=self.device),
-            attention_mask=mask,
-            position_ids=torch.tensor([[s.positions] for s in seqs], device=self.device),
-            past_key_values=cache,
-            use_cache=True,
-        )
-        self._batch, self._cache, self._mask = list(seqs), out.past_key_values, mask
-        for s in seqs:
-            s.kv = None  # the batch cache holds it now
-        self._sample(seqs, out.logits[:, -1])
-
-    def _padded(self, seqs: list[Sequence]) -> tuple[Any, torch.Tensor]:
-        """A batch cache from the sequences' own caches, left-padded to the longest, and its mask (one more column
-        for the token about to be fed)."""
-        from transformers import DynamicCache
-
-        data, lengths = left_padded(seqs)
-        longest = max(lengths)
-        mask = torch.ones((len(seqs), longest + 1), dtype=torch.long, device=self.device)
-        for b, n in enumerate(lengths):
-            mask[b, : longest - n] = 0
-        return DynamicCache(ddp_cache_data=data), mask
-
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        """Sample every row at once by inverse CDF; each row's uniform draw comes from its own generator."""
-        temps = torch.tensor([max(s.temperature, 1e-6) for s in seqs], device=logits.device)
-        logp = torch.log_softmax(logits.float() / temps[:, None], -1)
-        probs = logp.exp()
-        top_p = torch.tensor([s.top_p for s in seqs], device=logits.device)
-        if bool((top_p < 1.0).any()):
-            sorted_p, order = torch.sort(probs, descending=True, dim=-1)
-            keep = torch.cumsum(sorted_p, -1) - sorted_p < top_p[:, None]
-            probs = torch.zeros_like(probs).scatter(-1, order, sorted_p * keep)
-            logp = torch.log(probs / probs.sum(-1, keepdim=True))  # the distribution actually sampled from
-        cdf = torch.cumsum(probs, -1)
-        u = torch.stack([torch.rand((), generator=s.generator) for s in seqs]).to(logits.device)
-        drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).squeeze(1).clamp(max=probs.shape[-1] - 1)
-        greedy = torch.argmax(logp, -1)
-        chosen = torch.where(torch.tensor([s.temperature <= 0 for s in seqs], device=logits.device), greedy, drawn)
-        picked = logp.gather(1, chosen[:, None]).squeeze(1)
-        for s, token, lp in zip(seqs, chosen.tolist(), picked.tolist(), strict=True):
-            s.tokens.append(token)
-            s.logprobs.append(lp)
-            s.mask.append(1)
-            self.tokens_generated += 1
-            if token in self.stops or token in s.stops:
-                s.finish = Finish.STOP
-            elif len(s.tokens) - s.turn_start >= s.max_tokens or len(s.prompt) + len(s.tokens) >= self.max_len:
-                s.finish = Finish.LENGTH
-
-
-def left_padded(seqs: list[Sequence]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[int]]:
-    """Per layer (keys, values) of the sequences' own caches stacked into a batch, each left-padded with zeros to
-    the longest; and each one's cache length. Keys and values are each their own shape: DeepSeek's multi-head latent
-    attention caches its compressed latent (512 wide in DeepSeek-V3) as keys and the rotary key (64) as values."""
-    lengths = [s.kv[0][0].shape[1] for s in seqs]
-    longest = max(lengths)
-    data = []
-    for layer in range(len(seqs[0].kv)):
-        k0, v0 = seqs[0].kv[layer]
-        keys = k0.new_zeros((len(seqs), k0.shape[0], longest, k0.shape[2]))
-        values = v0.new_zeros((len(seqs), v0.shape[0], longest, v0.shape[2]))
-        for b, (s, n) in enumerate(zip(seqs, lengths, strict=True)):
-            keys[b, :, longest - n :], values[b, :, longest - n :] = s.kv[layer]
-        data.append((keys, values))
-    return data, lengths
+def seed_of(rng_state: bytes) -> int:
+    """The sampler's seed from an exported ``rng_state`` (8 bytes, little-endian)."""
+    if len(rng_state) != 8:
+        raise EngineError(f"a torch engine's sampler state is its 8-byte seed, got {len(rng_state)} bytes (a state "
+                          "exported by another engine or another dora)")  # fmt: skip
+    return int.from_bytes(rng_state, "little")
 
 
 def hash_seed(seed: int, index: int) -> int:
