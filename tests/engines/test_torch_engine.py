@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 
+import numpy as np
 import pytest
 import torch
 
@@ -285,3 +286,26 @@ def test_a_version_refused_after_its_copy_began_puts_the_held_version_back_bit_f
     assert e.version == 1
     assert all(torch.equal(v, held[k]) for k, v in e.model.state_dict().items())
     assert not all(torch.equal(v, base[k]) for k, v in held.items() if "rotary" not in k)
+
+
+def test_a_bf16_sequence_migrates_with_its_kv_cache_exactly(tiny_model):
+    """numpy has no bfloat16: the cache travels as float32 and comes back bit for bit, and the sample goes on as it
+    would have where it started."""
+    alone = TorchEngine(tiny_model, version=0, dtype="bfloat16")
+    alone.submit(group_id=1, attempt=1, prompt=[5, 6, 7], n=1, max_tokens=12, seed=3)
+    want = []
+    while len(alone):
+        want += alone.step()
+    src = TorchEngine(tiny_model, version=0, dtype="bfloat16")
+    src.submit(group_id=1, attempt=1, prompt=[5, 6, 7], n=1, max_tokens=12, seed=3)
+    for _ in range(5):
+        src.step()
+    [state] = src.export(1, 1, with_kv=True)
+    assert state["kv"] and all(a.dtype == np.float32 for a in state["kv"])
+    dst = TorchEngine(tiny_model, version=0, dtype="bfloat16")
+    [seq] = dst.import_(group_id=1, attempt=1, prompt=[5, 6, 7], requests=[state], max_tokens=12)
+    assert all(k.dtype == torch.bfloat16 for pair in seq.kv for k in pair)
+    got = []
+    while len(dst):
+        got += dst.step()
+    assert got[0].tokens == want[0].tokens

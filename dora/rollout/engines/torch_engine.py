@@ -222,7 +222,9 @@ class TorchEngine:
             "kv": (),
         }
         if with_kv and seq.kv is not None:
-            state["kv"] = tuple(t.cpu().numpy() for pair in seq.kv for t in pair)
+            # numpy has no bfloat16: such a cache travels as float32 (exact) and is cast back on import
+            state["kv"] = tuple((t.float() if t.dtype == torch.bfloat16 else t).cpu().numpy()
+                                for pair in seq.kv for t in pair)  # fmt: skip
         return state
 
     def import_(self, *, group_id: int, attempt: int, prompt: list[int], requests: list[dict[str, Any]],
@@ -246,7 +248,8 @@ class TorchEngine:
             out.append(seq)
             kv = st.get("kv") or ()
             if kv and seq.tokens:
-                t = [torch.from_numpy(np.array(a)).to(self.device) for a in kv]
+                dtype = self.model.dtype  # the model's own: a bf16 cache came as float32
+                t = [torch.from_numpy(np.array(a)).to(self.device, dtype=dtype) for a in kv]
                 seq.kv = [(t[2 * i], t[2 * i + 1]) for i in range(len(t) // 2)]
             if st.get("paused"):
                 seq.finish = Finish.STOP
