@@ -134,14 +134,16 @@ LAYOUTS = {
 rank 1 five, so rank 1 runs an empty pass to keep the collectives paired) with activation checkpointing."""
 
 
-def layouts_main(rank: int, world: int, port: int, model: str, root: str) -> None:
+def steps_main(rank: int, world: int, port: int, runs: dict[str, tuple[str, TrainerConfig]], root: str) -> None:
+    """One rank of ``world`` on gloo: for each run (a model folder and a trainer config), one step of ``batch()`` and a
+    publish; rank 0 saves the step's metrics and the version's URI to ``<root>/<run>.pt``."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     done = False
     try:
-        for name, cfg in LAYOUTS.items():
+        for name, (model, cfg) in runs.items():
             trainer = TorchTrainer(model, WeightStore(pathlib.Path(root) / name), LossConfig(), cfg)
             metrics = trainer.train(batch())
             published = trainer.publish(1)
@@ -150,7 +152,7 @@ def layouts_main(rank: int, world: int, port: int, model: str, root: str) -> Non
         done = True
     finally:
         dist.destroy_process_group()
-    if done:
+    if done:  # skip exit-time destructors, where gloo's threads can abort a clean rank
         os._exit(0)
 
 
@@ -164,7 +166,8 @@ def test_two_rank_steps_by_stride_and_by_token_budget_with_checkpointing_equal_o
     mine = [plan(sizes, groups, rank=r, world=2, balance="tokens", micro_batch=16, micro_batch_tokens=16)
             for r in range(2)]  # fmt: skip
     assert [sum(1 for part in p.micro_batches if part) for p in mine] == [6, 5], "an empty pass must be exercised"
-    mp.spawn(layouts_main, args=(2, free_port(), str(tiny_model), str(tmp_path / "sharded")), nprocs=2, join=True)
+    runs = {name: (str(tiny_model), cfg) for name, cfg in LAYOUTS.items()}
+    mp.spawn(steps_main, args=(2, free_port(), runs, str(tmp_path / "sharded")), nprocs=2, join=True)
     for name, cfg in LAYOUTS.items():
         out = torch.load(tmp_path / "sharded" / f"{name}.pt")
         single = TorchTrainer(tiny_model, WeightStore(tmp_path / "single" / name), LossConfig(), cfg)

@@ -7,9 +7,6 @@ processes' start is paid once for the zoo."""
 
 from __future__ import annotations
 
-import os
-import pathlib
-
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -19,34 +16,15 @@ from dora.hf.tensors import tied_copies
 from dora.learner.loss import LossConfig
 from dora.learner.trainers.torch_trainer import TorchTrainer
 from dora.store import WeightStore, load_verified
-from tests.unit.test_fsdp import CFG, batch, free_port
+from tests.unit.test_fsdp import CFG, batch, free_port, steps_main
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def ranks_main(rank: int, world: int, port: int, models: dict[str, str], root: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    done = False
-    try:
-        for family, model in models.items():
-            trainer = TorchTrainer(model, WeightStore(pathlib.Path(root) / family), LossConfig(), CFG)
-            metrics = trainer.train(batch())
-            published = trainer.publish(1)
-            if rank == 0:
-                torch.save({"metrics": metrics, "uri": published[0]}, pathlib.Path(root) / f"{family}.pt")
-        done = True
-    finally:
-        dist.destroy_process_group()
-    if done:  # as tests/unit/test_fsdp.py: skip exit-time destructors, where gloo's threads can abort a clean rank
-        os._exit(0)
-
-
 def test_a_two_rank_fsdp2_step_of_each_family_equals_the_one_process_step(zoo_model, tmp_path):
     models = {family: str(zoo_model(family)) for family in zoo.FAMILIES}
-    mp.spawn(ranks_main, args=(2, free_port(), models, str(tmp_path / "sharded")), nprocs=2, join=True)
+    runs = {family: (model, CFG) for family, model in models.items()}
+    mp.spawn(steps_main, args=(2, free_port(), runs, str(tmp_path / "sharded")), nprocs=2, join=True)
     for family, model in models.items():
         out = torch.load(tmp_path / "sharded" / f"{family}.pt")
         single = TorchTrainer(model, WeightStore(tmp_path / "single" / family), LossConfig(), CFG)
