@@ -42,6 +42,7 @@ def shared_scope(nodeid: str) -> str | None:
     return None
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: without xdist installed, never called and no error
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     """Under ``-n``: xdist's load scheduling, each test on whichever worker is free, except the groups of
     ``shared_scope``, each sent whole to one worker (the biggest first)."""
