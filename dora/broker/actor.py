@@ -270,10 +270,7 @@ class BrokerActor:
             engine=hello.engine,
         )
         if hello.role is m.Role.ROLLOUT:
-            ready = self.core.fleet_ready
             self.feed(ev.WorkerJoined(worker_id=WorkerId(identity.decode()), slots=hello.slots, elastic=hello.elastic))
-            if self.core.fleet_ready and not ready:
-                log.info("fleet_ready", workers=len(self.core.scheduler.workers))
         elif hello.role is m.Role.LEARNER:
             if self.learner is not None and self.learner in self.peers:
                 self.peer_lost(self.peers[self.learner], "replaced by a new learner")
@@ -375,7 +372,7 @@ class BrokerActor:
     # ------------------------------------------------------------------ the core
 
     def feed(self, event: ev.Event) -> list[ev.Action]:
-        started, now = time.perf_counter(), self.clock()
+        started, now, ready = time.perf_counter(), self.clock(), self.core.fleet_ready
         try:
             actions = self.core.handle(now, event)
         except GroupFailed as e:
@@ -383,6 +380,8 @@ class BrokerActor:
             raise
         finally:
             self.decision_s[type(event).__name__] += time.perf_counter() - started
+        if self.core.fleet_ready and not ready:  # min_workers have joined and loaded: leasing starts
+            log.info("fleet_ready", workers=len(self.core.scheduler.workers))
         if self.journal is not None:  # every group id about to leave is reserved on disk first
             self.journal.reserve_through(self.core.scheduler.cursor)
         self.metrics.fed(now, event, actions)

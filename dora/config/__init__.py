@@ -66,8 +66,8 @@ class CoreConfig:
     max_group_failures: int = 3
     """A group whose generation errors this many times stops the run (it can be neither trained nor dropped)."""
     min_workers: int = 1
-    """No group is leased until this many rollout workers have joined, so that a fleet started together
-    shares the first versions instead of the fastest starter taking them all."""
+    """No group is leased until this many rollout workers have joined and loaded their weights, so that a fleet
+    started together shares the first versions instead of the fastest starter taking them all."""
     deadlines: str = "fixed"
     """fixed: a group dispatched on version v must be trained by step v + K. adaptive: its deadline is the
     earliest step in [v + 1, v + K] that admission allows (fresh data while the fleet keeps up), and it is

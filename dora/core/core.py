@@ -90,7 +90,9 @@ class Core:
         self.refusals = Counter[str]()
         self.rebalances = 0
         self.fleet_ready = cfg.min_workers <= 0
-        """True once min_workers workers have joined; leasing starts then and never stops for it again."""
+        """True once min_workers workers have joined and loaded their weights; leasing starts then and never stops
+        for it again. (Counting joins alone, the first worker to load would take every group the watermark allows
+        while the others still load, and the fleet would not start together.)"""
         self.yielding: set[WorkerId] = set()
         """Elastic workers told to yield for the batch taken that have not answered yet."""
         self.held: DeliverBatch | None = None
@@ -108,7 +110,7 @@ class Core:
         full = self._apply(event, out)
         self._deliver(out)
         self._orchestrate(out, full=full)
-        if not self.fleet_ready and len(self.scheduler.workers) >= self.cfg.min_workers:
+        if not self.fleet_ready and self._ready_workers() >= self.cfg.min_workers:
             self.fleet_ready = True
         if self.fleet_ready:
             dispatch(self.scheduler, self.transfer.step, out)
@@ -122,6 +124,9 @@ class Core:
         if self.strict:
             self.check()
         return out.actions
+
+    def _ready_workers(self) -> int:
+        return sum(1 for w in self.scheduler.workers.values() if w.ready)
 
     def restore(self, owed: list[int]) -> int:
         """A restarted broker's debts: groups handed out before the restart and never trained (call before

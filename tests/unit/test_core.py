@@ -431,3 +431,14 @@ def test_nothing_is_leased_until_min_workers_have_joined():
     acts = core.handle(0, WorkerJoined(worker_id="b", slots=8))
     acts += core.handle(0, WeightsLoaded(worker_id="b", version=of(acts, Assign)[0].version))
     assert of(acts, Lease) and core.fleet_ready  # leasing starts once the second worker is in
+
+
+def test_the_first_leases_wait_until_min_workers_have_loaded_and_are_shared_among_them():
+    """A worker that has joined but still loads its weights does not start the fleet: counting it, the worker
+    that loaded first would take every group the watermark allows."""
+    core = Core(cfg(min_workers=2, rollout_groups=None))
+    ready(core, "a", slots=64)
+    (assign,) = of(core.handle(0, WorkerJoined(worker_id="b", slots=64)), Assign)
+    assert not core.fleet_ready and not core.scheduler.flights, "b joined but has not loaded: nothing leased"
+    leases = of(core.handle(0, WeightsLoaded(worker_id="b", version=assign.version)), Lease)
+    assert core.fleet_ready and {x.worker_id for x in leases} == {"a", "b"}, leases
