@@ -44,11 +44,12 @@ def test_episodes_train_with_one_version_per_turn_and_every_group_once(tmp_path,
 
 
 class SlowGuess(Guess):
-    """The guessing game behind a tool whose latency depends on the secret (0.1 to 0.4 s a call), so both
-    workers hold open episodes (waiting on their tools) when a version is published."""
+    """The guessing game behind a tool whose latency depends on the secret (0.4 to 1.6 s a call): an episode stays
+    open over several of the learner's steps, so both workers hold open episodes (waiting on their tools) when a
+    version is published, however fast the machine generates."""
 
     async def step(self, action):
-        await asyncio.sleep(0.1 * (1 + self.secret % 4))
+        await asyncio.sleep(0.4 * (1 + self.secret % 4))
         return await super().step(action)
 
 
@@ -71,8 +72,11 @@ def migrated_run(tmp_path: pathlib.Path, tiny_model: pathlib.Path) -> bool:
             "env": f"{__name__}:SlowGuess", "max_turns": 4, "max_episode_tokens": 96, "reward": None}  # fmt: skip
     overrides = torch_run(tmp_path, tiny_model, steps, min_workers=2, max_tokens=6, task=task,
                           rollout={"kv_cache_mib": 64, "max_model_len": 1024},
-                          engine={"max_slots": 32, "credit_slots": 32})  # fmt: skip
-    overrides["core"]["max_staleness"] = 2  # 12 groups in flight: both workers hold open ones at a publish
+                          engine={"max_slots": 32, "credit_slots": 64})  # fmt: skip
+    # 12 groups (48 episodes) in flight: both workers hold open ones at a publish. A worker moves only if what it
+    # holds fits in the credit left on the one that stays; with 64 each, the two together never hold more than one
+    # can take, so a publish that moves a worker holding episodes migrates them.
+    overrides["core"]["max_staleness"] = 2
     with cluster(tmp_path, overrides) as c:
         c.start_broker()
         for i in range(2):

@@ -35,12 +35,15 @@ def wait_until(pred, timeout_s: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def identity_of(c: Cluster, name: str, min_groups: int = 1) -> tuple[str, dict]:
-    """The broker identity of worker ``name`` once it holds at least ``min_groups`` groups."""
+def identity_of(c: Cluster, name: str, min_groups: int = 1, besides: frozenset[str] = frozenset()) -> tuple[str, dict]:
+    """The broker identity of worker ``name`` once it holds at least ``min_groups`` groups; ``besides``: identities
+    of its earlier processes (the broker keeps a killed one registered until its silence is noticed)."""
 
     def find():
         snap = fetch(c.endpoint)
         for ident, row in snap["workers"].items():
+            if ident in besides:
+                continue
             if ident.startswith(f"rollout/{name}/") and row["groups"] >= min_groups and row["ready"]:
                 return ident, snap
         return None
@@ -243,10 +246,13 @@ def test_random_sigkills_of_workers_lose_nothing_and_train_nothing_twice(tmp_pat
     with cluster(tmp_path, {"core": {"total_steps": 30}}) as c:
         c.start(workers=3)
         kills = []
+        killed: set[str] = set()
         for n in range(4):
             wait_until(lambda n=n: fetch(c.endpoint)["step"] >= 3 + 5 * n, 60, f"step {3 + 5 * n}")
             victim = f"w{rng.randrange(3)}"
-            identity_of(c, victim, min_groups=0)  # registered and loaded (a restarted one may still be starting)
+            # registered and loaded: a restarted one may still be starting, behind its killed self's registration
+            ident, _ = identity_of(c, victim, min_groups=0, besides=frozenset(killed))
+            killed.add(ident)
             c.signal(victim, signal.SIGKILL)
             c.procs[victim].wait(10)
             kills.append((victim, time.time()))

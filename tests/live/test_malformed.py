@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import struct
+import time
 
 import numpy as np
 import pytest
@@ -66,38 +67,49 @@ def test_ten_thousand_bad_frames_during_a_run(tmp_path):
             valid = [codec.encode(x) for x in (m.Heartbeat(tokens_generated=1, running=0, kv_use=0.0),
                                                sample(3, 1, epoch), m.RequestBatch(step=0))]  # fmt: skip
             replies = []
+            last_beat = [time.monotonic()]
+
+            def keep_alive() -> None:
+                """Like a real worker, the peer says a heartbeat every 0.25 s (half the interval) whatever else it
+                sends: however long the broker takes over the flood, it never hears silence from the peer."""
+                if time.monotonic() - last_beat[0] >= 0.25:
+                    peer.send_multipart(valid[0])
+                    replies.extend(drain(peer))
+                    last_beat[0] = time.monotonic()
+
+            def to_peer(frames: list[bytes]) -> None:
+                keep_alive()
+                peer.send_multipart(frames)
 
             for i in range(RANDOM):  # random bytes, 1-4 frames, sometimes starting like a real envelope
                 frames = [rng.randbytes(rng.randint(0, 64)) for _ in range(rng.randint(1, 4))]
                 if i % 3 == 0:
                     frames[0] = codec.MAGIC
-                (stranger if i % 2 else peer).send_multipart(frames)
+                stranger.send_multipart(frames) if i % 2 else to_peer(frames)
             for i in range(TRUNCATED):  # a valid message cut short: frames dropped or the body halved
                 frames = [bytes(f) for f in valid[i % len(valid)]]
                 if i % 2:
                     frames = frames[: rng.randint(1, 3)]
                 else:
                     frames[3] = frames[3][: len(frames[3]) // 2]
-                peer.send_multipart(frames)
+                to_peer(frames)
             for i in range(WRONG_VERSION):
                 frames = [bytes(f) for f in valid[i % len(valid)]]
                 frames[1] = struct.pack(">H", m.WIRE_VERSION + 1 + i % 50)
                 stranger.send_multipart(frames)
+                keep_alive()
             wrong_kind = [m.RequestBatch(step=0), m.TrainBatch(step=0, groups=(), prompt_ids=np.zeros(0, np.int32)),
                           m.WeightsPublished(version=99, uri="x", sha256="0" * 64)]  # fmt: skip
             for i in range(WRONG_KIND):  # well-formed, but not something a rollout worker may say
-                peer.send_multipart(codec.encode(wrong_kind[i % len(wrong_kind)]))
-                if i % 200 == 0:
-                    peer.send_multipart(valid[0])  # a heartbeat now and then keeps the peer alive
-                    replies += drain(peer)
-            for i in range(UNLEASED):  # results for groups it never held (some in flight elsewhere)
-                peer.send_multipart(codec.encode(sample(rng.randrange(0, 400), rng.randint(0, 6), epoch)))
-                if i % 200 == 0:
-                    peer.send_multipart(valid[0])
-                    replies += drain(peer)
+                to_peer(codec.encode(wrong_kind[i % len(wrong_kind)]))
+            for _ in range(UNLEASED):  # results for groups it never held (some in flight elsewhere)
+                to_peer(codec.encode(sample(rng.randrange(0, 400), rng.randint(0, 6), epoch)))
 
             def all_acks():
+                keep_alive()
                 replies.extend(drain(peer))
+                lost = [r for r in c.events("broker", "peer_lost") if r.get("peer") == "fuzz"]
+                assert not lost, f"the broker took the fuzzing peer for lost: {lost}"
                 return sum(len(x.acks) for x in replies if isinstance(x, m.ResultAcks)) >= UNLEASED
 
             wait_until(all_acks, 30, "an answer to every result")
