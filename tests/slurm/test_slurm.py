@@ -14,7 +14,7 @@ from dora.broker.journal import replay
 from dora.ops.audit import audit_run
 from tests.slurm.jobs import FINAL, events, job_env, submit, ts, wait_steps
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(420)]
 
 
 def test_an_sbatch_job_runs_every_process_as_a_step_and_its_output_shows_the_invariants(slurm, tiny_model, tmp_path):
@@ -54,6 +54,7 @@ def test_an_sbatch_job_runs_every_process_as_a_step_and_its_output_shows_the_inv
     )
 
 
+@pytest.mark.slow
 def test_the_early_warning_drains_the_learner_to_a_checkpoint_and_the_requeued_job_resumes(slurm, tiny_model, tmp_path):
     steps = 20
     env = job_env(tmp_path, tiny_model, f"core.total_steps={steps}", "learner.checkpoint_every=1000")

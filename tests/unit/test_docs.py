@@ -26,7 +26,7 @@ TRAIN = (
 )
 TEST = (
     "python3 -m venv .venv && .venv/bin/pip install -q -e '.[dev,vllm]' && .venv/bin/pip uninstall -q -y"
-    " torchvision torchaudio torchcodec triton && .venv/bin/python -m pytest -q -n logical"
+    " torchvision torchaudio torchcodec triton && .venv/bin/python -m pytest -q -n logical -m 'not slow'"
 )
 
 FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")

@@ -111,7 +111,7 @@ def tied_model(tiny_model, tmp_path_factory) -> pathlib.Path:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("tied", [pytest.param(False, marks=pytest.mark.slow), True], ids=["untied", "tied"])
 def test_two_gloo_ranks_take_the_one_rank_steps_and_write_its_folder(tied, tiny_model, tied_model, tmp_path):
     from safetensors.torch import load_file
 

@@ -18,7 +18,14 @@ from tests.live.test_model_run import torch_run, wait_steps
 pytestmark = pytest.mark.timeout(240)
 
 
-@pytest.mark.parametrize("family", zoo.FAMILIES)
+QUICK = ("gpt2", "gemma3", "qwen2_moe")
+"""The families of the default run: tied with Conv1D layers and learned positions, tied with sliding windows, and a
+mixture of experts. The others' live runs are ``slow``; in the default run every family still takes a sharded step
+and publishes its folder (tests/zoo/test_fsdp_families.py) and generates in the torch engine
+(tests/engines/test_torch_families.py)."""
+
+
+@pytest.mark.parametrize("family", [f if f in QUICK else pytest.param(f, marks=pytest.mark.slow) for f in zoo.FAMILIES])
 def test_a_family_trains_publishes_model_folders_and_resumes_after_its_learner_is_killed(zoo_model, tmp_path,
                                                                                         family):  # fmt: skip
     from transformers import AutoModelForCausalLM
