@@ -20,7 +20,7 @@ def events(path: pathlib.Path, event: str) -> list[dict]:
 
 
 def test_the_embedding_example_trains_with_its_own_engine_reward_and_loss(tmp_path, tiny_model):
-    steps = 6
+    steps = 3
     r = subprocess.run([sys.executable, str(EXAMPLE), "--set", f"run.dir={tmp_path}", "--set",
                         f"rollout.model={tiny_model}", "--set", f"core.total_steps={steps}"],
                        capture_output=True, text=True, timeout=200, cwd=tmp_path)  # fmt: skip

@@ -18,8 +18,13 @@ pytestmark = pytest.mark.timeout(300)
 GUESS = pathlib.Path(__file__).resolve().parents[2] / "examples" / "data" / "guess" / "train.jsonl"
 
 
-@pytest.mark.parametrize("engine", ["torch", pytest.param("vllm", marks=[pytest.mark.vllm, pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None, reason="the vllm extra is not installed")])])  # fmt: skip
+VLLM = pytest.param("vllm", marks=[pytest.mark.vllm, pytest.mark.slow, pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="the vllm extra is not installed")])  # fmt: skip
+"""A live run of vLLM workers' episodes is ``slow``: in the default run, vLLM ends turns where the torch engine
+does (tests/zoo/test_turns.py) and live episodes run on torch workers."""
+
+
+@pytest.mark.parametrize("engine", ["torch", VLLM])
 def test_episodes_train_with_one_version_per_turn_and_every_group_once(tmp_path, tiny_model, engine):
     steps = 4
     task = {"name": "dataset", "dataset": str(GUESS), "prompt_field": "question", "chat_template": True,
