@@ -143,8 +143,8 @@ def test_sigterm_drains_and_exits_0_within_10s(tmp_path, repeat):
     """T11: SIGTERM, SIGTERM and a second one 10 ms later (an impatient operator, or Slurm plus a wrapper), or
     SIGTERM every millisecond until the process is gone (one that lands while it exits must not kill it): every
     process says goodbye and exits 0 within 10 s, with no traceback."""
-    with cluster(tmp_path, {"core": {"total_steps": 1000}}) as c:
-        c.start(workers=2)
+    with cluster(tmp_path, {"core": {"total_steps": 1000, "min_workers": 2}}) as c:
+        c.start(workers=2)  # both workers serve before any signal (one still starting would exit without a word)
         wait_until(lambda: fetch(c.endpoint)["step"] >= 2, 30, "step 2")
         for name in ("w0", "learner", "w1", "broker"):
             started = time.monotonic()
@@ -306,7 +306,7 @@ def test_sigterm_while_starting_exits_0(tmp_path, tiny_model, after_s):
     with cluster(tmp_path, {"rollout": {"model": str(tiny_model)}, "learner": {"model": str(tiny_model)}}) as c:
         procs = {"w0": c.start_worker("w0", "torch"), "learner": c.start_learner("torch")}
         for name, proc in procs.items():  # torch is a second or more of imports before any event loop
-            wait_until(lambda p=proc: p.poll() is not None or maps(p.pid, "libtorch"), 20, f"{name} to import torch")
+            wait_until(lambda p=proc: p.poll() is not None or maps(p.pid, "libtorch"), 60, f"{name} to import torch")
         time.sleep(after_s)
         for name in procs:
             c.signal(name, signal.SIGTERM)
