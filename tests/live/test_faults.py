@@ -40,7 +40,10 @@ def identity_of(c: Cluster, name: str, min_groups: int = 1, besides: frozenset[s
     of its earlier processes (the broker keeps a killed one registered until its silence is noticed)."""
 
     def find():
-        snap = fetch(c.endpoint)
+        try:
+            snap = fetch(c.endpoint)
+        except TimeoutError:  # a loaded machine can keep an answer past the client's 5 s: ask again
+            return None
         for ident, row in snap["workers"].items():
             if ident in besides:
                 continue
