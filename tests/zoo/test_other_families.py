@@ -33,6 +33,7 @@ from dora.rollout.engines.base import EngineError
 from dora.rollout.engines.torch_engine import TorchEngine
 from dora.store import WeightStore
 from dora.wire import messages as m
+from tests.engines.test_torch_families import drain, full_logprobs
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -65,20 +66,6 @@ def build(tiny_model: pathlib.Path, out: pathlib.Path, model_type: str, *, weigh
         cfg.save_pretrained(out)
     tok.save_pretrained(out)
     return out
-
-
-def full_logprobs(model, prompt: list[int], tokens: list[int], temperature: float = 1.0) -> torch.Tensor:
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0].float()
-    logp = torch.log_softmax(logits[len(prompt) - 1 : -1] / temperature, -1)
-    return logp[torch.arange(len(tokens)), torch.tensor(tokens)]
-
-
-def drain(engine: TorchEngine) -> dict:
-    done = {}
-    while len(engine):
-        done.update({s.key: s for s in engine.step()})
-    return done
 
 
 def scored_exactly(folder: pathlib.Path, tmp_path: pathlib.Path, *, whole_rows: bool) -> None:
