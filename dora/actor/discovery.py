@@ -8,6 +8,11 @@ whenever the broker falls silent, so a restarted broker on another node or port 
 A requeued Slurm job starts over in the same run directory, where the previous attempt's file may
 still name a dead broker. The file records the job id and attempt that wrote it, and a process of a
 later attempt of the same job treats an older attempt's file as not written yet.
+
+A broker whose run is over marks its file finished before it leaves. A peer away when the broker said goodbye
+(reconnecting after being declared dead) learns there that the broker it served has ended its run, and exits,
+instead of calling an absent broker forever. Only the broker that welcomed the peer counts: a file a finished
+run left in the directory of a new one is no reason for a new peer to stop.
 """
 
 from __future__ import annotations
@@ -89,12 +94,33 @@ def wait_for_endpoint(
         delay = min(2 * delay, 2.0)
 
 
+def run_finished(target: str, broker_epoch: int) -> bool:
+    """Whether ``target`` is a discovery file in which the broker of ``broker_epoch`` says its run is over."""
+    if target.startswith(("tcp://", "ipc://", "inproc://")):
+        return False
+    try:
+        data = json.loads(pathlib.Path(target).read_text())
+    except (OSError, ValueError):
+        return False  # absent, or being replaced: not a finished run
+    return isinstance(data, dict) and data.get("finished") is True and data.get("broker_epoch") == broker_epoch
+
+
+def mark_finished(ready: dict[str, Any], discovery_file: str | None) -> None:
+    """Write the discovery file again, saying the run is over (atomically, like ``announce``)."""
+    if discovery_file:
+        write_atomically({**ready, "finished": True}, discovery_file)
+
+
+def write_atomically(data: dict[str, Any], path: str) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
+
+
 def announce(ready: dict[str, Any], discovery_file: str | None) -> None:
     """Print the ``ready`` line and, if asked, write it as the discovery file (atomically: a reader sees the
     old file or the new one, never half of one)."""
     if discovery_file:
-        tmp = f"{discovery_file}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(ready, f)
-        os.replace(tmp, discovery_file)
+        write_atomically(ready, discovery_file)
     print(json.dumps(ready), flush=True)

@@ -21,7 +21,7 @@ import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
 
 from dora.actor.cluster import ClusterInfo
-from dora.actor.discovery import advertised, announce
+from dora.actor.discovery import advertised, announce, mark_finished
 from dora.actor.security import Keys
 from dora.actor.signals import ignore_sigterm_while_exiting
 from dora.broker.actor import BrokerActor
@@ -155,6 +155,8 @@ async def serve(cfg: RunConfig, prompts: Callable[[int], np.ndarray], cluster: C
         announce(ready, cfg.broker.discovery_file)
         try:
             await actor.run(stop)
+            if actor.done.is_set():  # the run is over (not stopped): a peer away at the goodbye reads it here
+                mark_finished(ready, cfg.broker.discovery_file)
         finally:
             if http is not None:
                 http.close()

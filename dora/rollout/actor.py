@@ -56,11 +56,15 @@ class RolloutActor:
         *,
         clock: Callable[[], float] = time.monotonic,
         cluster: ClusterInfo | None = None,
+        run_finished: Callable[[int], bool] | None = None,
     ) -> None:
         self.cfg = cfg
         self.cluster = cluster or ClusterInfo(host=socket.gethostname())
         self.ctx = ctx
         self.endpoint = endpoint
+        self.run_finished = run_finished
+        """Whether the broker of this epoch has said it finished its run (its discovery file): asked when a session
+        is lost, so a worker away at the goodbye still leaves. None: nothing to ask (an endpoint was given)."""
         self.name = name
         self.engine = engine
         self.clock = clock
@@ -102,6 +106,9 @@ class RolloutActor:
                 await self.session(stop)
                 return 0
             except Reconnect as e:
+                if self.welcomed and self.run_finished is not None and self.run_finished(self.epoch):
+                    log.info("broker_finished", reason="its discovery file says the run is over", lost=str(e))
+                    return 0
                 if not self.welcomed and self.keys and self.clock() - started > self.cfg.security.auth_timeout_s:
                     log.error("broker_never_answered", reason=str(e), hint=HINT)
                     return 2

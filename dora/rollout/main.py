@@ -17,7 +17,7 @@ import uvloop
 import zmq.asyncio
 
 from dora.actor.cluster import ClusterInfo
-from dora.actor.discovery import resolve_endpoint, wait_for_endpoint
+from dora.actor.discovery import resolve_endpoint, run_finished, wait_for_endpoint
 from dora.actor.security import check_keys
 from dora.actor.signals import ignore_sigterm_while_exiting
 from dora.config import ConfigError, load
@@ -78,7 +78,8 @@ def main(argv: list[str]) -> int:
         return 2
     configure_logging(cfg.log, process="rollout", worker_id=args.name, **cluster.log_fields())
     endpoint = lambda: resolve_endpoint(args.broker, cluster)  # noqa: E731
-    return uvloop.run(serve(cfg, endpoint, args.name, args.engine, cluster, task))
+    finished = lambda epoch: run_finished(args.broker, epoch)  # noqa: E731
+    return uvloop.run(serve(cfg, endpoint, args.name, args.engine, cluster, task, finished))
 
 
 def on_cuda(device: str) -> bool:
@@ -150,7 +151,8 @@ def make_engine(cfg: RunConfig, kind: str, now: float, task: Any = None) -> Work
 
 
 async def serve(cfg: RunConfig, endpoint: Callable[[], str], name: str, kind: str = "sim",
-                cluster: ClusterInfo | None = None, task: Any = None) -> int:  # fmt: skip
+                cluster: ClusterInfo | None = None, task: Any = None,
+                run_finished: Callable[[int], bool] | None = None) -> int:  # fmt: skip
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -161,7 +163,9 @@ async def serve(cfg: RunConfig, endpoint: Callable[[], str], name: str, kind: st
     ctx = zmq.asyncio.Context()
     try:
         engine = make_engine(cfg, kind, loop.time(), task)
-        return await RolloutActor(cfg, ctx, endpoint, name, engine, clock=loop.time, cluster=cluster).run(stop)
+        return await RolloutActor(
+            cfg, ctx, endpoint, name, engine, clock=loop.time, cluster=cluster, run_finished=run_finished
+        ).run(stop)
     finally:
         ctx.destroy(linger=0)
         ignore_sigterm_while_exiting()

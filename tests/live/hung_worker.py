@@ -21,7 +21,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "examples")
 
 from custom_engine import MyEngine
 
-from dora.actor.discovery import resolve_endpoint
+from dora.actor.discovery import resolve_endpoint, run_finished
 from dora.config import load
 from dora.config.run import RunConfig
 from dora.logging import configure_logging
@@ -45,7 +45,8 @@ async def serve(cfg: RunConfig, broker: str, name: str, after: int) -> int:
     ctx = zmq.asyncio.Context()
     try:
         actor = RolloutActor(cfg, ctx, lambda: resolve_endpoint(broker), name, HungEngine(after),
-                             clock=asyncio.get_running_loop().time)  # fmt: skip
+                             clock=asyncio.get_running_loop().time,
+                             run_finished=lambda epoch: run_finished(broker, epoch))  # fmt: skip
         return await actor.run(stop)
     finally:
         ctx.destroy(linger=0)

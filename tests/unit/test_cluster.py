@@ -9,7 +9,15 @@ import pathlib
 import pytest
 
 from dora.actor.cluster import RENDEZVOUS_PORT_BASE, ClusterInfo, expand_hostlist
-from dora.actor.discovery import NotYetWritten, advertised, announce, resolve_endpoint, wait_for_endpoint
+from dora.actor.discovery import (
+    NotYetWritten,
+    advertised,
+    announce,
+    mark_finished,
+    resolve_endpoint,
+    run_finished,
+    wait_for_endpoint,
+)
 from dora.config import ConfigError
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -118,6 +126,20 @@ def test_a_discovery_file_from_an_earlier_attempt_of_the_job_is_not_the_broker(t
     announce({"endpoint": "tcp://n2:2", "slurm_job_id": "9", "slurm_restart": 1}, str(disc))
     assert resolve_endpoint(str(disc), second) == "tcp://n2:2"
     assert not list(tmp_path.glob("*.tmp"))  # written through a temporary file, renamed into place
+
+
+def test_a_finished_run_is_read_only_for_the_broker_that_wrote_it(tmp_path: pathlib.Path) -> None:
+    disc = tmp_path / "broker.json"
+    ready = {"endpoint": "tcp://n1:1", "broker_epoch": 7}
+    assert not run_finished(str(disc), 7)  # no file yet
+    announce(ready, str(disc))
+    assert not run_finished(str(disc), 7)  # serving
+    mark_finished(ready, str(disc))
+    assert run_finished(str(disc), 7) and resolve_endpoint(str(disc)) == "tcp://n1:1"
+    assert not run_finished(str(disc), 8)  # a peer of another broker (a new run in this directory) stays
+    assert not run_finished("tcp://n1:1", 7)  # an endpoint says nothing of the run
+    disc.write_text("{")
+    assert not run_finished(str(disc), 7)
 
 
 def test_waiting_for_a_discovery_file_that_appears(tmp_path: pathlib.Path) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import numpy as np
 import pytest
@@ -36,14 +36,17 @@ async def beat_until(broker: FakeBroker, pred) -> m.Heartbeat:
 
 
 @contextlib.asynccontextmanager
-async def welcomed_worker(*overrides: str) -> AsyncIterator[tuple[FakeBroker, RolloutActor, asyncio.Task[int]]]:
+async def welcomed_worker(
+    *overrides: str, run_finished: Callable[[int], bool] | None = None
+) -> AsyncIterator[tuple[FakeBroker, RolloutActor, asyncio.Task[int]]]:
     """A sim-engine worker that said hello to a fake broker and was welcomed; stopped at the end."""
     endpoint = f"inproc://broker-{uuid.uuid4().hex}"
     cfg = load(RunConfig, overrides=["broker.heartbeat_interval_s=0.05", "broker.liveness=100", *overrides])
     ctx = zmq.asyncio.Context()
     broker = FakeBroker(ctx, endpoint)
     loop = asyncio.get_running_loop()
-    worker = RolloutActor(cfg, ctx, endpoint, "w", make_engine(cfg, "sim", loop.time()), clock=loop.time)
+    worker = RolloutActor(cfg, ctx, endpoint, "w", make_engine(cfg, "sim", loop.time()), clock=loop.time,
+                          run_finished=run_finished)  # fmt: skip
     stop = asyncio.Event()
     task = asyncio.create_task(worker.run(stop))
     try:
@@ -107,3 +110,24 @@ async def test_the_run_finished_goodbye_ends_the_worker_even_with_a_weights_load
         broker.sock.close(linger=0)
         assert await asyncio.wait_for(task, 5) == 0
         assert worker.version != 3  # the pending load was dropped with the session
+
+
+async def test_a_worker_away_at_the_goodbye_leaves_once_the_broker_that_welcomed_it_says_its_run_is_over():
+    """Declared dead near the end, a worker can miss the goodbye: each lost session it asks whether the broker that
+    welcomed it (epoch 1) finished its run, and leaves (exit 0) when it did, instead of calling it forever."""
+    over: dict[int, bool] = {}
+    asked: list[int] = []
+
+    def finished(epoch: int) -> bool:
+        asked.append(epoch)
+        return over.get(epoch, False)
+
+    async with welcomed_worker(run_finished=finished) as (broker, _, task):
+        await broker.send(m.Disconnect(reason="stalled"))
+        await broker.expect(m.Hello)  # the run goes on: it says hello again
+        assert asked == [1] and not task.done()
+        await broker.welcome(newest=0)
+        over[1] = True
+        await broker.send(m.Disconnect(reason="stalled"))
+        assert await asyncio.wait_for(task, 5) == 0
+        assert asked == [1, 1]
