@@ -23,6 +23,7 @@ SHARED_MODULES = (
     "test_datasets.py",
     "test_sft_ranks.py",
     "test_sandbox.py",
+    "test_fsdp.py",
 )
 """Test files that run whole on one worker: module-scoped fixtures worth making once, and the sandbox's hostile
 programs (a fork bomb), which must not run beside each other: each checks that no sandboxed process is left."""

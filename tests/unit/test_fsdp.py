@@ -39,99 +39,21 @@ def batch() -> m.Batch:
 CFG = TrainerConfig(lr=1e-2, micro_batch=2)
 
 
-def rank_main(rank: int, world: int, port: int, model: str, store: str, cfg: TrainerConfig = CFG) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    done = False
-    try:
-        trainer = TorchTrainer(model, WeightStore(store), LossConfig(), cfg)
-        metrics = trainer.train(batch())
-        published = trainer.publish(1)
-        if rank == 0:
-            assert published is not None
-            torch.save({"metrics": metrics, "uri": published[0]}, pathlib.Path(store) / "rank0.pt")
-        else:
-            assert published is None
-        done = True
-    finally:
-        dist.destroy_process_group()
-    if done:  # skip the interpreter's exit-time destructors: gloo's threads have aborted a rank there whose
-        os._exit(0)  # peer had already gone ("terminate called without an active exception", SIGABRT)
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def test_two_rank_fsdp_step_equals_one_process_and_published_weights_serve(tiny_model, tmp_path):
-    mp.spawn(rank_main, args=(2, free_port(), str(tiny_model), str(tmp_path / "sharded")), nprocs=2, join=True)
-    out = torch.load(tmp_path / "sharded" / "rank0.pt")
-    single = TorchTrainer(tiny_model, WeightStore(tmp_path / "single"), LossConfig(), CFG)
-    before = {k: v.clone() for k, v in single.model.state_dict().items()}
-    want = single.train(batch())
-    from safetensors.torch import load_file
-
-    sharded = load_file(out["uri"].removeprefix("file://") + "/model.safetensors")
-    after = single.model.state_dict()
-    assert any(not torch.equal(before[k], after[k]) for k in after), "the step changed nothing"
-    # AdamW's first step moves each weight by about lr = 1e-2 whatever its gradient's size, so a gradient
-    # summed in another order can move a weight differently by a little: 1e-4 is 1% of one step. A weight
-    # whose gradient is near AdamW's eps is ill-conditioned (its step may flip): a handful may differ more,
-    # never by more than the two opposite steps
-    for k, v in after.items():
-        diff = (sharded[k] - v).abs()
-        assert diff.gt(1e-4).sum().item() <= max(1, v.numel() // 10_000), (k, diff.max().item())
-        assert diff.max().item() <= 2 * CFG.lr, k
-    for k in ("loss", "reward_mean", "grad_norm", "tokens", "clip_fraction"):
-        assert out["metrics"][k] == pytest.approx(want[k], rel=1e-4, abs=1e-6), k
-
-    from dora.rollout.engines.torch_engine import TorchEngine
-
-    engine = TorchEngine(tiny_model, version=0)
-    engine.load_weights(1, out["uri"].removeprefix("file://"), None)
-    seq = [11, 12, 13, 400, 401, 402]
-    with torch.no_grad():
-        got = engine.model(input_ids=torch.tensor([seq])).logits.float()
-        ref = single.model.eval()(input_ids=torch.tensor([seq])).logits.float()
-    assert torch.allclose(torch.log_softmax(got, -1), torch.log_softmax(ref, -1), atol=1e-4)
-    os.environ.pop("MASTER_ADDR", None)
-
-
-def test_bf16_mixed_precision_keeps_fp32_master_weights_and_follows_the_fp32_step(tiny_model, tmp_path):
-    """learner.dtype = bfloat16: FSDP2's MixedPrecisionPolicy over 2 ranks, autocast on one. The published
-    weights stay fp32, and each step moves the weights the way the fp32 step does (bf16 rounds the rest)."""
-    bf16 = TrainerConfig(lr=1e-2, micro_batch=2, dtype="bfloat16")
-    mp.spawn(rank_main, args=(2, free_port(), str(tiny_model), str(tmp_path / "sharded"), bf16), nprocs=2, join=True)
-    out = torch.load(tmp_path / "sharded" / "rank0.pt")
-    from safetensors.torch import load_file
-
-    sharded = load_file(out["uri"].removeprefix("file://") + "/model.safetensors")
-    ref = TorchTrainer(tiny_model, WeightStore(tmp_path / "fp32"), LossConfig(), CFG)
-    before = {k: v.clone() for k, v in ref.model.state_dict().items()}
-    want = ref.train(batch())
-    one = TorchTrainer(tiny_model, WeightStore(tmp_path / "one"), LossConfig(), bf16)
-    got_one = one.train(batch())
-    for name, got, weights in (("fsdp", out["metrics"], sharded), ("autocast", got_one, one.model.state_dict())):
-        assert all(v.dtype == torch.float32 for v in weights.values()), name
-        assert got["loss"] == pytest.approx(want["loss"], rel=0.05, abs=1e-3), name
-        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=0.05), name
-        delta = torch.cat([(weights[k] - before[k]).flatten() for k in before])
-        delta_fp32 = torch.cat([(ref.model.state_dict()[k] - before[k]).flatten() for k in before])
-        assert torch.cosine_similarity(delta, delta_fp32, dim=0) > 0.95, name
-        assert not torch.equal(delta, delta_fp32), f"{name}: bf16 computed exactly like fp32 (not applied?)"
-    os.environ.pop("MASTER_ADDR", None)
-
-
+BF16 = TrainerConfig(lr=1e-2, micro_batch=2, dtype="bfloat16")
 LAYOUTS = {
     "stride": TrainerConfig(lr=1e-2, micro_batch=2, balance="stride"),
     "budget+checkpointing": TrainerConfig(lr=1e-2, micro_batch_tokens=16, activation_checkpointing=True),
 }
 """Two ranks each: every world-th trajectory; and by tokens, in token-budget micro-batches (rank 0 needs six,
 rank 1 five, so rank 1 runs an empty pass to keep the collectives paired) with activation checkpointing."""
+RUNS = {"fp32": CFG, "bf16": BF16, **LAYOUTS}
+"""Every two-rank step of this file, taken by one pair of ranks (starting a pair costs more than its steps)."""
 
 
 def steps_main(rank: int, world: int, port: int, runs: dict[str, tuple[str, TrainerConfig]], root: str) -> None:
@@ -147,6 +69,7 @@ def steps_main(rank: int, world: int, port: int, runs: dict[str, tuple[str, Trai
             trainer = TorchTrainer(model, WeightStore(pathlib.Path(root) / name), LossConfig(), cfg)
             metrics = trainer.train(batch())
             published = trainer.publish(1)
+            assert (published is not None) == (rank == 0), "rank 0 publishes, and only rank 0"
             if rank == 0:
                 torch.save({"metrics": metrics, "uri": published[0]}, pathlib.Path(root) / f"{name}.pt")
         done = True
@@ -156,7 +79,74 @@ def steps_main(rank: int, world: int, port: int, runs: dict[str, tuple[str, Trai
         os._exit(0)
 
 
-def test_two_rank_steps_by_stride_and_by_token_budget_with_checkpointing_equal_one_process(tiny_model, tmp_path):
+@pytest.fixture(scope="module")
+def sharded(tiny_model, tmp_path_factory) -> pathlib.Path:
+    """Each run of ``RUNS`` stepped once by the same two gloo ranks; ``<root>/<run>.pt`` holds rank 0's metrics
+    and the URI of the version it published."""
+    root = tmp_path_factory.mktemp("sharded")
+    runs = {name: (str(tiny_model), cfg) for name, cfg in RUNS.items()}
+    mp.spawn(steps_main, args=(2, free_port(), runs, str(root)), nprocs=2, join=True)
+    os.environ.pop("MASTER_ADDR", None)
+    return root
+
+
+def test_two_rank_fsdp_step_equals_one_process_and_published_weights_serve(sharded, tiny_model, tmp_path):
+    out = torch.load(sharded / "fp32.pt")
+    single = TorchTrainer(tiny_model, WeightStore(tmp_path / "single"), LossConfig(), CFG)
+    before = {k: v.clone() for k, v in single.model.state_dict().items()}
+    want = single.train(batch())
+    from safetensors.torch import load_file
+
+    shards = load_file(out["uri"].removeprefix("file://") + "/model.safetensors")
+    after = single.model.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in after), "the step changed nothing"
+    # AdamW's first step moves each weight by about lr = 1e-2 whatever its gradient's size, so a gradient
+    # summed in another order can move a weight differently by a little: 1e-4 is 1% of one step. A weight
+    # whose gradient is near AdamW's eps is ill-conditioned (its step may flip): a handful may differ more,
+    # never by more than the two opposite steps
+    for k, v in after.items():
+        diff = (shards[k] - v).abs()
+        assert diff.gt(1e-4).sum().item() <= max(1, v.numel() // 10_000), (k, diff.max().item())
+        assert diff.max().item() <= 2 * CFG.lr, k
+    for k in ("loss", "reward_mean", "grad_norm", "tokens", "clip_fraction"):
+        assert out["metrics"][k] == pytest.approx(want[k], rel=1e-4, abs=1e-6), k
+
+    from dora.rollout.engines.torch_engine import TorchEngine
+
+    engine = TorchEngine(tiny_model, version=0)
+    engine.load_weights(1, out["uri"].removeprefix("file://"), None)
+    seq = [11, 12, 13, 400, 401, 402]
+    with torch.no_grad():
+        got = engine.model(input_ids=torch.tensor([seq])).logits.float()
+        ref = single.model.eval()(input_ids=torch.tensor([seq])).logits.float()
+    assert torch.allclose(torch.log_softmax(got, -1), torch.log_softmax(ref, -1), atol=1e-4)
+
+
+def test_bf16_mixed_precision_keeps_fp32_master_weights_and_follows_the_fp32_step(sharded, tiny_model, tmp_path):
+    """learner.dtype = bfloat16: FSDP2's MixedPrecisionPolicy over 2 ranks, autocast on one. The published
+    weights stay fp32, and each step moves the weights the way the fp32 step does (bf16 rounds the rest)."""
+    out = torch.load(sharded / "bf16.pt")
+    from safetensors.torch import load_file
+
+    shards = load_file(out["uri"].removeprefix("file://") + "/model.safetensors")
+    ref = TorchTrainer(tiny_model, WeightStore(tmp_path / "fp32"), LossConfig(), CFG)
+    before = {k: v.clone() for k, v in ref.model.state_dict().items()}
+    want = ref.train(batch())
+    one = TorchTrainer(tiny_model, WeightStore(tmp_path / "one"), LossConfig(), BF16)
+    got_one = one.train(batch())
+    for name, got, weights in (("fsdp", out["metrics"], shards), ("autocast", got_one, one.model.state_dict())):
+        assert all(v.dtype == torch.float32 for v in weights.values()), name
+        assert got["loss"] == pytest.approx(want["loss"], rel=0.05, abs=1e-3), name
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=0.05), name
+        delta = torch.cat([(weights[k] - before[k]).flatten() for k in before])
+        delta_fp32 = torch.cat([(ref.model.state_dict()[k] - before[k]).flatten() for k in before])
+        assert torch.cosine_similarity(delta, delta_fp32, dim=0) > 0.95, name
+        assert not torch.equal(delta, delta_fp32), f"{name}: bf16 computed exactly like fp32 (not applied?)"
+
+
+def test_two_rank_steps_by_stride_and_by_token_budget_with_checkpointing_equal_one_process(
+    sharded, tiny_model, tmp_path
+):
     from safetensors.torch import load_file
 
     from dora.balance import plan
@@ -166,20 +156,17 @@ def test_two_rank_steps_by_stride_and_by_token_budget_with_checkpointing_equal_o
     mine = [plan(sizes, groups, rank=r, world=2, balance="tokens", micro_batch=16, micro_batch_tokens=16)
             for r in range(2)]  # fmt: skip
     assert [sum(1 for part in p.micro_batches if part) for p in mine] == [6, 5], "an empty pass must be exercised"
-    runs = {name: (str(tiny_model), cfg) for name, cfg in LAYOUTS.items()}
-    mp.spawn(steps_main, args=(2, free_port(), runs, str(tmp_path / "sharded")), nprocs=2, join=True)
     for name, cfg in LAYOUTS.items():
-        out = torch.load(tmp_path / "sharded" / f"{name}.pt")
+        out = torch.load(sharded / f"{name}.pt")
         single = TorchTrainer(tiny_model, WeightStore(tmp_path / "single" / name), LossConfig(), cfg)
         before = {k: v.clone() for k, v in single.model.state_dict().items()}
         want = single.train(batch())
-        sharded = load_file(out["uri"].removeprefix("file://") + "/model.safetensors")
+        shards = load_file(out["uri"].removeprefix("file://") + "/model.safetensors")
         for k, v in single.model.state_dict().items():  # as in the test above: 1% of a step, a few ill-conditioned
-            diff = (sharded[k] - v).abs()
+            diff = (shards[k] - v).abs()
             assert diff.gt(1e-4).sum().item() <= max(1, v.numel() // 10_000), (name, k, diff.max().item())
             assert diff.max().item() <= 2 * cfg.lr, (name, k)
         assert any(not torch.equal(before[k], v) for k, v in single.model.state_dict().items()), name
         for k in ("loss", "grad_norm", "tokens", "clip_fraction"):
             assert out["metrics"][k] == pytest.approx(want[k], rel=1e-4, abs=1e-6), (name, k)
         assert out["metrics"]["rank_imbalance"] >= 1.0 and out["metrics"]["micro_batches"] >= want["micro_batches"] / 2
-    os.environ.pop("MASTER_ADDR", None)
