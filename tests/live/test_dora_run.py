@@ -98,36 +98,21 @@ def test_ctrl_c_stops_every_process(tmp_path):
             os.kill(pid, 0)
 
 
-def test_dora_run_trains_a_real_model_built_on_first_use_with_a_two_rank_fsdp_learner(tmp_path):
-    model = tmp_path / "model"
-    proc = dora_run(tmp_path, "examples/quickstart.toml", f"rollout.model={model}", "core.total_steps=3",
-                    "core.train_groups=4", "core.group_size=4", "learner.ranks=2")  # fmt: skip
-    out, _ = proc.communicate(timeout=280)
-    assert proc.returncode == 0, out
-    rundir = the_run(tmp_path)
-    rows = [json.loads(x) for x in (rundir / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 3 and all(r["tokens"] > 0 for r in rows)
-    assert (model / "config.json").is_file()  # built on first use
-    assert any((rundir / "weights").iterdir())  # published versions in the store
-    assert [p.name for p in sorted((rundir / "checkpoints").iterdir())] == ["ckpt-v3"]  # the last step's
-    log = [json.loads(x) for x in (rundir / "learner.log").read_text().splitlines() if x.startswith("{")]
-    assert [r["steps"] for r in log if r["event"] == "rank_done" and r["rank"] == 1] == [3]
-    assert [r["world"] for r in log if r["event"] == "rank_following"] == [2]
-
-
-def test_the_readme_first_command_in_miniature_warm_start_then_rl_with_held_out_evaluation(tmp_path, tiny_model):
-    """examples/arithmetic.toml as the README runs it (dora sft, then dora run from its model folder), only
-    shorter: one epoch, four steps of four groups, 12 held-out rows; the config, paths and reports stay those of the
-    example. The rollout workers evaluate every 2 versions on exactly that version, and dora run evaluates the
-    starting model and the final version itself."""
-    sft = tmp_path / "sft"
+def test_the_readme_first_command_in_miniature_warm_start_then_rl_with_held_out_evaluation(tmp_path):
+    """examples/arithmetic.toml as the README runs it (dora sft, which builds the starting model on first use,
+    then dora run from its model folder), only shorter: one epoch, four steps of four groups, 12 held-out rows,
+    and the learner sharded over two FSDP2 ranks; the config, paths and reports stay those of the example. The
+    rollout workers evaluate every 2 versions on exactly that version, and dora run evaluates the starting model
+    and the final version itself."""
+    model, sft = tmp_path / "model", tmp_path / "sft"
     r = subprocess.run([sys.executable, "-m", "dora", "sft", "--config", str(ROOT / "examples/arithmetic.toml"),
-                        "--set", f"sft.model={tiny_model}", "--set", f"sft.out={sft}", "--set", "sft.epochs=1"],
+                        "--set", f"sft.model={model}", "--set", f"sft.out={sft}", "--set", "sft.epochs=1"],
                        capture_output=True, text=True, timeout=240, cwd=ROOT)  # fmt: skip
     assert r.returncode == 0, r.stderr
+    assert (model / "config.json").is_file()  # built on first use
     assert "2000 rows of examples/data/arithmetic/train.jsonl" in r.stderr and (sft / "model.safetensors").is_file()
     proc = dora_run(tmp_path, "examples/arithmetic.toml", f"rollout.model={sft}", "core.total_steps=4",
-                    "core.train_groups=4", "eval.limit=12", "eval.every_steps=2")  # fmt: skip
+                    "core.train_groups=4", "eval.limit=12", "eval.every_steps=2", "learner.ranks=2")  # fmt: skip
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, out
     assert "dataset " in out and "2000 rows; 2000 groups make an epoch" in out
@@ -142,3 +127,10 @@ def test_the_readme_first_command_in_miniature_warm_start_then_rl_with_held_out_
     assert all(r["rows"] == 12 and r["samples"] == 1 and 0 <= r["accuracy"] <= 1 for r in rows)
     assert [r["version"] for r in rows if r.get("by") == "dora run"] == [0, 4]
     assert (rundir / "eval.png").stat().st_size > 10_000
+    steps = [json.loads(x) for x in (rundir / "metrics.jsonl").read_text().splitlines()]
+    assert len(steps) == 4 and all(r["tokens"] > 0 for r in steps)
+    assert any((rundir / "weights").iterdir())  # published versions in the store
+    assert [p.name for p in sorted((rundir / "checkpoints").iterdir())] == ["ckpt-v4"]  # the last step's
+    log = [json.loads(x) for x in (rundir / "learner.log").read_text().splitlines() if x.startswith("{")]
+    assert [r["steps"] for r in log if r["event"] == "rank_done" and r["rank"] == 1] == [4]
+    assert [r["world"] for r in log if r["event"] == "rank_following"] == [2]
