@@ -18,15 +18,13 @@ pytestmark = pytest.mark.timeout(300)
 GUESS = pathlib.Path(__file__).resolve().parents[2] / "examples" / "data" / "guess" / "train.jsonl"
 
 
-VLLM = pytest.param("vllm", marks=[pytest.mark.vllm, pytest.mark.slow, pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None, reason="the vllm extra is not installed")])  # fmt: skip
-"""A live run of vLLM workers' episodes is ``slow``: in the default run, vLLM ends turns where the torch engine
-does (tests/zoo/test_turns.py) and live episodes run on torch workers."""
-
-
-@pytest.mark.parametrize("engine", ["torch", VLLM])
-def test_episodes_train_with_one_version_per_turn_and_every_group_once(tmp_path, tiny_model, engine):
-    steps = 4
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="the vllm extra is not installed")
+def test_vllm_episodes_train_with_one_version_per_turn_and_every_group_once(tmp_path, tiny_model):
+    """A live run of vLLM workers' episodes is ``slow``: in the default run, vLLM ends turns where the torch engine
+    does (tests/zoo/test_turns.py), and live episodes run on torch workers (the next test)."""
+    steps, engine = 4, "vllm"
     task = {"name": "dataset", "dataset": str(GUESS), "prompt_field": "question", "chat_template": True,
             "env": "dora.envs.guess:Guess", "max_turns": 4, "max_episode_tokens": 96, "reward": None}  # fmt: skip
     overrides = torch_run(tmp_path, tiny_model, steps, min_workers=2, max_tokens=6, task=task,
@@ -90,7 +88,9 @@ def migrated_run(tmp_path: pathlib.Path, tiny_model: pathlib.Path) -> bool:
         assert c.wait("learner", 250) == 0, c.log("learner")[-3000:] + c.log("w0")[-3000:]
         assert c.wait("broker", 15) == 0, c.log("broker")[-3000:]
         audit = c.check_exactly_once()
+        # every trained episode's turns were checked against its group's version by the learner (C1 per turn)
         assert all(r["mixed"] == 0 for r in audit) and sum(r["turns"] for r in audit) > 4 * 4 * steps
+        assert [r["version"] for r in c.events("broker", "train_step")] == list(range(1, steps + 1))
         assigned: dict[str, int] = {}
         moved: set[int] = set()
         for r in c.events("broker"):
