@@ -7,7 +7,6 @@ import json
 import os
 import pathlib
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -159,47 +158,17 @@ def test_a_torch_learner_trains_and_standalone_and_elastic_workers_load_every_pu
         assert not [r for w in ("w0", "e") for r in c.events(w) if r.get("level") == "error"]
 
 
-def test_a_killed_torch_learner_resumes_from_its_checkpoint_and_trains_no_group_twice(tmp_path, tiny_model):
-    """kill -9 the learner mid-run; a new one loads the newest checkpoint (model, optimizer, RNG, trained
-    group ids), takes the weights it published after that checkpoint from the store, and finishes the run:
-    every version published once, no group trained twice."""
-    steps = 6
-    ckpt = tmp_path / "ckpt"
-    overrides = torch_run(tmp_path, tiny_model, steps, min_workers=1, max_tokens=12,
-                          learner={"checkpoint_dir": str(ckpt), "checkpoint_every": 1})  # fmt: skip
-    with cluster(tmp_path, overrides) as c:
-        c.start_broker()
-        c.start_worker("w0", "torch", "--model", str(tiny_model))
-        learner = ["learner", "--trainer", "torch", "--broker", str(tmp_path / "broker.json")]
-        c.spawn("learner", *learner)
-        wait_steps(c, 3, "learner")
-        c.signal("learner", signal.SIGKILL)
-        c.procs["learner"].wait(10)
-        newest = max(r["version"] for r in c.events("broker", "train_step"))
-        if (ckpt / f"ckpt-v{newest}").exists():  # as if the crash came between publishing and checkpointing
-            shutil.rmtree(ckpt / f"ckpt-v{newest}")
-        kept = max(int(p.name[6:]) for p in ckpt.glob("ckpt-v*"))
-        assert kept < newest
-        c.spawn("learner2", *learner)
-        assert c.wait("learner2", 200) == 0, c.log("learner2")[-3000:]
-        assert c.wait("broker", 15) == 0, c.log("broker")[-3000:]
-        [resumed] = c.events("learner2", "resumed_from_checkpoint")
-        assert resumed["version"] == kept and resumed["groups"] == 4 * kept
-        [adopted] = c.events("learner2", "weights_from_store")
-        assert (adopted["version"], adopted["optimizer_state_version"]) == (newest, kept)
-        assert [r["version"] for r in c.events("broker", "train_step")] == list(range(1, steps + 1))
-        trained = [g for r in c.audit() for g in r["groups"]]
-        assert len(trained) == len(set(trained)) >= 4 * (steps - newest)
-        assert [r["version"] for r in c.events("learner2", "checkpoint_saved")] == list(range(newest + 1, steps + 1))
-
-
-def test_sigusr1_drains_the_learner_to_a_checkpoint_and_sigterm_checkpoints_on_the_way_out(tmp_path, tiny_model):
+def test_a_learner_drained_stopped_or_killed_resumes_from_its_checkpoint_and_trains_no_group_twice(
+    tmp_path, tiny_model
+):
     """SIGUSR1 (Slurm's early warning): the learner finishes the step in flight, checkpoints and leaves with
     exit 0. SIGTERM to an idle learner: it checkpoints the version it holds and leaves. Each time a new
-    learner resumes from exactly that checkpoint, and the run ends with every group trained once."""
+    learner resumes from exactly that checkpoint. Then kill -9 mid-run, steps after that checkpoint: a new learner
+    loads the checkpoint (model, optimizer, RNG, trained group ids), takes the weights it published after it from
+    the store, and finishes the run: every version published once, every group trained once."""
     from dora.ops.audit import audit_run
 
-    steps = 20  # room to spare: the batches already out when w0 stops are trained before the SIGTERM
+    steps = 24  # room to spare: the batches already out when w0 stops are trained before the SIGTERM
     ckpt = tmp_path / "ckpt"
     overrides = torch_run(
         tmp_path,
@@ -209,7 +178,7 @@ def test_sigusr1_drains_the_learner_to_a_checkpoint_and_sigterm_checkpoints_on_t
         max_tokens=12,
         broker={"liveness": 40, "journal": str(tmp_path / "journal.jsonl")},
         learner={"checkpoint_dir": str(ckpt), "checkpoint_every": 1000},
-    )  # only signals, last step
+    )  # only signals, and the last step
 
     with cluster(tmp_path, overrides) as c:
         c.start_broker()
@@ -245,9 +214,23 @@ def test_sigusr1_drains_the_learner_to_a_checkpoint_and_sigterm_checkpoints_on_t
         assert c.events("learner2", "checkpoint_saved")[-1]["reason"] == "stopping"
 
         c.spawn("learner3", *learner)
-        assert c.wait("learner3", 200) == 0, c.log("learner3")[-3000:]
-        assert c.wait("broker", 15) == 0, c.log("broker")[-3000:]
+        wait_steps(c, last + 2, "learner3")
         assert c.events("learner3", "resumed_from_checkpoint")[0]["version"] == last
+        c.signal("learner3", signal.SIGKILL)  # as if the crash came after publishing, with no checkpoint since
+        c.procs["learner3"].wait(10)
+        newest = max(r["version"] for r in c.events("broker", "train_step"))
+        kept = max(int(p.name[6:]) for p in ckpt.glob("ckpt-v*"))
+        assert kept == last < newest < steps, (kept, last, newest)
+
+        c.spawn("learner4", *learner)
+        assert c.wait("learner4", 200) == 0, c.log("learner4")[-3000:]
+        assert c.wait("broker", 15) == 0, c.log("broker")[-3000:]
+        [resumed] = c.events("learner4", "resumed_from_checkpoint")
+        assert resumed["version"] == kept and resumed["groups"] == 4 * kept
+        [adopted] = c.events("learner4", "weights_from_store")
+        assert (adopted["version"], adopted["optimizer_state_version"]) == (newest, kept)
+        assert [r["version"] for r in c.events("broker", "train_step")] == list(range(1, steps + 1))
+        assert c.events("learner4", "checkpoint_saved")[-1]["version"] == steps
         c.check_exactly_once()
         report = audit_run(tmp_path / "journal.jsonl", tmp_path / "audit.jsonl", total_steps=steps)
         assert report.ok and report.finished, report.problems
