@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -163,15 +161,19 @@ def test_requests_held_while_vllm_sleeps_go_on_from_their_prefixes_on_the_same_w
 
 @pytest.mark.vllm
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="the vllm extra is not installed")
-def test_sleep_on_yield_where_vllm_cannot_sleep_is_one_clear_error(tiny_model):
+def test_sleep_on_yield_where_vllm_cannot_sleep_is_one_clear_error(tiny_model, capsys):
+    """`dora rollout`'s main in this process, which has imported vLLM already (a process of its own would spend
+    seconds importing it again)."""
     from dora.rollout.engines.vllm_engine import sleep_mode_available
+    from dora.rollout.main import main
 
     if sleep_mode_available():
         pytest.skip("vLLM can sleep on this platform")
-    argv = ["rollout", "--broker", "tcp://127.0.0.1:9", "--engine", "vllm", "--model", str(tiny_model), "--elastic",
+    argv = ["--broker", "tcp://127.0.0.1:9", "--engine", "vllm", "--model", str(tiny_model), "--elastic",
             "--set", "task.name=arithmetic", "--set", "rollout.sleep_on_yield=true"]  # fmt: skip
-    r = subprocess.run([sys.executable, "-m", "dora", *argv], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "sleep mode needs CUDA" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "sleep mode needs CUDA" in err and "Traceback" not in err and err.count("\n") == 1, err
 
 
 def test_weights_reload_in_place_verified_and_outputs_follow_them(new_engine, reference, tmp_path):
