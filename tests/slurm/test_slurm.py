@@ -89,7 +89,7 @@ def test_the_early_warning_drains_the_learner_to_a_checkpoint_and_the_requeued_j
 
 
 def test_scancel_stops_every_step_within_killwait_and_a_resubmitted_job_resumes(slurm, tiny_model, tmp_path):
-    steps = 20
+    steps = 10
     env = job_env(tmp_path, tiny_model, f"core.total_steps={steps}")
     job = submit(slurm, tmp_path, env)
     run = tmp_path / "run"
