@@ -88,6 +88,35 @@ class RolloutSection:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class LoraSection:
+    """LoRA (`[learner.lora]`): the torch learner trains low-rank adapters through the peft library, on a frozen
+    base model (learner.model), and each version it publishes is an adapter folder (adapter_config.json +
+    adapter_model.safetensors, as PEFT saves one) with its digest manifest. Only the adapters get gradients,
+    optimizer state and checkpoints."""
+
+    rank: int = 16
+    """The adapters' rank r: each targeted weight W is used as W + alpha / rank x B A, B (out x r), A (r x in)."""
+    alpha: float = 32.0
+    """The numerator of the adapters' scale alpha / rank."""
+    dropout: float = 0.0
+    """Dropout on an adapter's input while the learner takes a step (never where the engines sample); above 0, the
+    learner's log-probs of a trajectory see that noise, its behaviour log-probs do not."""
+    target_modules: tuple[str, ...] = ("all-linear",)
+    """The modules given adapters, by the last part of their name (q_proj, v_proj, c_attn, ...); ``all-linear``:
+    every linear layer but the output embedding (PEFT's rule)."""
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ConfigError(f"learner.lora.rank must be >= 1; got {self.rank}")
+        if self.alpha <= 0:
+            raise ConfigError(f"learner.lora.alpha must be > 0; got {self.alpha}")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"learner.lora.dropout must be in [0, 1); got {self.dropout}")
+        if not self.target_modules or not all(self.target_modules):
+            raise ConfigError("learner.lora.target_modules must name a module (or be ['all-linear'])")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class LearnerSection:
     """The learner (`dora learner`): its trainer, loss, weight store and checkpoints."""
 
@@ -171,6 +200,9 @@ class LearnerSection:
     """torch trainer on a GPU shared with elastic workers: after each publish its weights and optimizer state go to
     host memory, and come back for the next step (or a checkpoint), so the workers get the GPU's memory while the
     learner waits. No effect on a CPU."""
+    lora: LoraSection | None = None
+    """torch trainer: train LoRA adapters instead of every weight (the `[learner.lora]` table below); none: full
+    weights. Setting any of its keys turns it on."""
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):

@@ -134,7 +134,15 @@ def sections(config: type) -> list[tuple[str, type]]:
             tp = typing.get_type_hints(cls)[sub.name]
             if typing.get_origin(tp) is tuple and dataclasses.is_dataclass(typing.get_args(tp)[0]):
                 out.append((f"[{f.name}.{sub.name}]", typing.get_args(tp)[0]))
+            table = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)] if optional(tp) else []
+            if table:  # an optional table: `[section.key]`
+                out.append((f"{f.name}.{sub.name}", table[0]))
     return out
+
+
+def optional(tp: Any) -> bool:
+    """Whether ``tp`` is ``X | None``."""
+    return typing.get_origin(tp) in (types.UnionType, typing.Union) and type(None) in typing.get_args(tp)
 
 
 def about(cls: type) -> str:

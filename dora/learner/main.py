@@ -63,6 +63,10 @@ def main(argv: list[str]) -> int:
             from dora.learner.loss import resolve_loss
 
             loss_fn = resolve_loss(cfg.learner.loss)  # once, before any rank starts: a bad spec is one line
+            if cfg.learner.checkpoint_dir:
+                from dora.learner.checkpoint import check_resumable
+
+                check_resumable(cfg.learner.checkpoint_dir, adapters_only=cfg.learner.lora is not None)
     except (ConfigError, ValueError) as e:
         print(f"dora learner: {e}", file=sys.stderr)
         return 2
@@ -121,7 +125,7 @@ def make_trainer(cfg: RunConfig, loss_fn: Callable[..., Any] | None = None,
                        offload_between_steps=lc.offload_between_steps,
                        micro_batch_tokens=lc.micro_batch_tokens or None, balance=lc.balance,
                        activation_checkpointing=lc.activation_checkpointing, peak_tflops=lc.peak_tflops or None,
-                       publish_dtype=publish_dtype(cfg, device))  # fmt: skip
+                       publish_dtype=publish_dtype(cfg, device), lora=lc.lora)  # fmt: skip
     store = WeightStore(lc.store, shard_bytes=lc.publish_shard_mib << 20)
     trainer = TorchTrainer(lc.model, store, loss, tc, loss_fn=loss_fn or resolve_loss(lc.loss),
                            device=device)  # fmt: skip

@@ -71,16 +71,17 @@ class WeightStore:
         return str(self.manifest(version).digest)
 
     def publish(self, version: int, state: Mapping[str, torch.Tensor], *, beside: Mapping[str, bytes] | None = None,
-                dtype: torch.dtype | None = None) -> tuple[str, str, float]:  # fmt: skip
+                dtype: torch.dtype | None = None, file: str = FILE) -> tuple[str, str, float]:  # fmt: skip
         """Write ``state`` as version ``version`` (floating-point tensors cast to ``dtype`` first, on their device;
-        None: as they are), with the files ``beside`` it; returns (uri, digest, seconds)."""
+        None: as they are), with the files ``beside`` it; returns (uri, digest, seconds). ``file``: the weights'
+        file name (a LoRA version's is ``adapter_model.safetensors``, never sharded)."""
         started = time.perf_counter()
         self.clean()
         final = self.path(version)
         tmp = self.root / temp_name(f"v{version}")
         tmp.mkdir()
         try:
-            names, shown = self._write_weights(tmp, state, dtype)
+            names, shown = self._write_weights(tmp, state, dtype, file)
             for name, data in (beside or {}).items():
                 (tmp / name).write_bytes(data)
             written = time.perf_counter()
@@ -110,8 +111,8 @@ class WeightStore:
                  gb_per_s=round(manifest.bytes / seconds / 1e9, 2))  # fmt: skip
         return f"file://{final}", str(manifest.digest), seconds
 
-    def _write_weights(self, tmp: pathlib.Path, state: Mapping[str, torch.Tensor],
-                       dtype: torch.dtype | None) -> tuple[list[str], str | None]:  # fmt: skip
+    def _write_weights(self, tmp: pathlib.Path, state: Mapping[str, torch.Tensor], dtype: torch.dtype | None,
+                       file: str = FILE) -> tuple[list[str], str | None]:  # fmt: skip
         """The safetensors file(s) (and index) of ``state``; their names and the floating dtype written."""
         from safetensors.torch import save_file
 
@@ -125,13 +126,13 @@ class WeightStore:
             if t.is_floating_point():
                 floats.add(str(t.dtype).removeprefix("torch."))
             size = t.numel() * t.element_size()
-            if shards[-1] and sizes[-1] + size > self.shard_bytes:
+            if shards[-1] and sizes[-1] + size > self.shard_bytes and file == FILE:
                 shards.append({})
                 sizes.append(0)
             shards[-1][key] = t.contiguous().cpu()
             sizes[-1] += size
         n = len(shards)
-        names = [FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        names = [file] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         for name, shard in zip(names, shards, strict=True):
             save_file(shard, str(tmp / name), metadata={"format": "pt"})
         if n > 1:

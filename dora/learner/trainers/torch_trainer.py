@@ -29,7 +29,7 @@ import pathlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -37,12 +37,16 @@ from dora.balance import plan
 from dora.hf.folder import companion_files, with_dtype
 from dora.hf.tensors import blocks, padding_gap, publishable, tied_copies, with_copies
 from dora.hostmem import Parking, module_tensors
+from dora.learner import adapters
 from dora.learner.logprobs import CHUNK_BYTES
 from dora.learner.loss import LossConfig, LossFn, checked, group_advantages, policy_loss, uniform_groups
 from dora.learner.scoring import Scorer
 from dora.learner.throughput import flop_params, peak_tflops, speed
 from dora.store import WeightStore
 from dora.wire import messages as m
+
+if TYPE_CHECKING:
+    from dora.config.models import LoraSection
 
 
 def trained_tokens(s: m.TrainSample) -> int:
@@ -79,6 +83,8 @@ class TrainerConfig:
     """On a GPU: weights and optimizer state to host memory after each publish, back for the next use."""
     publish_dtype: str = "float32"
     """The dtype of the published versions' floating-point weights (the engines')."""
+    lora: LoraSection | None = None
+    """Train LoRA adapters on the frozen model (``dora.learner.adapters``); a version is an adapter folder."""
 
 
 class TorchTrainer:
@@ -99,6 +105,12 @@ class TorchTrainer:
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).to(self.device)
         self.copies = tied_copies(self.model)
         """Tied parameters' second names: published once, under the first (as ``save_pretrained`` does)."""
+        self.lora = adapters.inject(self.model, cfg.lora) if cfg.lora is not None else None
+        """The PEFT config of the adapters trained on the frozen model (a LoRA run), or None (full weights)."""
+        self.initial_adapters = {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad}
+        """A LoRA run's adapters as made (B zero: the start model's policy), for going back to version 0."""
+        if self.lora is None:
+            self.initial_adapters.clear()
         self.whole_rows = padding_gap(self.model) is not None or cfg.activation_checkpointing
         """Its sequences cannot be batched by left padding (layers that keep a state, or positions padding moves),
         or its blocks are checkpointed (a replay would write a shared prompt's cache twice): each sample is scored
@@ -116,6 +128,8 @@ class TorchTrainer:
         generation config and tokenizer files, so every version is a model folder."""
         if "config.json" in self.beside:
             self.beside["config.json"] = with_dtype(self.beside["config.json"], cfg.publish_dtype)
+        if self.lora is not None:  # an adapter folder: its config names the base model
+            self.beside = {adapters.ADAPTER_CONFIG: adapters.config_file(self.lora, base=self.model_dir)}
         self.trained_steps = 0
         """Steps taken since the weights were last loaded (from the model folder or a checkpoint)."""
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -131,13 +145,18 @@ class TorchTrainer:
                 fully_shard(block, mesh=mesh, mp_policy=mp)
             fully_shard(self.model, mesh=mesh, mp_policy=mp)
         self.model.eval()  # scored as the engines sample: no dropout (GPT-2's configs set 0.1); gradients still flow
+        if cfg.lora is not None and cfg.lora.dropout > 0:  # asked for: the adapters' own dropout, in the step only
+            for name, module in self.model.named_modules():
+                if name.endswith(f"lora_dropout.{adapters.NAME}"):
+                    module.train()
         if cfg.activation_checkpointing:  # a block checkpoints only in training mode: set on it alone, not its dropout
             from transformers.modeling_layers import GradientCheckpointingLayer
 
             for module in self.model.modules():
                 if isinstance(module, GradientCheckpointingLayer) and module.gradient_checkpointing:
                     module.training = True
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
+        trainable = [p for p in self.model.parameters() if p.requires_grad]  # every parameter, or the adapters
+        self.opt = torch.optim.AdamW(trainable, lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
         self.store = store
         self.loss_cfg = loss
         self.loss_fn = loss_fn
@@ -379,8 +398,9 @@ class TorchTrainer:
         started = time.perf_counter()
         assert self.cfg.checkpoint_dir is not None
         with self._on_device():
-            checkpoint.save(self.model, self.opt, self.cfg.checkpoint_dir, version=version, copies=self.copies,
-                            trained_groups=trained_groups, keep=self.cfg.keep_checkpoints)  # fmt: skip
+            checkpoint.save(self.model, self.opt, self.cfg.checkpoint_dir, version=version,
+                            copies=self.copies if self.lora is None else {}, trained_groups=trained_groups,
+                            keep=self.cfg.keep_checkpoints, frozen=self.lora is None)  # fmt: skip
         return time.perf_counter() - started
 
     def restore(self) -> dict[str, Any] | None:
@@ -395,13 +415,18 @@ class TorchTrainer:
         found = checkpoint.checkpoints(self.cfg.checkpoint_dir) if self.cfg.checkpoint_dir else []
         if found:
             self.trained_steps = 0
-            return checkpoint.load(self.model, self.opt, found[-1], copies=self.copies)
+            return checkpoint.load(self.model, self.opt, found[-1], copies=self.copies if self.lora is None else {},
+                                   frozen=self.lora is None)  # fmt: skip
         if self.trained_steps:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
             from transformers import AutoModelForCausalLM
 
-            initial = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).state_dict()
-            set_model_state_dict(self.model, initial, options=StateDictOptions(full_state_dict=True))
+            if self.lora is not None:  # the frozen model is the folder's still: the adapters as made
+                initial = self.initial_adapters
+            else:
+                initial = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).state_dict()
+            options = StateDictOptions(full_state_dict=True, strict=self.lora is None)
+            set_model_state_dict(self.model, initial, options=options)
             self.opt.state.clear()
             self.trained_steps = 0
         return None
@@ -411,9 +436,14 @@ class TorchTrainer:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         with self._on_device():
-            state = with_copies(self.store.load(version), self.copies)  # in the published dtype: made float32
+            state = self.store.load(version)  # in the published dtype: made float32
+            if self.lora is not None:  # an adapter folder: into the adapters, the frozen model as it is
+                state = {adapters.model_key(k): v for k, v in state.items()}
+            else:
+                state = with_copies(state, self.copies)
             state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
-            set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True))
+            options = StateDictOptions(full_state_dict=True, strict=self.lora is None)
+            set_model_state_dict(self.model, state, options=options)
 
     def publish(self, version: int) -> tuple[str, str, float] | None:
         """Write the version to the store. Sharded: a collective; rank 0 writes and returns, others None. Then,
@@ -427,11 +457,17 @@ class TorchTrainer:
                 return self._publish(version, self.model.state_dict())
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-            state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            options = StateDictOptions(
+                full_state_dict=True, cpu_offload=True, ignore_frozen_params=self.lora is not None
+            )
+            state = get_model_state_dict(self.model, options=options)
             return self._publish(version, state) if self.rank == 0 else None
         finally:
             self.offload()
 
     def _publish(self, version: int, state: dict[str, torch.Tensor]) -> tuple[str, str, float]:
+        if self.lora is not None:
+            return self.store.publish(version, adapters.adapter_state(state), beside=self.beside,
+                                      dtype=self.publish_dtype, file=adapters.ADAPTER_FILE)  # fmt: skip
         return self.store.publish(version, publishable(state, self.copies), beside=self.beside,
                                   dtype=self.publish_dtype)  # fmt: skip

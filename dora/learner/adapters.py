@@ -1,0 +1,83 @@
+"""LoRA: the learner trains low-rank adapters on a frozen base model, and a version is an adapter folder.
+
+The adapters are injected into the transformers model in place (``peft.inject_adapter_in_model``): the model keeps
+its class and module tree, so scoring, FSDP2's blocks and checkpointing see the same model as with full weights,
+with each targeted linear layer now holding its frozen ``base_layer`` and its ``lora_A`` / ``lora_B``. Only those
+adapter tensors take gradients and optimizer state.
+
+A published version holds the adapters alone, as PEFT saves them (what ``PeftModel.from_pretrained`` and vLLM's
+``LoRARequest`` load): ``adapter_config.json`` and ``adapter_model.safetensors`` whose keys read
+``base_model.model.<module>.lora_A.weight``. The base model is the run's start folder, named in the config.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import tempfile
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from dora.config.models import LoraSection
+
+ADAPTER_FILE = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+NAME = "default"
+"""The adapter's name inside the model (PEFT's default); published keys leave it out, as PEFT's saved files do."""
+SAVED = "base_model.model."
+"""The prefix of every key of a saved PEFT adapter (the PeftModel's path to the transformers model)."""
+
+
+def inject(model: torch.nn.Module, spec: LoraSection) -> Any:
+    """Add adapters to ``model``'s target modules, in place, and freeze everything else; returns the PEFT config
+    (its target modules resolved to the model's module names)."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    targets: str | list[str] = "all-linear" if spec.target_modules == ("all-linear",) else list(spec.target_modules)
+    config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=targets,
+                        bias="none", task_type="CAUSAL_LM")  # fmt: skip
+    try:
+        inject_adapter_in_model(config, model, adapter_name=NAME)
+    except ValueError as e:  # no module matched, or a module kind LoRA does not wrap
+        from dora.config import ConfigError
+
+        raise ConfigError(f"learner.lora.target_modules = {list(spec.target_modules)}: {e}") from None
+    for name, p in model.named_parameters():
+        p.requires_grad_(is_adapter(name))
+    return model.peft_config[NAME]
+
+
+def is_adapter(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def saved_key(name: str) -> str:
+    """A model parameter's name as a saved adapter names it: ``...q_proj.lora_A.default.weight`` ->
+    ``base_model.model....q_proj.lora_A.weight``."""
+    return SAVED + name.replace(f".lora_A.{NAME}.", ".lora_A.").replace(f".lora_B.{NAME}.", ".lora_B.")
+
+
+def model_key(key: str) -> str:
+    """The inverse of ``saved_key``."""
+    name = key.removeprefix(SAVED)
+    return name.replace(".lora_A.", f".lora_A.{NAME}.").replace(".lora_B.", f".lora_B.{NAME}.")
+
+
+def adapter_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapter tensors of a model state (full or adapters only), under their saved names."""
+    return {saved_key(k): v for k, v in state.items() if is_adapter(k)}
+
+
+def config_file(config: Any, base: str) -> bytes:
+    """``adapter_config.json`` as PEFT writes it, naming ``base`` and the target modules by their last part (every
+    module of that name is targeted, which is what the resolved list holds)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        config.save_pretrained(tmp)
+        data = json.loads((pathlib.Path(tmp) / ADAPTER_CONFIG).read_text())
+    data["base_model_name_or_path"] = base
+    if isinstance(data.get("target_modules"), list):
+        data["target_modules"] = sorted({m.rsplit(".", 1)[-1] for m in data["target_modules"]})
+    return (json.dumps(data, indent=2, sort_keys=True) + "\n").encode()

@@ -1,0 +1,128 @@
+"""The torch trainer with [learner.lora]: a step moves the adapters alone, a version is an adapter folder that PEFT
+loads into the same policy, checkpoints hold the adapters and their optimizer state, and a version adopted from
+the store puts its adapters back."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dora.config.models import LoraSection
+from dora.learner.checkpoint import CheckpointMismatch, check_resumable
+from dora.learner.loss import LossConfig
+from dora.learner.trainers.torch_trainer import TorchTrainer, TrainerConfig
+from dora.store import WeightStore
+from tests.unit.test_fsdp import batch
+
+LORA = TrainerConfig(lr=1e-2, micro_batch=2, lora=LoraSection(rank=4, alpha=8.0))
+
+
+def trainer(model, root, cfg: TrainerConfig = LORA) -> TorchTrainer:
+    return TorchTrainer(model, WeightStore(root / "store"), LossConfig(), cfg)
+
+
+def adapters_of(t: TorchTrainer) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in t.model.named_parameters() if p.requires_grad}
+
+
+def test_a_lora_step_moves_the_adapters_alone_and_its_version_is_an_adapter_folder_peft_loads(tiny_model, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    t = trainer(tiny_model, tmp_path)
+    frozen = {n: p.detach().clone() for n, p in t.model.named_parameters() if not p.requires_grad}
+    before = adapters_of(t)
+    assert before and all(".lora_A." in n or ".lora_B." in n for n in before)
+    assert all(not v.any() for n, v in before.items() if ".lora_B." in n)  # B starts at zero: version 0's policy
+    metrics = t.train(batch())
+    assert metrics["grad_norm"] > 0
+    assert all(torch.equal(p, frozen[n]) for n, p in t.model.named_parameters() if n in frozen), "the base moved"
+    after = adapters_of(t)
+    assert any(not torch.equal(after[n], before[n]) for n in before)
+    assert len(t.opt.state) == len(before)  # optimizer state for the adapters alone
+
+    uri, _, _ = t.publish(1)
+    folder = tmp_path / "store" / "v1"
+    assert uri == f"file://{folder}"
+    assert sorted(p.name for p in folder.iterdir()) == ["adapter_config.json", "adapter_model.safetensors",
+                                                        "manifest.json"]  # fmt: skip
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8.0 and config["base_model_name_or_path"] == str(tiny_model)
+    assert set(config["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                             "down_proj"}  # fmt: skip
+    saved = t.store.load(1)  # digest checked
+    assert set(saved) == set(load_file(str(folder / "adapter_model.safetensors")))
+    assert len(saved) == len(before) and all(k.startswith("base_model.model.model.layers.") for k in saved)
+
+    # PEFT's own loader on the start folder gives the trainer's policy
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32),
+                                     str(folder)).eval()  # fmt: skip
+    ids = torch.tensor([[11, 12, 13, 400, 401, 402]])
+    with torch.no_grad():
+        want = t.model(input_ids=ids).logits
+        got = peft(input_ids=ids).logits
+        base = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32)(input_ids=ids).logits
+    assert torch.allclose(got, want, atol=1e-5)
+    assert not torch.allclose(base, want, atol=1e-5), "the adapters changed nothing"
+
+
+def test_a_checkpoint_holds_the_adapters_and_their_optimizer_state_and_resumes_them(tiny_model, tmp_path):
+    cfg = TrainerConfig(lr=1e-2, micro_batch=2, lora=LoraSection(rank=4, alpha=8.0),
+                        checkpoint_dir=str(tmp_path / "ckpt"))  # fmt: skip
+    t = trainer(tiny_model, tmp_path, cfg)
+    t.train(batch())
+    t.checkpoint(1, [0, 1, 2])
+    state = load_file(str(tmp_path / "ckpt" / "ckpt-v1" / "state.safetensors"))
+    weights = [k for k in state if k.startswith("model/")]
+    assert weights and all(".lora_A." in k or ".lora_B." in k for k in weights), "the frozen model was written"
+    assert any(k.startswith("optim/") for k in state)
+
+    again = trainer(tiny_model, tmp_path, cfg)
+    meta = again.restore()
+    assert meta is not None and meta["version"] == 1 and meta["trained_groups"] == [0, 1, 2]
+    mine, theirs = adapters_of(t), adapters_of(again)
+    assert all(torch.equal(mine[n], theirs[n]) for n in mine)
+    slots = lambda tr: [s["exp_avg"] for s in tr.opt.state.values()]  # noqa: E731
+    assert all(torch.equal(a, b) for a, b in zip(slots(t), slots(again), strict=True))
+    # the next step is the one the first trainer takes
+    assert again.train(batch())["loss"] == pytest.approx(t.train(batch())["loss"], rel=1e-6)
+
+    check_resumable(tmp_path / "ckpt", adapters_only=True)
+    with pytest.raises(CheckpointMismatch, match="holds LoRA adapters; this learner trains full weights"):
+        check_resumable(tmp_path / "ckpt", adapters_only=False)
+
+
+def test_a_version_adopted_from_the_store_puts_its_adapters_back_and_none_goes_back_to_the_start(tiny_model, tmp_path):
+    t = trainer(tiny_model, tmp_path)
+    start = adapters_of(t)
+    t.train(batch())
+    t.publish(1)
+    trained = adapters_of(t)
+    other = trainer(tiny_model, tmp_path)
+    other.adopt(1)
+    assert all(torch.equal(trained[n], p) for n, p in adapters_of(other).items())
+    t.restore()  # no checkpoint: back to version 0, the adapters as made
+    assert all(torch.equal(start[n], p) for n, p in adapters_of(t).items())
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [("rank", 0, "rank must be >= 1"), ("alpha", 0.0, "alpha must be > 0"),
+     ("dropout", 1.0, r"dropout must be in \[0, 1\)"), ("target_modules", (), "target_modules must name a module")],
+)  # fmt: skip
+def test_bad_lora_settings_name_their_key(key, value, message):
+    from dora.config import ConfigError
+
+    with pytest.raises(ConfigError, match=f"learner.lora.{message}"):
+        LoraSection(**{key: value})
+
+
+def test_target_modules_that_match_nothing_are_one_config_error(tiny_model, tmp_path):
+    from dora.config import ConfigError
+
+    cfg = TrainerConfig(lr=1e-2, lora=LoraSection(target_modules=("no_such_proj",)))
+    with pytest.raises(ConfigError, match=r"learner\.lora\.target_modules = \['no_such_proj'\]"):
+        trainer(tiny_model, tmp_path, cfg)
