@@ -98,6 +98,7 @@ def test_ctrl_c_stops_every_process(tmp_path):
             os.kill(pid, 0)
 
 
+@pytest.mark.timeout(600)  # CPU-bound (about 110 CPU-s) and each of its two commands may take 240 s when starved
 def test_the_readme_first_command_in_miniature_warm_start_then_rl_with_held_out_evaluation(tmp_path):
     """examples/arithmetic.toml as the README runs it (dora sft, which builds the starting model on first use,
     then dora run from its model folder), only shorter: one epoch, four steps of four groups, 12 held-out rows,

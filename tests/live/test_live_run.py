@@ -37,15 +37,28 @@ def run_and_check(c, workers: int, steps: int) -> None:
     assert "invariant" not in c.log("broker").lower().replace("invariants", "")
 
 
+@pytest.mark.timeout(300)
 def test_twenty_step_dora_run_with_three_workers_keeps_every_invariant_and_migrates(tmp_path):
     """Migration needs a same-version peer that stays. The fleet starts together (core.min_workers), so
-    the first versions are spread over every worker and a re-partition has peers to hand groups to."""
+    the first versions are spread over every worker and a re-partition has peers to hand groups to. Whether a
+    re-partition finds a worker still holding requests depends on where they are at that moment: on a loaded
+    machine a run can drain each worker before it moves. Every run is checked whole; the scenario runs again (at
+    most three times) until one of them migrates."""
+    for attempt in range(3):
+        if migrated_run(tmp_path / f"run{attempt}"):
+            return
+    pytest.fail("no request was migrated in three runs")
+
+
+def migrated_run(tmp_path) -> bool:
+    """One 20-step run of three workers, every invariant checked; True if a request was migrated (and then only
+    between workers of one version)."""
+    tmp_path.mkdir()
     with cluster(tmp_path, {"core": {"min_workers": 3}}) as c:
         run_and_check(c, workers=3, steps=20)
         assert len(c.events("broker", "fleet_ready")) == 1
-        migrations = c.events("broker", "migration")
-        assert migrations, "no request was migrated"
         assigned = {}
+        migrations = c.events("broker", "migration")
         for r in c.events("broker"):
             if r["event"] == "worker_assigned":
                 assigned[r["worker"]] = r["version"]
@@ -53,6 +66,7 @@ def test_twenty_step_dora_run_with_three_workers_keeps_every_invariant_and_migra
                 assert r["source"] != r["target"]
                 assert assigned[r["source"]] == assigned[r["target"]] == r["version"], (r, assigned)
                 assert r["requests"] >= 1 and r["tokens_moved"] >= 0
+        return bool(migrations)
 
 
 def test_an_elastic_worker_yields_for_every_step_and_every_group_is_trained_once(tmp_path):
