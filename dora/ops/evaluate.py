@@ -50,7 +50,8 @@ def eval_engine(cfg: RunConfig, model: str) -> Any:  # -> TorchEngine
 
     r = cfg.rollout
     return TorchEngine(model, max_slots=r.slots or cfg.engine.max_slots, device=r.device,
-                       dtype=r.engine_dtype(r.device == "cuda" or r.device.startswith("cuda:")), version=0)  # fmt: skip
+                       dtype=r.engine_dtype(r.device == "cuda" or r.device.startswith("cuda:")), version=0,
+                       lora=cfg.learner.lora)  # fmt: skip
 
 
 def evaluate_on(engine: Any, task: Any, cfg: RunConfig, *, limit: int | None) -> dict[str, Any]:

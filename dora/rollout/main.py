@@ -88,7 +88,10 @@ def on_cuda(device: str) -> bool:
 
 
 def check_engine(engine: str, cfg: RunConfig) -> None:
-    """What the engine cannot run: tensor parallelism is vLLM's."""
+    """What the engine cannot run: tensor parallelism is vLLM's; adapter versions (learner.lora) the torch engine's."""
+    if engine == "vllm" and cfg.learner.lora is not None:
+        raise ConfigError("learner.lora: vLLM workers do not load adapter versions in this dora yet; LoRA runs use "
+                          "run.engine = 'torch'")  # fmt: skip
     if engine != "vllm" and cfg.rollout.tensor_parallel_size > 1:
         raise ConfigError(f"rollout.tensor_parallel_size = {cfg.rollout.tensor_parallel_size}: only the vllm engine "
                           f"shards a model over several devices; the {engine} engine runs on one")  # fmt: skip
@@ -137,7 +140,8 @@ def make_engine(cfg: RunConfig, kind: str, now: float, task: Any = None) -> Work
 
             sleeps = r.elastic and r.sleep_on_yield
             engine = TorchEngine(r.model, max_slots=slots, device=r.device, dtype=r.engine_dtype(on_cuda(r.device)),
-                                 max_model_len=r.max_model_len, sleep_on_yield=sleeps)  # fmt: skip
+                                 max_model_len=r.max_model_len, sleep_on_yield=sleeps,
+                                 lora=cfg.learner.lora)  # fmt: skip
             return StepWorkerEngine(engine, task, held_out)
         from dora.rollout.engines.vllm_engine import VllmEngine
 

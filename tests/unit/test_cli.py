@@ -107,6 +107,10 @@ def test_sim_bad_input_is_one_clear_error(args, fragment):
      (["run", "--set", "core.total_steps=1", "--set", "run.engine=torch", "--set", "rollout.sleep_on_yield=true"],
       "shares cores, not accelerator memory"),
      (["learner", "--trainer", "sim", "--broker", "tcp://127.0.0.1:9", "--set", "run.time_scale=0"], "time_scale"),
+     (["run", "--set", "core.total_steps=1", "--set", "run.engine=vllm", "--set", "learner.lora.rank=4"],
+      "vLLM workers do not load adapter versions"),
+     (["learner", "--trainer", "sim", "--broker", "tcp://127.0.0.1:9", "--set", "learner.lora.rank=0"],
+      "learner.lora.rank must be >= 1"),
      (["chaos", "--upstream", "tcp://127.0.0.1:9", "--drop", "0.7", "--delay", "0.5"], "add up to more than 1"),
      (["chaos", "--upstream", "tcp://127.0.0.1:9", "--bind", "nonsense://x"], "cannot bind")],
 )  # fmt: skip

@@ -126,3 +126,28 @@ def test_target_modules_that_match_nothing_are_one_config_error(tiny_model, tmp_
     cfg = TrainerConfig(lr=1e-2, lora=LoraSection(target_modules=("no_such_proj",)))
     with pytest.raises(ConfigError, match=r"learner\.lora\.target_modules = \['no_such_proj'\]"):
         trainer(tiny_model, tmp_path, cfg)
+
+
+def test_a_torch_engine_of_a_lora_run_loads_an_adapter_version_into_the_trainers_policy(tiny_model, tmp_path):
+    """The engine starts as the start model (its adapters' B zero: version 0) and a published version's adapters,
+    copied in after their digest is checked, give the trainer's logits. Adapters of another rank are refused."""
+    from dora.rollout.engines.base import EngineError
+    from dora.rollout.engines.torch_engine import TorchEngine
+
+    t = trainer(tiny_model, tmp_path)
+    ids = torch.tensor([[11, 12, 13, 400, 401, 402]])
+    engine = TorchEngine(tiny_model, version=0, lora=LORA.lora)
+    base = TorchEngine(tiny_model, version=0)
+    with torch.no_grad():
+        assert torch.allclose(engine.model(input_ids=ids).logits, base.model(input_ids=ids).logits, atol=1e-6)
+    t.train(batch())
+    t.publish(1)
+    engine.load_weights(1, t.store.path(1), t.store.digest(1))
+    with torch.no_grad():
+        want = t.model(input_ids=ids).logits
+        assert torch.allclose(engine.model(input_ids=ids).logits, want, atol=1e-5)
+        assert not torch.allclose(base.model(input_ids=ids).logits, want, atol=1e-5)
+    assert engine.version == 1
+    other = TorchEngine(tiny_model, version=0, lora=LoraSection(rank=8, alpha=8.0))
+    with pytest.raises(EngineError, match=r"v1: .*adapters of rank 4 and alpha 8\.0, this engine's have rank 8"):
+        other.load_weights(1, t.store.path(1), t.store.digest(1))

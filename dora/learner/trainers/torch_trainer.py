@@ -34,10 +34,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dora.balance import plan
+from dora.hf import lora as adapters
 from dora.hf.folder import companion_files, with_dtype
 from dora.hf.tensors import blocks, padding_gap, publishable, tied_copies, with_copies
 from dora.hostmem import Parking, module_tensors
-from dora.learner import adapters
 from dora.learner.logprobs import CHUNK_BYTES
 from dora.learner.loss import LossConfig, LossFn, checked, group_advantages, policy_loss, uniform_groups
 from dora.learner.scoring import Scorer
@@ -84,7 +84,7 @@ class TrainerConfig:
     publish_dtype: str = "float32"
     """The dtype of the published versions' floating-point weights (the engines')."""
     lora: LoraSection | None = None
-    """Train LoRA adapters on the frozen model (``dora.learner.adapters``); a version is an adapter folder."""
+    """Train LoRA adapters on the frozen model (``dora.hf.lora``); a version is an adapter folder."""
 
 
 class TorchTrainer:

@@ -49,12 +49,13 @@ import hashlib
 import pathlib
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from dora.hf.folder import facts
+from dora.hf.lora import inject, load_adapters
 from dora.hf.tensors import padding_gap, tied_copies
 from dora.hostmem import Parking, module_tensors
 from dora.ids import Finish
@@ -62,6 +63,9 @@ from dora.rollout.engines.attention import install
 from dora.rollout.engines.base import EngineError, Sample
 from dora.rollout.engines.batch import Running
 from dora.store import InPlaceUnfit, load_into, load_verified
+
+if TYPE_CHECKING:
+    from dora.config.models import LoraSection
 
 
 @dataclass(slots=True, kw_only=True)
@@ -97,10 +101,12 @@ class TorchEngine:
 
     def __init__(self, model_dir: str | pathlib.Path, *, max_slots: int = 64, device: str = "cpu",
                  dtype: str = "float32", version: int | None = None, sleep_on_yield: bool = False,
-                 max_model_len: int | None = None, cuda_graphs: bool | None = None) -> None:  # fmt: skip
+                 max_model_len: int | None = None, cuda_graphs: bool | None = None,
+                 lora: LoraSection | None = None) -> None:  # fmt: skip
         """``sleep_on_yield``: ``sleep`` gives the accelerator's memory back (otherwise it is a no-op);
         ``max_model_len``: a sequence ends (LENGTH) when prompt + tokens reach it (None: the model's own limit);
-        ``cuda_graphs``: decode steps replay CUDA graphs (None: on a CUDA device)."""
+        ``cuda_graphs``: decode steps replay CUDA graphs (None: on a CUDA device); ``lora``: the run trains these
+        adapters (``dora.hf.lora``), and its versions are adapter folders."""
         from transformers import AutoModelForCausalLM
 
         self.device = torch.device(device)
@@ -119,6 +125,11 @@ class TorchEngine:
         self.max_len = max_model_len or found.max_positions or 1 << 62
         self.copies = tied_copies(self.model)
         """Tied parameters' second names (not in a published version: they follow the tensor they share)."""
+        self.lora = None
+        if lora is not None:  # before the attention kernel and the decode graphs take the model's modules
+            self.lora = inject(self.model, lora)
+            self.model.to(self.device, dtype=getattr(torch, dtype)).eval()
+        """The PEFT config of the adapters a LoRA run's versions fill (B zero until then: the start model)."""
         self.max_slots = max_slots
         self.version = version
         kernel = install(self.model)  # grouped decode attention over the model's own
@@ -154,6 +165,14 @@ class TorchEngine:
                 self.sleep()
         if self.batch or self.waiting:
             raise EngineError(f"cannot load v{version}: {len(self.running) + len(self.waiting)} requests are running")
+        if self.lora is not None:
+            state = read_weights(version, path, digest, device=str(self.device))
+            try:
+                load_adapters(self.model, pathlib.Path(path), state, self.lora)
+            except ValueError as e:
+                raise EngineError(f"v{version}: {e}") from None
+            self.version = version
+            return
         if digest is not None and self._loaded_from is not None:
             try:
                 self._loaded_from = self._load_in_place(version, path, digest)

@@ -8,6 +8,9 @@ adapter tensors take gradients and optimizer state.
 A published version holds the adapters alone, as PEFT saves them (what ``PeftModel.from_pretrained`` and vLLM's
 ``LoRARequest`` load): ``adapter_config.json`` and ``adapter_model.safetensors`` whose keys read
 ``base_model.model.<module>.lora_A.weight``. The base model is the run's start folder, named in the config.
+
+A torch engine of a LoRA run injects the same adapters into its model when it starts (B zero: version 0 is the
+start model), and loading a version copies that version's adapter tensors into them (``load_adapters``).
 """
 
 from __future__ import annotations
@@ -81,3 +84,31 @@ def config_file(config: Any, base: str) -> bytes:
     if isinstance(data.get("target_modules"), list):
         data["target_modules"] = sorted({m.rsplit(".", 1)[-1] for m in data["target_modules"]})
     return (json.dumps(data, indent=2, sort_keys=True) + "\n").encode()
+
+
+def load_adapters(model: torch.nn.Module, folder: pathlib.Path, state: Mapping[str, torch.Tensor],
+                  config: Any) -> None:  # fmt: skip
+    """Copy a published adapter version (its checked tensors ``state``, under saved names, and the
+    ``adapter_config.json`` of ``folder``) into the adapters ``inject`` gave ``model`` (its PEFT ``config``).
+    ValueError, with nothing copied, when the version's adapters are not those: another rank, scale or module set."""
+    import torch
+
+    try:
+        theirs = json.loads((folder / ADAPTER_CONFIG).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{folder}: not an adapter folder ({ADAPTER_CONFIG}: {e})") from None
+    if (theirs.get("r"), float(theirs.get("lora_alpha", 0))) != (config.r, float(config.lora_alpha)):
+        raise ValueError(f"{folder}: adapters of rank {theirs.get('r')} and alpha {theirs.get('lora_alpha')}, this "
+                         f"engine's have rank {config.r} and alpha {config.lora_alpha} (learner.lora)")  # fmt: skip
+    params = {n: p for n, p in model.named_parameters() if is_adapter(n)}
+    incoming = {model_key(k): v for k, v in state.items()}
+    if incoming.keys() != params.keys():
+        extra, missing = sorted(incoming.keys() - params.keys()), sorted(params.keys() - incoming.keys())
+        raise ValueError(f"{folder}: its adapters are not this engine's: extra {extra[:3]}, missing {missing[:3]}")
+    bad = [n for n, p in params.items() if p.shape != incoming[n].shape]
+    if bad:
+        raise ValueError(f"{folder}: adapter {bad[0]} is {tuple(incoming[bad[0]].shape)}, the engine's "
+                         f"{tuple(params[bad[0]].shape)}")  # fmt: skip
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(incoming[n])
