@@ -160,7 +160,11 @@ async def serve(cfg: RunConfig, endpoint: str, kind: str = "sim", world: int = 1
         trainer: Trainer = SimTrainer(cfg)
         resumed, leader = None, None
         if kind == "torch":
-            trainer, resumed = make_trainer(cfg, loss_fn, device)
+            try:
+                trainer, resumed = make_trainer(cfg, loss_fn, device)
+            except ConfigError as e:  # found on the model itself (learner.lora.target_modules matching nothing)
+                print(f"dora learner: {e}", file=sys.stderr)
+                return 2
             if world > 1:
                 from dora.learner.ranks import Leader
 

@@ -166,7 +166,11 @@ async def serve(cfg: RunConfig, endpoint: Callable[[], str], name: str, kind: st
     loop.add_signal_handler(signal.SIGUSR1, lambda: structlog.get_logger().info("signal_ignored", signal="SIGUSR1"))
     ctx = zmq.asyncio.Context()
     try:
-        engine = make_engine(cfg, kind, loop.time(), task)
+        try:
+            engine = make_engine(cfg, kind, loop.time(), task)
+        except ConfigError as e:  # found on the model itself (learner.lora.target_modules matching nothing)
+            print(f"dora rollout: {e}", file=sys.stderr)
+            return 2
         return await RolloutActor(
             cfg, ctx, endpoint, name, engine, clock=loop.time, cluster=cluster, run_finished=run_finished
         ).run(stop)

@@ -151,3 +151,15 @@ def test_a_torch_engine_of_a_lora_run_loads_an_adapter_version_into_the_trainers
     other = TorchEngine(tiny_model, version=0, lora=LoraSection(rank=8, alpha=8.0))
     with pytest.raises(EngineError, match=r"v1: .*adapters of rank 4 and alpha 8\.0, this engine's have rank 8"):
         other.load_weights(1, t.store.path(1), t.store.digest(1))
+
+
+def test_dora_learner_says_in_one_line_that_target_modules_match_nothing(tiny_model):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "dora", "learner", "--trainer", "torch", "--broker", "tcp://127.0.0.1:9",
+                        "--model", str(tiny_model), "--set", 'learner.lora.target_modules=["no_such_proj"]'],
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    lines = [x for x in r.stderr.splitlines() if x.startswith("dora learner:")]
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert len(lines) == 1 and "learner.lora.target_modules = ['no_such_proj']" in lines[0], r.stderr
