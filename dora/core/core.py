@@ -93,6 +93,9 @@ class Core:
         """True once min_workers workers have joined and loaded their weights; leasing starts then and never stops
         for it again. (Counting joins alone, the first worker to load would take every group the watermark allows
         while the others still load, and the fleet would not start together.)"""
+        self.lost_unready = 0
+        """Workers lost before the fleet was ready: they count towards min_workers, which they no longer hold back
+        (a fleet waiting for a worker that died while loading would wait forever)."""
         self.yielding: set[WorkerId] = set()
         """Elastic workers told to yield for the batch taken that have not answered yet."""
         self.held: DeliverBatch | None = None
@@ -110,7 +113,7 @@ class Core:
         full = self._apply(event, out)
         self._deliver(out)
         self._orchestrate(out, full=full)
-        if not self.fleet_ready and self._ready_workers() >= self.cfg.min_workers:
+        if not self.fleet_ready and self._ready_workers() + self.lost_unready >= self.cfg.min_workers:
             self.fleet_ready = True
         if self.fleet_ready:
             dispatch(self.scheduler, self.transfer.step, out)
@@ -171,6 +174,7 @@ class Core:
                 if w not in sched.workers:
                     out.emit(Refused(reason="unknown_worker", worker_id=w))
                     return False
+                self.lost_unready += not self.fleet_ready
                 self._lose(w, out)
                 return self.cfg.mode is Mode.DORA
             case LeaseLost(worker_id=w, group_id=g, attempt=a):

@@ -442,3 +442,15 @@ def test_the_first_leases_wait_until_min_workers_have_loaded_and_are_shared_amon
     assert not core.fleet_ready and not core.scheduler.flights, "b joined but has not loaded: nothing leased"
     leases = of(core.handle(0, WeightsLoaded(worker_id="b", version=assign.version)), Lease)
     assert core.fleet_ready and {x.worker_id for x in leases} == {"a", "b"}, leases
+
+
+def test_a_worker_lost_before_the_fleet_is_ready_no_longer_holds_it_back():
+    """min_workers = 2 and b dies while it loads: a alone starts the run once it has loaded, instead of waiting
+    for b forever."""
+    core = Core(cfg(min_workers=2, rollout_groups=None))
+    (assign,) = of(core.handle(0, WorkerJoined(worker_id="a", slots=64)), Assign)
+    core.handle(0, WorkerJoined(worker_id="b", slots=64))
+    core.handle(0, WorkerLost(worker_id="b"))
+    assert not core.fleet_ready and not core.scheduler.flights, "a has not loaded yet"
+    leases = of(core.handle(0, WeightsLoaded(worker_id="a", version=assign.version)), Lease)
+    assert core.fleet_ready and leases and {x.worker_id for x in leases} == {"a"}, leases
