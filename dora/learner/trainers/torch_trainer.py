@@ -107,10 +107,9 @@ class TorchTrainer:
         """Tied parameters' second names: published once, under the first (as ``save_pretrained`` does)."""
         self.lora = adapters.inject(self.model, cfg.lora) if cfg.lora is not None else None
         """The PEFT config of the adapters trained on the frozen model (a LoRA run), or None (full weights)."""
-        self.initial_adapters = {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad}
+        self.initial_adapters = {n: p.detach().clone() for n, p in self.model.named_parameters()
+                                 if self.lora is not None and p.requires_grad}  # fmt: skip
         """A LoRA run's adapters as made (B zero: the start model's policy), for going back to version 0."""
-        if self.lora is None:
-            self.initial_adapters.clear()
         self.whole_rows = padding_gap(self.model) is not None or cfg.activation_checkpointing
         """Its sequences cannot be batched by left padding (layers that keep a state, or positions padding moves),
         or its blocks are checkpointed (a replay would write a shared prompt's cache twice): each sample is scored
