@@ -178,6 +178,9 @@ class BrokerActor:
 
     def on_frames(self, frames: list[Any]) -> None:
         identity = bytes(frames[0])
+        peer = self.peers.get(identity)
+        if peer is not None:  # any frame from a peer, a bad one too, says it is there: silence is no frame at all
+            self.liveness.heard(peer.worker, self.clock())
         try:
             msg = codec.decode(frames[1:])
         except codec.WireVersionMismatch as e:
@@ -190,7 +193,6 @@ class BrokerActor:
             if self.malformed.total() % 1000 == 1:
                 log.warning("bad_frame", error=str(e)[:200], total=self.malformed.total())
             return
-        peer = self.peers.get(identity)
         if isinstance(msg, m.Hello):
             try:
                 text = identity.decode()
@@ -223,7 +225,6 @@ class BrokerActor:
                 self.malformed["unregistered"] += 1
             self.links.send_raw(identity, m.Disconnect(reason="unknown peer: say hello first"))
             return
-        self.liveness.heard(peer.worker, self.clock())
         # bound for this message's log lines; reset to what was bound before (cheaper than bound_contextvars)
         bound = structlog.contextvars.bind_contextvars(kind=type(msg).__name__, peer=peer.name)
         try:

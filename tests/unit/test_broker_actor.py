@@ -208,6 +208,22 @@ async def test_a_process_declared_dead_that_says_hello_again_is_counted_as_a_fal
         assert actor.counters["false deaths (rollout)"] == 1
 
 
+async def test_a_peer_heard_only_through_bad_frames_is_not_silent():
+    """A heartbeat can wait behind a peer's own frames: a flood the broker reads slower than it comes. Every
+    frame from a registered peer, one that does not decode too, says it is there; silence is no frame at all."""
+    async with running_broker("broker.liveness=3") as (actor, ep, ctx):
+        noisy = Fake(ctx, ep, "rollout/noisy/1")
+        await noisy.worker(slots=G)
+        loop = asyncio.get_running_loop()
+        until = loop.time() + 12 * 3 * 0.05  # twelve silence windows of heartbeat-free garbage
+        while loop.time() < until:
+            await noisy.sock.send_multipart([codec.MAGIC, b"\xc1 not a message"])
+            await asyncio.sleep(0.01)
+        assert actor.counters["lost rollout"] == 0 and actor.malformed["decode"] > 12
+        assert isinstance(await noisy.recv(m.Disconnect), m.Disconnect)  # quiet now: declared dead in a window
+        assert actor.counters["lost rollout"] == 1
+
+
 async def test_a_worker_that_reconnects_while_registered_has_its_old_session_ended_at_once():
     async with running_broker() as (actor, ep, ctx):  # liveness 40 x 0.05 s: nothing expires by silence here
         first = Fake(ctx, ep, "rollout/a/1")
