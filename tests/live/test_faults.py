@@ -13,13 +13,12 @@ from datetime import datetime
 import pytest
 
 from dora.broker.journal import replay
-from dora.config.run import BrokerSection
 from dora.ops.status import fetch
-from tests.live.cluster import Cluster, cluster
+from tests.live.cluster import BASE, Cluster, cluster
 
 pytestmark = pytest.mark.timeout(180)
 
-INTERVAL, LIVENESS = 0.25, 4
+INTERVAL, LIVENESS = BASE["broker"]["heartbeat_interval_s"], BASE["broker"]["liveness"]
 
 
 def ts(rec: dict) -> float:
@@ -146,12 +145,8 @@ def rss_kib(pid: int) -> int:
 def test_sigterm_drains_and_exits_0_within_10s(tmp_path, repeat):
     """T11: SIGTERM, SIGTERM and a second one 10 ms later (an impatient operator, or Slurm plus a wrapper), or
     SIGTERM every millisecond until the process is gone (one that lands while it exits must not kill it): every
-    process says goodbye and exits 0 within 10 s, with no traceback. The broker keeps its default liveness (2 s),
-    not the tests' 1 s: on a loaded machine a worker just joined was once silent for 1 s and declared dead, and
-    its goodbye was then never sent (that worker exited 0 while reconnecting)."""
-    default = BrokerSection()
-    liveness = {"heartbeat_interval_s": default.heartbeat_interval_s, "liveness": default.liveness}
-    with cluster(tmp_path, {"core": {"total_steps": 1000, "min_workers": 2}, "broker": liveness}) as c:
+    process says goodbye and exits 0 within 10 s, with no traceback."""
+    with cluster(tmp_path, {"core": {"total_steps": 1000, "min_workers": 2}}) as c:
         c.start(workers=2)  # both workers serve before any signal (one still starting would exit without a word)
         wait_until(lambda: fetch(c.endpoint)["step"] >= 2, 30, "step 2")
         for name in ("w0", "learner", "w1", "broker"):
