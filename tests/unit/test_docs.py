@@ -25,8 +25,9 @@ TRAIN = (
     " && .venv/bin/dora run --config examples/arithmetic.toml"
 )
 TEST = (
-    "python3 -m venv .venv && .venv/bin/pip install -q -e '.[dev,vllm]' && .venv/bin/pip uninstall -q -y"
-    " torchvision torchaudio torchcodec triton && .venv/bin/python -m pytest -q -n logical -m 'not slow'"
+    "python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 uv && .venv/bin/uv pip install -q -p .venv"
+    " --compile-bytecode -e '.[dev,vllm]' && .venv/bin/uv pip uninstall -q -p .venv torchvision torchaudio"
+    " torchcodec triton && .venv/bin/python -m pytest -q -n logical -m 'not slow'"
 )
 
 FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
