@@ -183,9 +183,11 @@ class RolloutActor:
                     version, _, uri, sha = self.loading
                     self.loading = None
                     try:
+                        started = time.perf_counter()
                         self.engine.loaded(version, uri, sha)
                         self.version = version
-                        log.info("weights_loaded", version=version, uri=uri)
+                        log.info("weights_loaded", version=version, uri=uri,
+                                 took_s=round(time.perf_counter() - started, 4))  # fmt: skip
                     except EngineError as e:  # bad weights: stay on the old version, let the broker re-plan
                         log.error("weights_refused", version=version, error=str(e))
                         raise Reconnect(f"could not load v{version}") from None

@@ -182,8 +182,9 @@ def test_a_lora_learner_trains_adapters_and_torch_workers_load_each_adapter_vers
         assert len(written) == steps and all(r["bytes"] < model_bytes / 5 for r in written), written
         newest = tmp_path / "store" / f"v{steps}"
         assert (newest / "adapter_config.json").is_file() and not (newest / "model.safetensors").exists()
-        loaded = [(r["version"], r["uri"]) for w in ("w0", "w1") for r in c.events(w, "weights_loaded")]
-        assert {v for v, uri in loaded if uri.startswith("file://")} >= {1, 2}, loaded
+        loaded = [(r["version"], r["uri"], r["took_s"]) for w in ("w0", "w1") for r in c.events(w, "weights_loaded")]
+        assert {v for v, uri, _ in loaded if uri.startswith("file://")} >= {1, 2}, loaded
+        assert all(took > 0 for _, uri, took in loaded if uri.startswith("file://")), loaded  # each load is timed
         assert not [r for w in ("w0", "w1") for r in c.events(w) if r.get("level") == "error"]
 
 
