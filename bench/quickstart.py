@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import statistics
 import subprocess
 import sys
 import time
@@ -55,9 +56,27 @@ def one_seed(cfg: str, seed: int, out: pathlib.Path) -> dict[str, Any]:
     if len(mine) != 2:
         raise RuntimeError(f"{rundir / 'eval.jsonl'}: expected dora run's before and after evaluations, got {mine}")
     before, after = mine
-    return {"seed": seed, "before": before["accuracy"], "after": after["accuracy"], "rows": int(after["rows"]),
-            "final_version": after["version"], "mean_tokens_before": before["mean_tokens"],
+    return {**weights(rundir), "seed": seed, "before": before["accuracy"], "after": after["accuracy"],
+            "rows": int(after["rows"]), "final_version": after["version"], "mean_tokens_before": before["mean_tokens"],
             "mean_tokens_after": after["mean_tokens"], "sft_s": sft_s, "run_s": rl_s, "dir": str(rundir)}  # fmt: skip
+
+
+def weights(rundir: pathlib.Path) -> dict[str, float]:
+    """How heavy a version is on the run's weight path: the median seconds the learner took to publish one
+    (``publish_s`` of metrics.jsonl), the median seconds a worker took to load one from the store (``took_s`` of
+    its ``weights_loaded`` lines) and the bytes of the newest version's folder."""
+    steps = [json.loads(x) for x in (rundir / "metrics.jsonl").read_text().splitlines()]
+    loads = [r["took_s"] for log in sorted(rundir.glob("w*.log")) for r in map(json.loads, log_lines(log))
+             if r.get("event") == "weights_loaded" and str(r.get("uri", "")).startswith("file://") and "took_s" in r
+             ]  # fmt: skip
+    versions = sorted((rundir / "weights").glob("v*"), key=lambda p: int(p.name[1:]))
+    return {"publish_s": statistics.median(r["publish_s"] for r in steps),
+            "load_s": statistics.median(loads) if loads else float("nan"),
+            "version_bytes": sum(f.stat().st_size for f in versions[-1].iterdir()) if versions else 0}  # fmt: skip
+
+
+def log_lines(path: pathlib.Path) -> list[str]:
+    return [x for x in path.read_text().splitlines() if x.startswith("{")]
 
 
 def report(seeds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -77,6 +96,10 @@ def report(seeds: list[dict[str, Any]]) -> dict[str, Any]:
         f"after {a:.3f} ± {a_se:.3f}, rise {rise:+.3f} ± {rise_se:.3f} = {summary['rise_in_after_se']:.1f} x "
         f"the after-accuracy's seed-to-seed SE; slowest seed {summary['total_s_max']:.0f} s for both commands"
     )
+    if all("publish_s" in s for s in seeds):
+        summary.update({k: statistics.median(s[k] for s in seeds) for k in ("publish_s", "load_s", "version_bytes")})
+        print(f"a version: {summary['version_bytes'] / 1e6:.2f} MB, published in {summary['publish_s']:.3f} s and "
+              f"loaded by a worker in {summary['load_s']:.3f} s (medians)")  # fmt: skip
     return summary
 
 
