@@ -44,6 +44,10 @@ from dora.wire import messages as m
 log = structlog.get_logger()
 
 LAG_PROBE_S = 0.05
+STALL_S = 0.5
+"""A loop that wakes the lag probe this late is logged (``loop_stalled``), with the CPU the process used meanwhile:
+about as much as the stall, the broker was busy in its own code; far less, it was not run (the machine's load) or
+waited in a system call (a write held by the disk)."""
 """The event-loop lag probe sleeps this long, then records how much later than asked it woke."""
 TURN_S = 0.002
 """One turn of the loop handles queued messages for at most this long; then the timers, the sends and the
@@ -130,11 +134,13 @@ class BrokerActor:
         """Event-loop lag: sleep LAG_PROBE_S and record how late the loop woke this task. A turn of the loop
         that holds it (handling messages, sending) shows here as lag."""
         while True:
-            asked = time.perf_counter()
+            asked, cpu = time.perf_counter(), time.process_time()
             await asyncio.sleep(LAG_PROBE_S)
             late = max(0.0, time.perf_counter() - asked - LAG_PROBE_S)
             self.lag_s.append(late)
             self.metrics.loop_lag.observe(late)
+            if late > STALL_S:
+                log.warning("loop_stalled", late_s=round(late, 3), cpu_s=round(time.process_time() - cpu, 3))
 
     async def serve(self, stop: asyncio.Event) -> None:
         next_beat = self.clock()

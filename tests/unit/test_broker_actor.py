@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -424,3 +425,22 @@ async def test_a_worker_with_commands_still_to_go_out_is_not_reconciled_until_th
         await w.send(m.Heartbeat(seen=assign.seq, holding=held(), version=-1, loading=assign.version))
         await w.recv(m.Heartbeat)
         assert reconciled == ["rollout/a/1"] and not actor.waiting
+
+
+async def test_a_stalled_loop_is_logged_with_the_cpu_it_used_meanwhile():
+    """A turn of the loop that holds it past STALL_S shows in the log, and its CPU tells a broker busy in its own
+    code from one that was not run or waited in a system call."""
+    from structlog.testing import capture_logs
+
+    async with running_broker() as _:
+        await asyncio.sleep(0.1)  # the lag probe is asleep in the loop
+        with capture_logs() as logs:
+            until = time.process_time() + 0.8
+            while time.process_time() < until:  # busy for 0.8 CPU-s, holding the loop, however loaded the machine
+                pass
+            await asyncio.sleep(0.1)
+            time.sleep(0.8)  # holding the loop without using the CPU, as a write held by the disk would
+            await asyncio.sleep(0.1)
+    busy, idle = [r for r in logs if r["event"] == "loop_stalled"]
+    assert busy["late_s"] > 0.5 and busy["cpu_s"] >= 0.75, busy
+    assert idle["late_s"] > 0.5 and idle["cpu_s"] < 0.3, idle
