@@ -44,11 +44,11 @@ from dora.wire import messages as m
 log = structlog.get_logger()
 
 LAG_PROBE_S = 0.05
+"""The event-loop lag probe sleeps this long, then records how much later than asked it woke."""
 STALL_S = 0.5
 """A loop that wakes the lag probe this late is logged (``loop_stalled``), with the CPU the process used meanwhile:
 about as much as the stall, the broker was busy in its own code; far less, it was not run (the machine's load) or
 waited in a system call (a write held by the disk)."""
-"""The event-loop lag probe sleeps this long, then records how much later than asked it woke."""
 TURN_S = 0.002
 """One turn of the loop handles queued messages for at most this long; then the timers, the sends and the
 other tasks (the lag probe, the metrics endpoint) have their turn, however long the queue."""
