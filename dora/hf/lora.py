@@ -7,7 +7,8 @@ adapter tensors take gradients and optimizer state.
 
 A published version holds the adapters alone, as PEFT saves them (what ``PeftModel.from_pretrained`` and vLLM's
 ``LoRARequest`` load): ``adapter_config.json`` and ``adapter_model.safetensors`` whose keys read
-``base_model.model.<module>.lora_A.weight``. The base model is the run's start folder, named in the config.
+``base_model.model.<module>.lora_A.weight``. The base model is the run's start folder, named in the config; each
+version also records it by digest (``BASE_FILE``), and an engine loads only versions trained on the model it holds.
 
 A torch engine of a LoRA run injects the same adapters into its model when it starts (B zero: version 0 is the
 start model), and loading a version copies that version's adapter tensors into them (``load_adapters``).
@@ -26,6 +27,9 @@ if TYPE_CHECKING:
 
     from dora.config.models import LoraSection
 
+BASE_FILE = "dora_base_model.json"
+"""Beside a version's adapters: the base model they were trained on, by path and by digest (``base_record``). It
+is one of the version's files, so the version's digest vouches for it; PEFT and vLLM ignore it."""
 ADAPTER_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 NAME = "default"
@@ -84,6 +88,29 @@ def config_file(config: Any, base: str) -> bytes:
     if isinstance(data.get("target_modules"), list):
         data["target_modules"] = sorted({m.rsplit(".", 1)[-1] for m in data["target_modules"]})
     return (json.dumps(data, indent=2, sort_keys=True) + "\n").encode()
+
+
+def base_record(base: str | pathlib.Path) -> bytes:
+    """``BASE_FILE`` for adapters trained on the model folder ``base``: its path and ``model_digest``."""
+    from dora.store import model_digest
+
+    return (json.dumps({"path": str(base), "digest": model_digest(base)}, indent=2) + "\n").encode()
+
+
+def check_base(folder: pathlib.Path, base: str | pathlib.Path, digest: str) -> None:
+    """ValueError unless the adapter version in ``folder`` was trained on the model this engine holds (the folder
+    ``base``, whose ``model_digest`` is ``digest``). A version without ``BASE_FILE`` (published before it was
+    written) is taken as it is."""
+    try:
+        theirs = json.loads((folder / BASE_FILE).read_text())
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{folder}: {BASE_FILE} is unreadable ({e})") from None
+    if theirs.get("digest") != digest:
+        raise ValueError(f"{folder}: its adapters were trained on the base model {theirs.get('path')} (digest "
+                         f"{theirs.get('digest')}), not on this worker's {base} (digest {digest}): a LoRA run's "
+                         "learner and workers must start from the same model")  # fmt: skip
 
 
 def load_adapters(model: torch.nn.Module, folder: pathlib.Path, state: Mapping[str, torch.Tensor],

@@ -7,7 +7,8 @@ digest published with it, and the broker deletes the versions its ledger retired
 - ``publish``: ``WeightStore``, a version as a model folder (safetensors in the engines' dtype, sharded above a
   size, tied tensors once, the config and tokenizer beside them) renamed into place whole;
 - ``manifest``: every file of a version with its chunk digests, and the digest they make;
-- ``load``: the bytes checked are the bytes loaded (``load_verified``, ``load_into``);
+- ``load``: the bytes checked are the bytes loaded (``load_verified``, ``load_into``); a model folder's digest
+  (``model_digest``: what a LoRA version's base model is checked by);
 - ``digest``: chunked digests (xxh3_128 or sha256 per 16 MiB chunk), hashed in parallel, in place;
 - ``tensorfile``: a safetensors file mapped once, its tensors as views of the mapping;
 - ``dirs``: the store's directories, a dead publisher's leftovers, retirement: all the broker imports. Nothing
@@ -20,9 +21,9 @@ A broker restarted from its journal holds only the newest version alive: it reti
 
 from dora.store.digest import DigestMismatch, sha256_file
 from dora.store.dirs import retire_older, retire_uri, store_path
-from dora.store.load import InPlaceUnfit, load_into, load_verified
+from dora.store.load import InPlaceUnfit, load_into, load_verified, model_digest
 from dora.store.manifest import Manifest
 from dora.store.publish import WeightStore
 
-__all__ = ["DigestMismatch", "InPlaceUnfit", "Manifest", "WeightStore", "load_into", "load_verified", "retire_older",
-           "retire_uri", "sha256_file", "store_path"]  # fmt: skip
+__all__ = ["DigestMismatch", "InPlaceUnfit", "Manifest", "WeightStore", "load_into", "load_verified", "model_digest",
+           "retire_older", "retire_uri", "sha256_file", "store_path"]  # fmt: skip

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dora.store.digest import ALGOS, THREADS, Digest, DigestMismatch, verify
+from dora.store.digest import ALGOS, THREADS, Digest, DigestMismatch, digest_file, folder_root, verify
 from dora.store.dirs import FILE, MANIFEST
 from dora.store.manifest import Manifest
 
@@ -102,6 +102,18 @@ def weight_files(path: pathlib.Path) -> list[pathlib.Path]:
     if not found:
         raise FileNotFoundError(f"no .safetensors weights in {path}")
     return found
+
+
+def model_digest(path: str | pathlib.Path, algo: str = "xxh3_128") -> str:
+    """A model folder's digest: its ``config.json`` and weight files (shards or one file), hashed as a version
+    folder's files are (``folder_root``). Two folders with the same digest hold the same model, whatever their
+    paths; the tokenizer and the generation config do not count (they do not change the weights)."""
+    path = pathlib.Path(path)
+    files = [*weight_files(path), *([path / "config.json"] if (path / "config.json").is_file() else [])]
+    found = {f.name: digest_file(f, algo) for f in files}
+    chunk_bytes = next(iter(found.values())).digest.chunk_bytes
+    root = folder_root(algo, chunk_bytes, {n: (d.size, d.chunks) for n, d in found.items()})
+    return str(Digest(algo, chunk_bytes, root, folder=True))
 
 
 def open_version(path: str | pathlib.Path, digest: str | None, *, name: str) -> list[Mapped]:

@@ -48,7 +48,7 @@ def test_a_lora_step_moves_the_adapters_alone_and_its_version_is_an_adapter_fold
     folder = tmp_path / "store" / "v1"
     assert uri == f"file://{folder}"
     assert sorted(p.name for p in folder.iterdir()) == ["adapter_config.json", "adapter_model.safetensors",
-                                                        "manifest.json"]  # fmt: skip
+                                                        "dora_base_model.json", "manifest.json"]  # fmt: skip
     config = json.loads((folder / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["lora_alpha"] == 8.0 and config["base_model_name_or_path"] == str(tiny_model)
     assert set(config["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
@@ -151,6 +151,45 @@ def test_a_torch_engine_of_a_lora_run_loads_an_adapter_version_into_the_trainers
     other = TorchEngine(tiny_model, version=0, lora=LoraSection(rank=8, alpha=8.0))
     with pytest.raises(EngineError, match=r"v1: .*adapters of rank 4 and alpha 8\.0, this engine's have rank 8"):
         other.load_weights(1, t.store.path(1), t.store.digest(1))
+
+
+def test_an_engine_refuses_an_adapter_version_trained_on_another_base_model_by_its_digest(tiny_model, tmp_path):
+    """A version records its base model by path and digest (config and weights, not the path: a copy elsewhere is the
+    same model). An engine on a model of the same shapes but other weights refuses it before reading it; one on a
+    copy of the base loads it. A version that records no base (an older dora's) is taken as it is."""
+    import shutil
+
+    from dora.hf.lora import BASE_FILE
+    from dora.hf.tiny import TinySpec, build_model
+    from dora.rollout.engines.base import EngineError
+    from dora.rollout.engines.torch_engine import TorchEngine
+    from dora.store import model_digest
+
+    t = trainer(tiny_model, tmp_path)
+    t.train(batch())
+    t.publish(1)
+    recorded = json.loads((t.store.path(1) / BASE_FILE).read_text())
+    assert recorded == {"path": str(tiny_model), "digest": model_digest(tiny_model)}
+    assert recorded["digest"].startswith("xxh3_128/16MiB/dir:")
+
+    other = build_model(tmp_path / "other", TinySpec(seed=1))  # the same architecture, other weights
+    assert model_digest(other) != recorded["digest"]
+    engine = TorchEngine(other, version=0, lora=LORA.lora)
+    with pytest.raises(EngineError, match=rf"v1: .*trained on the base model {tiny_model} .*not on this worker's "
+                                          rf"{other} .*must start from the same model"):  # fmt: skip
+        engine.load_weights(1, t.store.path(1), t.store.digest(1))
+    assert engine.version == 0
+
+    copy = shutil.copytree(tiny_model, tmp_path / "copy")
+    assert model_digest(copy) == recorded["digest"]
+    engine = TorchEngine(copy, version=0, lora=LORA.lora)
+    engine.load_weights(1, t.store.path(1), t.store.digest(1))
+    assert engine.version == 1
+
+    (t.store.path(1) / BASE_FILE).unlink()  # as an older version; its digest is not checked here (None)
+    other_engine = TorchEngine(other, version=0, lora=LORA.lora)
+    other_engine.load_weights(1, t.store.path(1), None)
+    assert other_engine.version == 1
 
 
 def test_dora_learner_says_in_one_line_that_target_modules_match_nothing(tiny_model):

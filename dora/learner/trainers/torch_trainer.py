@@ -127,11 +127,13 @@ class TorchTrainer:
         generation config and tokenizer files, so every version is a model folder."""
         if "config.json" in self.beside:
             self.beside["config.json"] = with_dtype(self.beside["config.json"], cfg.publish_dtype)
-        if self.lora is not None:  # an adapter folder: its config names the base model
-            self.beside = {adapters.ADAPTER_CONFIG: adapters.config_file(self.lora, base=self.model_dir)}
         self.trained_steps = 0
         """Steps taken since the weights were last loaded (from the model folder or a checkpoint)."""
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        if self.lora is not None:  # an adapter folder: its config names the base model, BASE_FILE its digest
+            self.beside = {adapters.ADAPTER_CONFIG: adapters.config_file(self.lora, base=self.model_dir)}
+            if self.rank == 0:  # the rank that publishes
+                self.beside[adapters.BASE_FILE] = adapters.base_record(self.model_dir)
         self.bf16 = cfg.dtype == "bfloat16"
         if cfg.activation_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -55,14 +55,14 @@ import numpy as np
 import torch
 
 from dora.hf.folder import facts
-from dora.hf.lora import inject, load_adapters
+from dora.hf.lora import check_base, inject, load_adapters
 from dora.hf.tensors import padding_gap, tied_copies
 from dora.hostmem import Parking, module_tensors
 from dora.ids import Finish
 from dora.rollout.engines.attention import install
 from dora.rollout.engines.base import EngineError, Sample
 from dora.rollout.engines.batch import Running
-from dora.store import InPlaceUnfit, load_into, load_verified
+from dora.store import InPlaceUnfit, load_into, load_verified, model_digest
 
 if TYPE_CHECKING:
     from dora.config.models import LoraSection
@@ -126,10 +126,12 @@ class TorchEngine:
         self.copies = tied_copies(self.model)
         """Tied parameters' second names (not in a published version: they follow the tensor they share)."""
         self.lora = None
+        """The PEFT config of the adapters a LoRA run's versions fill (B zero until then: the start model)."""
+        self.base = (str(model_dir), model_digest(model_dir)) if lora is not None else None
+        """A LoRA run's base model, by path and digest: versions trained on another are refused (``check_base``)."""
         if lora is not None:  # before the attention kernel and the decode graphs take the model's modules
             self.lora = inject(self.model, lora)
             self.model.to(self.device, dtype=getattr(torch, dtype)).eval()
-        """The PEFT config of the adapters a LoRA run's versions fill (B zero until then: the start model)."""
         self.max_slots = max_slots
         self.version = version
         kernel = install(self.model)  # grouped decode attention over the model's own
@@ -166,6 +168,10 @@ class TorchEngine:
         if self.batch or self.waiting:
             raise EngineError(f"cannot load v{version}: {len(self.running) + len(self.waiting)} requests are running")
         if self.lora is not None:
+            try:
+                check_base(pathlib.Path(path), *self.base)  # type: ignore[misc]  (set with lora)
+            except ValueError as e:
+                raise EngineError(f"v{version}: {e}") from None
             state = read_weights(version, path, digest, device=str(self.device))
             try:
                 load_adapters(self.model, pathlib.Path(path), state, self.lora)
