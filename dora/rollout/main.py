@@ -88,10 +88,10 @@ def on_cuda(device: str) -> bool:
 
 
 def check_engine(engine: str, cfg: RunConfig) -> None:
-    """What the engine cannot run: tensor parallelism is vLLM's; adapter versions (learner.lora) the torch engine's."""
-    if engine == "vllm" and cfg.learner.lora is not None:
-        raise ConfigError("learner.lora: vLLM workers do not load adapter versions in this dora yet; LoRA runs use "
-                          "run.engine = 'torch'")  # fmt: skip
+    """What the engine cannot run: tensor parallelism is vLLM's; vLLM serves adapters up to a rank."""
+    if engine == "vllm" and cfg.learner.lora is not None and cfg.learner.lora.rank > 512:
+        raise ConfigError(f"learner.lora.rank = {cfg.learner.lora.rank}: vLLM workers serve adapters of rank 512 at "
+                          "most")  # fmt: skip
     if engine != "vllm" and cfg.rollout.tensor_parallel_size > 1:
         raise ConfigError(f"rollout.tensor_parallel_size = {cfg.rollout.tensor_parallel_size}: only the vllm engine "
                           f"shards a model over several devices; the {engine} engine runs on one")  # fmt: skip
@@ -149,7 +149,8 @@ def make_engine(cfg: RunConfig, kind: str, now: float, task: Any = None) -> Work
         engine = VllmEngine(r.model, max_slots=slots, kv_cache_bytes=kv, dtype=r.dtype, max_model_len=r.max_model_len,
                             seed=cfg.run.seed, sleep_level=1 if r.elastic and r.sleep_on_yield else None,
                             gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=r.enforce_eager,
-                            tensor_parallel_size=r.tensor_parallel_size)  # fmt: skip
+                            tensor_parallel_size=r.tensor_parallel_size, lora=cfg.learner.lora,
+                            max_loras=cfg.core.max_staleness + 1)  # fmt: skip
         return StepWorkerEngine(engine, task, held_out)
     return SimEngine(cfg.engine, from_section(cfg.workload, cfg.run.seed), time_scale=cfg.run.time_scale, now=now)
 

@@ -202,3 +202,46 @@ def test_dora_learner_says_in_one_line_that_target_modules_match_nothing(tiny_mo
     lines = [x for x in r.stderr.splitlines() if x.startswith("dora learner:")]
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert len(lines) == 1 and "learner.lora.target_modules = ['no_such_proj']" in lines[0], r.stderr
+
+
+def test_a_vllm_engine_holds_adapter_versions_side_by_side_and_samples_each_request_with_its_own(tiny_model, tmp_path):
+    """vLLM with LoRA: version 1's adapters are loaded, a group starts on them, version 2's are loaded while it runs,
+    and a second group starts on those. Both decode in the same batches; every behaviour log-prob of each group is
+    its own version's (the trainer's policy at that version, through the torch engine), not the other's."""
+    pytest.importorskip("vllm")
+    from dora.rollout.engines.torch_engine import TorchEngine
+    from dora.rollout.engines.vllm_engine import VllmEngine
+
+    t = trainer(tiny_model, tmp_path)
+    for v in (1, 2):
+        t.train(batch())
+        t.publish(v)
+    policy = {}
+    for v in (1, 2):
+        policy[v] = TorchEngine(tiny_model, version=0, lora=LORA.lora)
+        policy[v].load_weights(v, t.store.path(v), t.store.digest(v))
+    engine = VllmEngine(tiny_model, max_slots=8, kv_cache_bytes=64 << 20, lora=LORA.lora, max_loras=2)
+    prompt = [11, 12, 13, 400, 401, 402]
+    engine.load_weights(1, t.store.path(1), t.store.digest(1))
+    first = engine.submit(group_id=1, attempt=1, prompt=prompt, n=2, max_tokens=8, seed=1)
+    engine.step()
+    assert all(r.tokens and r.finish is None for r in first)  # running when version 2 comes
+    engine.load_weights(2, t.store.path(2), t.store.digest(2))
+    second = engine.submit(group_id=2, attempt=1, prompt=prompt, n=2, max_tokens=8, seed=2)
+    for _ in range(50):
+        if all(r.finish is not None for r in first + second):
+            break
+        engine.step()
+    assert all(r.finish is not None and len(r.tokens) >= 2 for r in first + second)
+    assert engine.engine.list_loras() == {2, 3} and engine.version == 2  # vLLM's ids: version + 1
+
+    def logprobs(v: int, tokens: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            logits = policy[v].model(input_ids=torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+        return torch.log_softmax(logits.float(), -1)[torch.arange(len(tokens)), torch.tensor(tokens)]
+
+    for group, v in ((first, 1), (second, 2)):
+        for r in group:
+            got = torch.tensor(r.logprobs)
+            assert torch.allclose(got, logprobs(v, r.tokens), atol=1e-4), (v, got, logprobs(v, r.tokens))
+            assert not torch.allclose(got, logprobs(3 - v, r.tokens), atol=1e-4), f"v{v}'s tokens fit both versions"

@@ -22,7 +22,7 @@ it drives the torch engine; vLLM schedules, batches and pages the KV cache itsel
 - **KV memory**: ``kv_cache_bytes`` bounds it when given; vLLM's CPU default would size the cache to most of the
   machine's memory, so on the CPU it is always bounded.
 - **Weights**: ``load_weights`` checks the file's digest, then reloads the tensors in place with
-  ``reload_weights``, with no restart. A mismatch is refused, and so is a load while requests run.
+  ``reload_weights``, with no restart. A mismatch is refused, and so is a load of full weights while requests run.
   The prefix cache is reset, because its entries were computed with the old weights. Under tensor parallelism
   the checked tensors go to every shard (``collective_rpc``: vLLM's shared-memory queue carries CPU tensors as
   out-of-band buffers) and each shard's ``load_weights`` keeps its own slice: the shards load exactly the
@@ -36,6 +36,10 @@ it drives the torch engine; vLLM schedules, batches and pages the KV cache itsel
   collective: every shard of a tensor-parallel engine sleeps and wakes with it. On wake the weights come
   back bit for bit and each held request is re-prefilled on prompt + prefix and goes on, as after a migration: the
   same version samples every token (C1).
+- **LoRA** (``lora``): a version is an adapter folder. ``load_weights`` checks its base model and digest and adds
+  it to vLLM under the version's own name (``v<N>``, id N + 1), also while requests run; every request names the
+  adapter of the version it was submitted on, so requests of several versions share a batch (``max_loras``
+  adapters at once), each sampled by its own version. Version 0 is the base model itself.
 - **Migration**: vLLM cannot hand over a request's KV cache or sampler state. ``export`` aborts the
   request and returns its token prefix and log-probs. ``import_`` re-prefills prompt + prefix on a
   worker holding the same version, so the continuation is exact in distribution (C1 holds). Its
@@ -48,15 +52,22 @@ import os
 import pathlib
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from dora.hf.folder import facts
+from dora.hf.lora import check_base
 from dora.ids import Finish
 from dora.rollout.engines.base import EngineError, Sample
 from dora.rollout.engines.torch_engine import hash_seed, read_weights
+from dora.store import model_digest
 
+if TYPE_CHECKING:
+    from dora.config.models import LoraSection
+
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ranks vLLM sizes its adapter slots by (``max_lora_rank``): the smallest that holds the run's is taken."""
 CPU_KV_CACHE_BYTES = 256 << 20
 """KV cache memory on the CPU when none is given (vLLM's own default there takes most of the machine's memory)."""
 
@@ -67,6 +78,9 @@ class Request(Sample):
     prefix: int = 0
     """Tokens it had when its current vLLM request was made (an earlier turn's, or another worker's before a
     migration); the rest comes from that request."""
+    adapter: Any = None
+    """A LoRA run: the ``LoRARequest`` of the version it was submitted on (None: version 0, the base model). Each of
+    its vLLM requests names it, whatever the engine loads meanwhile."""
 
 
 class VllmEngine:
@@ -75,11 +89,13 @@ class VllmEngine:
     def __init__(self, model_dir: str | pathlib.Path, *, max_slots: int = 64, kv_cache_bytes: int | None = 64 << 20,
                  dtype: str = "float32", max_model_len: int | None = None, version: int | None = None,
                  seed: int = 0, sleep_level: int | None = None, gpu_memory_utilization: float = 0.9,
-                 enforce_eager: bool | str = True, tensor_parallel_size: int = 1) -> None:  # fmt: skip
+                 enforce_eager: bool | str = True, tensor_parallel_size: int = 1, lora: LoraSection | None = None,
+                 max_loras: int = 1) -> None:  # fmt: skip
         """``sleep_level``: what ``sleep`` does (1: weights to host memory and KV cache freed, which needs
         ``sleep_mode_available()``; 0: the scheduler paused); None: ``sleep`` is a no-op (the worker only stops
         stepping). ``dtype`` and ``enforce_eager`` may be ``"auto"`` and ``kv_cache_bytes`` None: the platform's
-        defaults (the module's docstring)."""
+        defaults (the module's docstring). ``lora``: the run trains these adapters and its versions are adapter
+        folders, of which vLLM holds up to ``max_loras`` at once (K + 1 lets every live version run side by side)."""
         if sleep_level not in (None, 0, 1):
             raise ValueError(f"sleep_level must be None, 0 or 1; got {sleep_level}")
         if tensor_parallel_size < 1:
@@ -107,7 +123,7 @@ class VllmEngine:
                        distributed_executor_backend="mp" if tensor_parallel_size > 1 else "uni",
                        kv_cache_memory_bytes=kv_cache_bytes, gpu_memory_utilization=gpu_memory_utilization,
                        max_num_seqs=max_slots, logprobs_mode="processed_logprobs",
-                       enable_sleep_mode=sleep_level == 1)  # fmt: skip
+                       enable_sleep_mode=sleep_level == 1, **adapter_options(lora, max_loras))  # fmt: skip
         self.dtype = dtype
         self.tensor_parallel_size = tensor_parallel_size
         self.engine = self.llm.llm_engine
@@ -120,6 +136,11 @@ class VllmEngine:
         self.sleep_level = sleep_level
         self.held: list[Request] | None = None
         """Asleep: the requests taken out of vLLM, in their order, re-queued on ``wake``; None: awake."""
+        self.lora = lora
+        self.base = (str(model_dir), model_digest(model_dir)) if lora is not None else None
+        """A LoRA run's base model, by path and digest: versions trained on another are refused (``check_base``)."""
+        self.adapter: Any = None
+        """A LoRA run: the loaded version's ``LoRARequest``, which new requests name (None: version 0, the base)."""
 
     def __len__(self) -> int:
         return len(self.requests) + len(self.held or ())
@@ -127,6 +148,11 @@ class VllmEngine:
     # ------------------------------------------------------------------ weights
 
     def load_weights(self, version: int, path: str | pathlib.Path, sha256: str | None) -> None:
+        """Load a published version. Full weights: in place, refused while requests run. Adapters (a LoRA run): beside
+        the versions that still run, which go on under their own adapters."""
+        if self.lora is not None:
+            self._load_adapter(version, pathlib.Path(path), sha256)
+            return
         if len(self):
             raise EngineError(f"cannot load v{version}: {len(self)} requests are running")
         state = read_weights(version, path, sha256)
@@ -141,6 +167,32 @@ class VllmEngine:
             if asleep:
                 self.sleep()
 
+    def _load_adapter(self, version: int, path: pathlib.Path, digest: str | None) -> None:
+        """A LoRA run's version: its base model and digest checked, vLLM adds the adapter folder under the version's
+        own name and id (vLLM keys its prefix cache by adapter), and new requests name it. The folder is read by
+        vLLM after the check: a published version's files do not change. Adapters no request names any more are
+        removed, so vLLM holds at most the versions that still run."""
+        from vllm.lora.request import LoRARequest
+
+        try:
+            check_base(path, *self.base)  # type: ignore[misc]  (set with lora)
+        except ValueError as e:
+            raise EngineError(f"v{version}: {e}") from None
+        read_weights(version, path, digest)  # the digest: the same check as every engine's
+        adapter = LoRARequest(lora_name=f"v{version}", lora_int_id=version + 1, lora_path=str(path))
+        try:
+            self.engine.add_lora(adapter)
+        except (ValueError, RuntimeError) as e:  # another rank than max_lora_rank, modules vLLM cannot wrap
+            raise EngineError(f"v{version}: vLLM cannot load the adapters of {path}: {e}") from None
+        for old in set(self.engine.list_loras()) - self.adapters_named() - {adapter.lora_int_id}:
+            self.engine.remove_lora(old)
+        self.adapter = adapter
+        self.version = version
+
+    def adapters_named(self) -> set[int]:
+        """The vLLM ids of the adapters the requests held here name (a LoRA run's versions still running)."""
+        return {r.adapter.lora_int_id for r in (*self.requests.values(), *(self.held or ())) if r.adapter is not None}
+
     # ------------------------------------------------------------------ requests
 
     def _add(self, req: Request) -> None:
@@ -154,7 +206,7 @@ class VllmEngine:
                                 stop_token_ids=sorted(self.stops | req.stops))  # fmt: skip
         rid = f"{req.group_id}:{req.attempt}:{req.index}:{uuid.uuid4().hex[:8]}"
         self.requests[rid] = req
-        self.engine.add_request(rid, {"prompt_token_ids": req.prompt + req.tokens}, params)
+        self.engine.add_request(rid, {"prompt_token_ids": req.prompt + req.tokens}, params, lora_request=req.adapter)
 
     def submit(self, *, group_id: int, attempt: int, prompt: list[int], n: int, max_tokens: int,
                temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, stops: frozenset[int] = frozenset(),
@@ -166,7 +218,8 @@ class VllmEngine:
         out = []
         for i in range(n):
             req = Request(group_id=group_id, attempt=attempt, index=i, prompt=list(prompt), max_tokens=max_tokens,
-                          temperature=temperature, top_p=top_p, seed=seed, stops=stops, keep_kv=keep_kv)  # fmt: skip
+                          temperature=temperature, top_p=top_p, seed=seed, stops=stops, keep_kv=keep_kv,
+                          adapter=self.adapter)  # fmt: skip
             out.append(req)
             self._add(req)
         return out
@@ -201,7 +254,7 @@ class VllmEngine:
                           max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, tokens=tokens,
                           logprobs=[float(x) for x in st["logprobs"]], stops=stops, keep_kv=keep_kv,
                           mask=[1] * len(tokens) if mask is None or not len(mask) else [int(x) for x in mask],
-                          turn_start=int(st.get("turn_start", 0)))  # fmt: skip
+                          turn_start=int(st.get("turn_start", 0)), adapter=self.adapter)  # fmt: skip
             out.append(req)
             if st.get("paused"):
                 req.finish = Finish.STOP
@@ -278,6 +331,19 @@ class VllmEngine:
                 del self.requests[out.request_id]
                 done.append(req)
         return done
+
+
+def adapter_options(lora: LoraSection | None, max_loras: int) -> dict[str, Any]:
+    """vLLM's LoRA settings for a run that trains ``lora`` (none without): up to ``max_loras`` adapters in one
+    batch, and as many kept in host memory."""
+    if lora is None:
+        return {}
+    if max_loras < 1:
+        raise ValueError(f"max_loras must be >= 1; got {max_loras}")
+    fits = [r for r in LORA_RANKS if r >= lora.rank]
+    if not fits:
+        raise ValueError(f"learner.lora.rank {lora.rank}: vLLM serves adapters of rank {LORA_RANKS[-1]} at most")
+    return {"enable_lora": True, "max_loras": max_loras, "max_cpu_loras": max_loras, "max_lora_rank": fits[0]}
 
 
 def cpu_binding(shards: int) -> str:
