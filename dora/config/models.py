@@ -273,6 +273,10 @@ class SftSection:
     writes sft.out. More than one: `dora sft` starts itself under ``python -m torch.distributed.run --standalone
     --nproc-per-node=<ranks>`` on this node, unless it already is one of several ranks (torchrun's, or srun's
     tasks: then sft.ranks must equal their number)."""
+    lora: bool = False
+    """Train adapters shaped as `[learner.lora]` says (its defaults when the config has none) on the frozen start
+    model instead of every weight, then merge them into it: sft.out is a full model folder either way, and a LoRA
+    run trains its own adapters on it. The optimizer holds the adapters alone."""
 
     def __post_init__(self) -> None:
         for key in ("epochs", "batch_size", "max_answer_tokens", "ranks"):

@@ -15,6 +15,8 @@ format (and a little of the task) on the same dataset config RL uses:
    ``save_pretrained`` plus the start folder's tokenizer files, so it loads exactly like the start folder.
 5. On ``sft.device`` (a GPU: bf16 compute, fp32 weights), over ``sft.ranks`` ranks sharded with FSDP2, each on its
    share of every batch: the steps, the loss and the folder are the one-rank run's (``dora.learner.sft_ranks``).
+6. ``sft.lora``: adapters shaped as ``[learner.lora]`` train on the frozen start model (``dora.hf.lora``), and are
+   merged into its weights before the folder is written (``merged``): the folder is a full model either way.
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ import torch
 
 from dora.actor.cluster import ClusterInfo
 from dora.config import ConfigError
-from dora.config.models import SftSection
+from dora.config.models import LoraSection, SftSection
 from dora.config.run import RunConfig
+from dora.hf import lora as adapters
 from dora.learner import sft_ranks
 from dora.learner.sft_ranks import ONE_CPU, Placement
 from dora.tasks.prompts import TaskRun
@@ -239,7 +242,8 @@ def train(model: torch.nn.Module, examples: Sequence[Example], sft: SftSection, 
     calls this with the same examples and takes every world-th row of each batch; the step is one rank's."""
     torch.manual_seed(sft.seed)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=sft.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    params = [p for p in model.parameters() if p.requires_grad]  # with adapters (sft.lora): those alone
+    opt = torch.optim.AdamW(params, lr=sft.lr, betas=(0.9, 0.99), weight_decay=0.0)
     per_epoch = math.ceil(len(examples) / sft.batch_size)
     lr_at = schedule(sft.lr, per_epoch * sft.epochs)
     step, reports = 0, []
@@ -260,7 +264,7 @@ def train(model: torch.nn.Module, examples: Sequence[Example], sft: SftSection, 
             # several ranks: this share of the batch's answer-token sum, times the world (FSDP averages over ranks)
             loss = mean if where.world == 1 else mean * (n / max(whole, 1) * where.world)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+            torch.nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM)
             opt.step()
             step += 1
             nll, count, tokens = nll + float(mean.detach()) * n, count + whole, tokens + sum(len(e.ids) for e in batch)
@@ -270,6 +274,25 @@ def train(model: torch.nn.Module, examples: Sequence[Example], sft: SftSection, 
         report(reports[-1])
     model.eval()
     return reports
+
+
+def merged(state: dict[str, torch.Tensor], spec: LoraSection) -> dict[str, torch.Tensor]:
+    """A full state of a model with adapters (``dora.hf.lora.inject``), its adapters merged into the weights they
+    wrap (W + alpha / rank x B A) and its names the model's own again, as the start folder names them."""
+    scale = spec.alpha / spec.rank
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if adapters.is_adapter(name):
+            continue
+        if ".base_layer." not in name:
+            out[name] = tensor
+            continue
+        module, _, leaf = name.partition(".base_layer.")
+        if leaf == "weight":
+            a, b = state[f"{module}.lora_A.{adapters.NAME}.weight"], state[f"{module}.lora_B.{adapters.NAME}.weight"]
+            tensor = tensor + scale * (b.float() @ a.float()).to(tensor.dtype)
+        out[f"{module}.{leaf}"] = tensor
+    return out
 
 
 def check_out(out: pathlib.Path) -> None:
@@ -371,9 +394,14 @@ def run(cfg: RunConfig, cluster: ClusterInfo) -> pathlib.Path | None:
                       f"{r.tokens / r.seconds:,.0f} tok/s  {r.seconds:.1f} s", file=sys.stderr)  # fmt: skip
 
         copies = tied_copies(model)  # named before sharding, as the learner's trainer does
+        spec = (cfg.learner.lora or LoraSection()) if sft.lora else None
+        if spec is not None:
+            adapters.inject(model, spec)
         model = sft_ranks.shard(model, where)
         train(model, data.items, sft, pad_id=0, report=progress, where=where)  # padding is out of the loss: any id
         state = sft_ranks.full_state(model, copies, where)
+        if spec is not None and lead:
+            state = merged(state if state is not None else model.state_dict(), spec)
         return write(model, job.start, job.out, state=state) if lead else None
     finally:
         sft_ranks.leave(where)

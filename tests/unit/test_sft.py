@@ -136,6 +136,48 @@ def test_the_written_folder_loads_like_the_start_folder(tiny_model, examples, tm
     assert render[0] == render[1] and "<|im_start|>assistant" in render[1]
 
 
+def test_with_lora_the_adapters_alone_train_and_the_folder_is_the_base_with_them_merged(tiny_model, examples, tmp_path):
+    """sft.lora: adapters shaped as [learner.lora] on the frozen start model; the optimizer holds them alone, the
+    base weights do not move, and the folder written is a full model (no adapter tensors) whose logits are the
+    adapted model's."""
+    from transformers import AutoModelForCausalLM
+
+    from dora.config.models import LoraSection
+    from dora.hf.lora import inject, is_adapter
+
+    spec = LoraSection(rank=4, alpha=8.0)
+    model = model_of(tiny_model)
+    inject(model, spec)
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    reports = sft.train(model, examples, SftSection(epochs=3, lr=1e-2, batch_size=6, lora=True), pad_id=0)
+    assert reports[-1].loss < reports[0].loss
+    assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen), "the base moved"
+    state = sft.merged(model.state_dict(), spec)
+    assert not [k for k in state if is_adapter(k) or ".base_layer." in k]
+    out = sft.write(model, tiny_model, tmp_path / "out", state=state)
+    loaded = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    assert loaded.state_dict().keys() == model_of(tiny_model).state_dict().keys()
+    ids = torch.tensor([[11, 12, 13, 400, 401, 402]])
+    with torch.no_grad():
+        want, got, start = model(input_ids=ids).logits, loaded(input_ids=ids).logits, model_of(tiny_model)(ids).logits
+    assert torch.allclose(got, want, atol=1e-5)
+    assert not torch.allclose(start, want, atol=1e-4), "the adapters changed nothing"
+
+
+def test_dora_sft_with_lora_writes_a_merged_full_model(tiny_model, tmp_path):
+    config = write_config(tmp_path, rows_file(tmp_path, 16), tiny_model, epochs=1, lora=True)
+    r = subprocess.run([sys.executable, "-m", "dora", "sft", "--config", str(config), "--set", "learner.lora.rank=4"],
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    from safetensors.torch import load_file
+
+    written = load_file(str(tmp_path / "out" / "model.safetensors"))
+    start = load_file(str(tiny_model / "model.safetensors"))
+    assert written.keys() == start.keys()
+    moved = [k for k in start if not torch.equal(written[k], start[k])]
+    assert moved and all(k.endswith("proj.weight") for k in moved), moved  # the merged adapters, nothing else
+
+
 def test_a_folder_that_is_not_a_model_is_never_replaced(tiny_model, tmp_path):
     out = tmp_path / "notes"
     out.mkdir()
