@@ -158,17 +158,18 @@ def test_a_torch_learner_trains_and_standalone_and_elastic_workers_load_every_pu
         assert not [r for w in ("w0", "e") for r in c.events(w) if r.get("level") == "error"]
 
 
-def test_a_lora_learner_trains_adapters_and_torch_workers_load_each_adapter_version(tmp_path, tiny_model):
+def test_a_lora_learner_trains_adapters_and_torch_and_vllm_workers_load_each_adapter_version(tmp_path, tiny_model):
     """[learner.lora]: the learner trains adapters on the frozen start model, each version in the store is an
-    adapter folder (a fraction of the model's bytes), and the torch workers copy each into their own adapters;
-    every group trained once, on one version."""
+    adapter folder (a fraction of the model's bytes), the torch worker copies each into its own adapters and the
+    vLLM worker adds each to vLLM as the version's adapter; every group trained once, on one version."""
     steps = 4
     overrides = torch_run(tmp_path, tiny_model, steps, min_workers=2, max_tokens=16,
-                          learner={"lr": 1e-2, "lora": {"rank": 4, "alpha": 8.0}})  # fmt: skip
+                          learner={"lr": 1e-2, "lora": {"rank": 4, "alpha": 8.0}},
+                          rollout={"kv_cache_mib": 64, "max_model_len": 1024})  # fmt: skip
     with cluster(tmp_path, overrides) as c:
         c.start_broker()
-        for i in range(2):
-            c.start_worker(f"w{i}", "torch", "--model", str(tiny_model))
+        for i, engine in enumerate(("torch", "vllm")):
+            c.start_worker(f"w{i}", engine, "--model", str(tiny_model))
         c.spawn("learner", "learner", "--trainer", "torch", "--broker", str(tmp_path / "broker.json"))
         assert c.wait("learner", 200) == 0, c.log("learner")[-3000:]
         assert c.wait("broker", 15) == 0, c.log("broker")[-3000:]
@@ -182,9 +183,12 @@ def test_a_lora_learner_trains_adapters_and_torch_workers_load_each_adapter_vers
         assert len(written) == steps and all(r["bytes"] < model_bytes / 5 for r in written), written
         newest = tmp_path / "store" / f"v{steps}"
         assert (newest / "adapter_config.json").is_file() and not (newest / "model.safetensors").exists()
-        loaded = [(r["version"], r["uri"], r["took_s"]) for w in ("w0", "w1") for r in c.events(w, "weights_loaded")]
-        assert {v for v, uri, _ in loaded if uri.startswith("file://")} >= {1, 2}, loaded
-        assert all(took > 0 for _, uri, took in loaded if uri.startswith("file://")), loaded  # each load is timed
+        for w in ("w0", "w1"):  # each engine loads adapter versions
+            loaded = [(r["version"], r["uri"], r["took_s"]) for r in c.events(w, "weights_loaded")]
+            assert {v for v, uri, _ in loaded if uri.startswith("file://")} >= {1}, (w, loaded)
+            assert all(took > 0 for _, uri, took in loaded if uri.startswith("file://")), loaded  # each load is timed
+        joined = {r["peer"]: r["engine"] for r in c.events("broker", "peer_joined") if r["role"] == "rollout"}
+        assert joined == {"w0": "torch", "w1": "vllm"}, joined
         assert not [r for w in ("w0", "w1") for r in c.events(w) if r.get("level") == "error"]
 
 
