@@ -103,7 +103,9 @@ def test_scancel_stops_every_step_within_killwait_and_a_resubmitted_job_resumes(
     took = time.monotonic() - cancelled
     out = (tmp_path / f"job-{job}.out").read_text()
     print(f"\njob {job}: every step gone {took:.1f} s after scancel (KillWait {slurm.kill_wait_s} s)")
-    assert took <= slurm.kill_wait_s, out
+    # Within KillWait: a step still running then is SIGKILLed by Slurm, and its status says so (srun exits with the
+    # signal's code). Each step's own status is the check: how long the processes take to exit on a loaded machine,
+    # seen from here (scancel's own latency and Slurm's cleanup included), is not.
     assert "Killed" not in out and "stopped" in out, out  # nothing needed SIGKILL
     for step in ("broker", f"rollout@{slurm.job(job)['NodeList']}", "learner"):
         assert f"{step} step exited with 0" in out, out
