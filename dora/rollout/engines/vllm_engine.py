@@ -150,16 +150,16 @@ class VllmEngine:
     def load_weights(self, version: int, path: str | pathlib.Path, sha256: str | None) -> None:
         """Load a published version. Full weights: in place, refused while requests run. Adapters (a LoRA run): beside
         the versions that still run, which go on under their own adapters."""
-        if self.lora is not None:
-            self._load_adapter(version, pathlib.Path(path), sha256)
-            return
-        if len(self):
+        if self.lora is None and len(self):
             raise EngineError(f"cannot load v{version}: {len(self)} requests are running")
-        state = read_weights(version, path, sha256)
+        state = read_weights(version, path, sha256) if self.lora is None else {}
         asleep = self.held is not None  # a load that ends after the worker yielded: awake for it, then asleep again
         if asleep:
             self.wake()
         try:
+            if self.lora is not None:
+                self._load_adapter(version, pathlib.Path(path), sha256)
+                return
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state.items())})
             self.llm.reset_prefix_cache()
             self.version = version
