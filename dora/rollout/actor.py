@@ -135,7 +135,8 @@ class RolloutActor:
         if self.keys is not None:
             self.keys.connect_as(sock, "rollout")
         try:  # a discovery file is read again on every session: a restarted broker may listen elsewhere
-            sock.connect(self.endpoint() if callable(self.endpoint) else self.endpoint)
+            endpoint = self.endpoint() if callable(self.endpoint) else self.endpoint
+            sock.connect(endpoint)
         except (ConfigError, zmq.ZMQError) as e:
             sock.close(linger=0)
             raise Reconnect(f"no broker: {e}") from None
@@ -143,7 +144,7 @@ class RolloutActor:
         self.finished = False
         try:
             if not await sock.poll(int(1000 * self.silence_s), zmq.POLLOUT):
-                raise Reconnect("broker unreachable")
+                raise Reconnect(f"broker unreachable at {endpoint} (no connection in {self.silence_s:g} s)")
             self.send(
                 m.Hello(
                     wire_version=m.WIRE_VERSION,
