@@ -96,7 +96,8 @@ def test_vllm_workers_serve_a_multi_version_run_with_real_tokens_and_rewards(tmp
         assert c.wait("learner", 200) == 0, c.log("learner")[-3000:] + c.log("w0")[-3000:]
         assert c.wait("broker", 15) == 0
         audit = c.check_exactly_once()
-        assert {v for r in audit for v in r["versions"]} >= {0, 1, 2}, "more than one version served"
+        served = {v for r in audit for v in r["versions"]}  # a version may go by unserved (published again first)
+        assert 0 in served and len(served) >= 3, f"several versions served: {served}"
         assert any(r["staleness"].get("1") for r in audit), "no step trained on older data: not asynchronous"
         finished = c.events("broker", "train_step")
         assert len(finished) == steps and all(0.0 <= r["learner"]["reward_mean"] <= 1.0 for r in finished)
@@ -135,7 +136,8 @@ def test_a_torch_learner_trains_and_standalone_and_elastic_workers_load_every_pu
         assert c.wait("learner", 200) == 0, c.log("learner")[-3000:]
         assert c.wait("broker", 15) == 0, c.log("broker")[-3000:]
         audit = c.check_exactly_once()
-        assert {v for r in audit for v in r["versions"]} >= {0, 1, 2}, "more than one version served"
+        served = {v for r in audit for v in r["versions"]}  # a version may go by unserved (published again first)
+        assert 0 in served and len(served) >= 3, f"several versions served: {served}"
         assert any(r["staleness"].get("1") for r in audit), "no step trained on older data: not asynchronous"
         k = overrides["core"]["max_staleness"]
         assert seen and max(map(len, seen)) <= k + 2, f"more than K + 2 = {k + 2} versions on disk: {seen}"
