@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 BASE_FILE = "dora_base_model.json"
 """Beside a version's adapters: the base model they were trained on, by path and by digest (``base_record``). It
 is one of the version's files, so the version's digest vouches for it; PEFT and vLLM ignore it."""
+VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ranks vLLM sizes its adapter slots by (``max_lora_rank``): a vLLM worker takes the smallest that holds the
+run's, and a run whose rank is above the last cannot have vLLM workers."""
 ADAPTER_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 NAME = "default"

@@ -89,9 +89,11 @@ def on_cuda(device: str) -> bool:
 
 def check_engine(engine: str, cfg: RunConfig) -> None:
     """What the engine cannot run: tensor parallelism is vLLM's; vLLM serves adapters up to a rank."""
-    if engine == "vllm" and cfg.learner.lora is not None and cfg.learner.lora.rank > 512:
-        raise ConfigError(f"learner.lora.rank = {cfg.learner.lora.rank}: vLLM workers serve adapters of rank 512 at "
-                          "most")  # fmt: skip
+    from dora.hf.lora import VLLM_RANKS
+
+    if engine == "vllm" and cfg.learner.lora is not None and cfg.learner.lora.rank > VLLM_RANKS[-1]:
+        raise ConfigError(f"learner.lora.rank = {cfg.learner.lora.rank}: vLLM workers serve adapters of rank "
+                          f"{VLLM_RANKS[-1]} at most")  # fmt: skip
     if engine != "vllm" and cfg.rollout.tensor_parallel_size > 1:
         raise ConfigError(f"rollout.tensor_parallel_size = {cfg.rollout.tensor_parallel_size}: only the vllm engine "
                           f"shards a model over several devices; the {engine} engine runs on one")  # fmt: skip

@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dora.hf.folder import facts
-from dora.hf.lora import check_base
+from dora.hf.lora import VLLM_RANKS, check_base
 from dora.ids import Finish
 from dora.rollout.engines.base import EngineError, Sample
 from dora.rollout.engines.torch_engine import hash_seed, read_weights
@@ -66,8 +66,6 @@ from dora.store import model_digest
 if TYPE_CHECKING:
     from dora.config.models import LoraSection
 
-LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-"""The ranks vLLM sizes its adapter slots by (``max_lora_rank``): the smallest that holds the run's is taken."""
 CPU_KV_CACHE_BYTES = 256 << 20
 """KV cache memory on the CPU when none is given (vLLM's own default there takes most of the machine's memory)."""
 
@@ -340,9 +338,9 @@ def adapter_options(lora: LoraSection | None, max_loras: int) -> dict[str, Any]:
         return {}
     if max_loras < 1:
         raise ValueError(f"max_loras must be >= 1; got {max_loras}")
-    fits = [r for r in LORA_RANKS if r >= lora.rank]
+    fits = [r for r in VLLM_RANKS if r >= lora.rank]
     if not fits:
-        raise ValueError(f"learner.lora.rank {lora.rank}: vLLM serves adapters of rank {LORA_RANKS[-1]} at most")
+        raise ValueError(f"learner.lora.rank {lora.rank}: vLLM serves adapters of rank {VLLM_RANKS[-1]} at most")
     return {"enable_lora": True, "max_loras": max_loras, "max_cpu_loras": max_loras, "max_lora_rank": fits[0]}
 
 
