@@ -104,6 +104,11 @@ class Core:
         """Deadlines moved a step later so that a waiting trainer could take its batch (adaptive deadlines)."""
         self.requested_at = 0.0
         """When the learner asked for the batch it waits for."""
+        self.multi: set[WorkerId] = set()
+        """Workers that hold several versions at once (LoRA): each one moves to a new version as soon as it can
+        keep every version it still runs groups of (``_advance``), without draining or handing groups over."""
+        self.behind: set[WorkerId] = set()
+        """The multi-version workers that may be pinned to an older version than the newest."""
 
     # ------------------------------------------------------------------ entry point
 
@@ -161,13 +166,16 @@ class Core:
         """Apply one event; True if it is a trigger for a full re-partition."""
         sched = self.scheduler
         match event:
-            case WorkerJoined(worker_id=w, slots=slots, elastic=elastic):
+            case WorkerJoined(worker_id=w, slots=slots, elastic=elastic, holds=holds):
                 if w in sched.workers:  # a restarted process under the same id: its old leases are void
                     self._lose(w, out)
                 if slots < self.cfg.group_size:
                     out.emit(Refused(reason=f"slots {slots} < group_size {self.cfg.group_size}", worker_id=w))
                     return False
-                sched.join(w, slots, elastic=elastic)
+                # partial swaps weights under running requests by design: it has no use for kept versions
+                worker = sched.join(w, slots, elastic=elastic, holds=1 if self.cfg.in_flight_swap else max(1, holds))
+                if worker.holds > 1:
+                    self.multi.add(w)
                 self._assign(w, out)
                 return self.cfg.mode is Mode.DORA
             case WorkerLost(worker_id=w):
@@ -231,6 +239,7 @@ class Core:
                     out.emit(Refused(reason=f"unexpected_publish v{v}"))
                     return False
                 self.ledger.publish(v)
+                self.behind |= self.multi
                 for worker in sorted((w for w in sched.workers.values() if w.yielded), key=lambda x: x.order):
                     self._wake(worker, out)
                 if self.cfg.in_flight_swap:
@@ -258,6 +267,8 @@ class Core:
     # ------------------------------------------------------------------ pieces
 
     def _lose(self, worker: WorkerId, out: Outbox) -> None:
+        self.multi.discard(worker)
+        self.behind.discard(worker)
         self.scheduler.lose(worker, out)
         self.ledger.unpin(worker)
         if worker in self.yielding:
@@ -308,12 +319,11 @@ class Core:
         trainer's, and the group is due a step later anyway."""
         sched = self.scheduler
         holders = (  # made as they are placed: the first that does not fit ends the check
-            (self.ledger.version_of(w.worker_id),
-             tuple((g, sched.unfinished(sched.flights[g])) for g in sorted(w.groups)
-                   if sched.flights[g].state is GroupState.RUNNING))
+            running
             for w in sched.workers.values()  # in join order, as _yield_elastic evacuates them
             if w.elastic and not w.yielded and w.groups
-        )  # fmt: skip
+            for running in self._running_by_version(w)
+        )
         room: dict[int, dict[WorkerId, int]] = {}
         for p in self._evacuation_peers():
             version = self.ledger.version_of(p.worker_id)
@@ -348,17 +358,25 @@ class Core:
         """Migrate the worker's running groups to standalone workers of its version with room; the rest stay
         held (paused) on it."""
         sched = self.scheduler
-        version = self.ledger.version_of(worker.worker_id)
-        views = [orchestrator.WorkerView(worker_id=p.worker_id, version=version, free=p.free, groups=(),
-                                         settled=True, order=p.order)
-                 for p in peers if self.ledger.version_of(p.worker_id) == version]  # fmt: skip
-        running = tuple(
-            (g, sched.unfinished(sched.flights[g]))
-            for g in sorted(worker.groups)
-            if sched.flights[g].state is GroupState.RUNNING
-        )
-        for gid, dst in orchestrator.place_some(running, views):
-            sched.migrate(sched.flights[gid], sched.workers[dst], out)
+        for version, running in self._running_by_version(worker):
+            views = [orchestrator.WorkerView(worker_id=p.worker_id, version=version, free=p.free, groups=(),
+                                             settled=True, order=p.order)
+                     for p in peers if self.ledger.version_of(p.worker_id) == version]  # fmt: skip
+            for gid, dst in orchestrator.place_some(running, views):
+                sched.migrate(sched.flights[gid], sched.workers[dst], out)
+
+    def _running_by_version(self, worker: Worker) -> list[tuple[int, tuple[tuple[GroupId, int], ...]]]:
+        """The worker's running groups as (version, ((group, unfinished samples), ...)), its pinned version first,
+        then the versions it keeps, oldest first. Peers take a version's groups where it is their pinned one."""
+        sched = self.scheduler
+        pinned = self.ledger.version_of(worker.worker_id)
+        by_version: dict[int, list[tuple[GroupId, int]]] = {}
+        for g in sorted(worker.groups):
+            f = sched.flights[g]
+            if f.state is GroupState.RUNNING:
+                by_version.setdefault(f.version, []).append((g, sched.unfinished(f)))
+        order = sorted(by_version, key=lambda v: (v != pinned, v))
+        return [(v, tuple(by_version[v])) for v in order]
 
     def _hand_over(self, out: Outbox) -> None:
         if self.held is not None and not self.yielding:
@@ -372,24 +390,52 @@ class Core:
         version = self.ledger.version_of(worker.worker_id)
         assert version is not None
         holds = worker.groups or worker.incoming
-        if version == self.ledger.newest or (holds and not self.cfg.in_flight_swap):
+        if version != self.ledger.newest and worker.holds > 1 and self._keeps(worker) is not None:
+            self._assign(worker.worker_id, out)  # a multi-version worker takes the newest, keeping what it runs
+        elif version == self.ledger.newest or (holds and not self.cfg.in_flight_swap):
             out.emit(Resume(worker_id=worker.worker_id, version=version))
         elif not self.cfg.in_flight_swap:
             self._assign(worker.worker_id, out)
         # in_flight_swap (partial): the publish swaps every worker, this one included, to the newest weights
 
     def _assign(self, worker: WorkerId, out: Outbox, *, interrupt: bool = False) -> None:
-        """Pin ``worker`` to the newest version and tell it to load those weights."""
+        """Pin ``worker`` to the newest version and tell it to load those weights; a multi-version worker keeps
+        every version groups of it still run (or are migrating to it) under."""
         w = self.scheduler.workers[worker]
-        if self.ledger.version_of(worker) == self.ledger.newest:
+        newest = self.ledger.newest
+        if self.ledger.version_of(worker) == newest:
             return
-        if w.groups and not interrupt:
+        keep = self._keeps(w) if not interrupt else ()
+        if keep is None:
             raise InvariantViolation(f"{worker} told to change version while holding groups {sorted(w.groups)}")
-        self.ledger.pin(worker, self.ledger.newest)
+        self.ledger.pin(worker, newest)
+        for v in keep:
+            self.ledger.keep(worker, v)
         self.scheduler.set_ready(w, False)
         if w.leaving:
             self.scheduler.set_leaving(w, False)
-        out.emit(Assign(worker_id=worker, version=self.ledger.newest, interrupt=interrupt))
+        self.scheduler.offer(w)
+        out.emit(Assign(worker_id=worker, version=newest, interrupt=interrupt, keep=keep))
+
+    def _keeps(self, w: Worker) -> tuple[int, ...] | None:
+        """The versions the worker must keep to take the newest one now (those its groups run under, or are
+        migrating to it under); None if it cannot (a full-weight worker with groups, or too few adapter slots)."""
+        keep = tuple(sorted(v for v in w.claims if v != self.ledger.newest))
+        if keep and (w.holds == 1 or len(keep) + 1 > w.holds):
+            return None
+        return keep
+
+    def _advance(self, out: Outbox) -> None:
+        """Multi-version workers behind the newest version take it now where they can keep what they run (one
+        that cannot yet waits for groups to finish; it is never drained, and its groups never moved, for this)."""
+        newest = self.ledger.newest
+        for name in sorted(self.behind, key=lambda n: self.scheduler.workers[n].order):
+            w = self.scheduler.workers.get(name)
+            if w is None or self.ledger.version_of(name) == newest:
+                self.behind.discard(name)
+            elif not w.yielded and self._keeps(w) is not None:
+                self._assign(name, out)
+                self.behind.discard(name)
 
     def _finished(self, flight: Flight) -> None:
         samples = tuple(flight.done[i] for i in range(self.cfg.group_size))
@@ -419,6 +465,8 @@ class Core:
 
     def _orchestrate(self, out: Outbox, *, full: bool) -> None:
         sched = self.scheduler
+        if self.behind:
+            self._advance(out)
         # Workers that finished handing over their groups load the newest weights now.
         for w in [sched.workers[name] for name in sorted(sched.leaving & sched.idle)]:
             if not w.groups and not w.incoming:
@@ -444,7 +492,7 @@ class Core:
                 for w in map(sched.workers.__getitem__, led.pinned_to(v)):
                     if nothing_left and not w.groups and _movable(w):
                         moves.append(w.worker_id)
-                    elif _movable(w):
+                    elif _movable(w) and w.holds == 1:  # a multi-version worker moves when it can keep (_advance)
                         planned.append(w)
             if planned:
                 planned.sort(key=lambda w: w.order)

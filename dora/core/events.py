@@ -27,6 +27,8 @@ class WorkerJoined:
     """Sequences the worker runs at once (its credit); a group takes group_size of them."""
     elastic: bool = False
     """It shares its accelerators with the trainer: it yields them for every train step (see ``Yield``)."""
+    holds: int = 1
+    """Versions its engine can serve at once: 1 for full weights, more for a LoRA engine's adapter slots."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -165,11 +167,13 @@ class Lease:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Assign:
-    """Serve ``version`` from now on. ``interrupt``: swap weights under running requests (partial mode only)."""
+    """Serve ``version`` from now on. ``interrupt``: swap weights under running requests (partial mode only).
+    ``keep``: older versions a multi-version worker goes on serving beside it (groups of them run there)."""
 
     worker_id: WorkerId
     version: int
     interrupt: bool = False
+    keep: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

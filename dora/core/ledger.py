@@ -21,6 +21,11 @@ Failure semantics (the core's part of them; the actor handles sockets):
 4. A broken invariant inside the core raises ``InvariantViolation``: that is a bug in this process,
    and the process must stop rather than train on bad data.
 
+Multi-version workers (LoRA: a version is an adapter, and one engine holds several): besides the version it is
+pinned to, a worker may keep older versions it was pinned to while groups of them still run on it (``keep``). A
+kept version is as alive as a pinned one: it is not retired while any worker keeps it. A full-weight worker keeps
+none.
+
 Invariant kept here: at most K + 1 versions are not retired at any time (checked by ``check``).
 """
 
@@ -57,6 +62,10 @@ class Ledger:
         self._pinned: dict[int, dict[WorkerId, None]] = {}
         """version -> the workers pinned to it (in pin order), for versions with any: ``_pins`` inverted, so that
         nothing per event has to look at every worker."""
+        self._kept: dict[WorkerId, set[int]] = {}
+        """worker -> the older versions it still holds besides its pin (multi-version workers only)."""
+        self._keepers: dict[int, dict[WorkerId, None]] = {}
+        """version -> the workers keeping it (``_kept`` inverted)."""
         self._unconsumed: Counter[int] = Counter()
         """Unconsumed groups per dispatch version (a version with any is not retired)."""
         self._by_deadline: Counter[int] = Counter()
@@ -81,6 +90,18 @@ class Ledger:
         """The workers pinned to ``version``: a live view, not to be kept across a pin or unpin."""
         return self._pinned.get(version, {}).keys()
 
+    def kept_by(self, worker: WorkerId) -> frozenset[int]:
+        """The versions ``worker`` keeps besides its pin."""
+        return frozenset(self._kept.get(worker, ()))
+
+    def holds(self, worker: WorkerId, version: int) -> bool:
+        """Whether ``worker`` serves ``version``: pinned to it, or keeping it."""
+        return self._pins.get(worker) == version or version in self._kept.get(worker, ())
+
+    def keepers(self, version: int) -> Collection[WorkerId]:
+        """The workers keeping ``version`` besides their pin: a live view."""
+        return self._keepers.get(version, {}).keys()
+
     def pinned_versions(self) -> list[int]:
         """Versions at least one worker is pinned to, oldest first."""
         return sorted(self._pinned)
@@ -104,7 +125,7 @@ class Ledger:
         """``worker`` serves ``version`` from now on (loading counts: the pin moves when Assign is sent)."""
         if self.state(version) is VersionState.RETIRED:
             raise InvariantViolation(f"pinning {worker} to retired version {version}")
-        self.unpin(worker)
+        self._unpin(worker)
         self._pins[worker] = version
         self._pinned.setdefault(version, {})[worker] = None
 
@@ -117,7 +138,32 @@ class Ledger:
                 if v < version and st is VersionState.LIVE:
                     self._state[v] = VersionState.DRAINING
 
+    def keep(self, worker: WorkerId, version: int) -> None:
+        """``worker`` goes on serving ``version`` (groups of it run there) besides the version it is pinned to."""
+        if self.state(version) is VersionState.RETIRED or self._pins.get(worker) in (None, version):
+            raise InvariantViolation(f"{worker} cannot keep version {version} (pinned to {self._pins.get(worker)})")
+        self._kept.setdefault(worker, set()).add(version)
+        self._keepers.setdefault(version, {})[worker] = None
+
+    def drop(self, worker: WorkerId, version: int) -> None:
+        """Nothing of ``version`` runs on ``worker`` any more: it no longer keeps it."""
+        kept = self._kept.get(worker)
+        if kept is None or version not in kept:
+            return
+        kept.discard(version)
+        if not kept:
+            del self._kept[worker]
+        del self._keepers[version][worker]
+        if not self._keepers[version]:
+            del self._keepers[version]
+
     def unpin(self, worker: WorkerId) -> None:
+        """The worker is gone: it serves nothing, pinned or kept."""
+        for version in sorted(self._kept.get(worker, ())):
+            self.drop(worker, version)
+        self._unpin(worker)
+
+    def _unpin(self, worker: WorkerId) -> None:
         version = self._pins.pop(worker, None)
         if version is not None:
             workers = self._pinned[version]
@@ -151,8 +197,9 @@ class Ledger:
 
     def collect_retired(self) -> list[int]:
         """Retire every version that is superseded, unserved and fully consumed; return them, oldest first."""
-        pinned = self._pinned.keys()
-        gone = [v for v in sorted(self._state) if v < self.newest and v not in pinned and not self._unconsumed[v]]
+        pinned, kept = self._pinned.keys(), self._keepers.keys()
+        gone = [v for v in sorted(self._state)
+                if v < self.newest and v not in pinned and v not in kept and not self._unconsumed[v]]  # fmt: skip
         for v in gone:
             del self._state[v]  # state() reports RETIRED for any version no longer held
         return gone
@@ -169,6 +216,16 @@ class Ledger:
         for w, v in self._pins.items():
             if self.state(v) is VersionState.RETIRED:
                 raise InvariantViolation(f"worker {w} pinned to retired version {v}")
+        keepers: dict[int, set[WorkerId]] = {}
+        for w, kept in self._kept.items():
+            if not kept or w not in self._pins or self._pins[w] in kept:
+                raise InvariantViolation(f"worker {w} keeps {sorted(kept)} pinned to {self._pins.get(w)}")
+            for v in kept:
+                keepers.setdefault(v, set()).add(w)
+                if self.state(v) is VersionState.RETIRED:
+                    raise InvariantViolation(f"worker {w} keeps retired version {v}")
+        if keepers != {v: set(ws) for v, ws in self._keepers.items()}:
+            raise InvariantViolation("the workers keeping each version are out of date")
         for v, n in self._unconsumed.items():
             if n and self.state(v) is VersionState.RETIRED:
                 raise InvariantViolation(f"retired version {v} still has {n} unconsumed groups")

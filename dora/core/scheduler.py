@@ -9,14 +9,20 @@ output is discarded and the prompt re-runs on the newest version, so its deadlin
 
 The scheduler holds the state (flights, workers, the queue, the prompt cursor) and keeps what it derives from
 it consistent: slot use, the idle, leaving and unready workers, the roster, and pending samples per version.
-``check`` recomputes all of it from scratch. The choice of which group is leased next, on which version,
+``check`` recomputes all of it from scratch.
+
+Multi-version workers (``holds`` > 1: a LoRA engine holds several adapter versions) serve the version they are
+pinned to and every older version they keep (``Ledger.keep``): a version stays kept exactly while a group of it
+runs on the worker or is migrating to it, and is dropped as its last one leaves. Leases and migrations go to any
+worker that serves the version; a lease or migration of a version to a worker that does not serve it is a
+broken invariant (C1). A worker that holds one version (full weights) never keeps any. The choice of which group is leased next, on which version,
 with which deadline, is made in ``dispatch`` (the admission arithmetic itself lives in ``deadline``). The
 checks on a finished sample that passed the fence, and the taking of it into its group, live in ``intake``.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -78,6 +84,10 @@ class Worker:
     incoming: int = 0
     """Groups migrating to it, not yet exported by their source: it must keep its version until they land."""
     groups: set[GroupId] = field(default_factory=set)
+    holds: int = 1
+    """Versions it can serve at once: 1 for full weights; a LoRA engine's adapter slots."""
+    claims: Counter[int] = field(default_factory=Counter)
+    """Groups per version that it holds or that are migrating to it (what keeps a kept version)."""
 
     @property
     def free(self) -> int:
@@ -150,21 +160,33 @@ class Scheduler:
 
     def _hold(self, worker: Worker, group: GroupId) -> None:
         worker.groups.add(group)
+        self._claim(worker, self.flights[group].version)
         self.idle.discard(worker.worker_id)
         self._file(worker)
 
     def _unhold(self, worker: Worker, group: GroupId) -> None:
         worker.groups.discard(group)
+        self._unclaim(worker, self.flights[group].version)
         if not worker.groups:
             self.idle.add(worker.worker_id)
             self._file(worker)
+
+    def _claim(self, worker: Worker, version: int) -> None:
+        worker.claims[version] += 1
+
+    def _unclaim(self, worker: Worker, version: int) -> None:
+        """One group of ``version`` left the worker (or will not arrive): the last one takes a kept version along."""
+        worker.claims[version] -= 1
+        if not worker.claims[version]:
+            del worker.claims[version]
+            self.ledger.drop(worker.worker_id, version)
 
     def set_ready(self, worker: Worker, ready: bool) -> None:
         """Its pinned version's weights are loaded (or not); set after any pin change."""
         worker.ready = ready
         self._file(worker)
         if ready:  # an unready worker serves nothing: there is nothing to offer
-            self._offer(worker)
+            self.offer(worker)
 
     def _file(self, worker: Worker) -> None:
         """Keep ``idle_unready`` after a change of the worker's groups, readiness or pin (or its loss)."""
@@ -182,27 +204,36 @@ class Scheduler:
     def set_leaving(self, worker: Worker, leaving: bool) -> None:
         worker.leaving = leaving
         (self.leaving.add if leaving else self.leaving.discard)(worker.worker_id)
-        self._offer(worker)
+        self.offer(worker)
 
-    def _serving(self, worker: Worker, version: int) -> bool:
-        return worker.ready and not worker.leaving and self.ledger.version_of(worker.worker_id) == version
+    def serves(self, worker: Worker, version: int) -> bool:
+        """Whether the worker may be given work of ``version`` now: its pinned version once loaded (and not
+        leaving it), or a version it keeps (loaded before) while its accelerators are its own."""
+        name = worker.worker_id
+        if self.ledger.version_of(name) == version:
+            return worker.ready and not worker.leaving
+        return not worker.yielded and version in self.ledger.kept_by(name)
 
-    def _offer(self, worker: Worker) -> None:
-        """Tell the roster the worker's free slots, if it serves a version (ready, not leaving)."""
-        version = self.ledger.version_of(worker.worker_id)
+    def offer(self, worker: Worker) -> None:
+        """Tell the roster the worker's free slots under every version it serves now."""
+        name = worker.worker_id
+        version = self.ledger.version_of(name)
         if version is not None and worker.ready and not worker.leaving:
-            self.roster.offer(version, worker.worker_id, worker.free, worker.order)
+            self.roster.offer(version, name, worker.free, worker.order)
+        if worker.holds > 1 and not worker.yielded:
+            for kept in self.ledger.kept_by(name):
+                self.roster.offer(kept, name, worker.free, worker.order)
 
     def pick_worker(self, version: int, need: int) -> Worker | None:
         """The ready worker of ``version`` with the most free slots (join order breaks ties), if it has ``need``."""
-        pinned = self.ledger.pinned_to(version)
-        if self.roster.crowded(version, len(pinned)):
-            serving = (self.workers[w] for w in pinned)
-            self.roster.rebuild(version, ((w.worker_id, w.free, w.order) for w in serving if self._serving(w, version)))
+        pinned, keepers = self.ledger.pinned_to(version), self.ledger.keepers(version)
+        if self.roster.crowded(version, len(pinned) + len(keepers)):
+            serving = [self.workers[w] for w in pinned] + [self.workers[w] for w in keepers]
+            self.roster.rebuild(version, ((w.worker_id, w.free, w.order) for w in serving if self.serves(w, version)))
 
         def current(name: WorkerId) -> tuple[int, int] | None:
             w = self.workers.get(name)
-            return (w.free, w.order) if w is not None and self._serving(w, version) else None
+            return (w.free, w.order) if w is not None and self.serves(w, version) else None
 
         best = self.roster.best(version, current)
         worker = self.workers[best] if best is not None else None
@@ -216,9 +247,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ workers
 
-    def join(self, worker: WorkerId, slots: int, *, elastic: bool = False) -> Worker:
+    def join(self, worker: WorkerId, slots: int, *, elastic: bool = False, holds: int = 1) -> Worker:
         self._joined += 1
-        w = Worker(worker_id=worker, slots=slots, order=self._joined, elastic=elastic)
+        w = Worker(worker_id=worker, slots=slots, order=self._joined, elastic=elastic, holds=holds)
         self.workers[worker] = w
         self.idle.add(worker)
         return w
@@ -240,7 +271,7 @@ class Scheduler:
     def lease(self, flight: Flight, worker: Worker, version: int, out: Outbox) -> None:
         if flight.state is not GroupState.QUEUED:
             raise InvariantViolation(f"lease of group {flight.group_id} in state {flight.state}")
-        if version != self.ledger.version_of(worker.worker_id) or not worker.ready:
+        if not self.serves(worker, version):
             raise InvariantViolation(f"lease of group {flight.group_id} on a worker not serving {version}")
         flight.attempt = AttemptId(self._next_attempt)
         self._next_attempt += 1
@@ -249,7 +280,7 @@ class Scheduler:
         flight.version = version
         self._hold(worker, flight.group_id)
         worker.used += self.cfg.group_size
-        self._offer(worker)
+        self.offer(worker)
         self._owe(version, self.cfg.group_size)
         out.emit(
             Lease(
@@ -270,13 +301,14 @@ class Scheduler:
             if holder is not None:
                 self._unhold(holder, flight.group_id)
                 holder.used -= self.unfinished(flight)
-                self._offer(holder)
+                self.offer(holder)
                 if notify and flight.attempt is not None:
                     out.emit(Cancel(worker_id=holder.worker_id, group_id=flight.group_id, attempt=flight.attempt))
         if flight.target is not None and flight.target in self.workers:
             self.workers[flight.target].used -= self.unfinished(flight)
             self.workers[flight.target].incoming -= 1
-            self._offer(self.workers[flight.target])
+            self._unclaim(self.workers[flight.target], flight.version)
+            self.offer(self.workers[flight.target])
         flight.state = GroupState.QUEUED
         flight.attempt = None
         flight.worker = None
@@ -312,12 +344,12 @@ class Scheduler:
             return
         holder = self.workers[flight.worker]  # type: ignore[index]  (a running flight has one)
         holder.used -= samples
-        self._offer(holder)
+        self.offer(holder)
         self._owe(flight.version, -samples)
         if flight.target is not None:
             target = self.workers[flight.target]
             target.used -= samples
-            self._offer(target)
+            self.offer(target)
 
     def release(self, flight: Flight) -> None:
         """A finished group leaves the scheduler (its slots are already free)."""
@@ -325,6 +357,7 @@ class Scheduler:
             self._unhold(self.workers[flight.worker], flight.group_id)
         if flight.target is not None and flight.target in self.workers:  # it finished while migrating
             self.workers[flight.target].incoming -= 1
+            self._unclaim(self.workers[flight.target], flight.version)
         del self.flights[flight.group_id]
         self.wave.discard(flight.group_id)
 
@@ -335,7 +368,7 @@ class Scheduler:
         src = flight.worker
         if src is None or flight.state is not GroupState.RUNNING or flight.attempt is None:
             raise InvariantViolation(f"migration of group {flight.group_id} in state {flight.state}")
-        if self.ledger.version_of(target.worker_id) != flight.version or not target.ready:
+        if not self.serves(target, flight.version) or target.worker_id == src:
             raise InvariantViolation(
                 f"migration of group {flight.group_id} (version {flight.version}) to {target.worker_id} "
                 f"serving {self.ledger.version_of(target.worker_id)}"
@@ -344,7 +377,8 @@ class Scheduler:
         flight.target = target.worker_id
         target.used += self.unfinished(flight)
         target.incoming += 1
-        self._offer(target)
+        self._claim(target, flight.version)
+        self.offer(target)
         out.emit(
             MigrateOut(
                 worker_id=src,
@@ -374,9 +408,10 @@ class Scheduler:
         dst = self.workers[flight.target]
         self._unhold(src, group)
         src.used -= n_requests
-        self._offer(src)
+        self.offer(src)
         self._hold(dst, group)
         dst.incoming -= 1
+        self._unclaim(dst, flight.version)
         flight.worker = dst.worker_id
         flight.target = None
         flight.state = GroupState.RUNNING
@@ -404,6 +439,7 @@ class Scheduler:
         """
         used = {w: 0 for w in self.workers}
         incoming = {w: 0 for w in self.workers}
+        claims: dict[WorkerId, Counter[int]] = {w: Counter() for w in self.workers}
         holders: dict[GroupId, WorkerId] = {}
         for f in self.flights.values():
             if f.state is GroupState.QUEUED:
@@ -412,16 +448,20 @@ class Scheduler:
                 continue
             if f.worker not in self.workers:
                 raise InvariantViolation(f"group {f.group_id} held by unknown worker {f.worker}")
-            if placement and self.ledger.version_of(f.worker) != f.version:
+            if placement and not self.ledger.holds(f.worker, f.version):
                 raise InvariantViolation(
                     f"C1: group {f.group_id} of version {f.version} on {f.worker} serving "
-                    f"{self.ledger.version_of(f.worker)}"
+                    f"{self.ledger.version_of(f.worker)} (keeping {sorted(self.ledger.kept_by(f.worker))})"
                 )
             holders[f.group_id] = f.worker
             used[f.worker] += self.unfinished(f)
+            claims[f.worker][f.version] += 1
             if f.target is not None:
+                if placement and not self.ledger.holds(f.target, f.version):
+                    raise InvariantViolation(f"C1: group {f.group_id} of version {f.version} migrating to {f.target}")
                 used[f.target] += self.unfinished(f)
                 incoming[f.target] += 1
+                claims[f.target][f.version] += 1
         for w in self.workers.values():
             if w.incoming != incoming[w.worker_id]:
                 raise InvariantViolation(f"{w.worker_id}: {w.incoming} migrations in recorded, {incoming[w.worker_id]}")
@@ -431,6 +471,11 @@ class Scheduler:
                 raise InvariantViolation(f"{w.worker_id}: {w.used} slots recorded, {used[w.worker_id]} held")
             if w.used > w.slots:
                 raise InvariantViolation(f"{w.worker_id} over capacity: {w.used} > {w.slots}")
+            if w.claims != claims[w.worker_id]:
+                raise InvariantViolation(f"{w.worker_id}: groups per version {dict(w.claims)}, {dict(claims[w.worker_id])}")
+            kept = self.ledger.kept_by(w.worker_id)
+            if kept - set(w.claims) or len(kept) + 1 > w.holds:
+                raise InvariantViolation(f"{w.worker_id} keeps {sorted(kept)} holding {dict(w.claims)} (holds {w.holds})")
             for gid in w.groups:
                 if holders.get(gid) != w.worker_id:
                     raise InvariantViolation(f"{w.worker_id} lists group {gid} it does not hold")
@@ -446,11 +491,14 @@ class Scheduler:
                 idle_unready.setdefault(v, set()).add(w.worker_id)
         if idle_unready != self.idle_unready:
             raise InvariantViolation("idle unready workers per version out of date")
-        listed = {v: self.roster.listed(v) for v in self.ledger.pinned_versions()}
+        listed: dict[int, set[tuple[WorkerId, int, int]]] = {}
         for w in self.workers.values():
             v = self.ledger.version_of(w.worker_id)
-            if v is not None and self._serving(w, v) and (w.worker_id, w.free, w.order) not in listed[v]:
-                raise InvariantViolation(f"{w.worker_id} serves v{v} with {w.free} free slots, not on the roster")
+            for v in ({v} if v is not None else set()) | self.ledger.kept_by(w.worker_id):
+                if v not in listed:
+                    listed[v] = self.roster.listed(v)
+                if self.serves(w, v) and (w.worker_id, w.free, w.order) not in listed[v]:
+                    raise InvariantViolation(f"{w.worker_id} serves v{v} with {w.free} free slots, not on the roster")
         if len(holders) != sum(len(w.groups) for w in self.workers.values()):
             raise InvariantViolation("a group is held twice or listed by no worker")
         if len(set(self.queue)) != len(self.queue) or any(
