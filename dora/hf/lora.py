@@ -10,8 +10,9 @@ A published version holds the adapters alone, as PEFT saves them (what ``PeftMod
 ``base_model.model.<module>.lora_A.weight``. The base model is the run's start folder, named in the config; each
 version also records it by digest (``BASE_FILE``), and an engine loads only versions trained on the model it holds.
 
-A torch engine of a LoRA run injects the same adapters into its model when it starts (B zero: version 0 is the
-start model), and loading a version copies that version's adapter tensors into them (``load_adapters``).
+A torch engine of a LoRA run injects the same adapters into its model when it starts, and keeps each version it
+holds beside them (``dora.rollout.engines.adapters``: version 0, all zeros, is the start model); loading a version
+checks its tensors against the injected adapters (``check_adapters``) and copies them in.
 """
 
 from __future__ import annotations
@@ -116,13 +117,11 @@ def check_base(folder: pathlib.Path, base: str | pathlib.Path, digest: str) -> N
                          "learner and workers must start from the same model")  # fmt: skip
 
 
-def load_adapters(model: torch.nn.Module, folder: pathlib.Path, state: Mapping[str, torch.Tensor],
-                  config: Any) -> None:  # fmt: skip
-    """Copy a published adapter version (its checked tensors ``state``, under saved names, and the
-    ``adapter_config.json`` of ``folder``) into the adapters ``inject`` gave ``model`` (its PEFT ``config``).
-    ValueError, with nothing copied, when the version's adapters are not those: another rank, scale or module set."""
-    import torch
-
+def check_adapters(model: torch.nn.Module, folder: pathlib.Path, state: Mapping[str, torch.Tensor],
+                   config: Any) -> dict[str, torch.Tensor]:  # fmt: skip
+    """A published adapter version (its checked tensors ``state``, under saved names, and the
+    ``adapter_config.json`` of ``folder``), under the names of the adapters ``inject`` gave ``model`` (its PEFT
+    ``config``). ValueError when the version's adapters are not those: another rank, scale or module set."""
     try:
         theirs = json.loads((folder / ADAPTER_CONFIG).read_text())
     except (OSError, ValueError) as e:
@@ -139,6 +138,4 @@ def load_adapters(model: torch.nn.Module, folder: pathlib.Path, state: Mapping[s
     if bad:
         raise ValueError(f"{folder}: adapter {bad[0]} is {tuple(incoming[bad[0]].shape)}, the engine's "
                          f"{tuple(params[bad[0]].shape)}")  # fmt: skip
-    with torch.no_grad():
-        for n, p in params.items():
-            p.copy_(incoming[n])
+    return incoming

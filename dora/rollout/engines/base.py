@@ -5,15 +5,23 @@ The rollout actor owns the socket and the clock and calls these from its event l
 - ``loaded(version, uri, sha256)``: take the version's weights (``uri`` from the ``Assign``; a
   ``sim://`` URI names weights that do not exist). Raise ``EngineError`` to refuse (requests still
   running, a digest mismatch); the engine must then still be on its previous version.
-- ``submit(Generate, now)``: queue ``n_samples`` samples of a group, with the request's seed.
+- **A version per request**: every sampled token of a trajectory comes from the one version its request
+  names (C1). ``held_versions()`` are the versions a ``Generate`` or ``MigrateIn`` may name now, at most
+  ``max_versions`` of them. An engine of full weights holds one, its loaded version (``max_versions``
+  1); one of adapter versions (LoRA) may hold several, and a load while requests run keeps every version
+  they name beside the new one (the others leave), or is refused if that needs more than
+  ``max_versions``.
+- ``submit(Generate, now)``: queue ``n_samples`` samples of a group, with the request's seed, under
+  the version it names.
 - ``advance(now)``: make progress (a time-driven engine catches up to ``now``; a compute-driven one
   runs one step) and keep what finished for ``take_finished``; ``next_event_s`` says how soon to call
   again (0: now; None: idle).
 - ``result(sample, broker_epoch)``: the ``SampleFinished`` for a finished sample: token ids, the
-  behaviour log-prob of every sampled token, ``(version, tokens)`` segments, reward, finish reason.
+  behaviour log-prob of every sampled token, ``(version, tokens)`` segments (the version its request
+  ran under), reward, finish reason.
 - ``export(group, attempt, now)`` / ``import_(MigrateIn, now)``: hand a group's unfinished samples to
   another worker holding the same version (token prefix, log-probs, RNG state and, where the engine
-  can, its KV cache) and resume them there.
+  can, its KV cache) and resume them there, under the version the ``MigrateIn`` names.
 - ``cancel``, ``clear`` (drop everything: the session ended), ``busy``, ``load`` (running sequences,
   KV or slot use 0..1), ``tokens_generated`` (a progress counter for the stall watchdog).
 
@@ -56,6 +64,9 @@ class Sample:
     """Token ids besides EOS that end a turn (``finish`` STOP)."""
     keep_kv: bool = False
     """An episode's sequence: when its turn ends, its cache is kept for the next turn."""
+    version: int | None = None
+    """The version it runs under, every token of it (C1): the one its request named, or the engine's when it was
+    submitted."""
 
     @property
     def key(self) -> tuple[int, int, int]:
@@ -79,8 +90,13 @@ class WorkerEngine(Protocol):
     """Set while an elastic worker has yielded its accelerators (the worker does not call ``advance`` then); an
     engine whose progress follows the clock skips the paused time when the worker wakes it."""
 
+    max_versions: int
+    """The versions the engine holds at most (1: full weights)."""
+
     @property
     def tokens_generated(self) -> int: ...
+
+    def held_versions(self) -> set[int]: ...
 
     def busy(self) -> bool: ...
     def load_seconds(self) -> float: ...
@@ -95,3 +111,9 @@ class WorkerEngine(Protocol):
     def result(self, sample: Any, broker_epoch: int) -> m.SampleFinished: ...
     def load(self) -> tuple[int, float]: ...
     def clear(self) -> None: ...
+
+
+def ran_under(sample: Any, engine: Any) -> int:
+    """The version a finished sample ran under: its request's (an engine's sample that records none: the engine's)."""
+    version = getattr(sample, "version", None)
+    return engine.version if version is None else version

@@ -13,6 +13,9 @@
   longest one's (CPU) or the whole capacity (inside a CUDA graph, ``dora.rollout.engines.graphs``), and samples the
   next tokens on the device (``dora.rollout.engines.sampling``). One small transfer per step brings back the tokens,
   their log-probs and each row's outcome (runs on, stop id, limit): the only host round trip.
+- **Adapter versions** (a LoRA run, ``dora.rollout.engines.adapters``): each slot's state also names the lane of
+  its sequence's version, and every forward tells the adapters the lanes of its rows, so a batch runs rows of
+  several versions at once, each under its own. Fresh samples share a prefill only within one version.
 - **Leaving.** A sequence that ended, was cancelled or exported leaves its slot; one whose cache is still wanted (an
   episode between turns, an export with KV) takes a copy of its columns along (``Sequence.kv``).
 
@@ -28,12 +31,13 @@ from typing import Any
 import torch
 
 from dora.ids import Finish
+from dora.rollout.engines.adapters import Adapters
 from dora.rollout.engines.attention import Masks
 from dora.rollout.engines.graphs import DecodeGraphs
 from dora.rollout.engines.sampling import STOPPED, outcome, sample, seed_halves, uniform_host
 from dora.rollout.engines.slots import SlotCache
 
-TOK, POS, DRAW, LO, HI, LAST = range(6)
+TOK, POS, DRAW, LO, HI, LAST, LANE = range(7)
 """Columns of the per-slot integer state."""
 TEMP, TOP_P = range(2)
 """Columns of the per-slot float state."""
@@ -53,9 +57,11 @@ def agree(replayed: torch.Tensor, eager: torch.Tensor) -> bool:
 
 class Running:
     def __init__(self, model: torch.nn.Module, device: torch.device, slots: int, max_len: int, kernel: str,
-                 cuda_graphs: bool | None = None) -> None:  # fmt: skip
+                 cuda_graphs: bool | None = None, adapters: Adapters | None = None) -> None:  # fmt: skip
         """``max_len``: the model's limit on positions; ``kernel``: its own attention implementation (the masks'
-        form); ``cuda_graphs``: decode steps replay CUDA graphs (None: on a CUDA device)."""
+        form); ``cuda_graphs``: decode steps replay CUDA graphs (None: on a CUDA device); ``adapters``: a LoRA
+        run's adapter versions, each row run under its sequence's."""
+        self.adapters = adapters
         self.model = model
         self.device = device
         self.slots = slots
@@ -67,7 +73,7 @@ class Running:
         self.cache = SlotCache(slots, device)
         self.masks = Masks(model, kernel)
         self.keep_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self.ints = torch.zeros((slots, 6), dtype=torch.long, device=device)
+        self.ints = torch.zeros((slots, 7), dtype=torch.long, device=device)
         self.ints[:, LAST] = NO_LIMIT
         self.floats = torch.ones((slots, 2), dtype=torch.float32, device=device)
         self.stops = torch.full((slots, 8), -1, dtype=torch.long, device=device)
@@ -89,11 +95,12 @@ class Running:
     def admit(self, joining: list[Any], stops: frozenset[int]) -> list[Any]:
         """Give each of ``joining`` a slot and its cache there, and sample the first token of fresh ones. Returns
         those that ended at their first token (they hold no slot)."""
-        rows: dict[tuple[int, ...], list[Any]] = {}
+        rows: dict[tuple[int | None, tuple[int, ...]], list[Any]] = {}
         caught, ready = [], []
         for s in joining:
-            if s.kv is None:  # fresh, or re-prefilled from prompt + prefix
-                rows.setdefault(tuple(s.prompt + s.tokens[:-1] if s.tokens else s.prompt), []).append(s)
+            if s.kv is None:  # fresh, or re-prefilled from prompt + prefix: one row per version and prefix
+                prefix = tuple(s.prompt + s.tokens[:-1] if s.tokens else s.prompt)
+                rows.setdefault((s.version, prefix), []).append(s)
             elif s.kv[0][0].shape[1] < s.positions:
                 caught.append(s)
             else:
@@ -112,7 +119,7 @@ class Running:
                 self.cache.write(slot[id(s)], s.kv)
                 s.kv = None
         logits = self._fill(base, fills, have)
-        for prefix, same in rows.items():
+        for (_, prefix), same in rows.items():
             if len(same) > 1:
                 at = slot[id(same[1])]
                 self.cache.share(slot[id(same[0])], slice(at, at + len(same) - 1), len(prefix))
@@ -140,8 +147,9 @@ class Running:
     def _state(self, base: int, stops: frozenset[int]) -> None:
         """Write the device state of the sequences in slots ``base..``."""
         joined = self.seqs[base:]
+        lane = (lambda s: 0) if self.adapters is None else (lambda s: self.adapters.lane(s.version))
         ints = torch.tensor([[s.tokens[-1] if s.tokens else 0, s.positions, len(s.tokens), *seed_halves(s.seed),
-                              self._limit(s) - 1] for s in joined], dtype=torch.long)  # fmt: skip
+                              self._limit(s) - 1, lane(s)] for s in joined], dtype=torch.long)  # fmt: skip
         floats = torch.tensor([[s.temperature, s.top_p] for s in joined], dtype=torch.float32)
         ids = [sorted(stops | s.stops) for s in joined]
         width = max(map(len, ids))
@@ -201,8 +209,7 @@ class Running:
         if self.keep_logits:
             kwargs["logits_to_keep"] = keep.to(self.device)
         self.cache.plan(slice(base, base + len(fills)), at, width)
-        logits = self.model(input_ids=ids.to(self.device), past_key_values=self.cache, use_cache=True,
-                            **kwargs).logits  # fmt: skip
+        logits = self._forward(slice(base, base + len(fills)), input_ids=ids.to(self.device), **kwargs)
         pick = torch.searchsorted(keep, last) if self.keep_logits else last
         return {id(s): logits[b, int(pick[b])] for b, s in enumerate(fills)}
 
@@ -234,9 +241,18 @@ class Running:
         kwargs: dict[str, Any] = {"position_ids": pos[:, None]} if self.masks.positions else {}
         if masked:
             kwargs["attention_mask"] = self.masks.rows(pos, 1, width)
-        logits = self.model(input_ids=self.ints[:rows, TOK : TOK + 1], past_key_values=self.cache, use_cache=True,
-                            **kwargs).logits  # fmt: skip
+        logits = self._forward(slice(0, rows), input_ids=self.ints[:rows, TOK : TOK + 1], **kwargs)
         self._sample(slice(0, rows), logits[:, -1], nucleus, greedy, draws)
+
+    def _forward(self, rows: slice, **kwargs: Any) -> torch.Tensor:
+        """The model's logits for the batch of slots ``rows`` (the cache planned), each row under its version."""
+        if self.adapters is None:
+            return self.model(past_key_values=self.cache, use_cache=True, **kwargs).logits
+        self.adapters.use(self.ints[rows, LANE])
+        try:
+            return self.model(past_key_values=self.cache, use_cache=True, **kwargs).logits
+        finally:
+            self.adapters.use(None)
 
     def _sample(self, rows: slice | torch.Tensor, logits: torch.Tensor, nucleus: bool, greedy: bool,
                 draws: list[Any] | None = None) -> None:  # fmt: skip

@@ -30,12 +30,21 @@
 
 Weights: ``load_weights(version, path, digest)`` reads a published version folder (or any model folder, or one
 safetensors file), checks its digest (``dora.store``) and refuses a mismatch or a load while requests run; on
-refusal the engine stays on its current version, bit for bit. A tied model's copies (``lm_head.weight``) are not in
+refusal the engine stays on its current version, bit for bit. Every request runs under one version, the one it
+names (``submit`` / ``import_``: ``version``, by default the current one); a full-weight engine holds one, its
+loaded version, and refuses a request naming another. A tied model's copies (``lm_head.weight``) are not in
 a version: they follow the tensor they share. On a CPU, once a version was loaded from files, their private
 mappings are kept (clean file pages, shared with every process mapping them): the next version is then checked
 chunk by chunk as it is copied into the model (``dora.store.load_into``: every byte read once), and a chunk that
 does not match puts the kept version's bytes back. The first load, one in another dtype, or one on another device,
 checks every file before it touches the model (``dora.store.load_verified``).
+
+LoRA (``lora``): a version is an adapter folder, and the engine holds up to ``max_versions`` of them at once
+(``dora.rollout.engines.adapters``), each request sampled under its own version's adapters, rows of several versions
+in one batch (in one CUDA graph too). A load is taken while requests run: the new version goes into a lane no
+running request reads; the versions requests still name stay, the others leave; a load that would need more than
+``max_versions`` is refused before anything changes. A group's samples share their prompt's prefill only within
+one version (the keys and values differ per adapter).
 
 Sleep (an elastic worker's yield, made with ``sleep_on_yield``): every sequence's cache is dropped (the slot cache's
 memory too) and the model moves to host memory, so a learner on the same GPU gets its memory; on wake the model comes
@@ -55,10 +64,11 @@ import numpy as np
 import torch
 
 from dora.hf.folder import facts
-from dora.hf.lora import check_base, inject, load_adapters
+from dora.hf.lora import check_adapters, check_base, inject
 from dora.hf.tensors import padding_gap, tied_copies
 from dora.hostmem import Parking, module_tensors
 from dora.ids import Finish
+from dora.rollout.engines.adapters import Adapters
 from dora.rollout.engines.attention import install
 from dora.rollout.engines.base import EngineError, Sample
 from dora.rollout.engines.batch import Running
@@ -102,11 +112,14 @@ class TorchEngine:
     def __init__(self, model_dir: str | pathlib.Path, *, max_slots: int = 64, device: str = "cpu",
                  dtype: str = "float32", version: int | None = None, sleep_on_yield: bool = False,
                  max_model_len: int | None = None, cuda_graphs: bool | None = None,
-                 lora: LoraSection | None = None) -> None:  # fmt: skip
+                 lora: LoraSection | None = None, max_versions: int = 1) -> None:  # fmt: skip
         """``sleep_on_yield``: ``sleep`` gives the accelerator's memory back (otherwise it is a no-op);
         ``max_model_len``: a sequence ends (LENGTH) when prompt + tokens reach it (None: the model's own limit);
         ``cuda_graphs``: decode steps replay CUDA graphs (None: on a CUDA device); ``lora``: the run trains these
-        adapters (``dora.hf.lora``), and its versions are adapter folders."""
+        adapters (``dora.hf.lora``), and its versions are adapter folders, of which the engine holds up to
+        ``max_versions`` at once (full weights: one)."""
+        if max_versions != 1 and lora is None:
+            raise ValueError(f"max_versions {max_versions}: an engine of full weights holds one version")
         from transformers import AutoModelForCausalLM
 
         self.device = torch.device(device)
@@ -129,13 +142,18 @@ class TorchEngine:
         """The PEFT config of the adapters a LoRA run's versions fill (B zero until then: the start model)."""
         self.base = (str(model_dir), model_digest(model_dir)) if lora is not None else None
         """A LoRA run's base model, by path and digest: versions trained on another are refused (``check_base``)."""
+        self.adapters: Adapters | None = None
+        """A LoRA run: the adapter versions held, one lane each."""
         if lora is not None:  # before the attention kernel and the decode graphs take the model's modules
             self.lora = inject(self.model, lora)
             self.model.to(self.device, dtype=getattr(torch, dtype)).eval()
+            self.adapters = Adapters(self.model, self.lora, max_versions, version)
+        self.max_versions = max_versions
+        """The versions the engine holds at most (requests name any of them: ``held_versions``)."""
         self.max_slots = max_slots
-        self.version = version
+        self._version = version
         kernel = install(self.model)  # grouped decode attention over the model's own
-        self.batch = Running(self.model, self.device, max_slots, self.max_len, kernel, cuda_graphs)
+        self.batch = Running(self.model, self.device, max_slots, self.max_len, kernel, cuda_graphs, self.adapters)
         self.waiting: deque[Sequence] = deque()
         self._loaded_from: dict[str, torch.Tensor] | None = None
         """The tensors of the file the current weights were loaded from (on a CPU): what a refused load puts back."""
@@ -145,6 +163,39 @@ class TorchEngine:
         """The model's host memory while asleep (``dora.hostmem``: one pinned buffer, reused by every sleep)."""
         if sleep_on_yield:
             self.parking.reserve(module_tensors(self.model)[0])
+
+    @property
+    def version(self) -> int | None:
+        """The current version: the newest loaded, which requests run under unless they name another."""
+        return self._version
+
+    @version.setter
+    def version(self, version: int | None) -> None:
+        """Label the current weights ``version`` (a version that carries no weights, as the sim learner's)."""
+        if self.adapters is not None and version is not None:
+            self.adapters.relabel(version, self.named())
+        self._version = version
+
+    def held_versions(self) -> set[int]:
+        """The versions a request may name now."""
+        if self.adapters is not None:
+            return self.adapters.held()
+        return set() if self.version is None else {self.version}
+
+    def named(self, keep: frozenset[int] = frozenset()) -> set[int]:
+        """The versions a request here still runs under (running or waiting), and ``keep``."""
+        return {s.version for s in (*self.running, *self.waiting)} | set(keep)
+
+    def _runs_under(self, version: int | None) -> int:
+        """The version a new request runs under (None: the current one); EngineError if it is not held."""
+        if self.version is None:
+            raise EngineError("no weights loaded")
+        if version is None:
+            return self.version
+        if version not in self.held_versions():
+            held = ", ".join(f"v{v}" for v in sorted(self.held_versions()))
+            raise EngineError(f"a request for v{version}: this engine holds {held}")
+        return version
 
     @property
     def running(self) -> list[Sequence]:
@@ -157,28 +208,22 @@ class TorchEngine:
 
     # ------------------------------------------------------------------ weights
 
-    def load_weights(self, version: int, path: str | pathlib.Path, digest: str | None) -> None:
-        """Load a published version in place. Refused while requests run or when the bytes do not match."""
+    def load_weights(self, version: int, path: str | pathlib.Path, digest: str | None,
+                     keep: frozenset[int] = frozenset()) -> None:  # fmt: skip
+        """Load a published version. Full weights: in place, refused while requests run. Adapters (a LoRA run): beside
+        the versions requests still name (running, waiting, or in ``keep``: an episode's between its turns), which
+        go on under their own; the others leave. Refused when the bytes do not match, or when it would take more than
+        ``max_versions``; the engine is then as it was."""
         if self.asleep:  # a load that ends after the worker yielded: made awake, and the engine sleeps on
             self.wake()
             try:
-                return self.load_weights(version, path, digest)
+                return self.load_weights(version, path, digest, keep)
             finally:
                 self.sleep()
+        if self.adapters is not None:
+            return self._load_adapters(version, pathlib.Path(path), digest, self.named(keep))
         if self.batch or self.waiting:
             raise EngineError(f"cannot load v{version}: {len(self.running) + len(self.waiting)} requests are running")
-        if self.lora is not None:
-            try:
-                check_base(pathlib.Path(path), *self.base)  # type: ignore[misc]  (set with lora)
-            except ValueError as e:
-                raise EngineError(f"v{version}: {e}") from None
-            state = read_weights(version, path, digest, device=str(self.device))
-            try:
-                load_adapters(self.model, pathlib.Path(path), state, self.lora)
-            except ValueError as e:
-                raise EngineError(f"v{version}: {e}") from None
-            self.version = version
-            return
         if digest is not None and self._loaded_from is not None:
             try:
                 self._loaded_from = self._load_in_place(version, path, digest)
@@ -192,6 +237,21 @@ class TorchEngine:
             raise EngineError(f"v{version} does not fit the model: missing {missing[:3]}, extra {unexpected[:3]}")
         self.version = version
         self._loaded_from = state if self.device.type == "cpu" else None  # views of the file's mapping
+
+    def _load_adapters(self, version: int, path: pathlib.Path, digest: str | None, kept: set[int]) -> None:
+        assert self.adapters is not None and self.base is not None
+        lane = self.adapters.free_lane(version, kept)
+        try:
+            check_base(path, *self.base)
+        except ValueError as e:
+            raise EngineError(f"v{version}: {e}") from None
+        state = read_weights(version, path, digest, device=str(self.device))
+        try:
+            tensors = check_adapters(self.model, path, state, self.lora)
+        except ValueError as e:
+            raise EngineError(f"v{version}: {e}") from None
+        self.adapters.fill(version, lane, tensors, kept)
+        self._version = version
 
     def _load_in_place(self, version: int, path: str | pathlib.Path, digest: str) -> dict[str, torch.Tensor]:
         into = {k: t for k, t in self.model.state_dict().items() if "rotary" not in k and k not in self.copies}
@@ -211,16 +271,16 @@ class TorchEngine:
 
     def submit(self, *, group_id: int, attempt: int, prompt: list[int], n: int, max_tokens: int,
                temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, stops: frozenset[int] = frozenset(),
-               keep_kv: bool = False) -> list[Sequence]:  # fmt: skip
+               keep_kv: bool = False, version: int | None = None) -> list[Sequence]:  # fmt: skip
         """Queue ``n`` samples of a prompt. ``stops``: token ids besides EOS that end a turn; ``keep_kv``: the
-        samples are episodes, whose caches outlive their turns (``extend`` starts the next one)."""
-        if self.version is None:
-            raise EngineError("no weights loaded")
+        samples are episodes, whose caches outlive their turns (``extend`` starts the next one); ``version``: the one
+        they run under (held here; None: the current one)."""
+        version = self._runs_under(version)
         out = []
         for i in range(n):
             seq = Sequence(group_id=group_id, attempt=attempt, index=i, prompt=list(prompt), max_tokens=max_tokens,
                            temperature=temperature, top_p=top_p, seed=hash_seed(seed, i), stops=stops,
-                           keep_kv=keep_kv)  # fmt: skip
+                           keep_kv=keep_kv, version=version)  # fmt: skip
             self.waiting.append(seq)
             out.append(seq)
         return out
@@ -228,6 +288,8 @@ class TorchEngine:
     def extend(self, seq: Sequence, tokens: list[int]) -> None:
         """Start an episode's next turn: append the environment's tokens (not sampled: mask 0, log-prob 0) to a
         sequence whose turn ended, and queue it. Its cache is kept; the new tokens are prefilled on top of it."""
+        if self.adapters is not None and seq.version not in self.adapters.held():
+            raise EngineError(f"an episode of v{seq.version} goes on: this engine no longer holds it")
         seq.observe(tokens)
         self.waiting.append(seq)
 
@@ -254,13 +316,15 @@ class TorchEngine:
 
     def import_(self, *, group_id: int, attempt: int, prompt: list[int], requests: list[dict[str, Any]],
                 max_tokens: int, temperature: float = 1.0, top_p: float = 1.0, stops: frozenset[int] = frozenset(),
-                keep_kv: bool = False) -> list[Sequence]:  # fmt: skip
-        """Resume exported samples here: with their KV cache as is, or re-prefilled from prompt + prefix. They join
-        at the next step, before anything already waiting, in the order of ``requests``.
+                keep_kv: bool = False, version: int | None = None) -> list[Sequence]:  # fmt: skip
+        """Resume exported samples here, under ``version`` (held here; None: the current one): with their KV cache
+        as is, or re-prefilled from prompt + prefix. They join at the next step, before anything already waiting, in
+        the order of ``requests``.
 
         An episode's state (``keep_kv``) may carry ``mask`` and ``turn_start`` (where its open turn began); one
         with ``paused`` set ended its turn and waits on its environment: it is returned, not queued, and its
         next turn starts with ``extend``. Returns the sequences made, in the order of ``requests``."""
+        version = self._runs_under(version)
         out, queued = [], []
         for st in requests:
             tokens = [int(x) for x in st["token_ids"]]
@@ -269,7 +333,8 @@ class TorchEngine:
                            max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed_of(st["rng_state"]),
                            tokens=tokens, logprobs=[float(x) for x in st["logprobs"]],
                            mask=[1] * len(tokens) if mask is None or not len(mask) else [int(x) for x in mask],
-                           turn_start=int(st.get("turn_start", 0)), stops=stops, keep_kv=keep_kv)  # fmt: skip
+                           turn_start=int(st.get("turn_start", 0)), stops=stops, keep_kv=keep_kv,
+                           version=version)  # fmt: skip
             out.append(seq)
             kv = st.get("kv") or ()
             if kv and seq.tokens:
