@@ -206,14 +206,16 @@ def test_dora_learner_says_in_one_line_that_target_modules_match_nothing(tiny_mo
 
 def test_a_vllm_engine_holds_adapter_versions_side_by_side_and_samples_each_request_with_its_own(tiny_model, tmp_path):
     """vLLM with LoRA: version 1's adapters are loaded, a group starts on them, version 2's are loaded while it runs,
-    and a second group starts on those. Both decode in the same batches; every behaviour log-prob of each group is
-    its own version's (the trainer's policy at that version, through the torch engine), not the other's."""
+    and a second group starts on those, a third naming version 1 (older, still held). They decode in the same
+    batches; every behaviour log-prob of each group is its own version's (the trainer's policy at that version,
+    through the torch engine), not the other's. A third version while both run is refused (max_loras 2)."""
     pytest.importorskip("vllm")
+    from dora.rollout.engines.base import EngineError
     from dora.rollout.engines.torch_engine import TorchEngine
     from dora.rollout.engines.vllm_engine import VllmEngine
 
     t = trainer(tiny_model, tmp_path)
-    for v in (1, 2):
+    for v in (1, 2, 3):
         t.train(batch())
         t.publish(v)
     policy = {}
@@ -228,11 +230,17 @@ def test_a_vllm_engine_holds_adapter_versions_side_by_side_and_samples_each_requ
     assert all(r.tokens and r.finish is None for r in first)  # running when version 2 comes
     engine.load_weights(2, t.store.path(2), t.store.digest(2))
     second = engine.submit(group_id=2, attempt=1, prompt=prompt, n=2, max_tokens=8, seed=2)
+    third = engine.submit(group_id=3, attempt=1, prompt=prompt, n=2, max_tokens=8, seed=3, version=1)
+    assert engine.max_versions == 2 and engine.held_versions() == {1, 2}
+    with pytest.raises(EngineError, match=r"a request for v0: this engine holds v1, v2"):
+        engine.submit(group_id=4, attempt=1, prompt=prompt, n=1, max_tokens=8, version=0)
+    with pytest.raises(EngineError, match=r"cannot load v3: .* 2 versions at most \(max_loras\)"):
+        engine.load_weights(3, t.store.path(3), t.store.digest(3))
     for _ in range(50):
-        if all(r.finish is not None for r in first + second):
+        if all(r.finish is not None for r in first + second + third):
             break
         engine.step()
-    assert all(r.finish is not None and len(r.tokens) >= 2 for r in first + second)
+    assert all(r.finish is not None and len(r.tokens) >= 2 for r in first + second + third)
     assert engine.engine.list_loras() == {2, 3} and engine.version == 2  # vLLM's ids: version + 1
 
     def logprobs(v: int, tokens: list[int]) -> torch.Tensor:
@@ -240,7 +248,7 @@ def test_a_vllm_engine_holds_adapter_versions_side_by_side_and_samples_each_requ
             logits = policy[v].model(input_ids=torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
         return torch.log_softmax(logits.float(), -1)[torch.arange(len(tokens)), torch.tensor(tokens)]
 
-    for group, v in ((first, 1), (second, 2)):
+    for group, v in ((first, 1), (second, 2), (third, 1)):
         for r in group:
             got = torch.tensor(r.logprobs)
             assert torch.allclose(got, logprobs(v, r.tokens), atol=1e-4), (v, got, logprobs(v, r.tokens))

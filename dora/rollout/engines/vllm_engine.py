@@ -38,8 +38,11 @@ it drives the torch engine; vLLM schedules, batches and pages the KV cache itsel
   same version samples every token (C1).
 - **LoRA** (``lora``): a version is an adapter folder. ``load_weights`` checks its base model and digest and adds
   it to vLLM under the version's own name (``v<N>``, id N + 1), also while requests run; every request names the
-  adapter of the version it was submitted on, so requests of several versions share a batch (``max_loras``
-  adapters at once), each sampled by its own version. Version 0 is the base model itself.
+  adapter of the version it runs under (``submit`` / ``import_``: ``version``, by default the current one), so
+  requests of several versions share a batch, each sampled by its own version. The engine holds ``max_loras``
+  versions at most (``max_versions``; ``held_versions``): a load keeps those requests still name and drops the
+  others, and is refused before anything changes when it would need more. Version 0 is the base model itself (no
+  adapter). Full weights: one version, the loaded one; a request naming another is refused.
 - **Migration**: vLLM cannot hand over a request's KV cache or sampler state. ``export`` aborts the
   request and returns its token prefix and log-probs. ``import_`` re-prefills prompt + prefix on a
   worker holding the same version, so the continuation is exact in distribution (C1 holds). Its
@@ -77,8 +80,8 @@ class Request(Sample):
     """Tokens it had when its current vLLM request was made (an earlier turn's, or another worker's before a
     migration); the rest comes from that request."""
     adapter: Any = None
-    """A LoRA run: the ``LoRARequest`` of the version it was submitted on (None: version 0, the base model). Each of
-    its vLLM requests names it, whatever the engine loads meanwhile."""
+    """A LoRA run: the ``LoRARequest`` of the version it runs under (None: version 0, the base model). Each of its
+    vLLM requests names it, whatever the engine loads meanwhile."""
 
 
 class VllmEngine:
@@ -128,7 +131,9 @@ class VllmEngine:
         self.stops = facts(model_dir).stop_ids
         """Tokens that end every turn: the model's EOS ids and its chat template's end of turn."""
         self.max_slots = max_slots
-        self.version = version
+        self._version = version
+        self.max_versions = max_loras if lora is not None else 1
+        """The versions the engine holds at most (requests name any of them: ``held_versions``)."""
         self.requests: dict[str, Request] = {}
         self.tokens_generated = 0
         self.sleep_level = sleep_level
@@ -139,15 +144,54 @@ class VllmEngine:
         """A LoRA run's base model, by path and digest: versions trained on another are refused (``check_base``)."""
         self.adapter: Any = None
         """A LoRA run: the loaded version's ``LoRARequest``, which new requests name (None: version 0, the base)."""
+        self.adapters: dict[int, Any] = {} if version is None else {version: None}
+        """A LoRA run: the versions held, each with its ``LoRARequest`` (None: the base model)."""
 
     def __len__(self) -> int:
         return len(self.requests) + len(self.held or ())
 
+    @property
+    def version(self) -> int | None:
+        """The current version: the newest loaded, which requests run under unless they name another."""
+        return self._version
+
+    @version.setter
+    def version(self, version: int | None) -> None:
+        """Label the current weights ``version`` (a version that carries no weights, as the sim learner's)."""
+        if self.lora is not None and version is not None:
+            named = self.named()
+            self.adapters = {v: a for v, a in self.adapters.items() if v in named} | {version: self.adapter}
+        self._version = version
+
+    def held_versions(self) -> set[int]:
+        """The versions a request may name now."""
+        if self.lora is not None:
+            return set(self.adapters)
+        return set() if self.version is None else {self.version}
+
+    def named(self, keep: frozenset[int] = frozenset()) -> set[int]:
+        """The versions a request here still runs under (in vLLM, or held while asleep), and ``keep``."""
+        return {r.version for r in (*self.requests.values(), *(self.held or ()))} | set(keep)
+
+    def _runs_under(self, version: int | None) -> tuple[int, Any]:
+        """The version a new request runs under (None: the current one) and its adapter; EngineError if it is not
+        held."""
+        if self.version is None:
+            raise EngineError("no weights loaded")
+        if version is None:
+            version = self.version
+        if version not in self.held_versions():
+            held = ", ".join(f"v{v}" for v in sorted(self.held_versions()))
+            raise EngineError(f"a request for v{version}: this engine holds {held}")
+        return version, self.adapters.get(version) if self.lora is not None else None
+
     # ------------------------------------------------------------------ weights
 
-    def load_weights(self, version: int, path: str | pathlib.Path, sha256: str | None) -> None:
+    def load_weights(self, version: int, path: str | pathlib.Path, sha256: str | None,
+                     keep: frozenset[int] = frozenset()) -> None:  # fmt: skip
         """Load a published version. Full weights: in place, refused while requests run. Adapters (a LoRA run): beside
-        the versions that still run, which go on under their own adapters."""
+        the versions requests still name (``keep``: an episode's between its turns too), which go on under their own
+        adapters."""
         if self.lora is None and len(self):
             raise EngineError(f"cannot load v{version}: {len(self)} requests are running")
         state = read_weights(version, path, sha256) if self.lora is None else {}
@@ -156,7 +200,7 @@ class VllmEngine:
             self.wake()
         try:
             if self.lora is not None:
-                self._load_adapter(version, pathlib.Path(path), sha256)
+                self._load_adapter(version, pathlib.Path(path), sha256, self.named(keep))
                 return
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state.items())})
             self.llm.reset_prefix_cache()
@@ -165,13 +209,18 @@ class VllmEngine:
             if asleep:
                 self.sleep()
 
-    def _load_adapter(self, version: int, path: pathlib.Path, digest: str | None) -> None:
+    def _load_adapter(self, version: int, path: pathlib.Path, digest: str | None, kept: set[int]) -> None:
         """A LoRA run's version: its base model and digest checked, vLLM adds the adapter folder under the version's
         own name and id (vLLM keys its prefix cache by adapter), and new requests name it. The folder is read by
-        vLLM after the check: a published version's files do not change. Adapters no request names any more are
-        removed, so vLLM holds at most the versions that still run."""
+        vLLM after the check: a published version's files do not change. Versions not in ``kept`` (those requests
+        still name) leave, and their adapters are removed, so vLLM holds at most the versions that still run."""
         from vllm.lora.request import LoRARequest
 
+        stay = {v: a for v, a in self.adapters.items() if v in kept and v != version}
+        if len(stay) + 1 > self.max_versions:
+            names = ", ".join(f"v{v}" for v in sorted(stay))
+            raise EngineError(f"cannot load v{version}: the engine holds {self.max_versions} versions at most "
+                              f"(max_loras) and requests still run on {names}")  # fmt: skip
         try:
             check_base(path, *self.base)  # type: ignore[misc]  (set with lora)
         except ValueError as e:
@@ -182,14 +231,12 @@ class VllmEngine:
             self.engine.add_lora(adapter)
         except (ValueError, RuntimeError) as e:  # another rank than max_lora_rank, modules vLLM cannot wrap
             raise EngineError(f"v{version}: vLLM cannot load the adapters of {path}: {e}") from None
-        for old in set(self.engine.list_loras()) - self.adapters_named() - {adapter.lora_int_id}:
+        ids = {a.lora_int_id for a in stay.values() if a is not None} | {adapter.lora_int_id}
+        for old in set(self.engine.list_loras()) - ids:
             self.engine.remove_lora(old)
+        self.adapters = stay | {version: adapter}
         self.adapter = adapter
-        self.version = version
-
-    def adapters_named(self) -> set[int]:
-        """The vLLM ids of the adapters the requests held here name (a LoRA run's versions still running)."""
-        return {r.adapter.lora_int_id for r in (*self.requests.values(), *(self.held or ())) if r.adapter is not None}
+        self._version = version
 
     # ------------------------------------------------------------------ requests
 
@@ -208,16 +255,15 @@ class VllmEngine:
 
     def submit(self, *, group_id: int, attempt: int, prompt: list[int], n: int, max_tokens: int,
                temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, stops: frozenset[int] = frozenset(),
-               keep_kv: bool = False) -> list[Request]:  # fmt: skip
+               keep_kv: bool = False, version: int | None = None) -> list[Request]:  # fmt: skip
         """Queue ``n`` samples; ``stops``: token ids besides EOS that end a turn; ``keep_kv``: episodes (their next
-        turn starts with ``extend``)."""
-        if self.version is None:
-            raise EngineError("no weights loaded")
+        turn starts with ``extend``); ``version``: the one they run under (held here; None: the current one)."""
+        version, adapter = self._runs_under(version)
         out = []
         for i in range(n):
             req = Request(group_id=group_id, attempt=attempt, index=i, prompt=list(prompt), max_tokens=max_tokens,
                           temperature=temperature, top_p=top_p, seed=seed, stops=stops, keep_kv=keep_kv,
-                          adapter=self.adapter)  # fmt: skip
+                          adapter=adapter, version=version)  # fmt: skip
             out.append(req)
             self._add(req)
         return out
@@ -225,6 +271,8 @@ class VllmEngine:
     def extend(self, req: Request, tokens: list[int]) -> None:
         """Start an episode's next turn: append the environment's tokens (mask 0, log-prob 0) to a request whose
         turn ended, and queue the turn."""
+        if self.lora is not None and req.version not in self.adapters:
+            raise EngineError(f"an episode of v{req.version} goes on: this engine no longer holds it")
         req.observe(tokens)
         self._add(req)
 
@@ -240,9 +288,11 @@ class VllmEngine:
 
     def import_(self, *, group_id: int, attempt: int, prompt: list[int], requests: list[dict[str, Any]],
                 max_tokens: int, temperature: float = 1.0, top_p: float = 1.0, stops: frozenset[int] = frozenset(),
-                keep_kv: bool = False) -> list[Request]:  # fmt: skip
-        """Re-prefill prompt + prefix and go on; an episode's state may carry ``mask`` and ``turn_start``, and one
-        ``paused`` between turns is returned, not queued (``extend`` starts its next turn)."""
+                keep_kv: bool = False, version: int | None = None) -> list[Request]:  # fmt: skip
+        """Re-prefill prompt + prefix and go on, under ``version`` (held here; None: the current one); an episode's
+        state may carry ``mask`` and ``turn_start``, and one ``paused`` between turns is returned, not queued
+        (``extend`` starts its next turn)."""
+        version, adapter = self._runs_under(version)
         out = []
         for st in requests:
             tokens = [int(x) for x in st["token_ids"]]
@@ -252,7 +302,7 @@ class VllmEngine:
                           max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, tokens=tokens,
                           logprobs=[float(x) for x in st["logprobs"]], stops=stops, keep_kv=keep_kv,
                           mask=[1] * len(tokens) if mask is None or not len(mask) else [int(x) for x in mask],
-                          turn_start=int(st.get("turn_start", 0)), adapter=self.adapter)  # fmt: skip
+                          turn_start=int(st.get("turn_start", 0)), adapter=adapter, version=version)  # fmt: skip
             out.append(req)
             if st.get("paused"):
                 req.finish = Finish.STOP
