@@ -9,8 +9,9 @@ own (a plain function, so a call that never returns cannot keep the worker from 
 Its observation is rendered with the chat template after the turn just sampled, encoded and appended
 (loss mask 0, log-prob 0), and the next turn starts on the same sequence, prefilling only the new tokens.
 
-C1: an episode's turns all run on this worker, whose weights cannot change while any episode is open
-(``busy``), and each turn is recorded with the version that sampled it, for the learner to check. An
+C1: an episode's turns all run on this worker under the version its request named (the engine may hold several:
+LoRA adapters; a load keeps every version an open episode runs under), and each turn is recorded with the version
+that sampled it, for the learner to check. An
 episode migrates (to a worker of the same version) with its tokens, loss mask, turns, RNG state and
 cache; the target rebuilds the environment by ``reset`` and replaying the episode's answered actions
 (environments are deterministic functions of the item and the actions: see ``dora.envs``).
@@ -37,6 +38,7 @@ from dora import envs
 from dora.config import ConfigError
 from dora.config.run import TaskSection
 from dora.ids import Finish
+from dora.rollout.engines.base import ran_under
 from dora.tasks.prompts import TaskRun, stop_ids
 from dora.tasks.tasks import Item
 from dora.tasks.templates import observation_text
@@ -88,7 +90,8 @@ class Episodes:
         budget = min(gen.max_tokens, self.cfg.max_episode_tokens)
         seqs = self.engine.submit(group_id=gen.group_id, attempt=gen.attempt, prompt=gen.prompt_ids.tolist(),
                                   n=gen.n_samples, max_tokens=budget, temperature=gen.temperature,
-                                  top_p=gen.top_p, seed=gen.seed, stops=self.stops, keep_kv=True)  # fmt: skip
+                                  top_p=gen.top_p, seed=gen.seed, stops=self.stops, keep_kv=True,
+                                  version=gen.version if gen.group_id >= 0 else None)  # fmt: skip
         for seq in seqs:
             self._start(Episode(seq=seq, item=item, messages=list(item.meta["messages"]), turn_tokens=budget))
 
@@ -120,7 +123,7 @@ class Episodes:
         seqs = self.engine.import_(group_id=mig.group_id, attempt=mig.attempt, prompt=mig.prompt_ids.tolist(),
                                    requests=states, max_tokens=min(mig.max_tokens, self.cfg.max_episode_tokens),
                                    temperature=mig.temperature, top_p=mig.top_p, stops=self.stops,
-                                   keep_kv=True)  # fmt: skip
+                                   keep_kv=True, version=mig.version)  # fmt: skip
         for seq, st, r in zip(seqs, states, sorted(mig.requests, key=lambda r: r.index), strict=True):
             turns = [] if r.turns is None else [tuple(int(x) for x in t) for t in r.turns.tolist()]
             actions = [self._action(seq, start, end) for start, end, _ in turns]
@@ -156,6 +159,10 @@ class Episodes:
     def __len__(self) -> int:
         return len(self.open)
 
+    def versions(self) -> frozenset[int]:
+        """The versions open episodes run under (a load keeps them: an episode between turns holds no request)."""
+        return frozenset(v for v in (getattr(ep.seq, "version", None) for ep in self.open.values()) if v is not None)
+
     def waiting(self) -> int:
         """Episodes waiting on their environment (holding no decode slot)."""
         return sum(ep.call is not None for ep in self.open.values())
@@ -171,7 +178,7 @@ class Episodes:
 
     def _turn_ended(self, ep: Episode) -> None:
         seq = ep.seq
-        ep.turns.append((seq.turn_start, len(seq.tokens), int(self.engine.version)))
+        ep.turns.append((seq.turn_start, len(seq.tokens), ran_under(seq, self.engine)))
         ep.call = asyncio.ensure_future(self._call(ep, self._action(seq, seq.turn_start, len(seq.tokens))))
 
     def _action(self, seq: Any, start: int, end: int) -> str:
@@ -264,7 +271,7 @@ class Episodes:
         finish = Finish.LENGTH if seq.finish is None else seq.finish
         return m.SampleFinished(
             group_id=seq.group_id, attempt=seq.attempt, index=seq.index,
-            segments=np.array([[self.engine.version, len(seq.tokens)]], dtype=np.int32),
+            segments=np.array([[ran_under(seq, self.engine), len(seq.tokens)]], dtype=np.int32),
             token_ids=np.array(seq.tokens, np.int32), logprobs=np.array(seq.logprobs, np.float32),
             reward=score(ep)[0], finish=finish, broker_epoch=broker_epoch,
             reward_components={"turns": float(len(ep.turns)), "env_failed": float(bool(ep.reason))},

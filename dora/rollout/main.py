@@ -141,9 +141,10 @@ def make_engine(cfg: RunConfig, kind: str, now: float, task: Any = None) -> Work
             from dora.rollout.engines.torch_engine import TorchEngine
 
             sleeps = r.elastic and r.sleep_on_yield
+            versions = 1 if cfg.learner.lora is None else cfg.core.max_staleness + 1  # as vLLM's max_loras
             engine = TorchEngine(r.model, max_slots=slots, device=r.device, dtype=r.engine_dtype(on_cuda(r.device)),
-                                 max_model_len=r.max_model_len, sleep_on_yield=sleeps,
-                                 lora=cfg.learner.lora)  # fmt: skip
+                                 max_model_len=r.max_model_len, sleep_on_yield=sleeps, lora=cfg.learner.lora,
+                                 max_versions=versions)  # fmt: skip
             return StepWorkerEngine(engine, task, held_out)
         from dora.rollout.engines.vllm_engine import VllmEngine
 

@@ -1,13 +1,17 @@
 """Engines run each request under the version it names (C1). A LoRA torch engine holds several adapter versions,
-rows of each in one batch, each sampled under its own; a full-weight engine holds one."""
+rows of each in one batch, each sampled under its own; a full-weight engine holds one; the worker's results name the
+version each request ran under."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from dora.rollout.engines.base import EngineError
 from dora.rollout.engines.torch_engine import TorchEngine
+from dora.tasks.rewards import Scored
+from dora.wire import messages as m
 from tests.unit.test_fsdp import batch
 from tests.unit.test_lora_learner import LORA, trainer
 
@@ -127,3 +131,42 @@ def test_a_full_weight_engine_holds_its_one_version_and_refuses_a_request_for_an
     with pytest.raises(ValueError, match="an engine of full weights holds one version"):
         TorchEngine(tiny_model, version=0, max_versions=2)
 
+
+class Task:
+    env = None
+
+    def score(self, group: int, tokens: list[int]) -> Scored:
+        return Scored(1.0)
+
+
+def test_a_worker_reports_the_version_each_request_ran_under_not_the_newest(tiny_model, versions):
+    from dora.rollout.engines.stepped import StepWorkerEngine
+
+    w = StepWorkerEngine(lora_engine(tiny_model, versions, 1), Task())
+    assert w.max_versions == 2 and w.held_versions() == {1}
+
+    def generate(group: int, version: int) -> m.Generate:
+        return m.Generate(group_id=group, attempt=1, version=version, prompt_ids=np.array(PROMPT, np.int32),
+                          n_samples=2, max_tokens=8, seed=group)  # fmt: skip
+
+    w.submit(generate(1, 1), 0.0)
+    w.advance(0.0)
+    w.loaded(2, f"file://{versions.path(2)}", versions.digest(2))
+    assert w.version == 2 and w.held_versions() == {1, 2}
+    w.submit(generate(2, 2), 0.0)
+    w.submit(generate(3, 1), 0.0)  # the older version, still held
+    done = []
+    for _ in range(100):
+        if not w.busy():
+            break
+        w.advance(0.0)
+        done += w.take_finished()
+    results = {(r.group_id, r.index): r for r in (w.result(s, broker_epoch=1) for s in done)}
+    assert sorted(results) == [(g, i) for g in (1, 2, 3) for i in (0, 1)]
+    for (group, _), r in results.items():
+        assert r.segments.tolist() == [[{1: 1, 2: 2, 3: 1}[group], len(r.token_ids)]]
+    with pytest.raises(EngineError, match="a request for v0"):
+        w.submit(generate(4, 0), 0.0)
+
+    full = StepWorkerEngine(TorchEngine(tiny_model, version=5), Task())
+    assert full.max_versions == 1 and full.held_versions() == {5}

@@ -19,6 +19,8 @@ from dora.wire import messages as m
 
 class SimEngine:
     name = "sim"
+    max_versions = 1
+    """It holds one version, the one it took last (``held_versions``)."""
 
     def __init__(self, cfg: EngineSection, workload: Workload, *, time_scale: float, now: float) -> None:
         self.cfg = cfg
@@ -35,6 +37,9 @@ class SimEngine:
     @property
     def version(self) -> int | None:
         return self.engine.version
+
+    def held_versions(self) -> set[int]:
+        return set() if self.version is None else {self.version}
 
     def load_seconds(self) -> float:
         return self.cfg.load_s * self.scale

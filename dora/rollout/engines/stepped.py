@@ -8,6 +8,10 @@ Weights: an ``Assign`` names the version's weights by URI. ``file://`` paths (or
 loaded in place, checked against the published digest. ``sim://`` names the sim learner's versions,
 which carry no weights: the engine keeps its tensors and takes the version label, so a live run with
 the sim learner exercises versions, migration and C1 bookkeeping on a real model.
+
+Versions: each Generate and MigrateIn names its version, and its samples run under that one (C1), which need not be
+the newest: an engine of adapter versions (LoRA) holds several (``held_versions``, ``max_versions`` at most). Each
+result's segments name the version its request ran under. Evaluation requests run under the current version.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from dora.ids import Finish
+from dora.rollout.engines.base import ran_under
 from dora.tasks.prompts import TaskRun
 from dora.wire import messages as m
 
@@ -69,6 +74,18 @@ class StepWorkerEngine:
     def version(self) -> int | None:
         return self.engine.version
 
+    @property
+    def max_versions(self) -> int:
+        """The versions the engine holds at most (1: full weights)."""
+        return int(getattr(self.engine, "max_versions", 1))
+
+    def held_versions(self) -> set[int]:
+        """The versions a Generate or MigrateIn may name now."""
+        held = getattr(self.engine, "held_versions", None)
+        if held is not None:
+            return set(held())
+        return set() if self.engine.version is None else {self.engine.version}
+
     def busy(self) -> bool:
         return len(self.engine) > 0 or bool(self.episodes)
 
@@ -79,14 +96,15 @@ class StepWorkerEngine:
         if uri.startswith("sim://") or not uri:
             self.engine.version = version
             return
-        self.engine.load_weights(version, uri.removeprefix("file://"), sha256 or None)
+        keep = self.episodes.versions() if self.episodes is not None else frozenset()
+        self.engine.load_weights(version, uri.removeprefix("file://"), sha256 or None, keep=keep)
 
     def submit(self, gen: m.Generate, now: float) -> None:
         if self.episodes is not None:
             return self.episodes.submit(gen)
         self.engine.submit(group_id=gen.group_id, attempt=gen.attempt, prompt=gen.prompt_ids.tolist(),
                            n=gen.n_samples, max_tokens=gen.max_tokens, temperature=gen.temperature,
-                           top_p=gen.top_p, seed=gen.seed)  # fmt: skip
+                           top_p=gen.top_p, seed=gen.seed, version=gen.version)  # fmt: skip
 
     def export(self, group: int, attempt: int, now: float) -> list[m.RequestState]:
         if self.episodes is not None:
@@ -102,7 +120,7 @@ class StepWorkerEngine:
                    "kv": r.kv} for r in mig.requests]  # fmt: skip
         self.engine.import_(group_id=mig.group_id, attempt=mig.attempt, prompt=mig.prompt_ids.tolist(),
                             requests=states, max_tokens=mig.max_tokens, temperature=mig.temperature,
-                            top_p=mig.top_p)  # fmt: skip
+                            top_p=mig.top_p, version=mig.version)  # fmt: skip
 
     def cancel(self, group: int, attempt: int, now: float) -> None:
         if self.episodes is not None:
@@ -209,7 +227,7 @@ class StepWorkerEngine:
         scored = self.task.score(s.group_id, s.tokens)
         return m.SampleFinished(
             group_id=s.group_id, attempt=s.attempt, index=s.index,
-            segments=np.array([[self.engine.version, len(s.tokens)]], dtype=np.int32),
+            segments=np.array([[ran_under(s, self.engine), len(s.tokens)]], dtype=np.int32),
             token_ids=np.array(s.tokens, dtype=np.int32), logprobs=np.array(s.logprobs, dtype=np.float32),
             reward=scored.reward, finish=Finish.LENGTH if s.finish is None else s.finish, broker_epoch=broker_epoch,
             reward_components=scored.components, reward_error=scored.reason,
