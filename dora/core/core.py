@@ -510,7 +510,7 @@ class Core:
                 on_newest = sum(1 for w in map(sched.workers.__getitem__, led.pinned_to(newest)) if _movable(w))
                 drain = self.cfg.drain_load if self.cfg.mode is Mode.DORA else 0  # the baselines keep the paper's rule
                 plan = orchestrator.plan(views, pending, newest, full=True, fleet=len(views) + len(moves) + on_newest,
-                                         drain_load=drain)  # fmt: skip
+                                         drain_load=drain, hosts=self._hosts({v.version for v in views}))  # fmt: skip
                 for gid, _src, dst in plan.migrations:
                     sched.migrate(sched.flights[gid], sched.workers[dst], out)
                 moves += plan.moves
@@ -520,6 +520,18 @@ class Core:
                 sched.set_leaving(w, True)
             else:
                 self._assign(worker, out)
+
+    def _hosts(self, versions: set[int]) -> dict[int, list[orchestrator.WorkerView]]:
+        """Per version, the multi-version workers that keep it and may take its groups now."""
+        sched, hosts = self.scheduler, {}
+        for v in sorted(versions):
+            keepers = sorted((sched.workers[w] for w in self.ledger.keepers(v)), key=lambda w: w.order)
+            views = [orchestrator.WorkerView(worker_id=w.worker_id, version=v, free=w.free, settled=True, order=w.order,
+                                             groups=tuple((g, sched.unfinished(sched.flights[g])) for g in sorted(w.groups)))
+                     for w in keepers if sched.serves(w, v)]  # fmt: skip
+            if views:
+                hosts[v] = views
+        return hosts
 
     def _movable_between_triggers(self, pending: dict[int, int]) -> list[Worker]:
         """The workers a plan between triggers may move, in name order: idle ones pinned to an older version that

@@ -10,7 +10,8 @@ live version (unfinished samples, plus the planned top-up of the newest version)
    above its target releases the workers holding the fewest unfinished requests first;
 3. a leaving worker's groups are planned onto the staying workers of the **same** version with free
    slots (C1: identical weights, so the continuation is exact); a worker whose groups do not fit
-   stays until the next trigger.
+   stays until the next trigger. Workers that keep the version besides a newer one (multi-version workers,
+   ``hosts``) take its groups too: they hold the same weights, so the continuation is as exact.
 4. with ``core.drain_load`` set (dora's addition), a staying worker is packed to at most that many
    unfinished samples, and an older version keeps at least ``ceil(R_v / drain_load)`` of its workers.
    Its samples are due before any newer version's, and each decode step of a worker slows with every
@@ -72,7 +73,8 @@ def allocate(workers: int, pending: dict[int, int], newest: int) -> dict[int, in
 
 
 def plan(workers: list[WorkerView], pending: dict[int, int], newest: int, *, full: bool,
-         fleet: int | None = None, drain_load: int = 0) -> Plan:  # fmt: skip
+         fleet: int | None = None, drain_load: int = 0,
+         hosts: dict[int, list[WorkerView]] | None = None) -> Plan:  # fmt: skip
     """Which workers move to ``newest`` and which groups they hand over first.
 
     ``full=False`` (between triggers): only empty workers of versions with no pending work move.
@@ -80,6 +82,8 @@ def plan(workers: list[WorkerView], pending: dict[int, int], newest: int, *, ful
     neither move nor take others' groups; default: ``len(workers)``).
     ``drain_load`` (0: no bound): no staying worker is given groups beyond this many unfinished samples, and an
     older version keeps at least ``ceil(R_v / drain_load)`` workers (of those it has).
+    ``hosts``: per version, workers that keep it besides the version they are pinned to (multi-version workers):
+    they never move here and only take groups; their room is shared by every version they keep.
     """
     out = Plan()
     target = allocate(len(workers) if fleet is None else fleet, pending, newest)
@@ -92,6 +96,8 @@ def plan(workers: list[WorkerView], pending: dict[int, int], newest: int, *, ful
                 out.moves.append(w.worker_id)  # loading a superseded version: go straight to the newest
             continue
         by_version.setdefault(w.version, []).append(w)
+    hosts = hosts or {}
+    free = {h.worker_id: _room(h, drain_load) for views in hosts.values() for h in views}
     for version in sorted(by_version):
         ranked = sorted(by_version[version], key=lambda w: (_load(w), w.order))
         keep = target.get(version, 0)
@@ -102,11 +108,13 @@ def plan(workers: list[WorkerView], pending: dict[int, int], newest: int, *, ful
             surplus = len(ranked) if not pending.get(version) else 0
         # The least-loaded leave; their groups go only to workers that stay, so nothing moves twice.
         leaving, staying = ranked[: max(surplus, 0)], ranked[max(surplus, 0) :]
-        free = {w.worker_id: _room(w, drain_load) for w in staying}
+        free.update({w.worker_id: _room(w, drain_load) for w in staying})
+        targets = staying + hosts.get(version, [])
         for cand in leaving:
-            placed = _place(cand, staying, free)
+            placed = _place(cand, targets, free)
             if placed is None:  # its groups do not fit: it stays (and can take others' groups)
                 staying.append(cand)
+                targets.append(cand)
                 free[cand.worker_id] = _room(cand, drain_load)
                 continue
             out.moves.append(cand.worker_id)

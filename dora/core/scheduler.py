@@ -135,6 +135,8 @@ class Scheduler:
         self.stats_requeued = 0
         self.stats_migrated_groups = 0
         self.stats_migrated_requests = 0
+        self.stats_migrated_to_keepers = 0
+        """Migrations to a worker that keeps the group's version besides a newer pin."""
 
     # ------------------------------------------------------------------ queries
 
@@ -375,6 +377,7 @@ class Scheduler:
             )
         flight.state = GroupState.MIGRATING
         flight.target = target.worker_id
+        self.stats_migrated_to_keepers += self.ledger.version_of(target.worker_id) != flight.version
         target.used += self.unfinished(flight)
         target.incoming += 1
         self._claim(target, flight.version)

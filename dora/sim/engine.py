@@ -77,6 +77,8 @@ class Request:
     """Context tokens added since its KV was built (tool results): prefilled on admission even with KV."""
     holder: object = None
     """The worker holding it (set by the simulator's world, which routes tool results there)."""
+    version: int | None = None
+    """The version it runs under on a multi-version engine (its adapter); None: the engine's loaded version."""
 
     def close_segment(self, generated: float) -> None:
         if self.open_version is not None:
@@ -330,7 +332,7 @@ class Engine:
             r.seq = next(self._seq)
             r.offset = self.counter - r.generated
             if r.open_version is None:
-                r.open_version = self.version
+                r.open_version = self.version if r.version is None else r.version
                 r.open_at = r.generated
             self.running[id(r)] = r
             self._kv_const += r.prompt_len - r.offset

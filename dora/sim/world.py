@@ -16,6 +16,11 @@ its KV is kept for the resume, or dropped with ``yield_kv = "drop"`` and re-pref
 driver reports ``finish_yield``; ``Resume`` (same version) or ``Assign`` (newest) brings it back through a
 load, which the driver finishes with ``finish_load``.
 
+Multi-version workers (``join(holds=n)``, a LoRA engine with n adapter slots): an ``Assign`` may come while
+requests run, naming in ``keep`` every version they run under; the worker loads the new version beside them and
+they go on decoding meanwhile. Each request runs under its own version, which must be one the worker holds
+whenever it decodes; the world checks that at every decode step, independently of the core.
+
 Two drivers use it: the discrete-event simulator (``dora.sim.des``, virtual time) and the property
 tests (hypothesis chooses which enabled event happens next).
 """
@@ -81,6 +86,10 @@ class SimWorker:
     """Came back from a yield with the last action (the driver adds the wake-up to its load)."""
     resume_debt: int = 0
     """Tokens to re-prefill when it comes back (its KV was dropped at the yield)."""
+    holds: int = 1
+    """Versions its engine holds at once (adapter slots); 1: full weights."""
+    kept: set[int] = field(default_factory=set)
+    """A multi-version worker: the older versions it holds besides ``loaded`` (from the last ``Assign``)."""
 
     @property
     def requests(self) -> list[Request]:
@@ -88,7 +97,14 @@ class SimWorker:
 
     @property
     def decoding(self) -> bool:
-        return self.alive and self.loading is None and not self.yielded and bool(self.engine.running)
+        adds = self.holds > 1 and self.loading != self.loaded  # a multi-version engine adds a version beside the
+        return (self.alive and (self.loading is None or adds) and not self.yielded  # others, which decode meanwhile
+                and bool(self.engine.running))  # fmt: skip
+
+    def serves(self, version: int) -> bool:
+        """Whether a request of ``version`` may run here now: the loaded version (not while loading another), or a
+        version it keeps."""
+        return (self.loaded == version and self.loading is None) or version in self.kept
 
 
 @dataclass(slots=True)
@@ -164,20 +180,30 @@ class World:
                     w = self._live(a.worker_id)
                     if w is None:
                         continue  # the message was sent to a process that is already dead
-                    if w.loaded != a.version or w.loading is not None:
+                    if not w.serves(a.version):
                         raise WorldError(f"lease of version {a.version} to {w.worker_id} serving {w.loaded}")
                     if len(w.engine) + a.n_samples > w.slots:
                         raise WorldError(f"{w.worker_id} leased beyond its {w.slots} slots")
-                    w.prefill_debt += w.engine.submit(self._requests(a))
+                    reqs = self._requests(a)
+                    if w.holds > 1:
+                        for r in reqs:
+                            r.version = a.version
+                    w.prefill_debt += w.engine.submit(reqs)
                 case Assign():
                     w = self._live(a.worker_id)
                     if w is None:
                         continue
                     self._wake(w)
-                    if len(w.engine) and not a.interrupt:
+                    running = {r.version for r in w.requests}
+                    if w.holds > 1 and not a.interrupt:
+                        if not running <= set(a.keep) or len(set(a.keep) | {a.version}) > w.holds:
+                            raise WorldError(f"{w.worker_id} told to load v{a.version} keeping {a.keep}, running "
+                                             f"{sorted(running, key=str)} with {w.holds} versions at most")  # fmt: skip
+                    elif len(w.engine) and not a.interrupt:
                         raise WorldError(f"{w.worker_id} told to swap weights under {len(w.engine)} requests")
-                    if a.version in self.retired:
+                    if a.version in self.retired or set(a.keep) & self.retired:
                         raise WorldError(f"{w.worker_id} told to load retired version {a.version}")
+                    w.kept = set(a.keep)
                     w.loading = a.version
                 case Yield():
                     w = self._live(a.worker_id)
@@ -205,11 +231,13 @@ class World:
                     w = self._live(a.worker_id)
                     if w is None:
                         continue
-                    if w.loaded != a.version or w.loading is not None:
+                    if not w.serves(a.version):
                         raise WorldError(f"migration of version {a.version} into {w.worker_id} serving {w.loaded}")
                     reqs: list[Request] = a.state
                     for r in reqs:
                         r.holder = w.worker_id
+                        if w.holds > 1 or r.version is not None:
+                            r.version = a.version
                         self.migrated_waiting += r.waiting_tool
                         held = r.has_kv or r.turn == 0  # an episode between turns may have dropped its cache
                         r.has_kv = self.kv_transfer and held
@@ -230,6 +258,7 @@ class World:
                     self.retired.add(a.version)
                     for w in self.workers.values():
                         serving = w.loaded == a.version and len(w.engine) and w.loading is None
+                        serving = serving or any(r.version == a.version for r in w.requests)
                         if w.alive and (w.loading == a.version or serving):
                             raise WorldError(f"version {a.version} retired while {w.worker_id} still uses it")
                 case Refused():
@@ -296,12 +325,12 @@ class World:
 
     # ------------------------------------------------------------------ events the world produces
 
-    def join(self, slots: int, *, elastic: bool = False) -> WorkerJoined:
+    def join(self, slots: int, *, elastic: bool = False, holds: int = 1) -> WorkerJoined:
         self._ids += 1
         wid = WorkerId(f"w{self._ids}")
         engine = Engine(self.max_running or slots, self.kv_budget_tokens, keep_kv=self.keep_kv)
-        self.workers[wid] = SimWorker(worker_id=wid, slots=slots, engine=engine, elastic=elastic)
-        return WorkerJoined(worker_id=wid, slots=slots, elastic=elastic)
+        self.workers[wid] = SimWorker(worker_id=wid, slots=slots, engine=engine, elastic=elastic, holds=holds)
+        return WorkerJoined(worker_id=wid, slots=slots, elastic=elastic, holds=holds)
 
     def kill(self, worker: WorkerId) -> WorkerLost:
         w = self.workers[worker]
@@ -329,7 +358,7 @@ class World:
             w.prefill_debt += w.resume_debt
             self.reprefill_tokens += w.resume_debt
             w.resume_debt = 0
-        elif len(w.engine):  # partial mode: interrupted requests resume on the new weights after re-prefill
+        elif len(w.engine) and w.holds == 1:  # partial: interrupted requests resume on the new weights after re-prefill
             tokens = w.engine.swap_weights(w.loaded)
             self.reprefill_tokens += tokens
             w.prefill_debt += tokens
@@ -359,6 +388,10 @@ class World:
         w = self.workers[worker]
         if not w.decoding:
             return []
+        if w.holds > 1 and not self.mixed_versions_allowed:
+            unheld = {r.version for r in w.engine.running.values() if not w.serves(r.version)}  # type: ignore[arg-type]
+            if unheld:
+                raise WorldError(f"C1: {w.worker_id} decodes requests of versions {sorted(unheld)} it does not hold")
         finished, prefill = w.engine.run_for(steps)
         w.prefill_debt += prefill
         for r in w.engine.take_turn_ends():

@@ -24,6 +24,8 @@ class Harness:
     now: float = 0.0
     events: int = 0
     max_alive: int = 0
+    kept_max: int = 0
+    """The most versions one worker served at once (pinned and kept)."""
     delivered: list[DeliverBatch] = field(default_factory=list)
     retired: list[int] = field(default_factory=list)
 
@@ -48,6 +50,9 @@ class Harness:
             elif isinstance(a, Retire):
                 self.retired.append(a.version)
         self.max_alive = max(self.max_alive, len(self.core.ledger.alive()))
+        led = self.core.ledger
+        for w in self.core.multi:
+            self.kept_max = max(self.kept_max, 1 + len(led.kept_by(w)))
         return actions
 
     def feed_all(self, events: list[SampleFinished]) -> None:

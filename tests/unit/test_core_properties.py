@@ -4,7 +4,9 @@ Hypothesis chooses, step by step, which worker decodes and how far (so lengths a
 orders are arbitrary on top of heavy-tailed draws), when workers die, restart or rejoin under the
 same id, when a lease's command is lost on the way, when the learner asks, trains, publishes or
 crashes, when old results are replayed, when the orchestrator's timer and load triggers fire, and
-which workers are elastic (yield their accelerators for each train step) and when their yields end;
+which workers are elastic (yield their accelerators for each train step) and when their yields end,
+and how many versions each worker holds at once (1: full weights; more: a LoRA engine's adapters, which
+takes a new version while groups of older ones still run on it, and serves those until they end);
 in every mode, for K in {0, 1, 2, 3}, with fixed and adaptive deadlines.
 
 Checked after every step: the core's own invariants from scratch (strict mode), at most K + 1
@@ -52,12 +54,13 @@ class CoreMachine(RuleBasedStateMachine):
         seed=st.integers(0, 2**16),
         sigma=st.floats(0.2, 2.0),
         elastic=st.lists(st.booleans(), min_size=5, max_size=5),
+        holds=st.lists(st.sampled_from([1, 1, 2, 3, 4]), min_size=5, max_size=5),
         deadlines=st.sampled_from(["fixed", "adaptive"]),
         drain_load=st.sampled_from([0, 0, 1, 2, 4]),
     )
     def setup(
         self, mode, k, train_groups, group_size, steps, workers, slot_groups, watermark, seed, sigma, elastic,
-        deadlines, drain_load,
+        holds, deadlines, drain_load,
     ):  # fmt: skip
         cfg = CoreConfig(
             deadlines=deadlines,
@@ -77,7 +80,7 @@ class CoreMachine(RuleBasedStateMachine):
             ),
         )
         for i in range(workers):
-            self.h.feed(self.h.world.join(self.h.slots, elastic=elastic[i]))
+            self.h.feed(self.h.world.join(self.h.slots, elastic=elastic[i], holds=holds[i]))
 
     # ------------------------------------------------------------------ fleet
 
@@ -122,9 +125,9 @@ class CoreMachine(RuleBasedStateMachine):
         self.h.feed(self.h.world.kill(live[pick % len(live)].worker_id))
 
     @precondition(lambda self: len(self.h.world.alive_workers()) < 6)
-    @rule(elastic=st.booleans())
-    def join_worker(self, elastic):
-        self.h.feed(self.h.world.join(self.h.slots, elastic=elastic))
+    @rule(elastic=st.booleans(), holds=st.sampled_from([1, 1, 2, 4]))
+    def join_worker(self, elastic, holds):
+        self.h.feed(self.h.world.join(self.h.slots, elastic=elastic, holds=holds))
 
     @precondition(lambda self: len(self.h.world.alive_workers()) > 0)
     @rule(pick=st.integers(0, 10**6))
@@ -135,9 +138,10 @@ class CoreMachine(RuleBasedStateMachine):
         w.engine.clear()
         w.exporting.clear()
         w.loaded = w.loading = None
+        w.kept.clear()
         w.yielded = w.yield_pending = False
         w.resume_debt = 0
-        self.h.feed(WorkerJoined(worker_id=w.worker_id, slots=w.slots, elastic=w.elastic))
+        self.h.feed(WorkerJoined(worker_id=w.worker_id, slots=w.slots, elastic=w.elastic, holds=w.holds))
 
     @precondition(lambda self: len(self.h.world.sent) > 0)
     @rule(pick=st.integers(0, 10**6))
@@ -235,6 +239,9 @@ class CoreMachine(RuleBasedStateMachine):
             event(f"requeued={'yes' if core.scheduler.stats_requeued else 'no'}")
             event(f"migrated={'yes' if core.scheduler.stats_migrated_groups else 'no'}")
             event(f"elastic workers={sum(w.elastic for w in self.h.world.workers.values())}")
+            event(f"multi-version workers={'yes' if any(w.holds > 1 for w in self.h.world.workers.values()) else 'no'}")
+            event(f"versions kept={'yes' if self.h.kept_max > 1 else 'no'}")
+            event(f"migrated to a keeper={'yes' if core.scheduler.stats_migrated_to_keepers else 'no'}")
             event(f"max live versions={self.h.max_alive}")
             for reason in core.refusals:
                 event(f"refused {reason.split()[0]}")
