@@ -275,9 +275,11 @@ class BrokerActor:
             host=hello.host,
             slots=hello.slots,
             engine=hello.engine,
+            holds=hello.holds,
         )
         if hello.role is m.Role.ROLLOUT:
-            self.feed(ev.WorkerJoined(worker_id=WorkerId(identity.decode()), slots=hello.slots, elastic=hello.elastic))
+            self.feed(ev.WorkerJoined(worker_id=WorkerId(identity.decode()), slots=hello.slots, elastic=hello.elastic,
+                                      holds=hello.holds))  # fmt: skip
         elif hello.role is m.Role.LEARNER:
             if self.learner is not None and self.learner in self.peers:
                 self.peer_lost(self.peers[self.learner], "replaced by a new learner")
@@ -424,10 +426,11 @@ class BrokerActor:
                 self.links.command(a.worker_id, functools.partial(translate.generate, a, self.cfg.run, self.prompts,
                                                                   self.epoch))  # fmt: skip
             case ev.Assign():
-                log.info("worker_assigned", worker=a.worker_id, version=a.version, interrupt=a.interrupt)
+                log.info("worker_assigned", worker=a.worker_id, version=a.version, interrupt=a.interrupt,
+                         keep=list(a.keep))  # fmt: skip
                 uri, sha = self.weights.get(a.version, (f"sim://v{a.version}", "0" * 64))
                 self.links.command(a.worker_id, functools.partial(m.Assign, version=a.version, uri=uri, sha256=sha,
-                                                                  interrupt=a.interrupt))  # fmt: skip
+                                                                  interrupt=a.interrupt, keep=a.keep))  # fmt: skip
             case ev.Yield():
                 held = len(self.core.scheduler.workers[a.worker_id].groups)
                 log.info("yield_requested", worker=a.worker_id, held_groups=held)

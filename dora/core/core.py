@@ -18,7 +18,10 @@ The batch is delivered once every elastic worker has yielded (the trainer has it
 the step is published each yielded worker comes back: one that holds groups ``Resume``s the version it
 served, so they go on under the same weights (C1); one that holds none is assigned the newest version.
 Held groups keep their deadlines; the feasibility invariant counts them like any running group, so C2
-and C3 hold as before. All workers elastic is colocated training; none is disaggregated.
+and C3 hold as before. All workers elastic is colocated training; none is disaggregated (``dora.core.elastic``).
+
+Multi-version workers (LoRA, DESIGN.md §9) take each new version as soon as they can keep every version their
+groups run under (``Assign.keep``): they are never drained for a publish (``_advance``).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from __future__ import annotations
 from collections import Counter
 
 from dora.config import CoreConfig
-from dora.core import deadline, intake, orchestrator
+from dora.core import deadline, elastic, intake, orchestrator
 from dora.core.dispatch import budget_left, dispatch
 from dora.core.events import (
     Action,
@@ -41,7 +44,6 @@ from dora.core.events import (
     Outbox,
     Refused,
     ResultsReported,
-    Resume,
     Retire,
     RunFinished,
     SampleFinished,
@@ -52,7 +54,6 @@ from dora.core.events import (
     WeightsPublished,
     WorkerJoined,
     WorkerLost,
-    Yield,
     Yielded,
 )
 from dora.core.ledger import InvariantViolation, Ledger
@@ -166,17 +167,17 @@ class Core:
         """Apply one event; True if it is a trigger for a full re-partition."""
         sched = self.scheduler
         match event:
-            case WorkerJoined(worker_id=w, slots=slots, elastic=elastic, holds=holds):
+            case WorkerJoined(worker_id=w, slots=slots, elastic=shares, holds=holds):
                 if w in sched.workers:  # a restarted process under the same id: its old leases are void
                     self._lose(w, out)
                 if slots < self.cfg.group_size:
                     out.emit(Refused(reason=f"slots {slots} < group_size {self.cfg.group_size}", worker_id=w))
                     return False
                 # partial swaps weights under running requests by design: it has no use for kept versions
-                worker = sched.join(w, slots, elastic=elastic, holds=1 if self.cfg.in_flight_swap else max(1, holds))
+                worker = sched.join(w, slots, elastic=shares, holds=1 if self.cfg.in_flight_swap else max(1, holds))
                 if worker.holds > 1:
                     self.multi.add(w)
-                self._assign(w, out)
+                self.assign(w, out)
                 return self.cfg.mode is Mode.DORA
             case WorkerLost(worker_id=w):
                 if w not in sched.workers:
@@ -228,7 +229,7 @@ class Core:
                     out.emit(Refused(reason="unexpected_yield", worker_id=w))
                     return False
                 self.yielding.discard(w)
-                self._hand_over(out)
+                elastic.hand_over(self, out)
                 return False
             case LoadReported(worker_id=w, kv_use=kv):
                 return self.cfg.mode is Mode.DORA and w in sched.workers and kv >= self.cfg.kv_rebalance_threshold
@@ -241,10 +242,10 @@ class Core:
                 self.ledger.publish(v)
                 self.behind |= self.multi
                 for worker in sorted((w for w in sched.workers.values() if w.yielded), key=lambda x: x.order):
-                    self._wake(worker, out)
+                    elastic.wake(self, worker, out)
                 if self.cfg.in_flight_swap:
                     for w in list(sched.workers):
-                        self._assign(w, out, interrupt=True)
+                        self.assign(w, out, interrupt=True)
                 return self.cfg.mode is Mode.DORA
             case BatchRequested(step=step):
                 pending = self.transfer.in_training
@@ -273,7 +274,7 @@ class Core:
         self.ledger.unpin(worker)
         if worker in self.yielding:
             self.yielding.discard(worker)
-            self._hand_over(out)
+            elastic.hand_over(self, out)
 
     def _adapt(self, *, waited: bool, surplus: int) -> None:
         """Adaptive deadlines: the admission horizon h in [1, K] (new groups get deadlines <= v + h) grows by
@@ -302,7 +303,7 @@ class Core:
         moved = self.ledger.deadline_counts()  # the counts once they are moved, checked before moving any
         moved[s] -= len(movable)
         moved[s + 1] = moved.get(s + 1, 0) + len(movable)
-        if not self.transfer.would_take({d: n for d, n in moved.items() if n}) or self._would_pause():
+        if not self.transfer.would_take({d: n for d, n in moved.items() if n}) or elastic.would_pause(self):
             return None  # it would not help yet (keep the data fresh), or it would pause a group
         for f in movable:
             self.ledger.move_group((f.version, s), (f.version, s + 1))
@@ -312,100 +313,14 @@ class Core:
         self.extended += len(movable)
         return batch
 
-    def _would_pause(self) -> bool:
-        """Would a batch taken now hold a running group paused through the step? The elastic workers yield for
-        it, and a group of theirs that no standalone worker of its version has room for waits on its yielded
-        worker (``_evacuate``): taking the batch early then only trades that group's rollout time for the
-        trainer's, and the group is due a step later anyway."""
-        sched = self.scheduler
-        holders = (  # made as they are placed: the first that does not fit ends the check
-            running
-            for w in sched.workers.values()  # in join order, as _yield_elastic evacuates them
-            if w.elastic and not w.yielded and w.groups
-            for running in self._running_by_version(w)
-        )
-        room: dict[int, dict[WorkerId, int]] = {}
-        for p in self._evacuation_peers():
-            version = self.ledger.version_of(p.worker_id)
-            if version is not None:
-                room.setdefault(version, {})[p.worker_id] = p.free
-        return not orchestrator.all_placed(holders, room)  # type: ignore[arg-type]  (elastic holders are pinned)
-
-    def _yield_elastic(self, batch: DeliverBatch, out: Outbox) -> None:
-        """The batch is taken: elastic workers hand what they can to standalone peers of their version and
-        yield; the batch goes out when they all have (at once if there are none)."""
-        sched = self.scheduler
-        elastic = sorted((w for w in sched.workers.values() if w.elastic and not w.yielded), key=lambda x: x.order)
-        if not elastic:
-            out.emit(batch)
-            return
-        peers = self._evacuation_peers()
-        for w in elastic:
-            if not self.cfg.in_flight_swap:  # partial swaps every worker's weights at the publish anyway
-                self._evacuate(w, peers, out)
-            sched.set_leaving(w, False)
-            w.yielded = True
-            sched.set_ready(w, False)
-            self.yielding.add(w.worker_id)
-            out.emit(Yield(worker_id=w.worker_id))
-        self.held = batch
-
-    def _evacuation_peers(self) -> list[Worker]:
-        """The workers a yielding elastic worker may hand running groups to: standalone, loaded, staying."""
-        return [w for w in self.scheduler.workers.values() if not w.elastic and w.ready and not w.leaving]
-
-    def _evacuate(self, worker: Worker, peers: list[Worker], out: Outbox) -> None:
-        """Migrate the worker's running groups to standalone workers of its version with room; the rest stay
-        held (paused) on it."""
-        sched = self.scheduler
-        for version, running in self._running_by_version(worker):
-            views = [orchestrator.WorkerView(worker_id=p.worker_id, version=version, free=p.free, groups=(),
-                                             settled=True, order=p.order)
-                     for p in peers if self.ledger.version_of(p.worker_id) == version]  # fmt: skip
-            for gid, dst in orchestrator.place_some(running, views):
-                sched.migrate(sched.flights[gid], sched.workers[dst], out)
-
-    def _running_by_version(self, worker: Worker) -> list[tuple[int, tuple[tuple[GroupId, int], ...]]]:
-        """The worker's running groups as (version, ((group, unfinished samples), ...)), its pinned version first,
-        then the versions it keeps, oldest first. Peers take a version's groups where it is their pinned one."""
-        sched = self.scheduler
-        pinned = self.ledger.version_of(worker.worker_id)
-        by_version: dict[int, list[tuple[GroupId, int]]] = {}
-        for g in sorted(worker.groups):
-            f = sched.flights[g]
-            if f.state is GroupState.RUNNING:
-                by_version.setdefault(f.version, []).append((g, sched.unfinished(f)))
-        order = sorted(by_version, key=lambda v: (v != pinned, v))
-        return [(v, tuple(by_version[v])) for v in order]
-
-    def _hand_over(self, out: Outbox) -> None:
-        if self.held is not None and not self.yielding:
-            out.emit(self.held)
-            self.held = None
-
-    def _wake(self, worker: Worker, out: Outbox) -> None:
-        """A yielded worker comes back after the publish: it resumes the version it holds groups of (C1),
-        or loads the newest one."""
-        worker.yielded = False
-        version = self.ledger.version_of(worker.worker_id)
-        assert version is not None
-        holds = worker.groups or worker.incoming
-        if version != self.ledger.newest and worker.holds > 1 and self._keeps(worker) is not None:
-            self._assign(worker.worker_id, out)  # a multi-version worker takes the newest, keeping what it runs
-        elif version == self.ledger.newest or (holds and not self.cfg.in_flight_swap):
-            out.emit(Resume(worker_id=worker.worker_id, version=version))
-        elif not self.cfg.in_flight_swap:
-            self._assign(worker.worker_id, out)
-        # in_flight_swap (partial): the publish swaps every worker, this one included, to the newest weights
-
-    def _assign(self, worker: WorkerId, out: Outbox, *, interrupt: bool = False) -> None:
+    def assign(self, worker: WorkerId, out: Outbox, *, interrupt: bool = False) -> None:
         """Pin ``worker`` to the newest version and tell it to load those weights; a multi-version worker keeps
         every version groups of it still run (or are migrating to it) under."""
         w = self.scheduler.workers[worker]
         newest = self.ledger.newest
         if self.ledger.version_of(worker) == newest:
             return
-        keep = self._keeps(w) if not interrupt else ()
+        keep = self.keeps(w) if not interrupt else ()
         if keep is None:
             raise InvariantViolation(f"{worker} told to change version while holding groups {sorted(w.groups)}")
         self.ledger.pin(worker, newest)
@@ -417,7 +332,7 @@ class Core:
         self.scheduler.offer(w)
         out.emit(Assign(worker_id=worker, version=newest, interrupt=interrupt, keep=keep))
 
-    def _keeps(self, w: Worker) -> tuple[int, ...] | None:
+    def keeps(self, w: Worker) -> tuple[int, ...] | None:
         """The versions the worker must keep to take the newest one now (those its groups run under, or are
         migrating to it under); None if it cannot (a full-weight worker with groups, or too few adapter slots)."""
         keep = tuple(sorted(v for v in w.claims if v != self.ledger.newest))
@@ -433,8 +348,8 @@ class Core:
             w = self.scheduler.workers.get(name)
             if w is None or self.ledger.version_of(name) == newest:
                 self.behind.discard(name)
-            elif not w.yielded and self._keeps(w) is not None:
-                self._assign(name, out)
+            elif not w.yielded and not w.incoming and self.keeps(w) is not None:  # what comes in, lands first
+                self.assign(name, out)
                 self.behind.discard(name)
 
     def _finished(self, flight: Flight) -> None:
@@ -461,7 +376,7 @@ class Core:
         self.learner_waiting = False
         if self.cfg.deadlines == "adaptive":
             self._adapt(waited=self.now > self.requested_at, surplus=len(self.transfer))
-        self._yield_elastic(batch, out)
+        elastic.yield_elastic(self, batch, out)
 
     def _orchestrate(self, out: Outbox, *, full: bool) -> None:
         sched = self.scheduler
@@ -470,7 +385,7 @@ class Core:
         # Workers that finished handing over their groups load the newest weights now.
         for w in [sched.workers[name] for name in sorted(sched.leaving & sched.idle)]:
             if not w.groups and not w.incoming:
-                self._assign(w.worker_id, out)
+                self.assign(w.worker_id, out)
         if full:
             self.rebalances += 1
         newest, led = self.ledger.newest, self.ledger
@@ -519,16 +434,17 @@ class Core:
             if w.groups:
                 sched.set_leaving(w, True)
             else:
-                self._assign(worker, out)
+                self.assign(worker, out)
 
     def _hosts(self, versions: set[int]) -> dict[int, list[orchestrator.WorkerView]]:
         """Per version, the multi-version workers that keep it and may take its groups now."""
         sched, hosts = self.scheduler, {}
         for v in sorted(versions):
             keepers = sorted((sched.workers[w] for w in self.ledger.keepers(v)), key=lambda w: w.order)
-            views = [orchestrator.WorkerView(worker_id=w.worker_id, version=v, free=w.free, settled=True, order=w.order,
-                                             groups=tuple((g, sched.unfinished(sched.flights[g])) for g in sorted(w.groups)))
-                     for w in keepers if sched.serves(w, v)]  # fmt: skip
+            views = [orchestrator.WorkerView(
+                worker_id=w.worker_id, version=v, free=w.free, settled=True, order=w.order,
+                groups=tuple((g, sched.unfinished(sched.flights[g])) for g in sorted(w.groups)),
+            ) for w in keepers if sched.serves(w, v)]  # fmt: skip
             if views:
                 hosts[v] = views
         return hosts

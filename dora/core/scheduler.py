@@ -9,15 +9,15 @@ output is discarded and the prompt re-runs on the newest version, so its deadlin
 
 The scheduler holds the state (flights, workers, the queue, the prompt cursor) and keeps what it derives from
 it consistent: slot use, the idle, leaving and unready workers, the roster, and pending samples per version.
-``check`` recomputes all of it from scratch.
+``check`` recomputes all of it from scratch. The choice of which group is leased next, on which version,
+with which deadline, is made in ``dispatch`` (the admission arithmetic itself lives in ``deadline``). The
+checks on a finished sample that passed the fence, and the taking of it into its group, live in ``intake``.
 
 Multi-version workers (``holds`` > 1: a LoRA engine holds several adapter versions) serve the version they are
 pinned to and every older version they keep (``Ledger.keep``): a version stays kept exactly while a group of it
 runs on the worker or is migrating to it, and is dropped as its last one leaves. Leases and migrations go to any
 worker that serves the version; a lease or migration of a version to a worker that does not serve it is a
-broken invariant (C1). A worker that holds one version (full weights) never keeps any. The choice of which group is leased next, on which version,
-with which deadline, is made in ``dispatch`` (the admission arithmetic itself lives in ``deadline``). The
-checks on a finished sample that passed the fence, and the taking of it into its group, live in ``intake``.
+broken invariant (C1). A worker that holds one version (full weights) never keeps any.
 """
 
 from __future__ import annotations
@@ -475,10 +475,10 @@ class Scheduler:
             if w.used > w.slots:
                 raise InvariantViolation(f"{w.worker_id} over capacity: {w.used} > {w.slots}")
             if w.claims != claims[w.worker_id]:
-                raise InvariantViolation(f"{w.worker_id}: groups per version {dict(w.claims)}, {dict(claims[w.worker_id])}")
+                raise InvariantViolation(f"{w.worker_id}: groups per version {dict(w.claims)} != {claims[w.worker_id]}")
             kept = self.ledger.kept_by(w.worker_id)
             if kept - set(w.claims) or len(kept) + 1 > w.holds:
-                raise InvariantViolation(f"{w.worker_id} keeps {sorted(kept)} holding {dict(w.claims)} (holds {w.holds})")
+                raise InvariantViolation(f"{w.worker_id} keeps {sorted(kept)}, runs {dict(w.claims)}, holds {w.holds}")
             for gid in w.groups:
                 if holders.get(gid) != w.worker_id:
                     raise InvariantViolation(f"{w.worker_id} lists group {gid} it does not hold")
@@ -496,8 +496,8 @@ class Scheduler:
             raise InvariantViolation("idle unready workers per version out of date")
         listed: dict[int, set[tuple[WorkerId, int, int]]] = {}
         for w in self.workers.values():
-            v = self.ledger.version_of(w.worker_id)
-            for v in ({v} if v is not None else set()) | self.ledger.kept_by(w.worker_id):
+            pinned = self.ledger.version_of(w.worker_id)
+            for v in ({pinned} if pinned is not None else set()) | self.ledger.kept_by(w.worker_id):
                 if v not in listed:
                     listed[v] = self.roster.listed(v)
                 if self.serves(w, v) and (w.worker_id, w.free, w.order) not in listed[v]:

@@ -97,6 +97,10 @@ class RolloutActor:
         """Evaluate requests dropped: for a version this worker is not serving, or it cannot evaluate."""
         self.yielded = False
         """Elastic: its accelerators are the trainer's; the engine is paused (``Yield`` until ``Resume``/``Assign``)."""
+        self.holds = max(1, int(getattr(engine, "max_versions", 1)))
+        """Versions the engine serves at once (a LoRA engine's adapter versions; 1: full weights)."""
+        self.keep: tuple[int, ...] = ()
+        """The older versions the load under way must keep beside the new one (``Assign.keep``)."""
 
     async def run(self, stop: asyncio.Event) -> int:
         backoff = 1.0
@@ -156,6 +160,7 @@ class RolloutActor:
                     slots=self.slots,
                     engine=self.engine.name,
                     elastic=self.cfg.rollout.elastic,
+                    holds=self.holds,
                 )
             )
             heard = self.clock()
@@ -185,7 +190,10 @@ class RolloutActor:
                     self.loading = None
                     try:
                         started = time.perf_counter()
-                        self.engine.loaded(version, uri, sha)
+                        if self.keep:  # a multi-version engine: requests of these go on beside the new version
+                            self.engine.loaded(version, uri, sha, keep=frozenset(self.keep))  # type: ignore[call-arg]
+                        else:
+                            self.engine.loaded(version, uri, sha)
                         self.version = version
                         log.info("weights_loaded", version=version, uri=uri,
                                  took_s=round(time.perf_counter() - started, 4))  # fmt: skip
@@ -315,17 +323,21 @@ class RolloutActor:
                 return
             self.engine.drop_evaluations()  # type: ignore[attr-defined]  (the broker asks some worker again)
         self.deferred = None
-        if self.engine.busy() and not msg.interrupt:
+        if self.engine.busy() and not msg.interrupt and self.holds == 1:
             log.error("assign_refused_requests_running", version=msg.version)
             return
         self.engine.advance(now)
+        self.keep = msg.keep if self.holds > 1 else ()
         self.loading = (msg.version, now + self.engine.load_seconds(), msg.uri, msg.sha256)
         structlog.contextvars.bind_contextvars(version=msg.version)
 
     def takes(self, msg: m.Generate | m.MigrateIn) -> bool:
-        """Whether to run a lease's work: never on weights other than its version's (C1), never twice."""
-        if msg.version != self.version:
-            log.warning("lease_for_another_version", group_id=msg.group_id, version=msg.version, serving=self.version)
+        """Whether to run a lease's work: never on weights other than its version's (C1), never twice. A
+        multi-version engine runs it under the version it names, if it holds that one."""
+        held = self.engine.held_versions() if hasattr(self.engine, "held_versions") else {self.version}
+        if msg.version not in held:
+            log.warning("lease_for_another_version", group_id=msg.group_id, version=msg.version, serving=self.version,
+                        held=sorted(held))  # fmt: skip
             return False
         return (msg.group_id, msg.attempt) not in self.leases
 

@@ -74,6 +74,8 @@ class Hello:
     """Learner: the version its weights hold (0 fresh, a checkpoint's when resumed); None without weights."""
     elastic: bool = False
     """Rollout: it shares its accelerators with the trainer and yields them for each train step."""
+    holds: int = 1
+    """Rollout: versions its engine serves at once (1: full weights; a LoRA engine's adapter versions)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -307,7 +309,8 @@ class ResultAcks:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Assign:
-    """Serve ``version`` from now on: load the weights at ``uri`` and check their sha256 first."""
+    """Serve ``version`` from now on: load the weights at ``uri`` and check their sha256 first. ``keep``: older
+    versions a multi-version worker goes on serving beside it (requests of them still run there)."""
 
     KIND: ClassVar[str] = "assign"
     version: int
@@ -315,6 +318,7 @@ class Assign:
     sha256: str
     interrupt: bool = False
     seq: int = 0
+    keep: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -163,7 +163,8 @@ def test_a_torch_learner_trains_and_standalone_and_elastic_workers_load_every_pu
 def test_a_lora_learner_trains_adapters_and_torch_and_vllm_workers_load_each_adapter_version(tmp_path, tiny_model):
     """[learner.lora]: the learner trains adapters on the frozen start model, each version in the store is an
     adapter folder (a fraction of the model's bytes), the torch worker copies each into its own adapters and the
-    vLLM worker adds each to vLLM as the version's adapter; every group trained once, on one version."""
+    vLLM worker adds each to vLLM as the version's adapter. Each worker holds K + 1 versions: it takes a new
+    version while groups of the older one still run on it. Every group trained once, on one version."""
     steps = 4
     overrides = torch_run(tmp_path, tiny_model, steps, min_workers=2, max_tokens=16,
                           learner={"lr": 1e-2, "lora": {"rank": 4, "alpha": 8.0}},
@@ -189,9 +190,15 @@ def test_a_lora_learner_trains_adapters_and_torch_and_vllm_workers_load_each_ada
             loaded = [(r["version"], r["uri"], r["took_s"]) for r in c.events(w, "weights_loaded")]
             assert {v for v, uri, _ in loaded if uri.startswith("file://")} >= {1}, (w, loaded)
             assert all(took > 0 for _, uri, took in loaded if uri.startswith("file://")), loaded  # each load is timed
-        joined = {r["peer"]: r["engine"] for r in c.events("broker", "peer_joined") if r["role"] == "rollout"}
-        assert joined == {"w0": "torch", "w1": "vllm"}, joined
+        joined = {r["peer"]: (r["engine"], r["holds"]) for r in c.events("broker", "peer_joined")
+                  if r["role"] == "rollout"}  # fmt: skip
+        assert joined == {"w0": ("torch", 2), "w1": ("vllm", 2)}, joined  # K + 1 adapter versions each
+        # Each worker holds several versions: told to load a new one while groups of the older run on it, which
+        # finish there under their own adapter (the audit above: no trajectory of two versions), none refused.
+        kept = [(r["worker"], r["version"], r["keep"]) for r in c.events("broker", "worker_assigned") if r["keep"]]
+        assert kept, c.events("broker", "worker_assigned")
         assert not [r for w in ("w0", "w1") for r in c.events(w) if r.get("level") == "error"]
+        assert not [r for w in ("w0", "w1") for r in c.events(w, "lease_for_another_version")]
 
 
 def test_a_learner_drained_stopped_or_killed_resumes_from_its_checkpoint_and_trains_no_group_twice(

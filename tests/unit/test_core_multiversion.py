@@ -67,7 +67,7 @@ def test_a_multi_version_worker_takes_the_new_version_beside_a_running_group_and
 
 def test_a_full_weight_worker_with_a_running_group_is_not_told_to_change_version():
     core = Core(cfg(max_staleness=2, rollout_groups=2))
-    first, second = of(join(core, "a", holds=1), Lease)
+    first, _ = of(join(core, "a", holds=1), Lease)
     acts = train_one(core, first)
     assert not of(acts, Assign)  # it drains its v0 groups first
     assert core.ledger.version_of("a") == 0 and not core.ledger.kept_by("a")
@@ -75,7 +75,7 @@ def test_a_full_weight_worker_with_a_running_group_is_not_told_to_change_version
 
 def test_a_kept_version_is_alive_until_its_last_group_leaves_the_worker():
     core = Core(cfg(max_staleness=1, rollout_groups=2))
-    first, second = of(join(core, "a", holds=2), Lease)
+    first, _ = of(join(core, "a", holds=2), Lease)
     train_one(core, first)
     core.handle(0, WeightsLoaded(worker_id="a", version=1))
     assert core.ledger.state(0) is not VersionState.RETIRED
@@ -84,7 +84,7 @@ def test_a_kept_version_is_alive_until_its_last_group_leaves_the_worker():
 
 def test_a_worker_with_too_few_adapter_slots_waits_for_its_groups_before_it_moves():
     core = Core(cfg(max_staleness=2, rollout_groups=2))
-    first, second = of(join(core, "a", slots=6, holds=2), Lease)
+    first, _ = of(join(core, "a", slots=6, holds=2), Lease)
     acts = train_one(core, first)  # v1 comes while two v0 groups run: "a" keeps v0
     assert of(acts, Assign)[0].keep == (0,)
     core.handle(0, WeightsLoaded(worker_id="a", version=1))

@@ -69,6 +69,20 @@ def test_a_field_added_with_a_default_decodes_from_older_peers():
     assert old.learner_version is None and old.peer_id == "l"
 
 
+def test_an_older_peers_hello_and_assign_mean_one_version_held():
+    """Peers from before multi-version workers send no ``holds`` and no ``keep``: a full-weight worker's."""
+    hello = codec.encode(m.Hello(wire_version=m.WIRE_VERSION, role=m.Role.ROLLOUT, peer_id="w", pid=1, host="h",
+                                 holds=4))  # fmt: skip
+    assign = codec.encode(m.Assign(version=3, uri="file:///v3", sha256="0" * 64, keep=(1, 2)))
+    old = []
+    for frames, field in ((hello, "holds"), (assign, "keep")):
+        body = msgpack.unpackb(bytes(frames[3]))
+        del body[field]
+        old.append(codec.decode([*frames[:3], msgpack.packb(body)]))
+    assert old[0].holds == 1 and old[1].keep == ()
+    assert codec.decode(assign).keep == (1, 2)
+
+
 def test_reward_components_and_error_travel_and_default_for_older_peers():
     msg = canonical()["samples_finished"]
     back = codec.decode(codec.encode(msg))

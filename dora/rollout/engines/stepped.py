@@ -92,11 +92,13 @@ class StepWorkerEngine:
     def load_seconds(self) -> float:
         return 0.0  # loading happens in ``loaded``, synchronously
 
-    def loaded(self, version: int, uri: str = "", sha256: str = "") -> None:
+    def loaded(self, version: int, uri: str = "", sha256: str = "", keep: frozenset[int] = frozenset()) -> None:
+        """``keep``: versions to go on holding beside the new one (the broker's ``Assign.keep``: groups of them run
+        here, or are on their way here), besides those running or waiting requests name."""
         if uri.startswith("sim://") or not uri:
             self.engine.version = version
             return
-        keep = self.episodes.versions() if self.episodes is not None else frozenset()
+        keep = keep | (self.episodes.versions() if self.episodes is not None else frozenset())
         self.engine.load_weights(version, uri.removeprefix("file://"), sha256 or None, keep=keep)
 
     def submit(self, gen: m.Generate, now: float) -> None:
