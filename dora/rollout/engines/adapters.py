@@ -40,9 +40,14 @@ class Adapters:
 
         if lanes < 1:
             raise ValueError(f"max_versions must be >= 1; got {lanes}")
-        self.lanes = lanes
         self.rank = config.r
         self.layers: list[tuple[str, torch.nn.Module]] = []
+        adapted = [name for name, module in model.named_modules() if isinstance(module, LoraLayer)]
+        self.one_version = next((n for n in adapted if any("expert" in part for part in n.split("."))), None)
+        """An adapted layer inside a mixture of experts, if any: its input is the tokens routed to it, not the batch's
+        rows, so no row's lane reaches it. The engine then holds one version at a time (its rows all read it)."""
+        self.lanes = 1 if self.one_version is not None else lanes
+        lanes = self.lanes
         for name, module in model.named_modules():
             if not isinstance(module, LoraLayer):
                 continue

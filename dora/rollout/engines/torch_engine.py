@@ -61,6 +61,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import structlog
 import torch
 
 from dora.hf.folder import facts
@@ -73,6 +74,8 @@ from dora.rollout.engines.attention import install
 from dora.rollout.engines.base import EngineError, Sample
 from dora.rollout.engines.batch import Running
 from dora.store import InPlaceUnfit, load_into, load_verified, model_digest
+
+log = structlog.get_logger()
 
 if TYPE_CHECKING:
     from dora.config.models import LoraSection
@@ -148,6 +151,10 @@ class TorchEngine:
             self.lora = inject(self.model, lora)
             self.model.to(self.device, dtype=getattr(torch, dtype)).eval()
             self.adapters = Adapters(self.model, self.lora, max_versions, version)
+            if self.adapters.one_version is not None and max_versions > 1:
+                log.warning("lora_one_version_at_a_time", max_versions=max_versions, layer=self.adapters.one_version,
+                            reason="an adapted layer of a mixture of experts sees routed tokens, not rows")  # fmt: skip
+            max_versions = self.adapters.lanes
         self.max_versions = max_versions
         """The versions the engine holds at most (requests name any of them: ``held_versions``)."""
         self.max_slots = max_slots
