@@ -1,8 +1,8 @@
 """Configuration of a simulated cluster: `dora sim --config FILE.toml`.
 
 Sections: ``[run]``, ``[core]`` (the same CoreConfig the broker uses), ``[cluster]``, ``[engine]``,
-``[trainer]`` and ``[workload]``. Every key is checked; an unknown key or a bad value is one clear
-error. ``examples/sim/*.toml`` document where each number comes from.
+``[trainer]``, ``[workload]``, ``[model]`` and ``[lora]``. Every key is checked; an unknown key or a bad value
+is one clear error. ``examples/sim/*.toml`` document where each number comes from.
 """
 
 from __future__ import annotations
@@ -309,6 +309,79 @@ class WorkloadSection:
             raise ConfigError("workload.components is only for distribution = 'mixture'")
 
 
+LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The linear layers of one decoder block (Llama / Qwen2 naming), what ``[lora].target_modules`` may name."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelSection:
+    """The model's dimensions (`dora sim`), from which a LoRA run's adapter sizes and training cost are derived
+    (``dora.sim.lora``). A decoder block holds the linear layers q, k, v, o (attention) and gate, up, down (a gated
+    MLP); the defaults are Qwen2.5-32B's, the paper's model (its config.json)."""
+
+    hidden_size: int = 5120
+    """Width of the residual stream."""
+    intermediate_size: int = 27648
+    """Width of the MLP (gate and up project to it, down projects back)."""
+    layers: int = 64
+    """Decoder blocks."""
+    attention_heads: int = 40
+    """Query heads."""
+    kv_heads: int = 8
+    """Key and value heads (grouped-query attention)."""
+    head_dim: int = 128
+    """Width of one attention head."""
+    vocab_size: int = 152064
+    """Tokens of the vocabulary (rows of the input embedding and of the output layer)."""
+    tied_embeddings: bool = False
+    """The output layer shares the input embedding's weights (counted once in the weights' bytes)."""
+    bytes_per_param: float = 2.0
+    """Bytes of one weight as published and served (bf16: 2), for full weights and adapters alike."""
+    activation_recompute: bool = True
+    """The trainer recomputes activations in the backward (one more forward per token, full and LoRA alike). The
+    paper configs' trainer.gpu_s_per_token is read as 8 x parameters FLOP per token (their comment), i.e. with it."""
+
+    def __post_init__(self) -> None:
+        dims = (self.hidden_size, self.intermediate_size, self.layers, self.attention_heads, self.kv_heads,
+                self.head_dim, self.vocab_size)  # fmt: skip
+        if min(dims) < 1 or self.bytes_per_param <= 0:
+            raise ConfigError("model: dimensions must be >= 1 and bytes_per_param > 0")
+        if self.attention_heads % self.kv_heads:
+            raise ConfigError("model.attention_heads must be a multiple of model.kv_heads")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SimLoraSection:
+    """`dora sim`: train LoRA adapters on the frozen model instead of every weight (``rank`` > 0). A version is then
+    an adapter: workers load and the trainer publishes its bytes, not the model's; the trainer computes no weight
+    gradients of the frozen model (``dora.sim.lora`` derives both costs from ``[model]``); and each worker of a
+    mode that never swaps weights under running requests holds ``core.max_staleness + 1`` versions at once, so it
+    loads a new one while it goes on decoding the others'."""
+
+    rank: int = 0
+    """The adapters' rank r (0: full fine-tuning, no adapters)."""
+    target_modules: tuple[str, ...] = ("all-linear",)
+    """The linear layers of each block given adapters (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
+    down_proj); ``all-linear``: all seven (PEFT's rule: every linear layer but the output layer)."""
+    load_fixed_s: float = 0.1
+    """Seconds a worker takes to put a received adapter into its engine, beside the transfer at
+    engine.transfer_bytes_per_s (assumed: a few hundred small tensors copied in; engine.load_s keeps the full
+    weights' ~1 s)."""
+
+    def __post_init__(self) -> None:
+        if self.rank < 0 or self.load_fixed_s < 0:
+            raise ConfigError("lora.rank and lora.load_fixed_s must be >= 0")
+        if self.target_modules != ("all-linear",) and (
+            not self.target_modules or set(self.target_modules) - set(LINEAR_MODULES)
+        ):
+            raise ConfigError(f"lora.target_modules must name modules of {list(LINEAR_MODULES)} (or be "
+                              f"['all-linear']); got {list(self.target_modules)}")  # fmt: skip
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        return LINEAR_MODULES if self.target_modules == ("all-linear",) else self.target_modules
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SimConfig:
     run: RunSection = field(default_factory=RunSection)
@@ -317,6 +390,8 @@ class SimConfig:
     engine: EngineSection = field(default_factory=EngineSection)
     trainer: TrainerSection = field(default_factory=TrainerSection)
     workload: WorkloadSection = field(default_factory=WorkloadSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    lora: SimLoraSection = field(default_factory=SimLoraSection)
 
     def __post_init__(self) -> None:
         if self.engine.credit < self.core.group_size:

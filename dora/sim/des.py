@@ -23,6 +23,10 @@ The core (``dora.core.core.Core``) makes every decision; this module only advanc
   ``colocated``: every accelerator is an elastic worker. ``disaggregated``: ``rollout_gpus`` are
   standalone workers and the rest train. ``elastic``: ``elastic_gpus`` of the rollout workers are
   elastic, the others standalone; the trainer has the elastic accelerators plus any not rolling out.
+- **LoRA** (``lora.rank`` > 0; ``dora.sim.lora`` derives every cost): a version is an adapter. A worker takes a
+  new one in ``adapter_bytes / transfer_bytes_per_s + lora.load_fixed_s`` and, holding ``K + 1`` versions (every
+  mode but partial and drop_stale), keeps decoding the versions it keeps meanwhile; the trainer's per-token time is
+  multiplied by the training cost factor and its publish scaled to the adapter's bytes.
 - **Role switches** (``cluster.host_link_bytes_per_s``; free when 0). A yield offloads the replica's
   weights (``engine.weight_bytes``) and the KV of what it holds (or drops it, ``engine.yield_kv``) to
   host memory; coming back costs ``engine.wake_s`` plus loading them back (resume, same version) or
@@ -58,6 +62,7 @@ from dora.core.events import (
     Yield,
 )
 from dora.ids import Mode, WorkerId
+from dora.sim import lora
 from dora.sim.bounds import kv_token_steps
 from dora.sim.engine import Request
 from dora.sim.workload import from_section
@@ -144,6 +149,18 @@ class Outcome:
     size, measured on the production core)."""
     yields: int = 0
     """Times an elastic worker yielded its accelerators to the trainer."""
+    loads: int = 0
+    """Versions loaded by workers (``Assign``s; resumes after a yield not counted)."""
+    load_s: float = 0.0
+    """Seconds of those loads, summed over workers."""
+    load_bytes: float = 0.0
+    """Bytes workers received for them (adapters with LoRA, full weights otherwise)."""
+    keeping_assigns: int = 0
+    """Loads of a multi-version worker that kept older versions beside the new one (groups of them ran there)."""
+    max_versions_held: int = 1
+    """Most versions one worker held at once."""
+    tokens_decoded_while_loading: float = 0.0
+    """Tokens workers decoded while they loaded a version (only multi-version workers can)."""
     timeline: dict[str, list[tuple[float, float, int, str]]] = field(default_factory=dict)
 
 
@@ -161,7 +178,8 @@ class Simulation:
         strict: bool = False,
         timeline: bool = False,
     ) -> None:
-        self.cfg = cfg.for_mode(mode)
+        self.cfg = lora.priced(cfg.for_mode(mode))
+        self.costs = lora.costs(self.cfg)
         self.mode = mode
         cl = cfg.cluster
         self.placement = cl.placement_of(mode)
@@ -185,7 +203,8 @@ class Simulation:
         link = cl.host_link_bytes_per_s
         self.worker_link = link * g
         """Host-memory bytes/s of one replica (0: role switches are free)."""
-        self.switch_s = 2 * cfg.trainer.state_bytes / (self.trainer_gpus * link) if link and self.n_elastic else 0.0
+        state = self.cfg.trainer.state_bytes
+        self.switch_s = 2 * state / (self.trainer_gpus * link) if link and self.n_elastic else 0.0
         """The trainer's state onto its shared accelerators before a step and off them after it."""
         self.eng = cfg.engine
         self.core = Core(self.cfg.core, strict=strict)
@@ -219,6 +238,9 @@ class Simulation:
         self._offloaded: dict[WorkerId, float] = {}
         """Bytes a yielded worker put in host memory (weights, held KV), loaded back when it resumes."""
         self.yields = 0
+        self.loads = self.keeping_assigns = 0
+        self.load_s = self.load_bytes = self.tokens_while_loading = 0.0
+        self.max_held = 1
         self.decision_s = 0.0
         """Wall-clock seconds spent in the core's decisions."""
         self._training = False
@@ -280,7 +302,13 @@ class Simulation:
                     self._touched.add(a.worker_id)
                 case Assign():
                     self.moves += 1
-                    self._at(self.now + self._woken(a.worker_id) + self.eng.load_s, "loaded", (a.worker_id, a.version))
+                    self.loads += 1
+                    self.load_s += self.costs.load_s
+                    self.load_bytes += self.costs.load_bytes
+                    self.keeping_assigns += bool(a.keep)
+                    self.max_held = max(self.max_held, len(set(a.keep) | {a.version}))
+                    done = self.now + self._woken(a.worker_id) + self.costs.load_s
+                    self._at(done, "loaded", (a.worker_id, a.version))
                     self._touched.add(a.worker_id)
                 case Yield():
                     self.yields += 1
@@ -383,6 +411,8 @@ class Simulation:
         if self._debt_s[worker]:
             return
         steps = (dt - pay) / self.eng.step_s(len(w.engine.running))
+        if w.loading is not None:
+            self.tokens_while_loading += steps * len(w.engine.running)
         done = self.world.decode(worker, steps + 1e-9)  # the epsilon also settles a request due right now
         if done or steps > 0:
             self._inbox.extend(done)
@@ -436,7 +466,8 @@ class Simulation:
 
     def run(self, max_events: int = 50_000_000) -> Outcome:
         for i in range(self.n_workers):  # standalone workers first (join order breaks the core's ties)
-            self._feed(self.world.join(self.eng.credit, elastic=i >= self.n_workers - self.n_elastic))
+            self._feed(self.world.join(self.eng.credit, elastic=i >= self.n_workers - self.n_elastic,
+                                       holds=self.costs.holds))  # fmt: skip
         self._feed(self.world.request_batch())
         self._at(self.cfg.run.tick_s, "tick")
         for _ in range(max_events):
@@ -478,7 +509,9 @@ class Simulation:
             max_live_versions=self.max_alive, timeline=self.timeline,
             resume_prefill_tokens=sum(w.engine.resume_prefill for w in self.world.workers.values()),
             kv_evictions=sum(w.engine.evictions for w in self.world.workers.values()), yields=self.yields,
-            decision_s=self.decision_s,
+            decision_s=self.decision_s, loads=self.loads, load_s=self.load_s, load_bytes=self.load_bytes,
+            keeping_assigns=self.keeping_assigns, max_versions_held=self.max_held,
+            tokens_decoded_while_loading=self.tokens_while_loading,
         )  # fmt: skip
 
     def _dispatch(self, kind: str, arg: object) -> None:
@@ -528,7 +561,7 @@ class Simulation:
                     self._at(self.now + self.cfg.run.restart_s, "join", victim.elastic)
                     self._feed(None)
             case "join":  # a restarted worker, in the role it had
-                self._feed(self.world.join(self.eng.credit, elastic=bool(arg)))
+                self._feed(self.world.join(self.eng.credit, elastic=bool(arg), holds=self.costs.holds))
 
     def _finish_training(self) -> None:
         batch = self.world.learner.batch

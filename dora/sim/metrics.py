@@ -16,6 +16,7 @@ from statistics import fmean
 from typing import Any
 
 from dora.config.sim import SimConfig
+from dora.sim import lora
 from dora.sim.bounds import decode_replica_s, step_bound
 from dora.sim.des import Outcome, Totals
 
@@ -23,6 +24,8 @@ LENGTH_BUCKETS = (0, 1024, 2048, 4096, 8192, 16384, 1 << 62)
 
 
 def summarize(o: Outcome, cfg: SimConfig) -> dict[str, Any]:
+    cfg = lora.priced(cfg)  # the trainer's costs of an adapter run (unchanged for full weights)
+    costs = lora.costs(cfg.for_mode(o.mode))
     measured = min(cfg.run.steps, len(o.steps))  # the cooldown's steps after them are left out
     warm = min(cfg.run.warmup_steps, measured - 1)
     window = o.steps[warm:measured]
@@ -85,6 +88,18 @@ def summarize(o: Outcome, cfg: SimConfig) -> dict[str, Any]:
         "mean_waiting_on_tools": d.tool_wait_s / elapsed,
         "resume_prefill_tokens": o.resume_prefill_tokens,
         "kv_evictions": o.kv_evictions,
+        "lora_rank": cfg.lora.rank,
+        "train_cost_factor": costs.train_cost_factor,
+        "versions_per_worker": costs.holds,
+        "version_bytes": costs.load_bytes,
+        "load_s_per_version": costs.load_s,
+        "publish_s": cfg.trainer.publish_s,
+        "loads": o.loads,
+        "load_s": o.load_s,
+        "load_bytes": o.load_bytes,
+        "keeping_assigns": o.keeping_assigns,
+        "max_versions_held": o.max_versions_held,
+        "tokens_decoded_while_loading": o.tokens_decoded_while_loading,
     }
 
 
