@@ -113,6 +113,7 @@ def wake(core: Core, worker: Worker, out: Outbox) -> None:
     """A yielded worker comes back after the publish: it resumes the version it holds groups of (C1),
     or loads the newest one."""
     worker.yielded = False
+    core.scheduler.offer(worker)  # the versions it keeps are served again (its pinned one once it has loaded)
     version = core.ledger.version_of(worker.worker_id)
     assert version is not None
     holds = worker.groups or worker.incoming

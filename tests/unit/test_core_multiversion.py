@@ -119,3 +119,23 @@ def test_a_keepers_room_is_shared_by_every_version_it_keeps():
     out = orchestrator.plan(views, {0: 4, 1: 4, 2: 80}, 2, full=True, fleet=6,
                             hosts={0: [keeper], 1: [keeper]})  # fmt: skip
     assert [dst for _, _, dst in out.migrations] == ["lora"]  # two free slots: one group of two samples in all
+
+
+def test_an_elastic_worker_back_from_its_yield_serves_the_versions_it_keeps_again():
+    """Found by the property machine: an elastic multi-version worker that comes back after the publish serves
+    the older version it keeps at once, with the free slots it has now (the roster offers it again)."""
+    from dora.config import CoreConfig
+    from dora.ids import Mode
+    from dora.sim.workload import Workload
+    from tests.unit.machine import Harness
+
+    cfg = CoreConfig(mode=Mode.DORA, max_staleness=3, train_groups=3, group_size=3, total_steps=4,
+                     deadlines="fixed", drain_load=0)  # fmt: skip
+    h = Harness(cfg=cfg, slots=9, workload=Workload.lognormal(median=8, sigma=0.96875, difficulty_sigma=0.7, cap=200,
+                                                              seed=4022, prompt_tokens=4))  # fmt: skip
+    for elastic in (False, True):
+        h.feed(h.world.join(h.slots, elastic=elastic, holds=2))
+    h.feed(h.world.request_batch())
+    h.drain()  # strict mode: every invariant after every event
+    h.check_end()
+    assert h.kept_max == 2
