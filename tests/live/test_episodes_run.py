@@ -108,10 +108,12 @@ def migrated_run(tmp_path: pathlib.Path, tiny_model: pathlib.Path) -> bool:
 def test_lora_workers_keep_the_version_of_episodes_open_across_a_publish_and_train_one_version_per_turn(
     tmp_path, tiny_model
 ):
-    """[learner.lora]: each torch worker holds K + 1 adapter versions. Slow tools keep episodes open across
-    publishes, so a worker is told to load a new version while episodes of the older one wait on their tools; their
-    next turns run under the older adapter, beside new episodes of the new one. The learner checks every turn of
-    every episode against its group's version (C1 per turn)."""
+    """[learner.lora]: the learner trains adapters on the frozen start model, and each version in the store is an
+    adapter folder (a fraction of the model's bytes); the torch worker copies each into its own adapters and the
+    vLLM worker adds each to vLLM as the version's adapter. Each holds K + 1 versions. Slow tools keep episodes open
+    across publishes, so a worker is told to load a new version while episodes of the older one wait on their
+    tools; their next turns run under the older adapter, beside new episodes of the new one. The learner checks
+    every turn of every episode against its group's version (C1 per turn), and trains every group once."""
     steps = 4
     task = {"name": "dataset", "dataset": str(GUESS), "prompt_field": "question", "chat_template": True,
             "env": f"{__name__}:SlowGuess", "max_turns": 4, "max_episode_tokens": 96, "reward": None}  # fmt: skip
@@ -120,17 +122,26 @@ def test_lora_workers_keep_the_version_of_episodes_open_across_a_publish_and_tra
                           rollout={"kv_cache_mib": 64, "max_model_len": 1024})  # fmt: skip
     with cluster(tmp_path, overrides) as c:
         c.start_broker()
-        for i in range(2):
-            c.start_worker(f"w{i}", "torch", "--model", str(tiny_model))
+        for i, engine in enumerate(("torch", "vllm")):
+            c.start_worker(f"w{i}", engine, "--model", str(tiny_model))
         c.spawn("learner", "learner", "--trainer", "torch", "--broker", str(tmp_path / "broker.json"))
         assert c.wait("learner", 250) == 0, c.log("learner")[-3000:] + c.log("w0")[-3000:]
         assert c.wait("broker", 15) == 0, c.log("broker")[-3000:]
         audit = c.check_exactly_once()
         assert all(r["mixed"] == 0 for r in audit) and sum(r["turns"] for r in audit) > 4 * 4 * steps
-        holds = {r["peer"]: r["holds"] for r in c.events("broker", "peer_joined") if r["role"] == "rollout"}
-        assert holds == {"w0": 2, "w1": 2}, holds
+        joined = {r["peer"]: (r["engine"], r["holds"]) for r in c.events("broker", "peer_joined")
+                  if r["role"] == "rollout"}  # fmt: skip
+        assert joined == {"w0": ("torch", 2), "w1": ("vllm", 2)}, joined
         kept = [(r["worker"], r["version"], r["keep"]) for r in c.events("broker", "worker_assigned") if r["keep"]]
         assert kept, c.events("broker", "worker_assigned")  # a new version taken beside open episodes of the older
+        written = c.events("learner", "weights_written")
+        model_bytes = (tiny_model / "model.safetensors").stat().st_size
+        assert len(written) == steps and all(r["bytes"] < model_bytes / 5 for r in written), written
+        newest = tmp_path / "store" / f"v{steps}"
+        assert (newest / "adapter_config.json").is_file() and not (newest / "model.safetensors").exists()
         for w in ("w0", "w1"):
+            loaded = [(r["version"], r["uri"], r["took_s"]) for r in c.events(w, "weights_loaded")]
+            assert {v for v, uri, _ in loaded if uri.startswith("file://")} >= {1}, (w, loaded)
+            assert all(took > 0 for _, uri, took in loaded if uri.startswith("file://")), loaded  # each load is timed
             assert not [r for r in c.events(w) if r.get("level") == "error"], w
             assert not c.events(w, "lease_for_another_version"), w

@@ -160,47 +160,6 @@ def test_a_torch_learner_trains_and_standalone_and_elastic_workers_load_every_pu
         assert not [r for w in ("w0", "e") for r in c.events(w) if r.get("level") == "error"]
 
 
-def test_a_lora_learner_trains_adapters_and_torch_and_vllm_workers_load_each_adapter_version(tmp_path, tiny_model):
-    """[learner.lora]: the learner trains adapters on the frozen start model, each version in the store is an
-    adapter folder (a fraction of the model's bytes), the torch worker copies each into its own adapters and the
-    vLLM worker adds each to vLLM as the version's adapter. Each worker holds K + 1 versions: it takes a new
-    version while groups of the older one still run on it. Every group trained once, on one version."""
-    steps = 4
-    overrides = torch_run(tmp_path, tiny_model, steps, min_workers=2, max_tokens=16,
-                          learner={"lr": 1e-2, "lora": {"rank": 4, "alpha": 8.0}},
-                          rollout={"kv_cache_mib": 64, "max_model_len": 1024})  # fmt: skip
-    with cluster(tmp_path, overrides) as c:
-        c.start_broker()
-        for i, engine in enumerate(("torch", "vllm")):
-            c.start_worker(f"w{i}", engine, "--model", str(tiny_model))
-        c.spawn("learner", "learner", "--trainer", "torch", "--broker", str(tmp_path / "broker.json"))
-        assert c.wait("learner", 200) == 0, c.log("learner")[-3000:]
-        assert c.wait("broker", 15) == 0, c.log("broker")[-3000:]
-        audit = c.check_exactly_once()
-        assert {v for r in audit for v in r["versions"]} >= {0, 1}
-        published = c.events("broker", "train_step")
-        assert [r["version"] for r in published] == list(range(1, steps + 1))
-        assert sum(r["learner"]["grad_norm"] > 0 for r in published) >= 2, [r["learner"] for r in published]
-        written = c.events("learner", "weights_written")
-        model_bytes = (tiny_model / "model.safetensors").stat().st_size
-        assert len(written) == steps and all(r["bytes"] < model_bytes / 5 for r in written), written
-        newest = tmp_path / "store" / f"v{steps}"
-        assert (newest / "adapter_config.json").is_file() and not (newest / "model.safetensors").exists()
-        for w in ("w0", "w1"):  # each engine loads adapter versions
-            loaded = [(r["version"], r["uri"], r["took_s"]) for r in c.events(w, "weights_loaded")]
-            assert {v for v, uri, _ in loaded if uri.startswith("file://")} >= {1}, (w, loaded)
-            assert all(took > 0 for _, uri, took in loaded if uri.startswith("file://")), loaded  # each load is timed
-        joined = {r["peer"]: (r["engine"], r["holds"]) for r in c.events("broker", "peer_joined")
-                  if r["role"] == "rollout"}  # fmt: skip
-        assert joined == {"w0": ("torch", 2), "w1": ("vllm", 2)}, joined  # K + 1 adapter versions each
-        # Each worker holds several versions: told to load a new one while groups of the older run on it, which
-        # finish there under their own adapter (the audit above: no trajectory of two versions), none refused.
-        kept = [(r["worker"], r["version"], r["keep"]) for r in c.events("broker", "worker_assigned") if r["keep"]]
-        assert kept, c.events("broker", "worker_assigned")
-        assert not [r for w in ("w0", "w1") for r in c.events(w) if r.get("level") == "error"]
-        assert not [r for w in ("w0", "w1") for r in c.events(w, "lease_for_another_version")]
-
-
 def test_a_learner_drained_stopped_or_killed_resumes_from_its_checkpoint_and_trains_no_group_twice(
     tmp_path, tiny_model
 ):
