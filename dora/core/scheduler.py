@@ -124,7 +124,7 @@ class Scheduler:
         self._idle_unready_at: dict[WorkerId, int] = {}
         self.roster = Roster()
         """The serving workers of each version by free slots: every change to a worker's ``used``, ``ready``,
-        ``leaving`` or pin is offered to it (``_offer``), so a lease does not look at every worker."""
+        ``leaving`` or pin is offered to it (``offer``), so a lease does not look at every worker."""
         self.pending: dict[int, int] = {}
         """Unfinished samples of leased groups per version (R_v), kept incrementally."""
         self.horizon = cfg.staleness
