@@ -22,6 +22,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from dora.actor.lag import probe_lag
 from dora.actor.liveness import Liveness
 from dora.actor.security import Keys
 from dora.broker import translate
@@ -43,12 +44,6 @@ from dora.wire import messages as m
 
 log = structlog.get_logger()
 
-LAG_PROBE_S = 0.05
-"""The event-loop lag probe sleeps this long, then records how much later than asked it woke."""
-STALL_S = 0.5
-"""A loop that wakes the lag probe this late is logged (``loop_stalled``), with the CPU the process used meanwhile:
-about as much as the stall, the broker was busy in its own code; far less, it was not run (the machine's load) or
-waited in a system call (a write held by the disk)."""
 TURN_S = 0.002
 """One turn of the loop handles queued messages for at most this long; then the timers, the sends and the
 other tasks (the lag probe, the metrics endpoint) have their turn, however long the queue."""
@@ -109,7 +104,7 @@ class BrokerActor:
         """Set when the run is finished while held-out rounds are still open: the broker says goodbye once they
         close, or at this time (then they are reported dropped)."""
         self.lag_s: deque[float] = deque(maxlen=4096)
-        """Event-loop lag: how late the probe woke after each LAG_PROBE_S sleep (the latest 4,096, ~3.5 min)."""
+        """Event-loop lag: how late the probe woke after each of its sleeps (the latest 4,096, ~3.5 min)."""
         self.metrics = BrokerMetrics(self)
         """Prometheus registry and the run's record files (metrics, timeline); close() it when done."""
         self.log_leases = cfg.log.level == "debug"
@@ -121,7 +116,7 @@ class BrokerActor:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until ``stop`` is set or the run is finished."""
-        probe = asyncio.create_task(self.probe_lag(), name="loop-lag-probe")
+        probe = asyncio.create_task(probe_lag(self.observe_lag), name="loop-lag-probe")
         try:
             await self.serve(stop)
         finally:
@@ -130,17 +125,9 @@ class BrokerActor:
                 await probe  # a probe that failed raises here
         self.links.close()
 
-    async def probe_lag(self) -> None:
-        """Event-loop lag: sleep LAG_PROBE_S and record how late the loop woke this task. A turn of the loop
-        that holds it (handling messages, sending) shows here as lag."""
-        while True:
-            asked, cpu = time.perf_counter(), time.process_time()
-            await asyncio.sleep(LAG_PROBE_S)
-            late = max(0.0, time.perf_counter() - asked - LAG_PROBE_S)
-            self.lag_s.append(late)
-            self.metrics.loop_lag.observe(late)
-            if late > STALL_S:
-                log.warning("loop_stalled", late_s=round(late, 3), cpu_s=round(time.process_time() - cpu, 3))
+    def observe_lag(self, late_s: float) -> None:
+        self.lag_s.append(late_s)
+        self.metrics.loop_lag.observe(late_s)
 
     async def serve(self, stop: asyncio.Event) -> None:
         next_beat = self.clock()

@@ -31,6 +31,7 @@ import zmq
 import zmq.asyncio
 
 from dora.actor.cluster import ClusterInfo
+from dora.actor.lag import probe_lag
 from dora.actor.security import HINT, Keys
 from dora.config import ConfigError
 from dora.config.run import RunConfig
@@ -103,6 +104,16 @@ class RolloutActor:
         """The older versions the load under way must keep beside the new one (``Assign.keep``)."""
 
     async def run(self, stop: asyncio.Event) -> int:
+        """Serve sessions with the broker until ``stop`` is set or the run is finished; a lost one is tried again."""
+        probe = asyncio.create_task(probe_lag(), name="loop-lag-probe")  # says why a worker fell silent, if it did
+        try:
+            return await self.sessions(stop)
+        finally:
+            probe.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await probe
+
+    async def sessions(self, stop: asyncio.Event) -> int:
         backoff = 1.0
         started = self.clock()
         while not stop.is_set():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 
@@ -131,3 +132,27 @@ async def test_a_worker_away_at_the_goodbye_leaves_once_the_broker_that_welcomed
         await broker.send(m.Disconnect(reason="stalled"))
         assert await asyncio.wait_for(task, 5) == 0
         assert asked == [1, 1]
+
+
+async def test_a_turn_that_holds_the_workers_loop_is_logged_with_the_cpu_it_used():
+    """A worker falls silent while one turn of its loop holds it (a long decode step, a weight load): the lag probe
+    logs that turn, and its CPU tells a worker busy in its own code from one the machine did not run."""
+    from structlog.testing import capture_logs
+
+    with capture_logs() as logs:
+        async with welcomed_worker("run.time_scale=0.0001", "engine.load_s=0") as (broker, worker, _):
+            advance = worker.engine.advance
+
+            def busy_advance(now: float) -> None:  # one step that computes for 0.8 CPU-s, however loaded the machine
+                worker.engine.advance = advance
+                until = time.process_time() + 0.8
+                while time.process_time() < until:
+                    pass
+                advance(now)
+
+            await asyncio.sleep(0.1)  # the probe is asleep in the loop
+            worker.engine.advance = busy_advance
+            await broker.expect(m.Heartbeat)
+            await broker.expect(m.Heartbeat)
+    stalls = [r for r in logs if r["event"] == "loop_stalled"]
+    assert stalls and stalls[0]["late_s"] > 0.5 and stalls[0]["cpu_s"] >= 0.75, stalls
