@@ -2,10 +2,15 @@
 much later than asked the loop woke it. A turn of the loop that holds it (handling messages, a decode step, a
 weight load) shows as lag; so does a process the machine did not run.
 
-A wake-up later than ``STALL_S`` is logged (``loop_stalled``) with the CPU the process used meanwhile. About as
-much CPU as the stall: the process was busy in its own code. Far less: it was not run (the machine's load) or
-waited in a system call (a write held by the disk). A peer is declared dead after ``heartbeat_interval_s ×
-liveness`` of silence; a worker's ``loop_stalled`` line just before such a declaration says why it was silent.
+A wake-up later than ``STALL_S`` is logged (``loop_stalled``) with where the time went:
+- ``cpu_s``: the CPU the process used meanwhile (all its threads). About as much as the stall: it was busy in its
+  own code.
+- ``queued_s``: how long the loop's thread was ready to run and waited for a CPU (the kernel's run-queue time,
+  ``/proc/thread-self/schedstat``; absent where the kernel does not keep it): the machine's load.
+- the rest: the thread waited in a system call (a write held by the disk, a page fault served from it).
+
+A peer is declared dead after ``heartbeat_interval_s × liveness`` of silence; a process's ``loop_stalled`` line just
+before such a declaration says why it was silent.
 """
 
 from __future__ import annotations
@@ -22,15 +27,27 @@ PROBE_S = 0.05
 """The probe sleeps this long, then records how much later than asked it woke."""
 STALL_S = 0.5
 """A wake-up this late is logged as ``loop_stalled``."""
+SCHEDSTAT = "/proc/thread-self/schedstat"
+
+
+def queued_s() -> float | None:
+    """Seconds this thread has waited, runnable, for a CPU since it started (None where the kernel does not say)."""
+    try:
+        with open(SCHEDSTAT, "rb") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 async def probe_lag(observe: Callable[[float], None] | None = None) -> None:
     """Run until cancelled: measure the loop's lag every ``PROBE_S``, pass each to ``observe``, log the stalls."""
     while True:
-        asked, cpu = time.perf_counter(), time.process_time()
+        asked, cpu, queued = time.perf_counter(), time.process_time(), queued_s()
         await asyncio.sleep(PROBE_S)
         late = max(0.0, time.perf_counter() - asked - PROBE_S)
         if observe is not None:
             observe(late)
         if late > STALL_S:
-            log.warning("loop_stalled", late_s=round(late, 3), cpu_s=round(time.process_time() - cpu, 3))
+            now_queued = queued_s()
+            waited = {} if queued is None or now_queued is None else {"queued_s": round(now_queued - queued, 3)}
+            log.warning("loop_stalled", late_s=round(late, 3), cpu_s=round(time.process_time() - cpu, 3), **waited)

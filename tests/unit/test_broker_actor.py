@@ -444,3 +444,5 @@ async def test_a_stalled_loop_is_logged_with_the_cpu_it_used_meanwhile():
     busy, idle = [r for r in logs if r["event"] == "loop_stalled"]
     assert busy["late_s"] > 0.5 and busy["cpu_s"] >= 0.75, busy
     assert idle["late_s"] > 0.5 and idle["cpu_s"] < 0.3, idle
+    # the 0.8 s asleep in a system call is neither CPU nor a wait for one, however loaded the machine
+    assert idle["late_s"] - idle["cpu_s"] - idle.get("queued_s", 0.0) >= 0.7, idle
