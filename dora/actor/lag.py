@@ -16,8 +16,9 @@ before such a declaration says why it was silent.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import structlog
 
@@ -51,3 +52,15 @@ async def probe_lag(observe: Callable[[float], None] | None = None) -> None:
             now_queued = queued_s()
             waited = {} if queued is None or now_queued is None else {"queued_s": round(now_queued - queued, 3)}
             log.warning("loop_stalled", late_s=round(late, 3), cpu_s=round(time.process_time() - cpu, 3), **waited)
+
+
+@contextlib.asynccontextmanager
+async def watching_lag(observe: Callable[[float], None] | None = None) -> AsyncIterator[None]:
+    """The probe runs while the block does (an actor's whole life); a probe that failed raises at its end."""
+    probe = asyncio.create_task(probe_lag(observe), name="loop-lag-probe")
+    try:
+        yield
+    finally:
+        probe.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await probe

@@ -10,7 +10,6 @@ mending what lossy links broke is ``dora.broker.reconcile``; the operators' view
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import time
 from collections import Counter, deque
@@ -22,7 +21,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from dora.actor.lag import probe_lag
+from dora.actor.lag import watching_lag
 from dora.actor.liveness import Liveness
 from dora.actor.security import Keys
 from dora.broker import translate
@@ -116,13 +115,8 @@ class BrokerActor:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until ``stop`` is set or the run is finished."""
-        probe = asyncio.create_task(probe_lag(self.observe_lag), name="loop-lag-probe")
-        try:
+        async with watching_lag(self.observe_lag):
             await self.serve(stop)
-        finally:
-            probe.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await probe  # a probe that failed raises here
         self.links.close()
 
     def observe_lag(self, late_s: float) -> None:

@@ -35,7 +35,7 @@ import zmq
 import zmq.asyncio
 
 from dora.actor.cluster import ClusterInfo
-from dora.actor.lag import probe_lag
+from dora.actor.lag import watching_lag
 from dora.actor.security import HINT, Keys
 from dora.config import ConfigError
 from dora.config.run import RunConfig
@@ -123,13 +123,8 @@ class LearnerActor:
     async def run(self, stop: asyncio.Event, drain: asyncio.Event | None = None) -> int:
         """Serve until the run ends, ``stop`` is set (leave now) or ``drain`` is (leave at the next step boundary)."""
         self.drain = drain or self.drain
-        probe = asyncio.create_task(probe_lag(), name="loop-lag-probe")  # says why the learner fell silent, if it did
-        try:
+        async with watching_lag():  # says why the learner fell silent, if it did
             return await self.serve(stop)
-        finally:
-            probe.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await probe
 
     async def serve(self, stop: asyncio.Event) -> int:
         sock = self.ctx.socket(zmq.DEALER)

@@ -31,7 +31,7 @@ import zmq
 import zmq.asyncio
 
 from dora.actor.cluster import ClusterInfo
-from dora.actor.lag import probe_lag
+from dora.actor.lag import watching_lag
 from dora.actor.security import HINT, Keys
 from dora.config import ConfigError
 from dora.config.run import RunConfig
@@ -105,13 +105,8 @@ class RolloutActor:
 
     async def run(self, stop: asyncio.Event) -> int:
         """Serve sessions with the broker until ``stop`` is set or the run is finished; a lost one is tried again."""
-        probe = asyncio.create_task(probe_lag(), name="loop-lag-probe")  # says why a worker fell silent, if it did
-        try:
+        async with watching_lag():  # says why a worker fell silent, if it did
             return await self.sessions(stop)
-        finally:
-            probe.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await probe
 
     async def sessions(self, stop: asyncio.Event) -> int:
         backoff = 1.0
