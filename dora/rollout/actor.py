@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import socket
 import time
@@ -194,19 +195,7 @@ class RolloutActor:
                 if self.loading is not None and now >= self.loading[1]:
                     version, _, uri, sha = self.loading
                     self.loading = None
-                    try:
-                        started = time.perf_counter()
-                        if self.keep:  # a multi-version engine: requests of these go on beside the new version
-                            self.engine.loaded(version, uri, sha, keep=frozenset(self.keep))  # type: ignore[call-arg]
-                        else:
-                            self.engine.loaded(version, uri, sha)
-                        self.version = version
-                        log.info("weights_loaded", version=version, uri=uri,
-                                 took_s=round(time.perf_counter() - started, 4))  # fmt: skip
-                    except EngineError as e:  # bad weights: stay on the old version, let the broker re-plan
-                        log.error("weights_refused", version=version, error=str(e))
-                        raise Reconnect(f"could not load v{version}") from None
-                    self.send(m.WeightsLoaded(version=version, load_s=self.engine.load_seconds()))
+                    await self.load(version, uri, sha)  # the broker's messages meanwhile are read next turn
                 if not self.yielded:  # a yielded worker's accelerators are the learner's, whatever its engine
                     self.engine.advance(now)
                 self.report_finished()
@@ -224,6 +213,30 @@ class RolloutActor:
         finally:
             sock.close(linger=0)
             self.sock = None
+
+    async def load(self, version: int, uri: str, sha: str) -> None:
+        """Load ``version``'s weights and tell the broker. Full weights load in a thread while this loop goes on
+        heartbeating: a model of several GB takes seconds to read and copy, past the broker's silence window, and a
+        worker loading is slow, not dead. Nothing else touches the engine meanwhile: the loop neither steps it nor
+        reads the broker's commands until the load is done, and each heartbeat says again what the engine held
+        when the load began. Adapters taken beside running requests (``keep``: megabytes) load here, between two
+        decode steps."""
+        started = time.perf_counter()
+        try:
+            if self.keep:  # a multi-version engine: requests of these go on beside the new version
+                self.engine.loaded(version, uri, sha, keep=frozenset(self.keep))  # type: ignore[call-arg]
+            else:
+                beat = dataclasses.replace(self.heartbeat(), loading=version)
+                loading = asyncio.ensure_future(asyncio.to_thread(self.engine.loaded, version, uri, sha))
+                while not (await asyncio.wait([loading], timeout=self.interval))[0]:
+                    self.send(beat)
+                loading.result()
+            self.version = version
+            log.info("weights_loaded", version=version, uri=uri, took_s=round(time.perf_counter() - started, 4))
+        except EngineError as e:  # bad weights: stay on the old version, let the broker re-plan
+            log.error("weights_refused", version=version, error=str(e))
+            raise Reconnect(f"could not load v{version}") from None
+        self.send(m.WeightsLoaded(version=version, load_s=self.engine.load_seconds()))
 
     def on_frames(self, frames: list[Any]) -> None:
         try:

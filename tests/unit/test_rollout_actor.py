@@ -158,3 +158,24 @@ async def test_a_turn_that_holds_the_workers_loop_is_logged_with_the_cpu_it_used
     assert stalls and stalls[0]["late_s"] > 0.5 and stalls[0]["cpu_s"] >= 0.75, stalls
     # the rest of the stall, if any, was the loop's thread waiting for a CPU (this machine's other work)
     assert "queued_s" not in stalls[0] or 0 <= stalls[0]["queued_s"] <= stalls[0]["late_s"], stalls
+
+
+async def test_a_worker_goes_on_heartbeating_while_it_loads_full_weights():
+    """A full-weight load of a real model takes seconds (read, copy), longer than the broker's silence window: the
+    worker loads in a thread and says, every heartbeat interval meanwhile, that it is loading that version."""
+    async with welcomed_worker("run.time_scale=0.0001", "engine.load_s=0") as (broker, worker, _):
+        loaded = worker.engine.loaded
+
+        def slow_load(version: int, uri: str = "", sha256: str = "") -> None:
+            time.sleep(1.0)  # a disk read: the GIL is free meanwhile
+            loaded(version, uri, sha256)
+
+        worker.engine.loaded = slow_load
+        await broker.send(m.Assign(version=3, uri="sim://v3", sha256="0" * 64, seq=1))
+        beats = []
+        while not isinstance(msg := await broker.expect(object), m.WeightsLoaded):
+            if isinstance(msg, m.Heartbeat):
+                beats.append(msg)
+        during = [hb for hb in beats if hb.loading == 3 and hb.version == -1]
+        assert len(during) >= 3, beats  # 1 s at 0.05 s a beat: on however loaded a machine, several
+        assert msg.version == 3 and worker.version == 3
