@@ -37,6 +37,7 @@ import zmq.asyncio
 from dora.actor.cluster import ClusterInfo
 from dora.actor.lag import watching_lag
 from dora.actor.security import HINT, Keys
+from dora.actor.signals import GOODBYE_LINGER_MS
 from dora.config import ConfigError
 from dora.config.run import RunConfig
 from dora.learner.checks import InvariantBroken, check_batch
@@ -211,7 +212,7 @@ class LearnerActor:
             log.error("batch_corrupt", step=e.step, group_id=e.group_id, index=e.index, error=str(e))
             return 3
         finally:
-            sock.close(linger=0)
+            sock.close()  # with no linger, unless a Goodbye was just sent
 
     async def after_commit(self, sock: zmq.asyncio.Socket, stop: asyncio.Event) -> bool:
         """Ask for the next batch; True when the learner leaves: the run's steps are all trained, or a drain
@@ -237,7 +238,7 @@ class LearnerActor:
         if self.trainer.keeps_weights and lc.checkpoint_dir and wanted and clean and self.committed > self.checkpointed:
             await self.save_checkpoint(sock, stop, reason)
         await sock.send_multipart(codec.encode(m.Goodbye(reason=reason)))
-        await asyncio.sleep(0.05)
+        sock.setsockopt(zmq.LINGER, GOODBYE_LINGER_MS)  # it leaves before the process does
         log.info("learner_stopped", reason=reason, version=self.version, checkpointed=self.checkpointed)
 
     async def save_checkpoint(self, sock: zmq.asyncio.Socket, stop: asyncio.Event, reason: str) -> None:

@@ -34,6 +34,7 @@ import zmq.asyncio
 from dora.actor.cluster import ClusterInfo
 from dora.actor.lag import watching_lag
 from dora.actor.security import HINT, Keys
+from dora.actor.signals import GOODBYE_LINGER_MS
 from dora.config import ConfigError
 from dora.config.run import RunConfig
 from dora.rollout.engines.base import EngineError, WorkerEngine
@@ -209,9 +210,9 @@ class RolloutActor:
                     self.send(self.heartbeat())
             if not self.finished:
                 self.send(m.Goodbye(reason="stopping"))
-                await asyncio.sleep(0.05)
+                sock.setsockopt(zmq.LINGER, GOODBYE_LINGER_MS)  # it leaves before the process does
         finally:
-            sock.close(linger=0)
+            sock.close()
             self.sock = None
 
     async def load(self, version: int, uri: str, sha: str) -> None:

@@ -152,8 +152,9 @@ async def test_a_turn_that_holds_the_workers_loop_is_logged_with_the_cpu_it_used
 
             await asyncio.sleep(0.1)  # the probe is asleep in the loop
             worker.engine.advance = busy_advance
-            await broker.expect(m.Heartbeat)
-            await broker.expect(m.Heartbeat)
+            while worker.engine.advance is not advance:  # until the busy step has run
+                await broker.expect(m.Heartbeat)
+            await asyncio.sleep(0.1)  # the loop's next turns: the probe wakes, late, before the worker stops
     stalls = [r for r in logs if r["event"] == "loop_stalled"]
     assert stalls and stalls[0]["late_s"] > 0.5 and stalls[0]["cpu_s"] >= 0.75, stalls
     # the rest of the stall, if any, was the loop's thread waiting for a CPU (this machine's other work)
