@@ -71,7 +71,11 @@ def trace(seed: int) -> dict[str, object]:
         cfg=cfg,
         slots=rng.randint(1, 3) * group_size,
         workload=Workload.lognormal(
-            median=8, sigma=rng.uniform(0.2, 2.0), difficulty_sigma=0.7, cap=200, seed=rng.randint(0, 2**16),
+            median=8,
+            sigma=rng.uniform(0.2, 2.0),
+            difficulty_sigma=0.7,
+            cap=200,
+            seed=rng.randint(0, 2**16),
             prompt_tokens=4,
         ),
     )
