@@ -3,7 +3,8 @@
 A peer is **dead** when nothing was heard from it for ``interval_s * liveness``. It is **stalled**
 when it keeps sending heartbeats but its progress counter (tokens generated) has not moved for
 ``stall_timeout_s`` while it holds work: a hung engine behind a live event loop. Both end its leases
-the same way; the difference is only in the reason logged.
+the same way; the difference is only in the reason logged. Time in which the judge itself did not listen
+(``absent``) counts against nobody.
 """
 
 from __future__ import annotations
@@ -50,6 +51,13 @@ class Liveness:
         if progress != state.progress or not busy or not state.busy:
             state.progress, state.progress_at = progress, now
         state.busy = busy
+
+    def absent(self, seconds: float) -> None:
+        """The judge itself did not listen for ``seconds`` (its loop held, or not run by a loaded machine): that
+        time is nobody's silence, and no peer's progress was watched. Every peer's windows start that much later."""
+        for st in self._peers.values():
+            st.last_seen += seconds
+            st.progress_at += seconds
 
     def forget(self, peer: str) -> None:
         self._peers.pop(peer, None)

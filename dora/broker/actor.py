@@ -92,6 +92,9 @@ class BrokerActor:
         """The core's actions not yet carried out, in the order it decided them (ACTS_PER_TURN)."""
         self.waiting = Counter[WorkerId]()
         """Actions not yet carried out per worker they command: its heartbeats are not reconciled meanwhile."""
+        self.unreachable: dict[bytes, Peer] = {}
+        """Peers a send found gone, lost at the next turn once what came from them is read: a process that said
+        goodbye and closed its socket is gone from the ROUTER's routes before its Goodbye is read."""
         self.decision_s = Counter[str]()
         """Seconds spent in the core's decisions, by event kind (orchestration runs inside them)."""
         self.malformed = Counter[str]()
@@ -127,6 +130,7 @@ class BrokerActor:
         next_beat = self.clock()
         next_tick = self.clock() + self.cfg.broker.tick_s
         retry_ms = 1
+        last = self.clock()
         while not stop.is_set() and not self.done.is_set():
             # at least 1 ms: pyzmq's poll(0) resolves without yielding to the event loop, and a run of them would
             # starve every other task (the lag probe, the metrics endpoint) while messages keep coming
@@ -138,6 +142,15 @@ class BrokerActor:
                 self.carry_out()
             drained = not await self.sock.poll(timeout_ms, zmq.POLLIN) or self.drain()
             now = self.clock()
+            for identity, peer in self.unreachable.items():  # a Goodbye read since leaves with its own reason
+                if self.peers.get(identity) is peer:
+                    self.peer_lost(peer, "unreachable")
+            self.unreachable.clear()
+            # Longer than asked since the last turn: the broker was not run (a loaded machine), or held, and heard
+            # nobody meanwhile; peers whose heartbeats wait in the queue are not silent for it.
+            away, last = now - last - timeout_ms / 1000, now
+            if away > self.cfg.broker.heartbeat_interval_s:
+                self.liveness.absent(away)
             # Silence is judged once every message that came is read (a heartbeat waiting in the queue is not
             # silence), or, for a broker that stays behind, once a whole silence window late.
             if now >= next_beat and (drained or now - next_beat > self.liveness.timeout_s):
@@ -520,8 +533,8 @@ class BrokerActor:
 
     def flush(self, until: float | None = None) -> int:
         """Send what the outboxes hold, until a pipe is full (or ``until``, a ``time.perf_counter`` time); a peer
-        that cannot be routed to is lost."""
-        return self.links.flush(lambda peer: self.peer_lost(peer, "unreachable"), until)
+        that cannot be routed to is lost at the next turn (``unreachable``)."""
+        return self.links.flush(lambda peer: self.unreachable.setdefault(peer.identity, peer), until)
 
     def snapshot(self) -> dict[str, Any]:
         return snapshot(self)

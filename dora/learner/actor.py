@@ -153,7 +153,8 @@ class LearnerActor:
                 if not welcomed and self.clock() - started > self.cfg.security.auth_timeout_s:
                     log.error("broker_never_answered", endpoint=self.endpoint, hint=HINT if keys else "")
                     return 1
-                if self.clock() - heard > b.heartbeat_interval_s * b.liveness:  # the broker is gone: find it again
+                quiet = not await sock.poll(max(1, int(1000 * (next_beat - self.clock()))), zmq.POLLIN)
+                if quiet and self.clock() - heard > b.heartbeat_interval_s * b.liveness:  # gone: find it again
                     heard = self.clock()
                     endpoint = self._rediscover()
                     if endpoint != self.endpoint:
@@ -162,7 +163,7 @@ class LearnerActor:
                     log.warning("broker_silent", endpoint=endpoint, version=self.version, committed=self.committed)
                     self.endpoint, joining = endpoint, True
                     await self._request(sock, self._hello())
-                if await sock.poll(max(1, int(1000 * (next_beat - self.clock()))), zmq.POLLIN):
+                if not quiet:  # judged silent only once what came is read: a learner held a while is not deaf
                     msg = codec.decode(await sock.recv_multipart(copy=False))
                     heard = self.clock()
                     match msg:

@@ -225,6 +225,24 @@ async def test_a_peer_heard_only_through_bad_frames_is_not_silent():
         assert actor.counters["lost rollout"] == 1
 
 
+async def test_a_broker_held_past_the_silence_window_declares_nobody_dead_for_it():
+    """A loaded machine may not run the broker for seconds (3.3 s seen beside the suite): its peers' heartbeats of
+    that time wait in its queue, or, where the whole machine stopped, were never sent. Either way the broker did not
+    listen, and that time is nobody's silence; a peer silent while it listens is still declared dead in a window."""
+    async with running_broker("broker.liveness=3") as (actor, ep, ctx):
+        w = Fake(ctx, ep, "rollout/w/1")
+        await w.worker(slots=G)
+        await w.send(m.Heartbeat(seen=0, holding=held(), version=0, loading=-1))
+        await asyncio.sleep(0.05)
+        time.sleep(4 * 3 * 0.05)  # the broker's loop (this test's) held for four silence windows, the worker's too
+        await asyncio.sleep(0.02)  # the broker's turns come first, before the worker's next heartbeat
+        await w.send(m.Heartbeat(seen=0, holding=held(), version=0, loading=-1))
+        await asyncio.sleep(0.05)
+        assert actor.counters["lost rollout"] == 0
+        assert isinstance(await w.recv(m.Disconnect), m.Disconnect)  # quiet now, the broker listening: dead in a window
+        assert actor.counters["lost rollout"] == 1
+
+
 async def test_a_worker_that_reconnects_while_registered_has_its_old_session_ended_at_once():
     async with running_broker() as (actor, ep, ctx):  # liveness 40 x 0.05 s: nothing expires by silence here
         first = Fake(ctx, ep, "rollout/a/1")

@@ -27,6 +27,23 @@ def test_heartbeats_without_progress_while_busy_is_a_stall():
     assert lv.expired(9.5) == [("w", "stalled")]
 
 
+def test_time_the_judge_did_not_listen_counts_against_nobody():
+    lv = Liveness(interval_s=0.5, liveness=4, stall_timeout_s=5)
+    lv.joined("w", now=0.0)
+    lv.progressed("w", now=1.0, progress=7, busy=True)
+    lv.absent(3.0)  # the judge was held from 1.5 s to 4.5 s
+    assert lv.expired(4.9) == []  # last heard at 1.0: 0.5 s of it while listening
+    assert lv.expired(6.05) == [("w", "silent")]  # 2 s of silence while listening
+    lv.joined("v", now=0.0)
+    for t in (1.0, 2.0, 3.0):
+        lv.progressed("v", now=t, progress=1, busy=True)
+    lv.absent(2.5)
+    for t in (6.0, 7.0, 8.0):  # heartbeats, no progress
+        lv.progressed("v", now=t, progress=1, busy=True)
+        assert lv.expired(t) == []  # progress last moved at 1.0: 5 s at 8.0, of which 2.5 s not watched
+    assert lv.expired(8.6) == [("v", "stalled")]
+
+
 @pytest.mark.parametrize("busy", [False, True])
 def test_idle_or_progressing_peers_never_stall(busy):
     lv = Liveness(interval_s=0.5, liveness=4, stall_timeout_s=2)
