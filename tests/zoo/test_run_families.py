@@ -56,6 +56,9 @@ def test_a_family_trains_publishes_model_folders_and_resumes_after_its_learner_i
     manifest = json.loads((newest / "manifest.json").read_text())
     assert {"config.json", "tokenizer.json", "generation_config.json"} <= set(manifest["files"])
     opened = AutoModelForCausalLM.from_pretrained(newest, dtype=torch.float32)  # the version folder, as it is
-    assert [r for r in c.events("w0", "weights_loaded") if r.get("version") == steps - 1], "the worker loaded v3"
+    # The worker serves versions published from this family's folders. Which ones is the broker's to choose: with
+    # K = 1 the last step may train groups dispatched on v2, so a worker on a loaded machine may never need v3.
+    published = [r["version"] for r in c.events("w0", "weights_loaded") if r["uri"].startswith("file://")]
+    assert published and published == sorted(published), published
     assert zoo.ZOO[family].tied == (opened.get_output_embeddings().weight.data_ptr()
                                     == opened.get_input_embeddings().weight.data_ptr())  # fmt: skip
