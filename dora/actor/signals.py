@@ -22,7 +22,8 @@ GOODBYE_LINGER_MS = 2000
 """How long a worker's or learner's socket, closed right after its Goodbye, may hold it until ZeroMQ's I/O thread
 has sent it (the context's termination waits that long at most). Closed with no linger, a Goodbye still queued is
 dropped, and the broker finds the peer gone without a word (``unreachable``): on a loaded machine the I/O thread
-may not run for a second."""
+may not run for a second. SIGTERM is ignored before that wait (``ignore_sigterm_while_exiting``): a signal
+interrupts the context's termination, which pyzmq then ends, Goodbye unsent."""
 
 
 def ignore_sigterm_while_exiting() -> None:

@@ -169,8 +169,8 @@ async def serve(cfg: RunConfig, prompts: Callable[[int], np.ndarray], cluster: C
     finally:
         if auth is not None:
             auth.stop()
+        ignore_sigterm_while_exiting()  # first: a SIGTERM would cut short the wait for a Goodbye to leave
         ctx.destroy(linger=0)
-        ignore_sigterm_while_exiting()
 
 
 def open_journal(cfg: RunConfig, epoch: int, cluster: ClusterInfo | None = None, task: dict[str, Any] | None = None

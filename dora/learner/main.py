@@ -176,5 +176,5 @@ async def serve(cfg: RunConfig, endpoint: str, kind: str = "sim", world: int = 1
         finally:
             if leader is not None:
                 leader.stop()  # release the other ranks
+            ignore_sigterm_while_exiting()  # first: a SIGTERM would cut short the wait for a Goodbye to leave
             ctx.destroy(linger=0)
-            ignore_sigterm_while_exiting()

@@ -179,5 +179,5 @@ async def serve(cfg: RunConfig, endpoint: Callable[[], str], name: str, kind: st
             cfg, ctx, endpoint, name, engine, clock=loop.time, cluster=cluster, run_finished=run_finished
         ).run(stop)
     finally:
+        ignore_sigterm_while_exiting()  # first: a SIGTERM would cut short the wait for a Goodbye to leave
         ctx.destroy(linger=0)
-        ignore_sigterm_while_exiting()
