@@ -38,6 +38,7 @@ from dora.actor.signals import GOODBYE_LINGER_MS
 from dora.config import ConfigError
 from dora.config.run import RunConfig
 from dora.rollout.engines.base import EngineError, WorkerEngine
+from dora.store.dirs import superseded
 from dora.wire import codec, packed
 from dora.wire import messages as m
 
@@ -234,8 +235,11 @@ class RolloutActor:
                 loading.result()
             self.version = version
             log.info("weights_loaded", version=version, uri=uri, took_s=round(time.perf_counter() - started, 4))
-        except EngineError as e:  # bad weights: stay on the old version, let the broker re-plan
-            log.error("weights_refused", version=version, error=str(e))
+        except EngineError as e:
+            if (newer := superseded(uri)) is not None:  # retired since this order: the newer one is on its way
+                log.warning("weights_superseded", version=version, newer=newer.name, error=str(e))
+                return
+            log.error("weights_refused", version=version, error=str(e))  # bad weights: let the broker re-plan
             raise Reconnect(f"could not load v{version}") from None
         self.send(m.WeightsLoaded(version=version, load_s=self.engine.load_seconds()))
 

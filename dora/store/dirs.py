@@ -18,7 +18,8 @@ import uuid
 
 import structlog
 
-__all__ = ["FILE", "MANIFEST", "remove_version", "retire_older", "retire_uri", "stale", "store_path", "temp_name"]
+__all__ = ["FILE", "MANIFEST", "remove_version", "retire_older", "retire_uri", "stale", "store_path", "superseded",
+           "temp_name"]  # fmt: skip
 
 log = structlog.get_logger()
 
@@ -85,6 +86,19 @@ def retire_uri(uri: str) -> pathlib.Path | None:
         log.warning("retire_not_a_store_version", uri=uri)  # never delete what the store did not write
         return None
     return path if remove_version(path) else None
+
+
+def superseded(uri: str) -> pathlib.Path | None:
+    """The newer version that replaced the one a ``file://`` URI names, once that one is gone from the store; None
+    while it is there, or when nothing newer was published beside it. The broker retires a version only after a
+    newer one is published and nobody holds the old one any more: a worker told to load a version that is gone and
+    has a successor beside it was reassigned meanwhile (the newer order is on its way). A version gone with nothing
+    newer is something else: a store not shared with this host, or removed by hand."""
+    path = store_path(uri)
+    if path is None or not path.name[1:].isdigit() or path.exists():
+        return None
+    newer = [p for p in path.parent.glob("v*") if p.name[1:].isdigit() and int(p.name[1:]) > int(path.name[1:])]
+    return max((p for p in newer if (p / MANIFEST).is_file()), key=lambda p: int(p.name[1:]), default=None)
 
 
 def retire_older(uri: str) -> list[pathlib.Path]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import pathlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -180,3 +181,35 @@ async def test_a_worker_goes_on_heartbeating_while_it_loads_full_weights():
         during = [hb for hb in beats if hb.loading == 3 and hb.version == -1]
         assert len(during) >= 3, beats  # 1 s at 0.05 s a beat: on however loaded a machine, several
         assert msg.version == 3 and worker.version == 3
+
+
+@pytest.mark.parametrize("successor", [True, False], ids=["newer-beside-it", "nothing-newer"])
+async def test_a_version_retired_before_its_load_waits_for_the_newer_order_and_a_version_gone_alone_ends_the_session(
+    tmp_path, successor: bool
+):
+    """A worker stopped with a load pending can wake after the broker moved it on and retired that version: the
+    read fails, but the version is superseded, not bad, so the worker stays in its session on what it holds and
+    loads the newer order when it comes. A version gone with nothing newer beside it (a store this host does not
+    see) is refused as before: the session ends and the broker re-plans."""
+    from dora.rollout.engines.base import EngineError
+
+    if successor:
+        (tmp_path / "v4").mkdir()
+        (tmp_path / "v4" / "manifest.json").write_text("{}")
+    async with welcomed_worker("run.time_scale=0.0001", "engine.load_s=0") as (broker, worker, _):
+        loaded = worker.engine.loaded
+
+        def load(version: int, uri: str = "", sha256: str = "") -> None:
+            if uri.startswith("file://") and not pathlib.Path(uri.removeprefix("file://")).is_dir():
+                raise EngineError(f"v{version}: cannot read {uri}/manifest.json: No such file or directory")
+            loaded(version, "sim://", sha256)
+
+        worker.engine.loaded = load
+        await broker.send(m.Assign(version=3, uri=f"file://{tmp_path}/v3", sha256="0" * 64, seq=1))
+        if not successor:
+            await broker.expect(m.Hello)  # a new session
+            return
+        hb = await beat_until(broker, lambda hb: hb.seen == 1 and hb.loading == -1)
+        assert hb.version == -1  # still what it held, in the same session
+        await broker.send(m.Assign(version=4, uri=f"file://{tmp_path}/v4", sha256="0" * 64, seq=2))
+        assert (await broker.expect(m.WeightsLoaded)).version == 4 and worker.version == 4
