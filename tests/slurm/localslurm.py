@@ -13,6 +13,7 @@ files, jobs cancelled first; a node can be lost (every process on it SIGKILLed) 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import pwd
@@ -199,19 +200,20 @@ class LocalSlurm:
             while time.monotonic() < deadline and self.run(["squeue", "-h"], check=False).stdout.strip():
                 time.sleep(0.5)
         pidfiles = [self.root / f"slurmd-{n}.pid" for n in self.names]
+        pids = []
         for pidfile in [*pidfiles, self.root / "slurmctld.pid", self.root / "msock" / "munged.pid"]:
             try:
-                pid = int(pidfile.read_text().strip())
+                pids.append(int(pidfile.read_text().strip()))
             except (FileNotFoundError, ValueError):
                 continue
-            try:
+        for pid in pids:  # all at once, then wait for them together: each daemon's exit takes its own seconds
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                continue
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and _alive(pid):
-                time.sleep(0.1)
-            if _alive(pid):
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+            time.sleep(0.1)
+        for pid in filter(_alive, pids):
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         if self.network is not None:
             self.network.stop()
