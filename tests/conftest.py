@@ -73,8 +73,26 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     return Shared(config, log)
 
 
+LONG_UNIT_MODULES = (
+    "test_sim_properties.py",
+    "test_core_properties.py",
+    "test_sft.py",
+    "test_wire.py",
+    "test_packed.py",
+    "test_core_replay.py",
+    "test_sim_agentic.py",
+)
+"""Unit test files with tests of 5-20 s (property runs, fuzzing, SFT epochs): they go before the other unit tests."""
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The longest tests first (Slurm, live, zoo, engines): under ``-n`` they go out at the start, so the workers
-    finish together instead of one waiting on a long test that came late."""
+    """The longest tests first (Slurm, live, zoo, engines, then the long unit files): under ``-n`` they go out at
+    the start, so the workers finish together on tests of a second or less instead of one waiting on a long test
+    that came late."""
     first = ("slurm", "live", "zoo", "engines")
-    items.sort(key=lambda item: first.index(item.path.parent.name) if item.path.parent.name in first else len(first))
+
+    def rank(item: pytest.Item) -> tuple[int, int]:
+        where = item.path.parent.name
+        return (first.index(where) if where in first else len(first), item.path.name not in LONG_UNIT_MODULES)
+
+    items.sort(key=rank)
