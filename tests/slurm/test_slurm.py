@@ -6,6 +6,7 @@ resumes; scancel stops every step cleanly within KillWait, and a resubmission re
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -56,7 +57,10 @@ def test_an_sbatch_job_runs_every_process_as_a_step_scancel_stops_them_and_a_res
     for step in ("broker", f"rollout@{node}", "learner"):
         assert f"{step} step exited with 0" in out, out
     assert "resuming the run recorded" in out and "run finished" in out, out
-    assert f"steps: learner committed {steps}, broker recorded {steps} of {steps}" in out, out
+    # a learner cancelled after the broker recorded a step and before its own record adopts it from the store when
+    # it starts again: the report names such steps, and they count once
+    assert re.search(rf"steps: learner committed {steps}( \(\d+ adopted from the store\))?, broker recorded "
+                     rf"{steps} of {steps}\n", out), out  # fmt: skip
     assert "invariants hold" in out and "nothing dispatched left untrained" in out and "FAILED" not in out, out
     report = audit_run(run / "journal.jsonl", run / "audit.jsonl", total_steps=steps)
     assert report.ok and report.finished and report.steps_committed == steps, report.problems
