@@ -38,6 +38,7 @@ from dora.actor.signals import GOODBYE_LINGER_MS
 from dora.config import ConfigError
 from dora.config.run import RunConfig
 from dora.rollout.engines.base import EngineError, WorkerEngine
+from dora.rollout.offloop import EngineThread, beating
 from dora.store.dirs import superseded
 from dora.wire import codec, packed
 from dora.wire import messages as m
@@ -105,11 +106,16 @@ class RolloutActor:
         """Versions the engine serves at once (a LoRA engine's adapter versions; 1: full weights)."""
         self.keep: tuple[int, ...] = ()
         """The older versions the load under way must keep beside the new one (``Assign.keep``)."""
+        self.engine_thread = EngineThread()
+        """Where the engine's blocking calls run: a decode step of a real engine, a full-weight load."""
 
     async def run(self, stop: asyncio.Event) -> int:
         """Serve sessions with the broker until ``stop`` is set or the run is finished; a lost one is tried again."""
-        async with watching_lag():  # says why a worker fell silent, if it did
-            return await self.sessions(stop)
+        try:
+            async with watching_lag():  # says why a worker fell silent, if it did
+                return await self.sessions(stop)
+        finally:
+            self.engine_thread.close()
 
     async def sessions(self, stop: asyncio.Event) -> int:
         backoff = 1.0
@@ -199,7 +205,7 @@ class RolloutActor:
                     self.loading = None
                     await self.load(version, uri, sha)  # the broker's messages meanwhile are read next turn
                 if not self.yielded:  # a yielded worker's accelerators are the learner's, whatever its engine
-                    self.engine.advance(now)
+                    await self.advance(now)
                 self.report_finished()
                 if self.deferred is not None and not self.evaluating():
                     deferred, self.deferred = self.deferred, None
@@ -216,11 +222,24 @@ class RolloutActor:
             sock.close()
             self.sock = None
 
+    async def advance(self, now: float) -> None:
+        """One turn of the engine. An engine that offers its step apart (``begin_step``: torch, vLLM) steps on the
+        engine's thread while this loop goes on heartbeating (``dora.rollout.offloop``); the broker's commands that
+        come meanwhile are read after it. Any other engine (sim, a custom one) advances here, on the loop."""
+        begin = getattr(self.engine, "begin_step", None)
+        if begin is None:
+            return self.engine.advance(now)
+        step, seqs = begin(), []
+        if step is not None:
+            beat = self.heartbeat()  # what the engine holds now; nothing changes that until the step is done
+            seqs = await beating(self.engine_thread.call(step), self.interval, lambda: self.send(beat))
+        self.engine.end_step(seqs)  # type: ignore[attr-defined]
+
     async def load(self, version: int, uri: str, sha: str) -> None:
-        """Load ``version``'s weights and tell the broker. Full weights load in a thread while this loop goes on
-        heartbeating: a model of several GB takes seconds to read and copy, past the broker's silence window, and a
-        worker loading is slow, not dead. Nothing else touches the engine meanwhile: the loop neither steps it nor
-        reads the broker's commands until the load is done, and each heartbeat says again what the engine held
+        """Load ``version``'s weights and tell the broker. Full weights load on the engine's thread while this loop
+        goes on heartbeating: a model of several GB takes seconds to read and copy, past the broker's silence window,
+        and a worker loading is slow, not dead. Nothing else touches the engine meanwhile: the loop neither steps it
+        nor reads the broker's commands until the load is done, and each heartbeat says again what the engine held
         when the load began. Adapters taken beside running requests (``keep``: megabytes) load here, between two
         decode steps."""
         started = time.perf_counter()
@@ -229,10 +248,8 @@ class RolloutActor:
                 self.engine.loaded(version, uri, sha, keep=frozenset(self.keep))  # type: ignore[call-arg]
             else:
                 beat = dataclasses.replace(self.heartbeat(), loading=version)
-                loading = asyncio.ensure_future(asyncio.to_thread(self.engine.loaded, version, uri, sha))
-                while not (await asyncio.wait([loading], timeout=self.interval))[0]:
-                    self.send(beat)
-                loading.result()
+                await beating(self.engine_thread.call(self.engine.loaded, version, uri, sha), self.interval,
+                              lambda: self.send(beat))  # fmt: skip
             self.version = version
             log.info("weights_loaded", version=version, uri=uri, took_s=round(time.perf_counter() - started, 4))
         except EngineError as e:

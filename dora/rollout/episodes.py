@@ -167,12 +167,19 @@ class Episodes:
         """Episodes waiting on their environment (holding no decode slot)."""
         return sum(ep.call is not None for ep in self.open.values())
 
-    def advance(self, step: Any = None) -> None:
-        """Take the environments' answers (the next turns join the engine), then one engine step (``step``: the
-        caller's, which keeps what is not a training sequence, e.g. held-out evaluation)."""
+    def advance(self) -> None:
+        """Take the environments' answers (the next turns join the engine), then one engine step."""
+        self.take_answers()
+        self.turns_ended(self.engine.step() if len(self.engine) else [])
+
+    def take_answers(self) -> None:
+        """The environments that answered: their episodes' next turns join the engine (or the episodes end)."""
         for ep in [ep for ep in self.open.values() if ep.call is not None and ep.call.done()]:
             self._answered(ep)
-        for seq in (step or self.engine.step)() if len(self.engine) else []:
+
+    def turns_ended(self, seqs: list[Any]) -> None:
+        """What an engine step finished: each open episode's turn that ended goes to its environment."""
+        for seq in seqs:
             if seq.key in self.open and seq.keep_kv:
                 self._turn_ended(self.open[seq.key])
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import pathlib
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -213,3 +214,29 @@ async def test_a_version_retired_before_its_load_waits_for_the_newer_order_and_a
         assert hb.version == -1  # still what it held, in the same session
         await broker.send(m.Assign(version=4, uri=f"file://{tmp_path}/v4", sha256="0" * 64, seq=2))
         assert (await broker.expect(m.WeightsLoaded)).version == 4 and worker.version == 4
+
+
+async def test_a_worker_goes_on_heartbeating_while_its_engine_takes_a_long_step():
+    """A step of a real engine (a prefill of long prompts, a first step that compiles, a step on a loaded machine)
+    can take longer than the broker's silence window: the step runs on the engine's thread, the worker heartbeats
+    every interval meanwhile, and what the step finished is taken on the loop once it is done."""
+    async with welcomed_worker("run.time_scale=0.0001", "engine.load_s=0") as (broker, worker, _):
+        loop, ran, ended = asyncio.get_running_loop(), [], []
+
+        def slow_step() -> list[str]:
+            ran.append((threading.current_thread().name, loop.time()))
+            time.sleep(1.0)  # a step that holds its thread, not the GIL (a decode step mostly waits on kernels)
+            ran.append((threading.current_thread().name, loop.time()))
+            return ["finished sample"]
+
+        worker.engine.begin_step = lambda: slow_step if not ran else None
+        worker.engine.end_step = ended.append
+        arrivals = []
+        while ["finished sample"] not in ended:
+            await broker.expect(m.Heartbeat)
+            arrivals.append(loop.time())
+        [(thread, started), (_, done)] = ran
+        assert thread == "engine" and thread != threading.current_thread().name
+        during = [t for t in arrivals if started < t < done]
+        assert len(during) >= 3, (started, done, arrivals)  # 1 s at 0.05 s a beat: on however loaded a machine, several
+        assert [e for e in ended if e] == [["finished sample"]]  # taken once; the turns without a step end empty

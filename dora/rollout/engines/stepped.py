@@ -16,6 +16,7 @@ result's segments name the version its request ran under. Evaluation requests ru
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -130,27 +131,36 @@ class StepWorkerEngine:
         self.engine.cancel(group, attempt)
 
     def advance(self, now: float) -> None:
-        if self.paused:
-            return
-        if self.episodes is not None:
-            self.episodes.advance(self._evaluated_step)
-            for ep in self.episodes.take_finished():
-                self.finished.append(ep) if ep.seq.group_id >= 0 else self._eval_sample(ep)
-        elif self.busy() and self.engine.version is not None:
-            for seq in self._evaluated_step():
-                self.finished.append(seq)
+        step = self.begin_step()
+        self.end_step(step() if step is not None else [])
 
-    def _evaluated_step(self) -> list[Any]:
-        """One engine step; the held-out evaluation samples it finished are taken here, the rest returned."""
-        if not len(self.engine) or self.engine.version is None:
-            return []
+    def begin_step(self) -> Callable[[], list[Any]] | None:
+        """The first half of ``advance``, on the worker's loop: the environments' answers join the engine. Returns
+        the engine's step, or None when nothing is to decode. The step touches the engine only, so the worker runs
+        it on a thread of its own while its loop goes on heartbeating (a prefill of long prompts, or a first step
+        that compiles, can take longer than the broker's silence window); nothing else touches the engine until
+        ``end_step``."""
+        if self.paused:
+            return None
+        if self.episodes is not None:
+            self.episodes.take_answers()
+        return self.engine.step if len(self.engine) and self.engine.version is not None else None
+
+    def end_step(self, seqs: list[Any]) -> None:
+        """The second half, on the loop again: what the step finished (``seqs``) is scored and reported, the
+        held-out evaluation samples are taken apart, and the episodes whose turn ended call their environment."""
         done = []
-        for seq in self.engine.step():
+        for seq in seqs:
             if seq.group_id >= 0 or seq.keep_kv:  # an episode's turn, held-out or not: the episode goes on
                 done.append(seq)
             else:
                 self._eval_sample(seq)
-        return done
+        if self.episodes is None:
+            self.finished.extend(done)
+            return
+        self.episodes.turns_ended(done)
+        for ep in self.episodes.take_finished():
+            self.finished.append(ep) if ep.seq.group_id >= 0 else self._eval_sample(ep)
 
     # ------------------------------------------------------------------ held-out evaluation
 
