@@ -64,8 +64,9 @@ def shared_scope(nodeid: str) -> str | None:
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
     """``-n auto`` or ``-n logical``: one worker more than the CPUs this process may run on. A sixth of the suite's
     time is spent waiting (heartbeat windows, Slurm's polling, processes starting and stopping), and one more worker
-    fills it: on 2 cores, with 3 workers, the three ended within 4 s of each other at 600 s, where 2 had ended at 624
-    and 654 s. PYTEST_XDIST_AUTO_NUM_WORKERS, when set, still decides (None: xdist's own answer)."""
+    fills it: on 2 cores, with 3 workers (and the order below), the three ended within 4 s of each other at 600 s,
+    where 2 (in the order before) had ended at 624 and 654 s. PYTEST_XDIST_AUTO_NUM_WORKERS, when set, still decides
+    (None: xdist's own answer)."""
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return None
     return len(os.sched_getaffinity(0)) + 1

@@ -18,8 +18,8 @@ import uuid
 
 import structlog
 
-__all__ = ["FILE", "MANIFEST", "remove_version", "retire_older", "retire_uri", "stale", "store_path", "superseded",
-           "temp_name"]  # fmt: skip
+__all__ = ["FILE", "MANIFEST", "published", "remove_version", "retire_older", "retire_uri", "stale", "store_path",
+           "superseded", "temp_name"]  # fmt: skip
 
 log = structlog.get_logger()
 
@@ -97,8 +97,8 @@ def superseded(uri: str) -> pathlib.Path | None:
     path = store_path(uri)
     if path is None or not path.name[1:].isdigit() or path.exists():
         return None
-    newer = [p for p in path.parent.glob("v*") if p.name[1:].isdigit() and int(p.name[1:]) > int(path.name[1:])]
-    return max((p for p in newer if (p / MANIFEST).is_file()), key=lambda p: int(p.name[1:]), default=None)
+    newer = [n for n in published(path.parent) if n > int(path.name[1:])]
+    return path.parent / f"v{max(newer)}" if newer else None
 
 
 def retire_older(uri: str) -> list[pathlib.Path]:
@@ -108,6 +108,9 @@ def retire_older(uri: str) -> list[pathlib.Path]:
     path = store_path(uri)
     if path is None or not path.name[1:].isdigit():
         return []
-    newest = int(path.name[1:])
-    old = [p for p in path.parent.glob("v*") if p.name[1:].isdigit() and int(p.name[1:]) < newest]
-    return sorted((p for p in old if (p / MANIFEST).is_file() and remove_version(p)), key=lambda p: int(p.name[1:]))
+    return [p for n, p in sorted(published(path.parent).items()) if n < int(path.name[1:]) and remove_version(p)]
+
+
+def published(root: pathlib.Path) -> dict[int, pathlib.Path]:
+    """The versions in the store at ``root``, by number: the ``v<N>`` directories that hold their manifest."""
+    return {int(p.name[1:]): p for p in root.glob("v*") if p.name[1:].isdigit() and (p / MANIFEST).is_file()}
