@@ -10,7 +10,6 @@ import socket
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from dora.config.models import LoraSection
 from dora.ids import Finish
@@ -18,6 +17,7 @@ from dora.learner.loss import LossConfig
 from dora.learner.trainers.torch_trainer import TorchTrainer, TrainerConfig
 from dora.store import WeightStore
 from dora.wire import messages as m
+from tests.ranks import run_ranks
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -87,7 +87,7 @@ def sharded(tiny_model, tmp_path_factory) -> pathlib.Path:
     and the URI of the version it published."""
     root = tmp_path_factory.mktemp("sharded")
     runs = {name: (str(tiny_model), cfg) for name, cfg in RUNS.items()}
-    mp.spawn(steps_main, args=(2, free_port(), runs, str(root)), nprocs=2, join=True)
+    run_ranks(steps_main, (2, free_port(), runs, str(root)))
     os.environ.pop("MASTER_ADDR", None)
     return root
 

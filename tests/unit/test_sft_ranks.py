@@ -14,7 +14,6 @@ import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from dora.actor.cluster import ClusterInfo
 from dora.config import ConfigError, load
@@ -22,6 +21,7 @@ from dora.config.models import SftSection
 from dora.config.run import RunConfig
 from dora.hf.tensors import tied_copies
 from dora.learner import sft, sft_main, sft_ranks
+from tests.ranks import run_ranks
 from tests.unit.test_fsdp import free_port
 from tests.unit.test_sft import rows_file, task_run, write_config
 
@@ -117,7 +117,7 @@ def test_two_gloo_ranks_take_the_one_rank_steps_and_write_its_folder(tied, tiny_
 
     model = tied_model if tied else tiny_model
     rows = examples(model, tmp_path)
-    mp.spawn(rank_main, args=(2, free_port(), str(model), rows, str(tmp_path / "two" / "out")), nprocs=2, join=True)
+    run_ranks(rank_main, (2, free_port(), str(model), rows, str(tmp_path / "two" / "out")))
     got = torch.load(tmp_path / "two" / "r0.pt", weights_only=False)
     want, spy = one_rank(model, rows, tmp_path / "one" / "out")
     # the gradient of the first step is the one-rank gradient (the mean over the whole batch's answer tokens)

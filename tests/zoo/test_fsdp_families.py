@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from dora.hf import zoo
 from dora.hf.tensors import tied_copies
 from dora.learner.loss import LossConfig
 from dora.learner.trainers.torch_trainer import TorchTrainer
 from dora.store import WeightStore, load_verified
+from tests.ranks import run_ranks
 from tests.unit.test_fsdp import CFG, batch, free_port, steps_main
 
 pytestmark = pytest.mark.timeout(300)
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(300)
 def test_a_two_rank_fsdp2_step_of_each_family_equals_the_one_process_step(zoo_model, tmp_path):
     models = {family: str(zoo_model(family)) for family in zoo.FAMILIES}
     runs = {family: (model, CFG) for family, model in models.items()}
-    mp.spawn(steps_main, args=(2, free_port(), runs, str(tmp_path / "sharded")), nprocs=2, join=True)
+    run_ranks(steps_main, (2, free_port(), runs, str(tmp_path / "sharded")))
     for family, model in models.items():
         out = torch.load(tmp_path / "sharded" / f"{family}.pt")
         single = TorchTrainer(model, WeightStore(tmp_path / "single" / family), LossConfig(), CFG)

@@ -1,0 +1,32 @@
+"""Gloo ranks for the tests that compare a sharded step with the one-process step: each rank a process forked from
+a server that has imported torch, transformers and dora's trainer once (multiprocessing's forkserver). Spawned
+afresh, each rank imported them itself, about 7 CPU-s a rank: most of what a two-rank step of a tiny model costs.
+The server has run no torch op and holds no thread, so a fork of it is a clean process."""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.forkserver
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+PRELOAD = (
+    "torch",
+    "torch.distributed.fsdp",
+    "transformers",
+    "transformers.models.qwen2.modeling_qwen2",
+    "dora.learner.trainers.torch_trainer",
+)
+
+
+def run_ranks(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int = 2) -> None:
+    """``fn(rank, *args)`` in ``nprocs`` processes; returns when all exited 0, else raises (as ``mp.spawn``). The
+    server is stopped and reaped before this returns, so the ranks' CPU time counts as this test's child time
+    (tests/cpucost.py): the server reaps the ranks, this process the server."""
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(PRELOAD))
+    try:
+        mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
+    finally:
+        multiprocessing.forkserver._forkserver._stop()
