@@ -20,6 +20,21 @@ def pytest_configure(config: pytest.Config) -> None:
     imports the actors. Only the first pytest process compiles (xdist's workers find the files written)."""
     if os.environ.get("PYTEST_XDIST_WORKER") is None:
         compileall.compile_dir(pathlib.Path(__file__).resolve().parents[1] / "dora", quiet=1, workers=1)
+    else:
+        share_the_cores()
+
+
+def share_the_cores() -> None:
+    """An xdist worker's own torch threads: its share of the cores (1 where the workers outnumber them). By default
+    each worker would run as many threads as the machine has cores, so three workers on 2 cores ran 6 threads whose
+    parallel regions wait for each other: the SFT, packing, LoRA, loss, checkpoint, evaluation and engine files
+    took 159 CPU-s under -n 3 on 2 cores that way, 152 with one thread a worker (one run each; most of the
+    difference in the short in-process tests). The processes the tests start keep their own settings (`dora run`
+    and LocalRun share the cores out themselves)."""
+    import torch
+
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
 
 
 # Used by tests/mutation.py: a failing property run should stop at the first counterexample, not shrink it.
@@ -96,15 +111,32 @@ LONG_UNIT_MODULES = (
 )
 """Unit test files with tests of 5-20 s (property runs, fuzzing, SFT epochs): they go before the other unit tests."""
 
+WAITING_LIVE_MODULES = (
+    "test_faults.py",
+    "test_dead_workers.py",
+    "test_security.py",
+    "test_malformed.py",
+    "test_dataset_epochs.py",
+    "test_live_run.py",
+)
+"""Live files of sim runs that mostly wait (signals, liveness windows, restarts): under half a core each while they
+run. They go after the long unit files, beside the short CPU-bound unit tests, instead of beside the Slurm tests,
+which wait too: at the start, two of the three workers waiting at once left a core idle."""
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The longest tests first (Slurm, live, zoo, engines, then the long unit files): under ``-n`` they go out at
-    the start, so the workers finish together on tests of a second or less instead of one waiting on a long test
-    that came late."""
-    first = ("slurm", "live", "zoo", "engines")
+    """The longest tests first (Slurm, live, zoo, engines, then the long unit files, then the live files that mostly
+    wait): under ``-n`` they go out at the start, so the workers finish together on tests of a second or less
+    instead of one waiting on a long test that came late. (xdist sends the groups of ``shared_scope`` first, the
+    biggest first, then the rest in this order.)"""
+    order = ("slurm", "live", "zoo", "engines", "long unit", "waiting live")
 
-    def rank(item: pytest.Item) -> tuple[int, int]:
-        where = item.path.parent.name
-        return (first.index(where) if where in first else len(first), item.path.name not in LONG_UNIT_MODULES)
+    def rank(item: pytest.Item) -> int:
+        where, name = item.path.parent.name, item.path.name
+        if where == "live" and name in WAITING_LIVE_MODULES:
+            return order.index("waiting live")
+        if where in order:
+            return order.index(where)
+        return order.index("long unit") if name in LONG_UNIT_MODULES else len(order)
 
     items.sort(key=rank)
