@@ -18,11 +18,12 @@ from tests.live.test_model_run import torch_run, wait_steps
 pytestmark = pytest.mark.timeout(240)
 
 
-QUICK = ("gpt2", "qwen2_moe")
-"""The families of the default run: tied with Conv1D layers and learned positions, and a mixture of experts. The
-others' live runs are ``slow``; in the default run every family still takes a sharded step
-and publishes its folder (tests/zoo/test_fsdp_families.py) and generates in the torch engine
-(tests/engines/test_torch_families.py)."""
+QUICK = ("gpt2",)
+"""The family of the default run: tied, with Conv1D layers and learned positions (a tied model's checkpoint and
+publish are where users' models had failed). The others' live runs, the mixture of experts' included, are ``slow``:
+what this test adds for them is the same loop on other weights. In the default run every family still takes a
+sharded step and publishes its folder (tests/zoo/test_fsdp_families.py), generates in the torch engine
+(tests/engines/test_torch_families.py) and trains adapters (tests/zoo/test_lora_families.py)."""
 
 
 @pytest.mark.parametrize("family", [f if f in QUICK else pytest.param(f, marks=pytest.mark.slow) for f in zoo.FAMILIES])
