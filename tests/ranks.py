@@ -1,7 +1,8 @@
 """Gloo ranks for the tests that compare a sharded step with the one-process step: each rank a process forked from
 a server that has imported torch, transformers and dora's trainer once (multiprocessing's forkserver). Spawned
 afresh, each rank imported them itself, about 7 CPU-s a rank: most of what a two-rank step of a tiny model costs.
-The server has run no torch op and holds no thread, so a fork of it is a clean process."""
+The server has only imported them and run no torch op: no OpenMP pool or gloo state exists yet to be cut in half by
+the fork (torch's own DataLoader workers are forks of a process that has imported torch, on Linux by default)."""
 
 from __future__ import annotations
 
