@@ -24,8 +24,9 @@ PRELOAD = (
 
 def run_ranks(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int = 2) -> None:
     """``fn(rank, *args)`` in ``nprocs`` processes; returns when all exited 0, else raises (as ``mp.spawn``). The
-    server is stopped and reaped before this returns, so the ranks' CPU time counts as this test's child time
-    (tests/cpucost.py): the server reaps the ranks, this process the server."""
+    server is stopped and reaped before this returns (multiprocessing's own ``_stop``, which has no public name), so
+    the ranks' CPU time counts as this test's child time (tests/cpucost.py): the server reaps the ranks, this process
+    the server."""
     multiprocessing.get_context("forkserver").set_forkserver_preload(list(PRELOAD))
     try:
         mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
