@@ -1,6 +1,7 @@
 """Peer liveness from application heartbeats: silence and stalls. Pure: the caller passes ``now``.
 
-A peer is **dead** when nothing was heard from it for ``interval_s * liveness``. It is **stalled**
+A peer is **dead** when nothing was heard from it for ``interval_s * liveness`` (``quiet`` names the ones
+that missed a heartbeat, so the caller can probe their connections meanwhile). It is **stalled**
 when it keeps sending heartbeats but its progress counter (tokens generated) has not moved for
 ``stall_timeout_s`` while it holds work: a hung engine behind a live event loop. Both end its leases
 the same way; the difference is only in the reason logged. Time in which the judge itself did not listen
@@ -61,6 +62,11 @@ class Liveness:
 
     def forget(self, peer: str) -> None:
         self._peers.pop(peer, None)
+
+    def quiet(self, now: float, after_s: float) -> list[str]:
+        """Peers not heard from for more than ``after_s`` (and not yet dead): worth a message, whose send finds a
+        crashed peer's closed connection long before its silence window ends."""
+        return [peer for peer, st in self._peers.items() if now - st.last_seen > after_s]
 
     def expired(self, now: float) -> list[tuple[str, str]]:
         """Peers to declare dead now, with the reason ("silent" or "stalled"); they are forgotten."""

@@ -484,12 +484,20 @@ class BrokerActor:
     # ------------------------------------------------------------------ peers
 
     def check_liveness(self, now: float) -> None:
+        """Declare dead the peers silent for their window (or stalled), and send a heartbeat to each one that
+        missed one: a crashed peer's connection is closed, so that send finds it unreachable and it is lost at the
+        next turn, in about two heartbeat intervals instead of a whole silence window. (The broker otherwise only
+        answers heartbeats, and a dead peer sends none.)"""
         for name, reason in self.liveness.expired(now):
             peer = self.peers.get(name.encode())
             if peer is not None:
                 log.warning("peer_expired", peer=peer.name, reason=reason)
                 self.links.send_raw(peer.identity, m.Disconnect(reason=reason))
                 self.peer_lost(peer, reason)
+        for name in self.liveness.quiet(now, 2 * self.cfg.broker.heartbeat_interval_s):
+            peer = self.peers.get(name.encode())
+            if peer is not None:
+                self.links.send(peer, m.Heartbeat(seen=peer.seq) if peer.role is m.Role.ROLLOUT else m.Heartbeat())
 
     def count_false_death(self, identity: bytes, hello: m.Hello) -> None:
         """A process says hello again: if the broker had declared it dead, that was a false death (it was alive);

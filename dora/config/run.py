@@ -122,8 +122,12 @@ class BrokerSection:
     job start together). A discovery file in a directory that does not exist is an error at once."""
     heartbeat_interval_s: float = 0.5
     """Seconds between heartbeats, both ways (the broker tells every peer in its Welcome)."""
-    liveness: int = 4
-    """Missed heartbeat intervals before a peer is declared dead."""
+    liveness: int = 20
+    """Missed heartbeat intervals before a silent peer is declared dead (10 s by default: a loaded 2-core machine
+    was seen to leave a runnable process unrun for 3.7 s). A peer that crashed is found sooner, about two intervals
+    after its last heartbeat: its connection is closed, and the heartbeat the broker sends a peer that missed one
+    finds it unreachable. The window is for a peer whose connection stays up: hung, or on a node that lost power
+    or its network."""
     stall_timeout_s: float = 30.0
     """A worker holding work whose progress counter does not move for this long is declared dead."""
     learner_timeout_s: float = 300.0

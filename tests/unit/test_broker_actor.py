@@ -188,11 +188,40 @@ async def test_a_silent_worker_is_dropped_its_group_re_leased_and_its_late_resul
                         await b.send(finished(got, i, epoch=7))
         assert again.group_id == gen.group_id and again.attempt != gen.attempt
         assert isinstance(await a.recv((m.Disconnect,)), m.Disconnect)
+        assert any(isinstance(x, m.Heartbeat) for x in a.backlog), "a, quiet, was sent heartbeats before its death"
         await a.send(finished(gen, 0, epoch=7))  # late: a is no longer a peer
-        assert isinstance(await a.recv(), m.Disconnect)
+        assert isinstance(await a.recv(m.Disconnect), m.Disconnect)
         await asyncio.sleep(0.05)
         assert actor.counters["refused result from an unregistered peer"] == 1
         assert actor.snapshot()["requeued_groups"] >= 1
+
+
+async def test_a_worker_whose_connection_closed_is_lost_as_unreachable_long_before_its_silence_window():
+    async with running_broker("broker.liveness=200") as (actor, ep, ctx):  # silent for 10 s before it is dead
+        a = Fake(ctx, ep, "rollout/a/1")
+        await a.worker(slots=G)
+        gen = await a.recv(m.Generate)
+        b = Fake(ctx, ep, "rollout/b/1")
+        await b.worker(slots=G)
+        a.sock.close(linger=0)  # as a crashed process's kernel closes its connections
+        started = time.monotonic()
+        again: m.Generate | None = None
+        async with asyncio.timeout(5):
+            while again is None:
+                await b.send(m.Heartbeat(tokens_generated=0, running=0, kv_use=0.0))
+                try:
+                    got = await b.recv(m.Generate, timeout_s=0.05)
+                except TimeoutError:
+                    continue
+                if got.group_id == gen.group_id:
+                    again = got
+                else:
+                    for i in range(G):
+                        await b.send(finished(got, i, epoch=7))
+        assert again.attempt != gen.attempt and time.monotonic() - started < 5
+        [lost] = actor.lost
+        assert (lost["peer"], lost["reason"]) == ("rollout/a/1", "unreachable"), lost
+        assert "false deaths (rollout)" not in actor.counters
 
 
 async def test_a_process_declared_dead_that_says_hello_again_is_counted_as_a_false_death():

@@ -17,6 +17,20 @@ def test_silent_peer_expires_after_interval_times_liveness():
     assert "w" not in lv and lv.expired(100) == [], "declared once"
 
 
+def test_a_peer_that_missed_a_heartbeat_is_quiet_until_it_is_heard_or_dead():
+    lv = Liveness(interval_s=0.5, liveness=20, stall_timeout_s=30)
+    lv.joined("w", now=0.0)
+    lv.joined("v", now=0.0)
+    assert lv.quiet(0.9, after_s=1.0) == []
+    lv.heard("v", now=0.9)
+    assert lv.quiet(1.1, after_s=1.0) == ["w"]
+    assert lv.quiet(2.0, after_s=1.0) == ["w", "v"]
+    lv.heard("w", now=2.0)
+    assert lv.quiet(2.5, after_s=1.0) == ["v"]
+    assert lv.expired(10.95) == [("v", "silent")]
+    assert lv.quiet(11.0, after_s=1.0) == ["w"], "v, declared dead, is no longer watched"
+
+
 def test_heartbeats_without_progress_while_busy_is_a_stall():
     lv = Liveness(interval_s=0.5, liveness=4, stall_timeout_s=5)
     lv.joined("w", now=0.0)

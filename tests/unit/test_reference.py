@@ -48,7 +48,7 @@ def test_every_section_and_key_is_in_the_reference():
             assert f"`[{name}]`" in text, name
             for f in dataclasses.fields(cls):
                 assert f"| `{f.name}` |" in text, (name, f.name)
-    assert "| `liveness` | `int` | `4` | Missed heartbeat intervals" in text
+    assert "| `liveness` | `int` | `20` | Missed heartbeat intervals" in text
     assert "| `rollout_groups` | `int \\| none` | `none` |" in text
     assert '`"sync" \\| "one_step" \\| "partial" \\| "dora" \\| "drop_stale"`' in text
 
