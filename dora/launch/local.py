@@ -56,16 +56,19 @@ class LocalRun:
         return self.spawn_command(name, ["-m", "dora", *args], threads=threads)
 
     def spawn_command(self, name: str, argv: list[str], *, threads: int | None = None) -> subprocess.Popen[bytes]:
-        """``python ARGV --config <the run's config>``, logging to ``<name>.log``; ``threads``: its OMP_NUM_THREADS
-        (unless the user set it); its entries of ``envs`` go in its environment."""
-        env = self.env if threads is None or self.threads_given else {**self.env, "OMP_NUM_THREADS": str(threads)}
-        env = {**env, **self.envs.get(name, {})}
+        """``python ARGV --config <the run's config>``, logging to ``<name>.log``, with ``child_env``."""
         with open(self.dir / f"{name}.log", "wb") as log:
             proc = subprocess.Popen([sys.executable, *argv, "--config", str(self.config)],
                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                    env=env)  # fmt: skip
+                                    env=self.child_env(name, threads))  # fmt: skip
         self.procs[name] = proc
         return proc
+
+    def child_env(self, name: str, threads: int | None = None) -> dict[str, str]:
+        """The environment of child ``name``: this one's, ``threads`` as its OMP_NUM_THREADS (unless the user set
+        it), and its entries of ``envs``."""
+        env = self.env if threads is None or self.threads_given else {**self.env, "OMP_NUM_THREADS": str(threads)}
+        return {**env, **self.envs.get(name, {})}
 
     def start_broker(self, timeout_s: float = 30.0, name: str = "broker") -> str:
         disc = self.dir / "broker.json"

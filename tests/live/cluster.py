@@ -14,6 +14,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from dora.launch.local import LocalRun
+from tests import forks
+from tests.forks import Forked
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "live" / "sim.toml"
 BASE = tomllib.loads(EXAMPLE.read_text())  # the documented example, faster and stricter for tests
@@ -26,13 +28,34 @@ for section, values in {
     BASE[section].update(values)
 
 
+def torch_process(argv: list[str]) -> bool:
+    """``-m dora rollout --engine torch ...`` or ``-m dora learner --trainer torch ...``."""
+    flag = {"rollout": "--engine", "learner": "--trainer"}.get(argv[2] if argv[:2] == ["-m", "dora"] else "")
+    return flag is not None and flag in argv and argv[argv.index(flag) + 1 :][:1] == ["torch"]
+
+
 class Cluster(LocalRun):
-    def __init__(self, tmp: pathlib.Path, overrides: dict[str, dict[str, Any]] | None = None) -> None:
+    def __init__(self, tmp: pathlib.Path, overrides: dict[str, dict[str, Any]] | None = None, *,
+                 fork: bool = False) -> None:  # fmt: skip
+        """``fork``: torch workers and learners are forked from a server that has imported torch (tests/forks.py)
+        instead of starting afresh; for tests that start several and test no process's own start."""
         cfg = {s: dict(v) for s, v in BASE.items()}
         for section, values in (overrides or {}).items():
             cfg.setdefault(section, {}).update(values)
         cfg.setdefault("learner", {})["audit_file"] = str(tmp / "audit.jsonl")
         super().__init__(tmp, cfg, threads=1)  # several torch processes share 2 cores
+        self.fork = fork
+        self.forked = False
+
+    def spawn_command(self, name: str, argv: list[str], *, threads: int | None = None) -> Any:
+        if not (self.fork and torch_process(argv)):
+            return super().spawn_command(name, argv, threads=threads)
+        log = self.dir / f"{name}.log"
+        log.write_bytes(b"")
+        proc = Forked([*argv[2:], "--config", str(self.config)], self.child_env(name, threads), str(log))
+        self.procs[name] = proc  # type: ignore[assignment]
+        self.forked = True
+        return proc
 
     def wait(self, name: str, timeout_s: float) -> int:
         try:
@@ -45,6 +68,8 @@ class Cluster(LocalRun):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(timeout=10)
+        if self.forked:
+            forks.stop()
 
     def audit(self) -> list[dict[str, Any]]:
         """The learner's steps, in order. A step it committed is its audit line. A step a restarted learner
@@ -79,8 +104,9 @@ class Cluster(LocalRun):
 
 
 @contextmanager
-def cluster(tmp: pathlib.Path, overrides: dict[str, dict[str, Any]] | None = None) -> Iterator[Cluster]:
-    c = Cluster(tmp, overrides)
+def cluster(tmp: pathlib.Path, overrides: dict[str, dict[str, Any]] | None = None, *,
+            fork: bool = False) -> Iterator[Cluster]:  # fmt: skip
+    c = Cluster(tmp, overrides, fork=fork)
     try:
         yield c
     finally:

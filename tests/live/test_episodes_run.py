@@ -80,7 +80,7 @@ def migrated_run(tmp_path: pathlib.Path, tiny_model: pathlib.Path) -> bool:
     # holds fits in the credit left on the one that stays; with 64 each, the two together never hold more than one
     # can take, so a publish that moves a worker holding episodes migrates them.
     overrides["core"]["max_staleness"] = 2
-    with cluster(tmp_path, overrides) as c:
+    with cluster(tmp_path, overrides, fork=True) as c:
         c.start_broker()
         for i in range(2):
             c.start_worker(f"w{i}", "torch", "--model", str(tiny_model))
@@ -120,7 +120,7 @@ def test_lora_workers_keep_the_version_of_episodes_open_across_a_publish_and_tra
     overrides = torch_run(tmp_path, tiny_model, steps, min_workers=2, max_tokens=6, task=task,
                           learner={"lr": 1e-2, "lora": {"rank": 4, "alpha": 8.0}},
                           rollout={"kv_cache_mib": 64, "max_model_len": 1024})  # fmt: skip
-    with cluster(tmp_path, overrides) as c:
+    with cluster(tmp_path, overrides, fork=True) as c:
         c.start_broker()
         for i, engine in enumerate(("torch", "vllm")):
             c.start_worker(f"w{i}", engine, "--model", str(tiny_model))

@@ -128,7 +128,7 @@ def test_a_torch_learner_trains_and_standalone_and_elastic_workers_load_every_pu
     steps = 5
     store = tmp_path / "store"
     overrides = torch_run(tmp_path, tiny_model, steps, min_workers=2, max_tokens=16)
-    with cluster(tmp_path, overrides) as c, store_sampled(store) as seen:
+    with cluster(tmp_path, overrides, fork=True) as c, store_sampled(store) as seen:
         c.start_broker()
         c.start_worker("w0", "torch", "--model", str(tiny_model))
         c.start_worker("e", "torch", "--model", str(tiny_model), "--elastic")
@@ -182,7 +182,7 @@ def test_a_learner_drained_stopped_or_killed_resumes_from_its_checkpoint_and_tra
         learner={"checkpoint_dir": str(ckpt), "checkpoint_every": 1000},
     )  # only signals, and the last step
 
-    with cluster(tmp_path, overrides) as c:
+    with cluster(tmp_path, overrides, fork=True) as c:
         c.start_broker()
         c.start_worker("w0", "torch", "--model", str(tiny_model))
         learner = ["learner", "--trainer", "torch", "--broker", str(tmp_path / "broker.json")]

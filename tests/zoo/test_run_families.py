@@ -39,7 +39,7 @@ def test_a_family_trains_publishes_model_folders_and_resumes_after_its_learner_i
     overrides = torch_run(tmp_path, model, steps, min_workers=1, max_tokens=8,
                           core={"train_groups": 2, "group_size": 2}, broker={"liveness": 240},
                           learner={"checkpoint_dir": str(ckpt), "checkpoint_every": 1})  # fmt: skip
-    with cluster(tmp_path, overrides) as c:
+    with cluster(tmp_path, overrides, fork=True) as c:
         c.start_broker()
         # The kill must land mid-run on a machine of any speed, so the run is held at step 2: with K = 1 and B = 2
         # the broker dispatches four groups on v0 (steps 1 and 2), and step 3 needs groups sampled on v1. w0 samples
