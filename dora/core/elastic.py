@@ -36,8 +36,11 @@ def would_pause(core: Core) -> bool:
     """Would a batch taken now hold a running group paused through the step? The elastic workers yield for
     it, and a group of theirs that no standalone worker of its version has room for waits on its yielded
     worker (``evacuate``): taking the batch early then only trades that group's rollout time for the
-    trainer's, and the group is due a step later anyway."""
+    trainer's, and the group is due a step later anyway. In ``partial`` mode (``in_flight_swap``) nothing is
+    evacuated (the publish swaps every worker's weights anyway), so any running group of theirs would wait."""
     sched = core.scheduler
+    if core.cfg.in_flight_swap:
+        return any(running_by_version(core, w) for w in sched.workers.values() if w.elastic and not w.yielded)
     holders = (  # made as they are placed: the first that does not fit ends the check
         running
         for w in sched.workers.values()  # in join order, as yield_elastic evacuates them

@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 
 from dora.config import CoreConfig
+from dora.core import elastic
 from dora.core.core import Core
 from dora.core.events import (
     Assign,
@@ -104,6 +105,21 @@ def test_no_deadline_moves_where_taking_the_batch_would_pause_a_group_on_a_yield
     acts = done(core, g0, now=3.0)  # step 1 takes g0 at its deadline, e yields with nothing left to pause
     assert of(acts, Yield) and not of(acts, DeliverBatch)
     assert [g.group_id for g in of(core.handle(3.0, Yielded(worker_id="e")), DeliverBatch)[0].groups] == [g0.group_id]
+
+
+@pytest.mark.parametrize("mode", [Mode.DORA, Mode.PARTIAL])
+def test_a_group_that_a_peer_of_its_version_has_room_for_pauses_only_where_nothing_is_handed_over(mode):
+    """Elastic e runs g0 on v0 beside a standalone s of v0 with free slots. Yielding for a batch, e hands g0 to s
+    (dora), so a deadline may move to take the batch early. In partial mode a yield hands nothing over (the
+    publish swaps every worker's weights anyway): g0 would wait on e through the step, so no deadline moves for it.
+    (Found by tests/unit/test_core_properties.py: partial mode, adaptive deadlines, an elastic worker.)"""
+    core = Core(CoreConfig(mode=mode, max_staleness=2, train_groups=1, group_size=1, rollout_groups=1,
+                           deadlines="adaptive"))  # fmt: skip
+    core.handle(0, WorkerJoined(worker_id="e", slots=2, elastic=True))
+    (g0,) = of(core.handle(0, WeightsLoaded(worker_id="e", version=0)), Lease)
+    core.handle(0, WorkerJoined(worker_id="s", slots=2))
+    assert not of(core.handle(0, WeightsLoaded(worker_id="s", version=0)), Lease), "one group in flight at most"
+    assert elastic.would_pause(core) == (mode is Mode.PARTIAL), g0
 
 
 def run(cfg, mode: Mode, deadlines: str):
