@@ -28,7 +28,7 @@ import numpy as np
 import uvloop
 import zmq.asyncio
 
-from dora.actor.discovery import resolve_endpoint
+from dora.actor.discovery import resolve_endpoint, run_finished
 from dora.config import ConfigError, load
 from dora.config.run import RunConfig
 from dora.ids import Finish
@@ -157,7 +157,10 @@ async def serve(cfg: RunConfig, broker: str, name: str, engine: MyEngine) -> int
         loop.add_signal_handler(sig, stop.set)
     ctx = zmq.asyncio.Context()
     try:
-        actor = RolloutActor(cfg, ctx, lambda: resolve_endpoint(broker), name, engine, clock=loop.time)
+        # run_finished: a worker that lost its session (busy when the broker said goodbye) reads in the discovery
+        # file whether the run is over, and leaves instead of reconnecting to a broker that has gone
+        actor = RolloutActor(cfg, ctx, lambda: resolve_endpoint(broker), name, engine, clock=loop.time,
+                             run_finished=lambda epoch: run_finished(broker, epoch))  # fmt: skip
         return await actor.run(stop)
     finally:
         ctx.destroy(linger=0)

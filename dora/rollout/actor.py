@@ -162,7 +162,9 @@ class RolloutActor:
         self.sock = zmq.Socket.shadow(sock.underlying)  # non-blocking I/O; ``sock`` is awaited for readiness
         self.finished = False
         try:
-            if not await sock.poll(int(1000 * self.silence_s), zmq.POLLOUT):
+            if not await self.connected(sock, stop):
+                if stop.is_set():  # stopped while waiting for a connection: no session to leave
+                    return
                 raise Reconnect(f"broker unreachable at {endpoint} (no connection in {self.silence_s:g} s)")
             self.send(
                 m.Hello(
@@ -221,6 +223,18 @@ class RolloutActor:
         finally:
             sock.close()
             self.sock = None
+
+    async def connected(self, sock: zmq.asyncio.Socket, stop: asyncio.Event) -> bool:
+        """Whether ``sock`` has a connection to the broker within the silence window; False as soon as ``stop`` is
+        set (a SIGTERM to a worker waiting for a broker that has gone ends it within a heartbeat interval)."""
+        deadline = self.clock() + self.silence_s
+        while not stop.is_set():
+            left = deadline - self.clock()
+            if left <= 0:
+                return False
+            if await sock.poll(int(1000 * min(left, self.interval)) + 1, zmq.POLLOUT):
+                return True
+        return False
 
     async def advance(self, now: float) -> None:
         """One turn of the engine. An engine that offers its step apart (``begin_step``: torch, vLLM) steps on the

@@ -148,6 +148,22 @@ def rss_kib(pid: int) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
 
 
+def test_sigterm_to_a_worker_waiting_for_a_broker_that_has_gone_ends_it_at_once(tmp_path):
+    """The broker dies; w0 loses its session and waits for a connection again (up to its silence window, 30 s
+    here). A SIGTERM meanwhile ends it within the 10 s of any other stop, with exit 0: the wait gives way to it."""
+    with cluster(tmp_path, {"broker": {"liveness": 60}}) as c:
+        c.start_broker()
+        c.start_worker("w0")
+        wait_until(lambda: c.events("w0", "registered"), 60, "w0 registered")
+        c.signal("broker", signal.SIGKILL)
+        wait_until(lambda: c.events("w0", "reconnecting"), 30, "w0 to lose its session")
+        time.sleep(1.5)  # past its first backoff (1 s): it waits for a connection now
+        started = time.monotonic()
+        c.signal("w0", signal.SIGTERM)
+        assert c.wait("w0", 10) == 0, c.log("w0")[-2000:]
+        assert time.monotonic() - started < 10 and "Traceback" not in c.log("w0"), c.log("w0")[-2000:]
+
+
 @pytest.mark.parametrize("repeat", ["once", "twice", "storm"], ids=["once", "twice-in-10ms", "every-ms-until-exit"])
 def test_sigterm_drains_and_exits_0_within_10s(tmp_path, repeat):
     """T11: SIGTERM, SIGTERM and a second one 10 ms later (an impatient operator, or Slurm plus a wrapper), or
