@@ -69,6 +69,21 @@ def test_hostile_programs_score_0_with_the_reason_and_leave_nothing_running(case
 
 
 @ROOT_UNJAILED
+@pytest.mark.skipif(sandbox._pids_parent() is None, reason="no pids cgroup can be made here (rlimits cap processes)")
+def test_with_a_pids_cgroup_a_fork_bomb_ends_at_its_first_refused_fork_and_the_cgroup_goes(monkeypatch):
+    """Run as root, the rlimit on processes does not bind; the run's pids cgroup does, even for root, and its first
+    refused fork ends the run (the wall-clock limit would have let the bomb refuse forks for 3 s)."""
+    made: list = []
+    make = sandbox._pids_cgroup
+    monkeypatch.setattr(sandbox, "_pids_cgroup", lambda n: made.append(make(n)) or made[-1])
+    out = sandbox.run_python(CASES["fork bomb"][0], limits=sandbox.Limits(processes=8, wall_s=30.0))
+    assert out.reason == "killed: over the process limit of 8", out
+    assert made and made[0] is not None and not made[0].exists(), f"the run's cgroup {made} is removed"
+    time.sleep(0.2)
+    assert not sandboxed(), "left running"
+
+
+@ROOT_UNJAILED
 def test_a_busy_loop_is_stopped_by_its_cpu_limit():
     """The CPU limit by itself, under a wall-clock limit far enough away that load cannot reach it first."""
     started = time.monotonic()
