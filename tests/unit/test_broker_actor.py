@@ -166,6 +166,21 @@ async def test_duplicate_and_foreign_results_are_refused():
         assert actor.counters["refused old broker epoch"] == 1
 
 
+async def leased_again(b: Fake, gen: m.Generate, timeout_s: float = 5.0) -> m.Generate:
+    """Worker ``b`` heartbeats and finishes its own groups until ``gen``'s group is leased to it again."""
+    async with asyncio.timeout(timeout_s):
+        while True:
+            await b.send(m.Heartbeat(tokens_generated=0, running=0, kv_use=0.0))
+            try:
+                got = await b.recv(m.Generate, timeout_s=0.05)
+            except TimeoutError:
+                continue
+            if got.group_id == gen.group_id:
+                return got
+            for i in range(G):  # its own fresh group: finish it to free the slots
+                await b.send(finished(got, i, epoch=7))
+
+
 async def test_a_silent_worker_is_dropped_its_group_re_leased_and_its_late_results_refused():
     async with running_broker("broker.liveness=3") as (actor, ep, ctx):
         a = Fake(ctx, ep, "rollout/a/1")
@@ -173,19 +188,7 @@ async def test_a_silent_worker_is_dropped_its_group_re_leased_and_its_late_resul
         gen = await a.recv(m.Generate)
         b = Fake(ctx, ep, "rollout/b/1")
         await b.worker(slots=G)
-        again: m.Generate | None = None
-        async with asyncio.timeout(5):  # b heartbeats and works, a says nothing: a dies after 3 x 0.05 s
-            while again is None:
-                await b.send(m.Heartbeat(tokens_generated=0, running=0, kv_use=0.0))
-                try:
-                    got = await b.recv(m.Generate, timeout_s=0.05)
-                except TimeoutError:
-                    continue
-                if got.group_id == gen.group_id:
-                    again = got
-                else:  # its own fresh group: finish it to free the slots
-                    for i in range(G):
-                        await b.send(finished(got, i, epoch=7))
+        again = await leased_again(b, gen)  # a says nothing: it dies after 3 x 0.05 s
         assert again.group_id == gen.group_id and again.attempt != gen.attempt
         assert isinstance(await a.recv((m.Disconnect,)), m.Disconnect)
         assert any(isinstance(x, m.Heartbeat) for x in a.backlog), "a, quiet, was sent heartbeats before its death"
@@ -204,21 +207,8 @@ async def test_a_worker_whose_connection_closed_is_lost_as_unreachable_long_befo
         b = Fake(ctx, ep, "rollout/b/1")
         await b.worker(slots=G)
         a.sock.close(linger=0)  # as a crashed process's kernel closes its connections
-        started = time.monotonic()
-        again: m.Generate | None = None
-        async with asyncio.timeout(5):
-            while again is None:
-                await b.send(m.Heartbeat(tokens_generated=0, running=0, kv_use=0.0))
-                try:
-                    got = await b.recv(m.Generate, timeout_s=0.05)
-                except TimeoutError:
-                    continue
-                if got.group_id == gen.group_id:
-                    again = got
-                else:
-                    for i in range(G):
-                        await b.send(finished(got, i, epoch=7))
-        assert again.attempt != gen.attempt and time.monotonic() - started < 5
+        again = await leased_again(b, gen)
+        assert again.attempt != gen.attempt
         [lost] = actor.lost
         assert (lost["peer"], lost["reason"]) == ("rollout/a/1", "unreachable"), lost
         assert "false deaths (rollout)" not in actor.counters
