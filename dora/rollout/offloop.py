@@ -9,7 +9,7 @@ One thread runs every such call, one at a time and in order, so an engine sees o
 device, a ZeroMQ socket inside vLLM's client), and nothing else touches the engine while a call runs: the loop
 neither reads the broker's commands nor steps the engine again until the call is done. The thread is a daemon, so a
 call that never returns (a wedged engine, which the broker's stall watchdog finds from heartbeats without progress)
-cannot keep the process from exiting.
+cannot keep the process from exiting; any other call is waited for (``close``) before the process exits.
 """
 
 from __future__ import annotations
@@ -40,10 +40,14 @@ class EngineThread:
         self.jobs.put((done, fn, args))
         return asyncio.wrap_future(done)
 
-    def close(self) -> None:
-        """The thread ends after the call it runs, if any (it is not waited for)."""
+    def close(self, wait_s: float = 5.0) -> None:
+        """The thread ends after the call it runs, if any, waited for up to ``wait_s``: a daemon thread still inside
+        a torch call when the interpreter exits is cut off there, which aborts the process ("terminate called
+        without an active exception", exit 134 instead of 0 after a SIGTERM). A call that has not returned by then
+        (a wedged engine) is left behind."""
         if self.thread is not None:
             self.jobs.put(None)
+            self.thread.join(wait_s)
             self.thread = None
 
     def _serve(self) -> None:
