@@ -184,7 +184,8 @@ def _remove_cgroup(cg: pathlib.Path, timeout_s: float = 5.0) -> None:
 def _limit(limits: Limits, nproc: int, cgroup: pathlib.Path | None = None) -> None:
     """In the child, before exec: its rlimits (inherited by everything it starts), and its pids cgroup."""
     if cgroup is not None:
-        (cgroup / "cgroup.procs").write_text(str(os.getpid()))
+        with contextlib.suppress(OSError):  # not let in: the rlimits still hold, and no fork is seen refused
+            (cgroup / "cgroup.procs").write_text(str(os.getpid()))
     mib = 1 << 20
     for res, soft, hard in (
         (resource.RLIMIT_CPU, limits.cpu_s, limits.cpu_s + 1),  # SIGXCPU first, SIGKILL a second later
