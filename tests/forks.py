@@ -16,6 +16,7 @@ while a torch worker and a learner import)."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -82,10 +83,17 @@ class Forked:
         self._proc.start()
         self.pid = self._proc.pid
         self.returncode: int | None = None
+        try:  # the server, not this process, reaps it: signal it through a pidfd, which a reused PID cannot fool
+            self._pidfd: int | None = os.pidfd_open(self.pid)
+        except ProcessLookupError:  # gone already
+            self._pidfd = None
 
     def poll(self) -> int | None:
         if self.returncode is None:
             self.returncode = self._proc.exitcode
+            if self.returncode is not None and self._pidfd is not None:
+                os.close(self._pidfd)
+                self._pidfd = None
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -95,8 +103,10 @@ class Forked:
         return self.returncode  # type: ignore[return-value]
 
     def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, sig)
+        """``sig`` to the process unless it has ended (reaped by the server before its status reached us, too)."""
+        if self.poll() is None and self._pidfd is not None:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self._pidfd, sig)
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
