@@ -93,8 +93,10 @@ class BrokerActor:
         self.waiting = Counter[WorkerId]()
         """Actions not yet carried out per worker they command: its heartbeats are not reconciled meanwhile."""
         self.unreachable: dict[bytes, Peer] = {}
-        """Peers a send found gone, lost at the next turn once what came from them is read: a process that said
-        goodbye and closed its socket is gone from the ROUTER's routes before its Goodbye is read."""
+        """Peers a send found gone, lost once what came from them is read: a process that said goodbye and closed
+        its socket is gone from the ROUTER's routes before its Goodbye is read."""
+        self.unreachable_at = 0.0
+        """When the oldest of ``unreachable`` was found so."""
         self.decision_s = Counter[str]()
         """Seconds spent in the core's decisions, by event kind (orchestration runs inside them)."""
         self.malformed = Counter[str]()
@@ -142,10 +144,13 @@ class BrokerActor:
                 self.carry_out()
             drained = not await self.sock.poll(timeout_ms, zmq.POLLIN) or self.drain()
             now = self.clock()
-            for identity, peer in self.unreachable.items():  # a Goodbye read since leaves with its own reason
-                if self.peers.get(identity) is peer:
-                    self.peer_lost(peer, "unreachable")
-            self.unreachable.clear()
+            # A peer a send found gone is lost once what it sent is read (a Goodbye among it leaves with its own
+            # reason): after a drain that emptied the socket, or an interval later for a broker that stays behind.
+            if self.unreachable and (drained or now - self.unreachable_at > self.cfg.broker.heartbeat_interval_s):
+                for identity, peer in self.unreachable.items():
+                    if self.peers.get(identity) is peer:
+                        self.peer_lost(peer, "unreachable")
+                self.unreachable.clear()
             # Longer than asked since the last turn: the broker was not run (a loaded machine), or held, and heard
             # nobody meanwhile; peers whose heartbeats wait in the queue are not silent for it.
             away, last = now - last - timeout_ms / 1000, now
@@ -541,8 +546,13 @@ class BrokerActor:
 
     def flush(self, until: float | None = None) -> int:
         """Send what the outboxes hold, until a pipe is full (or ``until``, a ``time.perf_counter`` time); a peer
-        that cannot be routed to is lost at the next turn (``unreachable``)."""
-        return self.links.flush(lambda peer: self.unreachable.setdefault(peer.identity, peer), until)
+        that cannot be routed to is lost once what it sent is read (``unreachable``)."""
+        return self.links.flush(self.found_unreachable, until)
+
+    def found_unreachable(self, peer: Peer) -> None:
+        if not self.unreachable:
+            self.unreachable_at = self.clock()
+        self.unreachable.setdefault(peer.identity, peer)
 
     def snapshot(self) -> dict[str, Any]:
         return snapshot(self)
