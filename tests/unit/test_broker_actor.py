@@ -191,7 +191,6 @@ async def test_a_silent_worker_is_dropped_its_group_re_leased_and_its_late_resul
         again = await leased_again(b, gen)  # a says nothing: it dies after 3 x 0.05 s
         assert again.group_id == gen.group_id and again.attempt != gen.attempt
         assert isinstance(await a.recv((m.Disconnect,)), m.Disconnect)
-        assert any(isinstance(x, m.Heartbeat) for x in a.backlog), "a, quiet, was sent heartbeats before its death"
         await a.send(finished(gen, 0, epoch=7))  # late: a is no longer a peer
         assert isinstance(await a.recv(m.Disconnect), m.Disconnect)
         await asyncio.sleep(0.05)
