@@ -20,6 +20,7 @@ from dora.broker import actor as broker_actor
 from dora.broker import translate
 from dora.broker.actor import BrokerActor
 from dora.broker.evaluation import EvalRounds
+from dora.broker.links import recv_frames
 from dora.broker.main import open_router
 from dora.config import load
 from dora.config.run import RunConfig
@@ -211,6 +212,40 @@ async def test_a_worker_whose_connection_closed_is_lost_as_unreachable_long_befo
         [lost] = actor.lost
         assert (lost["peer"], lost["reason"]) == ("rollout/a/1", "unreachable"), lost
         assert "false deaths (rollout)" not in actor.counters
+
+
+@pytest.mark.parametrize("bind", ["inproc", "ipc"])
+async def test_a_worker_that_said_goodbye_and_closed_leaves_by_its_goodbye_when_drains_are_cut_short(
+        bind: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch):  # fmt: skip
+    """A loaded machine cuts the broker's drain short: here every drain reads one message. The worker sends its
+    results and Goodbye and closes its socket before the broker reads any, so the acks the broker sends find it gone
+    while its Goodbye still waits to be read; it is lost for its Goodbye, not as unreachable."""
+
+    def one_message(self: BrokerActor) -> bool:
+        try:
+            frames = recv_frames(self.links.sync)
+        except zmq.Again:
+            return True
+        self.on_frames(frames)
+        return False
+
+    monkeypatch.setattr(BrokerActor, "drain", one_message)
+    where = [f"broker.bind=ipc://{tmp_path}/b.sock"] if bind == "ipc" else []
+    # a 5 s interval: "an interval later" (for a broker that stays behind) cannot come first
+    async with running_broker("broker.heartbeat_interval_s=5", *where) as (actor, ep, ctx):
+        a = Fake(ctx, ep, "rollout/a/1", LINGER=2000)  # its messages leave before its socket closes
+        await a.worker(slots=G)
+        gen = await a.recv(m.Generate)
+        for i in range(G):
+            await a.send(finished(gen, i, epoch=7))
+        await a.send(m.Goodbye(reason="stopping"))
+        a.sock.close()
+        async with asyncio.timeout(10):
+            while not actor.lost:
+                await asyncio.sleep(0.01)
+        [lost] = actor.lost
+        assert (lost["peer"], lost["reason"]) == ("rollout/a/1", "goodbye: stopping"), lost
+        assert actor.counters["lost rollout"] == 1
 
 
 async def test_a_process_declared_dead_that_says_hello_again_is_counted_as_a_false_death():
