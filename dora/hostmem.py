@@ -55,7 +55,9 @@ class Parking:
             self.buffer = torch.empty(total, dtype=torch.uint8, pin_memory=self.pin)
             self.reserve_s = time.perf_counter() - started
 
-        self._reserving = threading.Thread(target=make, name="dora-hostmem-reserve", daemon=True)
+        # not a daemon: the interpreter's exit waits for it, as a daemon thread cut off inside a torch call aborts
+        # the process (exit 134); pinning ends on its own, in seconds
+        self._reserving = threading.Thread(target=make, name="dora-hostmem-reserve")
         self._reserving.start()
 
     def ready(self) -> None:
