@@ -174,12 +174,18 @@ class BrokerActor:
         """Handle queued messages for up to TURN_S, without an await per message; True if none is left."""
         until = time.perf_counter() + TURN_S
         while time.perf_counter() < until:
-            try:
-                frames = recv_frames(self.links.sync)
-            except zmq.Again:
+            if not self.read_one():
                 return True
-            self.on_frames(frames)
         return False
+
+    def read_one(self) -> bool:
+        """Handle one queued message; False if none was queued."""
+        try:
+            frames = recv_frames(self.links.sync)
+        except zmq.Again:
+            return False
+        self.on_frames(frames)
+        return True
 
     def on_frames(self, frames: list[Any]) -> None:
         identity = bytes(frames[0])
