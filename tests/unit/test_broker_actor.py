@@ -56,16 +56,25 @@ class Fake:
         return ack
 
     async def recv(self, kind: type | tuple[type, ...] = object, timeout_s: float = 5.0) -> Any:
-        """The next message of ``kind``; others are kept, in order, for a later call."""
+        """The next message of ``kind``; others are kept, in order, for a later call.
+
+        The wait is a poll, and the read a non-blocking one that cannot be interrupted. A ``recv_multipart``
+        awaited under a timeout drops the message when the timeout fires in the loop turn the message came in:
+        the message is off the socket, and the task is cancelled before it resumes with it. A loaded machine makes
+        such turns common (``test_a_fake_peer_loses_no_message_to_its_own_timeouts``)."""
         for i, msg in enumerate(self.backlog):
             if isinstance(msg, kind):
                 return self.backlog.pop(i)
-        async with asyncio.timeout(timeout_s):
-            while True:
-                msg = codec.decode(await self.sock.recv_multipart())
-                if isinstance(msg, kind):
-                    return msg
-                self.backlog.append(msg)
+        loop = asyncio.get_running_loop()
+        until = loop.time() + timeout_s
+        while True:
+            left_ms = int(1000 * (until - loop.time()))
+            if left_ms <= 0 or not await self.sock.poll(left_ms, zmq.POLLIN):
+                raise TimeoutError(f"{self.name}: no {kind} within {timeout_s} s")
+            msg = codec.decode(await self.sock.recv_multipart(zmq.NOBLOCK))  # a done future: no turn to lose it in
+            if isinstance(msg, kind):
+                return msg
+            self.backlog.append(msg)
 
     async def hello(self, role: m.Role, slots: int = 0, peer_id: str | None = None) -> m.Welcome:
         await self.send(m.Hello(wire_version=m.WIRE_VERSION, role=role, peer_id=peer_id or self.name,
@@ -107,6 +116,46 @@ async def running_broker(*overrides: str, evals: EvalRounds | None = None
     finally:
         stop.set()
         await task  # re-raises anything the actor crashed with
+        ctx.destroy(linger=0)
+
+
+async def test_a_fake_peer_loses_no_message_to_its_own_timeouts():
+    """The tests' peer waits in short timeouts (``leased_again``: 0.05 s). On a loaded machine a loop turn is long,
+    and a message and the timeout often land in one: a ``recv_multipart`` awaited under ``asyncio.timeout`` then
+    took the message off the socket and lost it, and a re-leased group never reached the worker (the liveness tests'
+    5 s failures). Here each turn of the loop is held 3 ms, and the peer waits 4 ms at a time."""
+    ctx = zmq.asyncio.Context()
+    router = ctx.socket(zmq.ROUTER)
+    endpoint = f"inproc://fake-{uuid.uuid4().hex}"
+    router.bind(endpoint)
+    peer = Fake(ctx, endpoint, "rollout/p/1")
+    n, got, timeouts = 150, 0, 0
+
+    async def hold() -> None:
+        while True:
+            time.sleep(0.003)
+            await asyncio.sleep(0)
+
+    async def send() -> None:
+        for _ in range(n):
+            await asyncio.sleep(0.004)
+            await router.send_multipart([peer.name.encode(), *codec.encode(m.Heartbeat())])
+
+    try:
+        await peer.send(m.Heartbeat())
+        await router.recv_multipart()  # the router knows the peer now
+        holder, sender = asyncio.create_task(hold()), asyncio.create_task(send())
+        async with asyncio.timeout(10):
+            while got < n:
+                try:
+                    await peer.recv(m.Heartbeat, timeout_s=0.004)
+                    got += 1
+                except TimeoutError:
+                    timeouts += 1
+        await sender
+        holder.cancel()
+        assert got == n and timeouts > 0, (got, timeouts)  # the timeouts did fire, and every message arrived
+    finally:
         ctx.destroy(linger=0)
 
 
