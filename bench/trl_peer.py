@@ -18,7 +18,7 @@ Read from the same resolved config `dora run` reads (``--config`` and ``--set``,
   decay, constant lr; ``learner.max_grad_norm``; clip ``learner.clip_low``/``clip_high``; micro-batches of
   ``learner.micro_batch`` accumulated into one update per generated batch (``num_iterations`` 1, so the
   ratio's denominator is the policy that sampled); KL off (``beta`` 0); group-std advantages
-  (``scale_rewards="group"``, or ``"none"`` without ``learner.scale_by_std``); sequence-level loss
+  (``scale_rewards="group"``, or ``"none"`` with ``learner.advantage = "dr_grpo"``); sequence-level loss
   (``loss_type="grpo"``; ``"dapo"`` with ``learner.token_level``).
 - **Threads.** ``torch.set_num_threads(--threads)``, default ``os.cpu_count()``: every core of the machine,
   which is what `dora run`'s processes share among themselves.
@@ -76,7 +76,7 @@ def trl_args(cfg: RunConfig, *, steps: int, seed: int, out_dir: pathlib.Path) ->
         learning_rate=lr.lr, lr_scheduler_type="constant", warmup_steps=0, adam_beta1=0.9, adam_beta2=0.99,
         weight_decay=0.0, max_grad_norm=lr.max_grad_norm, beta=0.0, epsilon=lr.clip_low, epsilon_high=lr.clip_high,
         num_iterations=1, loss_type="dapo" if lr.token_level else "grpo",
-        scale_rewards="group" if lr.scale_by_std else "none", disable_dropout=True,
+        scale_rewards="group" if lr.advantage == "grpo" else "none", disable_dropout=True,
     )  # fmt: skip
 
 

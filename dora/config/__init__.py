@@ -162,6 +162,12 @@ def _at_least(name: str, value: object, low: int) -> None:
 # ---------------------------------------------------------------- loading: defaults < TOML < env < CLI
 
 
+MOVED = {
+    "learner.scale_by_std": "set learner.advantage = 'grpo' (what true meant) or 'dr_grpo' (false)",
+}
+"""Keys a configuration file may still hold from an earlier dora: each is refused with where its meaning went."""
+
+
 def build(cls: type[T], data: Mapping[str, Any], where: str = "") -> T:
     """Construct the (nested) config dataclass ``cls`` from plain data; unknown keys are errors."""
     if not isinstance(data, Mapping):
@@ -169,6 +175,9 @@ def build(cls: type[T], data: Mapping[str, Any], where: str = "") -> T:
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
+    for key in unknown:
+        if _join(where, key) in MOVED:
+            raise ConfigError(f"{_join(where, key)} is gone: {MOVED[_join(where, key)]}")
     if unknown:
         raise ConfigError(f"unknown key {_join(where, unknown[0])!r} (known: {', '.join(sorted(names))})")
     kwargs = {k: _coerce(v, hints[k], _join(where, k)) for k, v in data.items()}

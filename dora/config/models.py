@@ -134,7 +134,7 @@ class LearnerSection:
     store: str = "weights"
     """Weight store directory, reachable by every process (published versions, retired by the broker)."""
     lr: float = 1e-4
-    """torch trainer: AdamW learning rate (betas 0.9, 0.99; no weight decay)."""
+    """torch trainer: AdamW learning rate (betas 0.9, 0.99), the peak of learner.lr_schedule."""
     micro_batch: int = 16
     """torch trainer: trajectories per forward/backward; gradients accumulate over the batch."""
     micro_batch_tokens: int = 0
@@ -165,8 +165,51 @@ class LearnerSection:
     token_level: bool = False
     """Loss reduction: false = mean per trajectory, then over trajectories (GRPO); true = mean over every token
     of the batch (DAPO), so long answers weigh per token."""
-    scale_by_std: bool = True
-    """Advantages divided by the group's reward std (GRPO); false = reward minus group mean (Dr. GRPO)."""
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
+    """How a trajectory's advantage comes from its group's rewards: ``grpo`` (minus the group mean, over the group's
+    std), ``dr_grpo`` (minus the group mean), ``rloo`` (minus the mean of the group's other rewards), ``reinforce_pp``
+    (minus the group mean, then whitened over the whole batch: REINFORCE++ with a group baseline)."""
+    mini_batches: int = 1
+    """torch trainer: optimizer steps per pass over a train batch. The batch's groups are cut into this many
+    mini-batches of whole groups (sizes differing by at most one group; the ranks balanced within each), each
+    trained to one AdamW step (the DORA paper: 16). At most core.train_groups."""
+    epochs: int = 1
+    """torch trainer: passes over each train batch (the first in the batch's order, later ones shuffled). Steps per
+    batch: mini_batches x epochs. With more than one, the batch is scored once first at its starting weights
+    (the proximal policy): a forward of the batch more."""
+    ratio: Literal["token", "sequence"] = "token"
+    """The ratio clipped: per token (PPO, GRPO, DAPO), or per trajectory as the geometric mean of its tokens' ratios
+    (GSPO; its paper clips at 3e-4 below and 4e-4 above: set clip_low and clip_high to match)."""
+    is_cap: float = 0.0
+    """The decoupled correction, capped: with it (or is_mask) the clip is taken against the proximal policy (the
+    learner's weights when it took the batch), and each token's term is weighted by proximal / behaviour
+    probability, at most is_cap (e.g. 2). 0: no correction: the clip is against the behaviour log-probs, and the
+    clipped ratio is the importance weight."""
+    is_mask: float = 0.0
+    """The decoupled correction, masked: tokens (or trajectories, with is_level = sequence) whose proximal /
+    behaviour weight is outside [1 / is_mask, is_mask] are left out of the loss (e.g. 2). 0: off. With is_cap too,
+    a weight is masked first, then capped."""
+    is_level: Literal["token", "sequence"] = "token"
+    """The correction's weight per token, or per trajectory (the geometric mean of its tokens' weights)."""
+    kl_coef: float = 0.0
+    """torch trainer: weight of a KL(policy || reference) term in the loss, the reference being the start model:
+    with LoRA, the model with its adapters off (no memory more); with full weights, a frozen copy on the learner's
+    device (one more copy of the weights in float32, sharded across ranks as the model is). 0: no term, no copy."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """The per-token KL estimate, with d = log policy - log reference at the sampled token: k1 = d, k2 = d^2 / 2,
+    k3 = exp(-d) - 1 + d (unbiased and never negative). The step metric ``kl_ref`` is k3's whichever trains."""
+    entropy_coef: float = 0.0
+    """torch trainer: weight of an entropy bonus (the loss minus entropy_coef x the entropy of the tempered
+    distribution at each sampled position). 0: none; the step metric ``entropy`` is measured either way."""
+    weight_decay: float = 0.0
+    """torch trainer: AdamW's decoupled weight decay, applied to matrices only (biases and norm gains keep theirs)."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """torch trainer: after the warmup, the learning rate stays (constant), or falls to lr x min_lr_ratio at the
+    run's last optimizer step (core.total_steps x steps per batch), linearly or along a half cosine."""
+    warmup_steps: int = 0
+    """torch trainer: optimizer steps over which the learning rate rises linearly from lr / warmup_steps to lr."""
+    min_lr_ratio: float = 0.0
+    """torch trainer: where a linear or cosine decay ends, as a share of lr."""
     filter_uniform_groups: bool = False
     """Mask out groups whose rewards are all equal (zero advantage) and report how many (DAPO dynamic sampling);
     the batch still holds train_groups groups."""
@@ -226,6 +269,17 @@ class LearnerSection:
                               f"got {self.publish_dtype!r}")  # fmt: skip
         if self.publish_shard_mib < 1:
             raise ConfigError(f"learner.publish_shard_mib must be >= 1; got {self.publish_shard_mib}")
+        if self.mini_batches < 1 or self.epochs < 1 or self.warmup_steps < 0:
+            raise ConfigError(f"learner.mini_batches and learner.epochs must be >= 1 and learner.warmup_steps >= 0; "
+                              f"got {self.mini_batches}, {self.epochs}, {self.warmup_steps}")  # fmt: skip
+        if self.is_cap and self.is_cap < 1 or self.is_mask and self.is_mask <= 1 or min(self.is_cap, self.is_mask) < 0:
+            raise ConfigError(f"learner.is_cap must be >= 1 and learner.is_mask > 1 (0: off); got {self.is_cap}, "
+                              f"{self.is_mask}")  # fmt: skip
+        if self.kl_coef < 0 or self.entropy_coef < 0 or self.weight_decay < 0:
+            raise ConfigError(f"learner.kl_coef, entropy_coef and weight_decay must be >= 0; got {self.kl_coef}, "
+                              f"{self.entropy_coef}, {self.weight_decay}")  # fmt: skip
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"learner.min_lr_ratio must be in [0, 1]; got {self.min_lr_ratio}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -358,6 +358,12 @@ class RunConfig:
     sft: SftSection = field(default_factory=SftSection)
 
     def __post_init__(self) -> None:
+        if self.learner.mini_batches > self.core.train_groups:
+            raise ConfigError(f"learner.mini_batches = {self.learner.mini_batches} is more than core.train_groups = "
+                              f"{self.core.train_groups}: a mini-batch holds whole groups, at least one")  # fmt: skip
+        if self.learner.lr_schedule != "constant" and self.core.total_steps is None:
+            raise ConfigError(f"learner.lr_schedule = {self.learner.lr_schedule!r} decays over the run, which needs "
+                              "its length: set core.total_steps")  # fmt: skip
         credit = self.rollout.slots or self.engine.credit
         if credit < self.core.group_size:
             raise ConfigError(

@@ -118,8 +118,13 @@ def make_trainer(cfg: RunConfig, loss_fn: Callable[..., Any] | None = None,
 
     lc = cfg.learner
     loss = LossConfig(clip_low=lc.clip_low, clip_high=lc.clip_high, token_level=lc.token_level,
-                      scale_by_std=lc.scale_by_std, filter_uniform_groups=lc.filter_uniform_groups)  # fmt: skip
-    tc = TrainerConfig(lr=lc.lr, micro_batch=lc.micro_batch, temperature=cfg.run.temperature,
+                      advantage=lc.advantage, filter_uniform_groups=lc.filter_uniform_groups, ratio=lc.ratio,
+                      is_cap=lc.is_cap or None, is_mask=lc.is_mask or None, is_level=lc.is_level,
+                      kl_coef=lc.kl_coef, kl_estimator=lc.kl_estimator, entropy_coef=lc.entropy_coef)  # fmt: skip
+    tc = TrainerConfig(lr=lc.lr, micro_batch=lc.micro_batch, temperature=cfg.run.temperature, top_p=cfg.run.top_p,
+                       mini_batches=lc.mini_batches, epochs=lc.epochs, weight_decay=lc.weight_decay,
+                       lr_schedule=lc.lr_schedule, warmup_steps=lc.warmup_steps, min_lr_ratio=lc.min_lr_ratio,
+                       total_steps=cfg.core.total_steps,
                        max_grad_norm=lc.max_grad_norm, seed=cfg.run.seed, dtype=lc.dtype,
                        checkpoint_dir=lc.checkpoint_dir, keep_checkpoints=lc.keep_checkpoints,
                        offload_between_steps=lc.offload_between_steps,

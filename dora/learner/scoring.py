@@ -4,13 +4,13 @@ output embedding, a chunk of positions at a time (the logits never exist whole),
 The head path runs the model with ``logits_to_keep`` empty (its own output projection makes nothing), records
 its base model's last hidden state with a forward hook, and inside that hook (so within the model's forward:
 under FSDP2 the root's parameters are gathered there) takes the hidden states at the scored positions through
-``dora.learner.logprobs.head_logprobs`` with the output embedding's weight and bias, and the final logit
+``dora.learner.logprobs.head_stats`` with the output embedding's weight and bias, and the final logit
 soft-capping a config names (Gemma 2's ``final_logit_softcapping``).
 
 Whether a model's logits are that is not assumed: ``head_gap`` runs four tokens both ways once, when the trainer
 starts, and any difference (a logit scale, another transform, a head that is not a linear layer, a forward that
 takes no ``logits_to_keep``) sends the model down the logits path: the model's own logits, only the positions
-scored kept (``logits_to_keep`` as indices where the forward takes it), and ``sampled_logprobs`` on them.
+scored kept (``logits_to_keep`` as indices where the forward takes it), and ``sampled_stats`` on them.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from dora.hf.tensors import PROBE_ERRORS
-from dora.learner.logprobs import CHUNK_BYTES, head_logprobs, sampled_logprobs
+from dora.learner.logprobs import CHUNK_BYTES, Stats, head_stats, sampled_stats
 
 
 def _softcap(model: torch.nn.Module) -> float | None:
@@ -33,11 +33,14 @@ def _softcap(model: torch.nn.Module) -> float | None:
 
 
 class Scorer:
-    """Runs a model on given inputs and returns the log-probs of ``tokens`` at positions ``(rows, cols)`` of the
-    sequences it ran (float32 [N]), with the model's output (for its cache)."""
+    """Runs a model on given inputs and returns, for ``tokens`` at positions ``(rows, cols)`` of the sequences it ran,
+    their ``Stats`` (the log-prob under the engines' distribution: temperature and ``top_p`` nucleus; under the
+    tempered whole vocabulary; the entropy; float32 [N] each), with the model's output (for its cache)."""
 
-    def __init__(self, model: torch.nn.Module, *, temperature: float, chunk_bytes: int = CHUNK_BYTES) -> None:
+    def __init__(self, model: torch.nn.Module, *, temperature: float, top_p: float = 1.0,
+                 chunk_bytes: int = CHUNK_BYTES) -> None:  # fmt: skip
         self.temperature = temperature
+        self.top_p = top_p
         self.chunk_bytes = chunk_bytes
         self.takes_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.softcap = _softcap(model)
@@ -49,23 +52,23 @@ class Scorer:
         return "head" if self.gap is None else "logits"
 
     def __call__(self, model: torch.nn.Module, inputs: dict[str, Any], rows: torch.Tensor, cols: torch.Tensor,
-                 tokens: torch.Tensor, *, head: bool | None = None) -> tuple[torch.Tensor, Any]:  # fmt: skip
+                 tokens: torch.Tensor, *, head: bool | None = None) -> tuple[Stats, Any]:  # fmt: skip
         if self.gap is None if head is None else head:
             return self._from_head(model, inputs, rows, cols, tokens)
         return self._from_logits(model, inputs, rows, cols, tokens)
 
     def _from_head(self, model: torch.nn.Module, inputs: dict[str, Any], rows: torch.Tensor, cols: torch.Tensor,
-                   tokens: torch.Tensor) -> tuple[torch.Tensor, Any]:  # fmt: skip
+                   tokens: torch.Tensor) -> tuple[Stats, Any]:  # fmt: skip
         linear = model.get_output_embeddings()
-        found: list[torch.Tensor] = []
+        found: list[Stats] = []
 
         def hook(_module: torch.nn.Module, _args: Any, output: Any) -> None:
             hidden = output[0][rows, cols]
             device = hidden.device.type
             dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else linear.weight.dtype
-            found.append(head_logprobs(hidden, linear.weight, tokens, bias=linear.bias, softcap=self.softcap,
-                                       temperature=self.temperature, dtype=dtype,
-                                       chunk_bytes=self.chunk_bytes))  # fmt: skip
+            found.append(head_stats(hidden, linear.weight, tokens, bias=linear.bias, softcap=self.softcap,
+                                    temperature=self.temperature, top_p=self.top_p, dtype=dtype,
+                                    chunk_bytes=self.chunk_bytes))  # fmt: skip
 
         handle = model.base_model.register_forward_hook(hook)
         try:
@@ -78,7 +81,7 @@ class Scorer:
         return found[0], out
 
     def _from_logits(self, model: torch.nn.Module, inputs: dict[str, Any], rows: torch.Tensor, cols: torch.Tensor,
-                     tokens: torch.Tensor) -> tuple[torch.Tensor, Any]:  # fmt: skip
+                     tokens: torch.Tensor) -> tuple[Stats, Any]:  # fmt: skip
         if self.takes_keep:
             kept = torch.unique(cols)  # sorted: the logits come in this order
             out = model(**inputs, logits_to_keep=kept)
@@ -86,7 +89,9 @@ class Scorer:
         else:
             out = model(**inputs)
         logits = out.logits[rows, cols]
-        return sampled_logprobs(logits, tokens, temperature=self.temperature, chunk_bytes=self.chunk_bytes), out
+        stats = sampled_stats(logits, tokens, temperature=self.temperature, top_p=self.top_p,
+                              chunk_bytes=self.chunk_bytes)  # fmt: skip
+        return stats, out
 
 
 def head_gap(model: torch.nn.Module, scorer: Scorer) -> str | None:
@@ -108,7 +113,7 @@ def head_gap(model: torch.nn.Module, scorer: Scorer) -> str | None:
     except PROBE_ERRORS as e:
         said = (str(e).strip().splitlines() or [""])[0][:160]
         return f"its forward does not run so ({type(e).__name__}: {said})"
-    gap = float((want[cols, tokens] - got).abs().max())
+    gap = float((want[cols, tokens] - got.full).abs().max())
     if gap > (1e-4 if linear.weight.dtype in (torch.float32, torch.float64) else 0.05):
         return f"its logits are not its last hidden state through its output embedding (log-probs differ by {gap:.2g})"
     return None

@@ -197,7 +197,7 @@ def test_every_zoo_family_scores_from_its_hidden_states_and_other_logits_fall_ba
 def assert_scored_as_alone(trainer: TorchTrainer, b: m.Batch, name: str) -> None:
     rows = rows_of(b)
     with torch.no_grad():
-        logp, _, _ = trainer._score(rows)
+        logp = trainer._score(rows)[0].logp
         for i, (prompt, s, _) in enumerate(rows):
             ids = torch.tensor([prompt + s.token_ids.tolist()[:-1]])
             logits = trainer.model(input_ids=ids).logits[0, len(prompt) - 1 :]

@@ -69,10 +69,11 @@ def test_the_ratio_uses_each_trajectorys_own_behaviour_log_probs():
     assert loss.item() == pytest.approx(-(1 + math.e) / 2)
 
 
-def test_truncated_importance_weight_and_filtering():
-    logp, old, beh = t([0.0]), t([0.0]), t([-1.0])  # the trainer thinks the token 2.7x likelier than the engine did
-    loss, _ = policy_loss(logp, beh, t(1.0), t([1]), LossConfig(tis_cap=2.0), logp_old=old)
-    assert loss.item() == pytest.approx(-1.0 * 2.0)  # ratio vs logp_old = 1, weight min(e, 2) = 2
+def test_capped_importance_weight_and_filtering():
+    logp, prox, beh = t([0.0]), t([0.0]), t([-1.0])  # the learner thinks the token 2.7x likelier than the engine did
+    loss, m = policy_loss(logp, beh, t(1.0), t([1]), LossConfig(is_cap=2.0), logp_prox=prox)
+    assert loss.item() == pytest.approx(-1.0 * 2.0)  # ratio vs logp_prox = 1, weight min(e, 2) = 2
+    assert m["is_weight_max"] == pytest.approx(2.0) and m["is_corrected"] == 1.0
     keep = torch.tensor([True, False])
     loss, m = policy_loss(t([0.0], [0.0]), t([0.0], [0.0]), t(1.0, -5.0), t([1], [1]), LossConfig(), keep=keep)
     assert loss.item() == pytest.approx(-1.0) and m["tokens"] == 1
@@ -90,4 +91,4 @@ def test_bad_config_is_refused():
     with pytest.raises(ValueError):
         LossConfig(clip_low=1.5)
     with pytest.raises(ValueError):
-        LossConfig(tis_cap=0.5)
+        LossConfig(is_cap=0.5)

@@ -48,6 +48,7 @@ def test_the_learner_scores_the_engines_samples_at_their_behaviour_log_probs(tin
     rows = [(g.prompt_ids.tolist(), s, gi) for gi, g in enumerate(batch.groups) for s in g.samples]
     with torch.no_grad():
         logp, _, mask = trainer._score(rows)
+        logp = logp.logp
     for b, (_, s, _) in enumerate(rows):
         n = len(s.token_ids)
         assert mask[b].sum() == n
@@ -111,7 +112,8 @@ def test_environment_tokens_are_context_but_never_trained(tiny_model, tmp_path):
     rows = [(g.prompt_ids.tolist(), s, gi) for gi, g in enumerate(episodes.groups) for s in g.samples]
     with torch.no_grad():
         logp, _, mask = trainer._score(rows)
-        full, _, _ = trainer._score([(p, plain.groups[gi].samples[s.index], gi) for p, s, gi in rows])
+        logp = logp.logp
+        full = trainer._score([(p, plain.groups[gi].samples[s.index], gi) for p, s, gi in rows])[0].logp
     for b, (_, s, _) in enumerate(rows):
         n = len(s.token_ids)
         assert mask[b, :n].tolist() == s.loss_mask.astype(float).tolist() and not mask[b, n:].any()

@@ -83,6 +83,7 @@ def scored_exactly(folder: pathlib.Path, tmp_path: pathlib.Path, *, whole_rows: 
             rows.append((list(prompt), sample, gi))
     with torch.no_grad():
         logp, _, mask = trainer._score(rows)
+        logp = logp.logp
     for b, (prompt, s, _) in enumerate(rows):
         n = len(s.token_ids)
         assert mask[b].sum() == n and torch.all(logp[b, n:] == 0)

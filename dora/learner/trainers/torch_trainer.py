@@ -39,7 +39,11 @@ from dora.hf.folder import companion_files, with_dtype
 from dora.hf.tensors import blocks, padding_gap, publishable, tied_copies, with_copies
 from dora.hostmem import Parking, module_tensors
 from dora.learner.logprobs import CHUNK_BYTES
-from dora.learner.loss import LossConfig, LossFn, checked, group_advantages, policy_loss, uniform_groups
+from dora.learner.health import Tally, batch_health, mismatch
+from dora.learner.logprobs import Stats
+from dora.learner.loss import (SUMMED, LossConfig, LossFn, advantages, checked, policy_loss, regularizers, takes_prox,
+                               uniform_groups)  # fmt: skip
+from dora.learner.schedule import LrSchedule, mini_batches
 from dora.learner.scoring import Scorer
 from dora.learner.throughput import flop_params, peak_tflops, speed
 from dora.store import WeightStore
@@ -73,6 +77,19 @@ class TrainerConfig:
     """Float32 logits made at once when scoring (``dora.learner.logprobs``)."""
     temperature: float = 1.0
     """The rollout temperature: the behaviour log-probs were taken at it, so the learner scores at it too."""
+    top_p: float = 1.0
+    """The rollout nucleus: the engines sampled from it, so the learner scores over the same nucleus."""
+    mini_batches: int = 1
+    """Optimizer steps per pass over a train batch (``dora.learner.schedule``: whole groups in each)."""
+    epochs: int = 1
+    """Passes over each train batch."""
+    weight_decay: float = 0.0
+    """AdamW's decoupled weight decay, on matrices (parameters of two or more dimensions) only."""
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+    total_steps: int | None = None
+    """Train batches in the run (``core.total_steps``): the length a decay of the learning rate spans."""
     max_grad_norm: float = 1.0
     seed: int = 0
     dtype: str = "float32"
@@ -114,7 +131,8 @@ class TorchTrainer:
         """Its sequences cannot be batched by left padding (layers that keep a state, or positions padding moves),
         or its blocks are checkpointed (a replay would write a shared prompt's cache twice): each sample is scored
         as one whole row, its prompt included (``_row_inputs``)."""
-        self.scorer = Scorer(self.model, temperature=cfg.temperature, chunk_bytes=cfg.logprob_chunk_bytes)
+        self.scorer = Scorer(self.model, temperature=cfg.temperature, top_p=cfg.top_p,
+                             chunk_bytes=cfg.logprob_chunk_bytes)  # fmt: skip
         """Log-probs from the last hidden states through the output embedding, or from the logits when the model's
         logits are something else; a chunk of positions at a time either way."""
         self.flop_params = flop_params(self.model)
@@ -135,6 +153,9 @@ class TorchTrainer:
             if self.rank == 0:  # the rank that publishes
                 self.beside[adapters.BASE_FILE] = adapters.base_record(self.model_dir)
         self.bf16 = cfg.dtype == "bfloat16"
+        self.reference = self._reference_model(loss)
+        """KL's reference, the start model (with a KL term only): with LoRA the model itself with its adapters
+        off (``None`` here); with full weights a frozen copy, on the learner's device (sharded as the model is)."""
         if cfg.activation_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.world > 1:
@@ -142,9 +163,12 @@ class TorchTrainer:
 
             mesh = dist.device_mesh.init_device_mesh(self.device.type, (self.world,))
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if self.bf16 else None, reduce_dtype=torch.float32)
-            for block in blocks(self.model):
-                fully_shard(block, mesh=mesh, mp_policy=mp)
-            fully_shard(self.model, mesh=mesh, mp_policy=mp)
+            for module in (self.model, self.reference):
+                if module is None:
+                    continue
+                for block in blocks(module):
+                    fully_shard(block, mesh=mesh, mp_policy=mp)
+                fully_shard(module, mesh=mesh, mp_policy=mp)
         self.model.eval()  # scored as the engines sample: no dropout (GPT-2's configs set 0.1); gradients still flow
         if cfg.lora is not None and cfg.lora.dropout > 0:  # asked for: the adapters' own dropout, in the step only
             for name, module in self.model.named_modules():
@@ -156,11 +180,28 @@ class TorchTrainer:
             for module in self.model.modules():
                 if isinstance(module, GradientCheckpointingLayer) and module.gradient_checkpointing:
                     module.training = True
+        self.reference_scorer = None if self.reference is None else Scorer(
+            self.reference, temperature=cfg.temperature, chunk_bytes=cfg.logprob_chunk_bytes)  # fmt: skip
         trainable = [p for p in self.model.parameters() if p.requires_grad]  # every parameter, or the adapters
-        self.opt = torch.optim.AdamW(trainable, lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
+        groups: Any = trainable
+        if cfg.weight_decay:  # on matrices; biases and norms' gains keep their size
+            groups = [{"params": [p for p in trainable if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+                      {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
+        self.opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
+        self.schedule = LrSchedule(lr=cfg.lr, kind=cfg.lr_schedule, warmup_steps=cfg.warmup_steps,
+                                   min_lr_ratio=cfg.min_lr_ratio,
+                                   total_steps=None if cfg.total_steps is None else
+                                   cfg.total_steps * cfg.mini_batches * cfg.epochs)  # fmt: skip
         self.store = store
         self.loss_cfg = loss
         self.loss_fn = loss_fn
+        self.takes_prox = takes_prox(loss_fn)
+        """Whether the loss is given the proximal log-probs (``logp_prox=``): the built-in one, or one that asks."""
+        if loss.decoupled and not self.takes_prox:
+            from dora.config import ConfigError
+
+            raise ConfigError(f"learner.is_cap / learner.is_mask: the loss {loss_fn.__module__}:{loss_fn.__qualname__} "
+                              "takes no logp_prox keyword, so it cannot apply the correction")  # fmt: skip
         self.cfg = cfg
         self.offloads = cfg.offload_between_steps and self.device.type == "cuda"
         """Between steps the weights and optimizer state wait in host memory (elastic workers use the GPU)."""
@@ -218,89 +259,230 @@ class TorchTrainer:
 
     # ------------------------------------------------------------------ steps
 
+    def _reference_model(self, loss: LossConfig) -> torch.nn.Module | None:
+        """A frozen copy of the start model for the KL term, or None (no KL term, or LoRA: its adapters go off)."""
+        if loss.kl_coef <= 0 or self.lora is not None:
+            return None
+        import copy
+
+        reference = copy.deepcopy(self.model)
+        reference.requires_grad_(False)
+        return reference.eval()
+
+    @contextlib.contextmanager
+    def _adapters_off(self) -> Iterator[None]:
+        """The LoRA model as the start model: every adapter layer off, then on again."""
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        layers = [mod for mod in self.model.modules() if isinstance(mod, BaseTunerLayer)]
+        for layer in layers:
+            layer.enable_adapters(False)
+        try:
+            yield
+        finally:
+            for layer in layers:
+                layer.enable_adapters(True)
+
+    def _reference_logp(self, rows: list[tuple[list[int], Any, int]]) -> torch.Tensor | None:
+        """The reference's log-probs of the rows' sampled tokens over the tempered vocabulary ([B, T], no gradient),
+        when the loss has a KL term."""
+        if self.loss_cfg.kl_coef <= 0:
+            return None
+        fed = self.fed_tokens
+        with torch.no_grad():
+            if self.reference is not None:
+                assert self.reference_scorer is not None
+                stats, _, _ = self._score(rows, self.reference, self.reference_scorer)
+            else:
+                with self._adapters_off():
+                    stats, _, _ = self._score(rows)
+        self.fed_tokens = fed  # work done, but not a training pass
+        return stats.full
+
+    @property
+    def steps_per_batch(self) -> int:
+        return self.cfg.mini_batches * self.cfg.epochs
+
     def train(self, batch: m.Batch) -> dict[str, float]:
+        """One train batch: ``mini_batches x epochs`` optimizer steps (``dora.learner.schedule``), the last one's
+        weights published after. The step's metrics are the batch's (every optimizer step's, every rank's)."""
         self._onload()
         started = time.perf_counter()
         rows = [(g.prompt_ids.tolist(), s, gi) for gi, g in enumerate(batch.groups) for s in g.samples]
         rewards = torch.tensor([s.reward for _, s, _ in rows], dtype=torch.float64)
         groups = torch.tensor([gi for _, _, gi in rows])
-        adv = group_advantages(rewards, groups, scale_by_std=self.loss_cfg.scale_by_std, eps=self.loss_cfg.eps)
+        adv = advantages(rewards, groups, self.loss_cfg.advantage, eps=self.loss_cfg.eps)
         flat = uniform_groups(rewards, groups)
         keep = ~flat[groups] if self.loss_cfg.filter_uniform_groups else torch.ones(len(rows), dtype=torch.bool)
         keep &= torch.tensor([trained_tokens(s) > 0 for _, s, _ in rows])  # an episode masked whole trains nothing
-        kept_rows = int(keep.sum())
-        kept_tokens = sum(trained_tokens(s) for (_, s, _), k in zip(rows, keep.tolist(), strict=True) if k)
-        self.opt.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {"clip_fraction": 0.0, "ratio_mean": 0.0, "loss": 0.0}
-        ratio_min, ratio_max, tokens = float("inf"), float("-inf"), 0.0
-        # this rank's share in micro-batches, a group's samples together, groups in order of their longest
-        # sample: little padding. The accumulated gradient depends on neither the share nor the order.
+        fresh = torch.tensor([batch.groups[gi].version == batch.step for _, _, gi in rows])
         sizes = [len(p) + len(s.token_ids) for p, s, _ in rows]
-        step = plan(sizes, [gi for _, _, gi in rows], rank=self.rank, world=self.world, balance=self.cfg.balance,
-                    micro_batch=self.cfg.micro_batch, micro_batch_tokens=self.cfg.micro_batch_tokens)  # fmt: skip
+        tally = Tally()
         self.fed_tokens = 0
-        for part in step.micro_batches:
+        # several optimizer steps: the proximal policy (the weights now) scored first, for the clip, the correction
+        # and the engine-learner gap; with one, the step's own pass is at those weights
+        prox = self._proximal(rows, sizes, fresh, tally) if self.steps_per_batch > 1 else None
+        lr = self.cfg.lr
+        for epoch in range(self.cfg.epochs):
+            for part in mini_batches(len(batch.groups), self.cfg.mini_batches, epoch=epoch, seed=self.cfg.seed,
+                                     step=batch.step):  # fmt: skip
+                chosen = set(part)
+                index = [i for i, (_, _, gi) in enumerate(rows) if gi in chosen]
+                k = batch.step * self.steps_per_batch + int(tally.sums["optimizer_steps"])
+                lr = self.schedule.at(k)
+                self._optimizer_step(rows, index, sizes, adv, keep, fresh, prox, tally, lr)
+        self.trained_steps += 1
+        tally.add("fed", float(self.fed_tokens))
+        tally.reduce(self.world, self.device, ["loss", "tokens", "fed", "clip_fraction", "ratio_mean", *SUMMED,
+                                               "entropy", "kl_ref", "kept_tokens", "mismatch_tokens", "mismatch_abs",
+                                               "mismatch_kl"],
+                     ["ratio_max", "ratio_min_neg", "is_weight_max", "mismatch_prob_max"])  # fmt: skip
+        train_s = time.perf_counter() - started
+        return self._metrics(batch, tally, rewards, flat, lr, train_s)
+
+    def _metrics(self, batch: m.Batch, tally: Tally, rewards: torch.Tensor, flat: torch.Tensor, lr: float,
+                 train_s: float) -> dict[str, float]:  # fmt: skip
+        steps = max(tally.sums["optimizer_steps"], 1)
+        tokens = tally.sums["tokens"]
+        out = {
+            "loss": tally.sums["loss"] / steps,
+            "reward_mean": float(rewards.mean()),
+            "clip_fraction": tally.mean("clip_fraction", "tokens"),
+            "ratio_mean": tally.mean("ratio_mean", "tokens", 1.0),
+            "ratio_min": -tally.highest("ratio_min_neg", -1.0) if tokens else 1.0,
+            "ratio_max": tally.highest("ratio_max", 1.0) if tokens else 1.0,
+            "grad_norm": tally.sums["grad_norm"] / steps,
+            "filtered_groups": float(flat.sum()) if self.loss_cfg.filter_uniform_groups else 0.0,
+            "tokens": float(sum(len(s.token_ids) for g in batch.groups for s in g.samples)),
+            "train_s": train_s,
+            **speed(tally.sums["fed"], train_s, params=self.flop_params, ranks=self.world, peak=self.peak_tflops),
+            "micro_batches": tally.sums["micro_batches"],
+            "rank_imbalance": tally.highest("rank_imbalance", 1.0),
+            "optimizer_steps": steps,
+            "lr": lr,
+            "clip_low_fraction": tally.mean("clip_low_fraction", "tokens"),
+            "clip_high_fraction": tally.mean("clip_high_fraction", "tokens"),
+            "entropy": tally.mean("entropy", "kept_tokens"),
+            **batch_health(batch, flat),
+        }
+        if self.loss_cfg.decoupled:
+            out.update(is_weight_mean=tally.mean("is_weight_mean", "tokens", 1.0),
+                       is_weight_max=tally.highest("is_weight_max", 1.0),
+                       is_corrected=tally.mean("is_corrected", "tokens"))  # fmt: skip
+        if self.loss_cfg.kl_coef > 0:
+            out["kl_ref"] = tally.mean("kl_ref", "kept_tokens")
+        if tally.sums["mismatch_tokens"]:
+            out.update(mismatch_abs=tally.mean("mismatch_abs", "mismatch_tokens"),
+                       mismatch_kl=tally.mean("mismatch_kl", "mismatch_tokens"),
+                       mismatch_prob_max=tally.highest("mismatch_prob_max", 0.0),
+                       mismatch_tokens=tally.sums["mismatch_tokens"])  # fmt: skip
+        return out
+
+    def _plan(self, index: list[int], sizes: list[int], rows: list[tuple[list[int], Any, int]]) -> Any:
+        """This rank's micro-batches of the rows ``index`` (as indices into ``rows``), a group's samples together,
+        groups in order of their longest sample: little padding. The accumulated gradient depends on neither the
+        share nor the order."""
+        step = plan([sizes[i] for i in index], [rows[i][2] for i in index], rank=self.rank, world=self.world,
+                    balance=self.cfg.balance, micro_batch=self.cfg.micro_batch,
+                    micro_batch_tokens=self.cfg.micro_batch_tokens)  # fmt: skip
+        return step, [[index[j] for j in part] for part in step.micro_batches]
+
+    def _proximal(self, rows: list[tuple[list[int], Any, int]], sizes: list[int], fresh: torch.Tensor,
+                  tally: Tally) -> dict[int, torch.Tensor]:  # fmt: skip
+        """Every row's log-probs at the weights the batch starts with (per row, its sampled positions; no
+        gradient), and the engine-learner gap of its staleness-0 rows into ``tally``."""
+        prox: dict[int, torch.Tensor] = {}
+        _, parts = self._plan(list(range(len(rows))), sizes, rows)
+        fed = self.fed_tokens
+        with torch.no_grad():
+            for part in parts:
+                if not part:  # sharded: every rank runs as many forwards
+                    self._score([rows[min(range(len(rows)), key=sizes.__getitem__)]])
+                    continue
+                stats, beh, mask = self._score([rows[i] for i in part])
+                mismatch(tally, stats.logp, beh, mask, fresh[part])
+                for b, i in enumerate(part):
+                    prox[i] = stats.logp[b, : len(rows[i][1].token_ids)]
+        self.fed_tokens = fed
+        return prox
+
+    def _optimizer_step(self, rows: list[tuple[list[int], Any, int]], index: list[int], sizes: list[int],
+                        adv: torch.Tensor, keep: torch.Tensor, fresh: torch.Tensor,
+                        prox: dict[int, torch.Tensor] | None, tally: Tally, lr: float) -> None:  # fmt: skip
+        """One mini-batch (the rows ``index``): its micro-batches' gradients accumulated, clipped, one AdamW step
+        at ``lr``."""
+        kept_rows = int(keep[index].sum())
+        kept_tokens = sum(trained_tokens(rows[i][1]) for i in index if keep[i])
+        self.opt.zero_grad(set_to_none=True)
+        step, parts = self._plan(index, sizes, rows)
+        for part in parts:
             if not part:  # this rank's share ran out before another's: FSDP's collectives must pair up
                 self._idle_pass(rows[min(range(len(rows)), key=sizes.__getitem__)])
                 continue
             if self.world == 1 and not any(keep[i] for i in part):
                 continue  # sharded, every rank runs every micro-batch: FSDP's collectives must pair up
-            logp, beh, mask = self._score([rows[i] for i in part])
-            out = self.loss_fn(logp, beh, adv[list(part)].to(self.device), mask, self.loss_cfg,
-                               keep=keep[list(part)].to(self.device))  # fmt: skip
-            loss, met = checked(out, self.loss_fn)
-            share = met["tokens"] / max(kept_tokens, 1) if self.loss_cfg.token_level else (
-                int(keep[list(part)].sum()) / max(kept_rows, 1))  # fmt: skip
-            (loss * share * self.world).backward()  # FSDP averages gradients over ranks: undo the mean
-            sums["loss"] += float(loss.detach()) * share
-            for k in ("clip_fraction", "ratio_mean"):
-                sums[k] += met[k] * met["tokens"]
-            tokens += met["tokens"]
-            if met["tokens"]:  # a micro-batch of filtered groups has no ratios
-                ratio_min, ratio_max = min(ratio_min, met["ratio_min"]), max(ratio_max, met["ratio_max"])
+            self._micro_step([rows[i] for i in part], part, adv, keep, fresh, prox, tally,
+                             kept_rows=kept_rows, kept_tokens=kept_tokens)  # fmt: skip
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
-        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        tally.add("grad_norm", float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+        for group in self.opt.param_groups:
+            group["lr"] = lr
         self.opt.step()
-        self.trained_steps += 1
-        fed = float(self.fed_tokens)
-        if self.world > 1:  # metrics of the whole batch, from every rank's share
-            import torch.distributed as dist
+        tally.add("optimizer_steps", 1)
+        tally.add("micro_batches", len(step.micro_batches))
+        tally.high("rank_imbalance", step.imbalance)
 
-            packed = torch.tensor([sums["loss"], sums["clip_fraction"], sums["ratio_mean"], tokens, fed],
-                                  dtype=torch.float64, device=self.device)  # fmt: skip
-            dist.all_reduce(packed)
-            sums["loss"], sums["clip_fraction"], sums["ratio_mean"], tokens, fed = packed.tolist()
-            extremes = torch.tensor([-ratio_min, ratio_max], dtype=torch.float64, device=self.device)
-            dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
-            ratio_min, ratio_max = -float(extremes[0]), float(extremes[1])
-        train_s = time.perf_counter() - started
-        return {
-            "loss": sums["loss"],
-            "reward_mean": float(rewards.mean()),
-            "clip_fraction": sums["clip_fraction"] / max(tokens, 1),
-            "ratio_mean": sums["ratio_mean"] / max(tokens, 1),
-            "ratio_min": ratio_min if tokens else 1.0,
-            "ratio_max": ratio_max if tokens else 1.0,
-            "grad_norm": grad_norm,
-            "filtered_groups": float(flat.sum()) if self.loss_cfg.filter_uniform_groups else 0.0,
-            "tokens": float(sum(len(s.token_ids) for _, s, _ in rows)),
-            "train_s": train_s,
-            **speed(fed, train_s, params=self.flop_params, ranks=self.world, peak=self.peak_tflops),
-            "micro_batches": float(len(step.micro_batches)),
-            "rank_imbalance": step.imbalance,
-        }
+    def _micro_step(self, part_rows: list[tuple[list[int], Any, int]], part: list[int], adv: torch.Tensor,
+                    keep: torch.Tensor, fresh: torch.Tensor, prox: dict[int, torch.Tensor] | None, tally: Tally, *,
+                    kept_rows: int, kept_tokens: int) -> None:  # fmt: skip
+        """One micro-batch's forward and backward, weighted by its share of its mini-batch."""
+        reference = self._reference_logp(part_rows)
+        stats, beh, mask = self._score(part_rows)
+        logp = stats.logp
+        if prox is None:  # one optimizer step: this pass is at the weights the batch started with
+            mismatch(tally, logp.detach(), beh, mask, fresh[part])
+            logp_prox = logp.detach()
+        else:
+            logp_prox = torch.zeros_like(logp)
+            for b, i in enumerate(part):
+                logp_prox[b, : len(prox[i])] = prox[i]
+        kept = keep[part].to(self.device)
+        extra = {"logp_prox": logp_prox} if self.takes_prox else {}
+        out = self.loss_fn(logp, beh, adv[part].to(self.device), mask, self.loss_cfg, keep=kept, **extra)
+        loss, met = checked(out, self.loss_fn)
+        reg, health = regularizers(stats.full, stats.entropy, reference, mask * kept[:, None], self.loss_cfg)
+        if reg is not None:
+            loss = loss + reg
+        share = met["tokens"] / max(kept_tokens, 1) if self.loss_cfg.token_level else (
+            int(keep[part].sum()) / max(kept_rows, 1))  # fmt: skip
+        (loss * share * self.world).backward()  # FSDP averages gradients over ranks: undo the mean
+        tally.add("loss", float(loss.detach()) * share)
+        for key in ("clip_fraction", "ratio_mean", *SUMMED):
+            tally.add(key, met.get(key, 0.0) * met["tokens"])
+        tally.add("tokens", met["tokens"])
+        live = float((mask * kept[:, None]).sum())
+        tally.add("kept_tokens", live)
+        for key, value in health.items():
+            tally.add(key, value * live)
+        if met["tokens"]:  # a micro-batch of filtered groups has no ratios
+            tally.high("ratio_max", met["ratio_max"])
+            tally.high("ratio_min_neg", -met["ratio_min"])
+            tally.high("is_weight_max", met.get("is_weight_max", 1.0))
 
     def _idle_pass(self, row: tuple[list[int], Any, int]) -> None:
         """A forward and backward that changes no gradient (its loss is zero), for a rank whose share has no
-        micro-batch left while another's has: FSDP's all-gathers and reduce-scatters happen in every pass. Its
-        tokens are not counted as work done."""
+        micro-batch left while another's has: FSDP's all-gathers and reduce-scatters happen in every pass (the
+        reference's too). Its tokens are not counted as work done."""
         fed = self.fed_tokens
-        logp, _, _ = self._score([row])
-        (logp.sum() * 0.0).backward()
+        self._reference_logp([row])
+        stats, _, _ = self._score([row])
+        (stats.logp.sum() * 0.0).backward()
         self.fed_tokens = fed
 
-    def _score(self, rows: list[tuple[list[int], Any, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Log-probs of the sampled tokens under the current weights, the behaviour ones, and the mask: [B, T].
+    def _score(self, rows: list[tuple[list[int], Any, int]], model: torch.nn.Module | None = None,
+               scorer: Scorer | None = None) -> tuple[Stats, torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The ``Stats`` of the sampled tokens under ``model``'s weights (the trained model's by default), the
+        behaviour log-probs, and the mask: [B, T] each.
 
         A group's samples share their prompt, so each distinct prompt is run once, and every sample continues
         from its prompt's keys and values (gradients flow back through them to the shared prompt pass):
@@ -336,14 +518,15 @@ class TorchTrainer:
             real[b, :n] = 1
             mask[b, :n] = 1 if s.loss_mask is None else torch.from_numpy(s.loss_mask.astype("float32"))
         dev = self.device
+        model = self.model if model is None else model
+        scorer = self.scorer if scorer is None else scorer
         at, pos = (mask > 0).nonzero(as_tuple=True)  # the trained positions: (sample, token)
         autocast = self.bf16 and self.world == 1  # sharded: the FSDP2 policy casts instead
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
             if self.whole_rows:
                 ids, attn, starts = self._row_inputs([p for p, _, _ in rows], tokens, lengths)
-                scored, _ = self.scorer(self.model, {"input_ids": ids.to(dev), "attention_mask": attn.to(dev),
-                                                     "use_cache": False},
-                                        at.to(dev), (starts[at] + pos).to(dev), tokens[at, pos].to(dev))  # fmt: skip
+                scored, _ = scorer(model, {"input_ids": ids.to(dev), "attention_mask": attn.to(dev), "use_cache": False},
+                                   at.to(dev), (starts[at] + pos).to(dev), tokens[at, pos].to(dev))  # fmt: skip
                 self.fed_tokens += int(attn.sum())
             else:
                 first = pos == 0
@@ -354,8 +537,8 @@ class TorchTrainer:
                           "past_key_values": DynamicCache(),
                           "position_ids": (pattn.cumsum(1) - 1).clamp(min=0).to(dev)}  # fmt: skip
                 b = at[:n_first]
-                firsts, out = self.scorer(self.model, inputs, which[b].to(dev), torch.full_like(b, width - 1).to(dev),
-                                          tokens[b, 0].to(dev))  # fmt: skip
+                firsts, out = scorer(model, inputs, which[b].to(dev), torch.full_like(b, width - 1).to(dev),
+                                     tokens[b, 0].to(dev))  # fmt: skip
                 self.fed_tokens += int(pattn.sum())
                 scored = [firsts]
                 # sharded, every rank runs both passes, even on completions of one token (then on that token)
@@ -369,13 +552,14 @@ class TorchTrainer:
                               "position_ids": (plen[which][:, None] + torch.arange(fed)[None]).to(dev),
                               "past_key_values": cache, "use_cache": True}  # fmt: skip
                     b, t = at[n_first:], pos[n_first:]
-                    rest, _ = self.scorer(self.model, inputs, b.to(dev), (t - 1).to(dev), tokens[b, t].to(dev))
+                    rest, _ = scorer(model, inputs, b.to(dev), (t - 1).to(dev), tokens[b, t].to(dev))
                     self.fed_tokens += int(real[:, : longest - 1].sum())
                     scored.append(rest)
-                scored = torch.cat(scored)
-        logp = torch.zeros((len(rows), longest), dtype=torch.float32, device=dev)
-        logp = logp.index_put((at.to(dev), pos.to(dev)), scored)
-        return logp * mask.to(dev), beh.to(dev), mask.to(dev)
+                scored = Stats(*(torch.cat(parts) for parts in zip(*scored, strict=True)))
+        where, mask = (at.to(dev), pos.to(dev)), mask.to(dev)
+        stats = Stats(*(torch.zeros((len(rows), longest), dtype=torch.float32, device=dev).index_put(where, x) * mask
+                        for x in scored))  # fmt: skip
+        return stats, beh.to(dev), mask
 
     def _row_inputs(self, prompts: list[list[int]], tokens: torch.Tensor,
                     lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
