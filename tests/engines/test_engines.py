@@ -17,6 +17,7 @@ from dora.ids import Finish
 from dora.rollout.engines.base import EngineError
 from dora.rollout.engines.torch_engine import TorchEngine
 from dora.store import sha256_file
+from dora.wire import messages as m
 
 pytestmark = pytest.mark.timeout(300)
 PROMPT = [17, 300, 45, 9, 88, 12]
@@ -84,6 +85,31 @@ def test_behaviour_log_probs_are_those_of_the_weights_at_the_sampled_tokens(new_
         assert s.finish in (Finish.STOP, Finish.LENGTH) and (s.finish is Finish.STOP) == (len(s.tokens) < 24)
         ref = logprobs_of(reference, PROMPT, s.tokens, 0.8)
         assert torch.allclose(torch.tensor(s.logprobs), ref, atol=TOLERANCE[e.name]), (s.logprobs[:3], ref[:3])
+
+
+def test_the_learner_scores_an_engines_top_p_samples_over_the_same_nucleus(new_engine, tiny_model, tmp_path):
+    """At the weights that sampled them, the learner's log-probs of an engine's tokens drawn at temperature 0.8 and
+    top_p 0.6 are the engine's: the learner cuts the same nucleus. Over the whole vocabulary they are not."""
+    from dora.learner.loss import LossConfig
+    from dora.learner.trainers.torch_trainer import TorchTrainer, TrainerConfig
+    from dora.store import WeightStore
+
+    e = new_engine()
+    e.submit(group_id=2, attempt=1, prompt=PROMPT, n=4, max_tokens=24, temperature=0.8, top_p=0.6, seed=9)
+    done = sorted(run(e).values(), key=lambda s: s.index)
+    samples = [m.TrainSample(index=s.index, token_ids=np.array(s.tokens, np.int32),
+                             logprobs=np.array(s.logprobs, np.float32), reward=0.0, finish=s.finish)
+               for s in done]  # fmt: skip
+    rows = [(PROMPT, s, 0) for s in samples]
+    trainer = TorchTrainer(tiny_model, WeightStore(tmp_path), LossConfig(),
+                           TrainerConfig(temperature=0.8, top_p=0.6))  # fmt: skip
+    with torch.no_grad():
+        stats, behaviour, mask = trainer._score(rows)
+    live = mask > 0
+    gap = (stats.logp - behaviour)[live].abs().max()
+    whole = (stats.full - behaviour)[live].abs().max()
+    assert gap <= TOLERANCE[e.name], (float(gap), e.name)
+    assert whole > 10 * TOLERANCE[e.name], "the nucleus never cut anything: the test proves nothing"
 
 
 def test_many_requests_of_different_lengths_all_finish(new_engine):

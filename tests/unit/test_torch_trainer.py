@@ -21,11 +21,12 @@ PROMPTS = [[5, 6, 7], [40, 41, 42, 43, 44, 45, 46, 47], [300], [9, 8, 7, 6, 5]]
 """Prompts of 1 to 8 tokens: the first predicting position differs from row to row."""
 
 
-def sampled_batch(model_dir) -> m.Batch:
+def sampled_batch(model_dir, temperature: float = 1.0, top_p: float = 1.0) -> m.Batch:
     torch.manual_seed(0)
     engine = TorchEngine(model_dir, version=0)
     for g, prompt in enumerate(PROMPTS):
-        engine.submit(group_id=g, attempt=0, prompt=prompt, n=3, max_tokens=4 + 5 * g, temperature=1.0, seed=g)
+        engine.submit(group_id=g, attempt=0, prompt=prompt, n=3, max_tokens=4 + 5 * g, temperature=temperature,
+                      top_p=top_p, seed=g)  # fmt: skip
     done = []
     while len(engine):
         done += engine.step()
@@ -40,11 +41,16 @@ def sampled_batch(model_dir) -> m.Batch:
     return m.Batch(step=0, groups=tuple(groups))
 
 
-def test_the_learner_scores_the_engines_samples_at_their_behaviour_log_probs(tiny_model, tmp_path):
-    batch = sampled_batch(tiny_model)
+@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 1.0), (1.0, 0.5), (0.8, 0.9)])
+def test_the_learner_scores_the_engines_samples_at_their_behaviour_log_probs(tiny_model, tmp_path, temperature, top_p):
+    """One distribution on both sides: at the behaviour version's own weights the learner's log-prob of every
+    sampled token is the engine's (within 1e-4 in float32), under the temperature and the top_p nucleus, so every
+    ratio of the step is 1."""
+    batch = sampled_batch(tiny_model, temperature, top_p)
     lengths = {len(s.token_ids) for g in batch.groups for s in g.samples}
     assert len(lengths) > 3, "the rows must differ in length for padding to matter"
-    trainer = TorchTrainer(tiny_model, WeightStore(tmp_path), LossConfig(), TrainerConfig())
+    trainer = TorchTrainer(tiny_model, WeightStore(tmp_path), LossConfig(),
+                           TrainerConfig(temperature=temperature, top_p=top_p))  # fmt: skip
     rows = [(g.prompt_ids.tolist(), s, gi) for gi, g in enumerate(batch.groups) for s in g.samples]
     with torch.no_grad():
         logp, _, mask = trainer._score(rows)
@@ -52,10 +58,19 @@ def test_the_learner_scores_the_engines_samples_at_their_behaviour_log_probs(tin
     for b, (_, s, _) in enumerate(rows):
         n = len(s.token_ids)
         assert mask[b].sum() == n
-        np.testing.assert_allclose(logp[b, :n].numpy(), s.logprobs, atol=2e-4)
+        np.testing.assert_allclose(logp[b, :n].numpy(), s.logprobs, atol=1e-4, rtol=0)
         assert torch.all(logp[b, n:] == 0)
     metrics = trainer.train(batch)
-    assert metrics["ratio_min"] == pytest.approx(1.0, abs=1e-3) and metrics["ratio_max"] == pytest.approx(1.0, abs=1e-3)
+    assert metrics["ratio_min"] == pytest.approx(1.0, abs=1e-4) and metrics["ratio_max"] == pytest.approx(1.0, abs=1e-4)
+    assert metrics["mismatch_abs"] < 1e-4 and metrics["mismatch_tokens"] == sum(lengths_of(batch))
+    if top_p < 1:  # the nucleus matters: over the whole vocabulary each token is less likely, by the nucleus's mass
+        whole = TorchTrainer(tiny_model, WeightStore(tmp_path / "whole"), LossConfig(),
+                             TrainerConfig(temperature=temperature)).train(batch)  # fmt: skip
+        assert whole["ratio_max"] < 1 - 1e-3 and whole["ratio_min"] >= top_p - 1e-4, whole
+
+
+def lengths_of(batch: m.Batch) -> list[int]:
+    return [len(s.token_ids) for g in batch.groups for s in g.samples]
 
 
 @pytest.mark.parametrize("micro_batch", [1, 5])
