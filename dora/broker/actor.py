@@ -28,7 +28,7 @@ from dora.broker import translate
 from dora.broker.evaluation import BrokerEval, EvalRounds
 from dora.broker.journal import Journal
 from dora.broker.links import Links, Peer, recv_frames, user_id
-from dora.broker.metrics import BrokerMetrics, batch_stats, step_row
+from dora.broker.metrics import BrokerMetrics, batch_stats, rounded, step_row
 from dora.broker.reconcile import reconcile
 from dora.broker.snapshot import snapshot
 from dora.config.run import RunConfig
@@ -378,7 +378,7 @@ class BrokerActor:
         now = self.clock()
         row = step_row(self.core, msg, now - self.step_started, rewards)
         self.evals.published(msg.version, now)
-        learner = {k: round(v, 4) for k, v in msg.metrics.items()}
+        learner = {k: rounded(v) for k, v in msg.metrics.items()}
         log.info("train_step", **row, learner=learner)  # the learner's own numbers, kept apart
         self.metrics.train_step(row, learner, elapsed_s=now - self.started)
         self.step_started = now

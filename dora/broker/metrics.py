@@ -273,6 +273,12 @@ def reward_failures(samples: Sequence[m.SampleHeader], actions: Sequence[ev.Acti
     return counts
 
 
+def rounded(value: float) -> float:
+    """A learner number as the broker logs and records it: 4 decimals, or 4 significant digits below 1 in size,
+    where 4 decimals would leave a learning rate of 1e-6 or a log-prob gap of 3e-4 at nothing or one digit."""
+    return float(f"{value:.4g}") if 0 < abs(value) < 1 else round(value, 4)
+
+
 def step_row(core: Core, msg: m.WeightsPublished, step_s: float, rewards: dict[str, Any]) -> dict[str, Any]:
     """A published train step as the broker logs and records it (the learner's own numbers are kept apart);
     ``rewards``: its batch's reward stats (``batch_stats``)."""

@@ -27,6 +27,10 @@ from tests.unit.test_broker_actor import B, Fake, G, finished, running_broker
 
 pytestmark = pytest.mark.timeout(30)
 STEPS = 3
+HEALTH = {"entropy": 0.8123, "kl_ref": 0.0031, "mismatch_abs": 0.000321, "clip_low_fraction": 0.012,
+          "clip_high_fraction": 0.034, "length_mean": 123.4, "length_p95": 456.0, "truncated_share": 0.02,
+          "uniform_share": 0.125, "lr": 1e-6}  # fmt: skip
+"""A step's health numbers, as the torch learner reports them."""
 
 
 def get(url: str) -> tuple[int, str]:
@@ -85,7 +89,7 @@ async def test_scrape_agrees_with_the_peers_the_snapshot_and_the_record_files(tm
                     assert value(mid, "dora_batch_in_training") == 1
                     assert value(mid, "dora_consumed_groups", "dora_consumed_groups_total") == 2 * B
                     assert value(mid, "dora_trained_groups", "dora_trained_groups_total") == B
-                numbers = {"reward_mean": 0.25 * (step + 1), "loss": -1.0}
+                numbers = {"reward_mean": 0.25 * (step + 1), "loss": -1.0, **HEALTH}
                 await learner.send(m.WeightsPublished(version=step + 1, uri="sim://v", sha256="0" * 8, metrics=numbers))
                 await learner.recv(m.PublishAck)
             for t in tasks:
@@ -136,6 +140,7 @@ async def test_scrape_agrees_with_the_peers_the_snapshot_and_the_record_files(tm
     rows = [json.loads(x) for x in metrics_file.read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(STEPS)) and [r["version"] for r in rows] == [1, 2, 3]
     assert [r["reward_mean"] for r in rows] == [0.25, 0.5, 0.75] and all(r["max_staleness"] == 1 for r in rows)
+    assert all(r["lr"] == 1e-6 and r["mismatch_abs"] == 0.000321 for r in rows)  # small numbers keep their digits
     assert sum(rows[-1]["staleness"].values()) == samples
     assert all(r["elapsed_s"] >= 0 and r["t"] > 1e9 and r["live_versions"] for r in rows)
     # timeline.jsonl: both workers joined, were assigned and loaded; publishes; the one that left is lost
