@@ -14,6 +14,13 @@ from dora.config.run import RunConfig
 from dora.core.core import Core
 
 
+class LatestMetrics(Protocol):
+    """The numbers the broker was last told: the learner's latest step and the latest held-out round."""
+
+    learner: dict[str, float]
+    held_out: dict[str, float]
+
+
 class BrokerView(Protocol):
     """What the operators' views read off a running broker (``BrokerActor`` is one): its core and the counts
     the actor keeps beside it. Nothing here imports the actor, so the actor can import its views."""
@@ -29,6 +36,7 @@ class BrokerView(Protocol):
     malformed: Counter[str]
     lost: deque[dict[str, Any]]
     lag_s: deque[float]
+    metrics: LatestMetrics
 
 
 def per_version(core: Core) -> dict[int, dict[str, Any]]:
@@ -89,4 +97,6 @@ def snapshot(actor: BrokerView) -> dict[str, Any]:
         "malformed": dict(actor.malformed),
         "loop_lag_ms": lag_ms(actor.lag_s),
         "uptime_s": elapsed,
+        "learner": dict(actor.metrics.learner),
+        "held_out": dict(actor.metrics.held_out),
     }

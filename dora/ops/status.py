@@ -41,12 +41,44 @@ def fetch(endpoint: str, timeout_s: float = 5.0, keys_dir: str | None = None) ->
         ctx.destroy(linger=0)
 
 
+def health(learner: dict[str, float], held_out: dict[str, float]) -> list[str]:
+    """The latest step's health, in two lines: the policy (reward, entropy, drift from the start model, the
+    engine-learner gap, clipping, learning rate, held-out accuracy) and its samples (lengths, truncation, groups
+    whose rewards are all equal). A number the step did not report is left out; a line with none, too."""
+
+    def num(key: str, label: str | None = None) -> str | None:
+        v = learner.get(key)
+        return None if v is None else f"{label or key} {v:.4g}"
+
+    def share(key: str, label: str) -> str | None:
+        v = learner.get(key)
+        return None if v is None else f"{label} {100 * v:.1f}%"
+
+    low, high = learner.get("clip_low_fraction"), learner.get("clip_high_fraction")
+    if low is not None and high is not None:
+        clip = f"clipped low/high {100 * low:.1f}%/{100 * high:.1f}%"
+    else:
+        clip = share("clip_low_fraction", "clipped low") or share("clip_high_fraction", "clipped high")
+    length = None
+    if "length_mean" in learner:
+        p95 = f" p95 {learner['length_p95']:.0f}" if "length_p95" in learner else ""
+        length = f"length mean {learner['length_mean']:.1f}{p95}"
+    accuracy = f"held-out accuracy {held_out['accuracy']:.3f}" if "accuracy" in held_out else None
+    policy = [num("reward_mean", "reward"), num("entropy"), num("kl_ref"), num("mismatch_abs"), clip, num("lr"),
+              accuracy]  # fmt: skip
+    output = [length, share("truncated_share", "truncated"), share("uniform_share", "uniform groups")]
+    lines = ["  ".join(x for x in parts if x) for parts in (policy, output)]
+    return [f"{head}: {line}" for head, line in zip(("policy", "samples"), lines, strict=True) if line]
+
+
 def render(s: dict[str, Any], console: Console) -> None:
     console.print(
         f"[bold]dora[/bold] {s['mode']}  step {s['step']}  newest version {s['newest_version']}  "
         f"up {s['uptime_s']:.0f}s  {s['tokens_per_s']:.0f} tok/s trained  "
         f"finished groups waiting {s['finished_waiting']}"
     )
+    for line in health(s.get("learner") or {}, s.get("held_out") or {}):
+        console.print(line, highlight=False)
     t = Table(title="versions")
     for col in ("version", "state", "workers", "running groups", "queued groups"):
         t.add_column(col)

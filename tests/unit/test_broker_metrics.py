@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import io
 import json
 import socket
 import subprocess
@@ -17,10 +18,12 @@ from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console
 
 from dora.broker.metrics import failure_reason, serve_http
 from dora.config import ConfigError, load
 from dora.config.run import RunConfig
+from dora.ops.status import health, render
 from dora.wire import messages as m
 from dora.wire import packed
 from tests.unit.test_broker_actor import B, Fake, G, finished, running_broker
@@ -134,6 +137,15 @@ async def test_scrape_agrees_with_the_peers_the_snapshot_and_the_record_files(tm
         assert value(got, "dora_version_queued_groups", version=v) == row["queued"]
     assert {s.labels["version"] for s in got["dora_version_workers"]} == set(snap["versions"])
     assert sum(s.value for s in got["dora_workers"]) == len(snap["workers"]) == 1
+    # the learner's latest step is in the snapshot, and `dora status` shows its health
+    assert snap["learner"] == {"reward_mean": 0.75, "loss": -1.0, **HEALTH}
+    assert value(got, "dora_learner_step_metric", name="lr") == 1e-6
+    shown = io.StringIO()
+    render(snap, Console(file=shown, width=200))
+    policy, written = [line for line in shown.getvalue().splitlines() if line.startswith(("policy:", "samples:"))]
+    assert policy == ("policy: reward 0.75  entropy 0.8123  kl_ref 0.0031  mismatch_abs 0.000321  "
+                      "clipped low/high 1.2%/3.4%  lr 1e-06")  # fmt: skip
+    assert written == "samples: length mean 123.4 p95 456  truncated 2.0%  uniform groups 12.5%"
     assert value(got, "dora_event_loop_lag_seconds", "dora_event_loop_lag_seconds_count") > 0
 
     # metrics.jsonl: one line per step, with the learner's numbers and the histogram at that step
@@ -155,6 +167,13 @@ async def test_scrape_agrees_with_the_peers_the_snapshot_and_the_record_files(tm
         assert ready == assigned[: len(ready)] and len(ready) >= len(assigned) - 1, (assigned, ready)
     assert [e["worker"] for e in events if e["event"] == "lost"] == ["rollout/a/1"]
     assert [e["t"] for e in events] == sorted(e["t"] for e in events)
+
+
+def test_status_leaves_out_the_health_numbers_a_step_did_not_report():
+    assert health({"reward_mean": 0.5, "loss": 1.0}, {}) == ["policy: reward 0.5"]  # the sim trainer's step
+    assert health({"entropy": 1.5, "clip_high_fraction": 0.5, "length_mean": 7.0}, {"accuracy": 0.625}) == [
+        "policy: entropy 1.5  clipped high 50.0%  held-out accuracy 0.625", "samples: length mean 7.0"]  # fmt: skip
+    assert health({}, {}) == []
 
 
 async def test_the_endpoint_answers_only_get_metrics():
