@@ -5,7 +5,7 @@ Each run gets its own directory under ``run.dir``, holding:
 - the broker's ``metrics.jsonl`` (one line per train step) and ``timeline.jsonl`` (one line per worker
   event and published version);
 - the learner's audit, the weight store, the learner's checkpoints and, at the end, the figures of
-  `dora plot`: ``reward.png``, ``staleness.png`` and ``timeline.png``;
+  `dora plot`: ``reward.png``, ``staleness.png``, ``health.png`` and ``timeline.png``;
 - if ``[metrics]`` asks for them, TensorBoard event files and wandb's runs: a relative
   ``metrics.tensorboard_dir`` or ``metrics.wandb_dir`` is in the run directory, and wandb's default is the run
   directory itself.

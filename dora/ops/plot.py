@@ -7,6 +7,8 @@ Reads ``metrics.jsonl`` (``broker.metrics_file``: one line per train step) and `
 - ``staleness.png``: the share of trained trajectories at each staleness (learner version - dispatch
   version), with the bound K marked;
 - ``eval.png`` (when the run has ``eval.jsonl``): held-out accuracy per version evaluated;
+- ``health.png``: the run's health on one page: entropy, KL to the start model, mean reward and held-out
+  accuracy over steps (a panel whose number the run did not record says so);
 - ``timeline.png``: one row per rollout worker, spans coloured by the policy version it served, weight
   loads hatched, and a vertical line at each published version.
 
@@ -28,6 +30,9 @@ METRICS = "metrics.jsonl"
 TIMELINE = "timeline.jsonl"
 EVAL = "eval.jsonl"
 """Held-out evaluations of the run (`dora run` with [eval]): one line per version evaluated."""
+HEALTH = (("entropy", "entropy (nats)", ""), ("kl_ref", "KL to the start model (k3)", " (learner.kl_coef is 0)"),
+          ("reward_mean", "mean reward", ""))  # fmt: skip
+"""The learner's numbers on health.png: key in metrics.jsonl, panel title, why a run may lack it."""
 MAX_WORKERS = 64
 """Rows drawn in timeline.png (the first workers to join)."""
 
@@ -84,8 +89,9 @@ def load(rundir: pathlib.Path) -> tuple[list[dict[str, Any]], list[dict[str, Any
 
 
 def render(rundir: pathlib.Path, out: pathlib.Path | None = None) -> list[pathlib.Path]:
-    """Write reward.png, staleness.png and (with a timeline) timeline.png into ``out`` (default: the run
-    directory). Returns the files written; raises PlotError if the run directory cannot be drawn."""
+    """Write reward.png, staleness.png, health.png, (with a timeline) timeline.png and (with held-out rounds)
+    eval.png into ``out`` (default: the run directory). Returns the files written; raises PlotError if the run
+    directory cannot be drawn."""
     rows, events = load(rundir)
     out = out or rundir
     import matplotlib
@@ -101,6 +107,7 @@ def render(rundir: pathlib.Path, out: pathlib.Path | None = None) -> list[pathli
         held_out = read_jsonl(rundir / EVAL) if (rundir / EVAL).is_file() else []
         if held_out:
             paths.append(evaluation(held_out, out / "eval.png", title=title))
+        paths.append(health(rows, held_out, out / "health.png", title=title))
     except OSError as e:
         raise PlotError(f"cannot write to {out}: {e}") from None
     return paths
@@ -147,6 +154,42 @@ def evaluation(rows: list[dict[str, Any]], path: pathlib.Path, *, title: str) ->
     ax.legend(fontsize=8)
     ax.set_title(f"held-out evaluation ({int(rows[-1]['rows'])} rows) — {title}", fontsize=10)
     return _save(fig, path)
+
+
+def health(rows: list[dict[str, Any]], held_out: list[dict[str, Any]], path: pathlib.Path, *,
+           title: str) -> pathlib.Path:  # fmt: skip
+    """Four panels over steps: entropy, KL to the start model, mean reward (metrics.jsonl) and held-out accuracy
+    (eval.jsonl). A collapsing run shows entropy falling towards 0 first; a drifting one, a rising KL."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 6.5))
+    for ax, (key, label, why) in zip(axes.flat, HEALTH, strict=False):
+        _panel(ax, _points(rows, key), label, "train step", f"no {key} in {METRICS}{why}")
+    accuracy = sorted(_points(held_out, "accuracy"))
+    _panel(axes.flat[3], accuracy, "held-out accuracy", "policy version (train step)", f"no held-out rounds ({EVAL})")
+    if accuracy:
+        axes.flat[3].set_ylim(0, 1)
+    fig.suptitle(f"health over {len(rows)} steps — {title}", fontsize=10)
+    return _save(fig, path)
+
+
+def _points(rows: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
+    """(step, value) of the rows that hold ``key`` as a number."""
+    return [(r["step"], r[key]) for r in rows if isinstance(r.get("step"), int) and isinstance(r.get(key), int | float)]
+
+
+def _panel(ax: Any, points: list[tuple[int, float]], label: str, xlabel: str, missing: str) -> None:
+    """One panel: the points as a line, or, without any, a note saying what is missing."""
+    if points:
+        ax.plot([s for s, _ in points], [v for _, v in points], marker="." if len(points) < 50 else None, lw=1)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.set_xlabel(xlabel, fontsize=8)
+        ax.grid(alpha=0.3)
+    else:
+        ax.text(0.5, 0.5, missing, ha="center", va="center", color="#666", transform=ax.transAxes)
+        ax.set_xticks([])
+        ax.set_yticks([])
+    ax.set_title(label, fontsize=9)
 
 
 def max_staleness(rows: list[dict[str, Any]], events: list[dict[str, Any]]) -> int | None:

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from dora.ops import plot
 from dora.ops.plot import Span, render, spans
 
 
@@ -72,5 +73,51 @@ def test_a_cut_last_line_is_left_out_and_no_timeline_means_no_timeline_png(tmp_p
              "max_staleness": 1, "elapsed_s": 1.0 + s, "t": 100.0 + s} for s in range(3)]  # fmt: skip
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 3, "ver')
     paths = render(tmp_path, tmp_path / "out")
-    assert sorted(p.name for p in paths) == ["reward.png", "staleness.png"]
+    assert sorted(p.name for p in paths) == ["health.png", "reward.png", "staleness.png"]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
+
+
+def noted(monkeypatch) -> dict[str, list[str]]:
+    """The notes written on each figure's panels, by file name, as render saves them."""
+    notes: dict[str, list[str]] = {}
+    save = plot._save
+
+    def noting(fig, path):
+        notes[path.name] = [t.get_text() for ax in fig.axes for t in ax.texts]
+        return save(fig, path)
+
+    monkeypatch.setattr(plot, "_save", noting)
+    return notes
+
+
+def health_run(rundir, *, kl: bool) -> None:
+    """A run's metrics.jsonl (with or without kl_ref, as learner.kl_coef is set or not) and eval.jsonl."""
+    rundir.mkdir()
+    rows = [{"step": s, "version": s + 1, "reward_mean": 0.1 * s, "entropy": 1.2 - 0.05 * s, "staleness": {"0": 8},
+             **({"kl_ref": 0.001 * s} if kl else {})} for s in range(12)]  # fmt: skip
+    (rundir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    evals = [{"step": v, "version": v, "accuracy": 0.3 + 0.02 * v, "rows": 50} for v in (0, 4, 8, 12)]
+    (rundir / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evals))
+
+
+@pytest.mark.parametrize("kl", [True, False], ids=["with kl_ref", "without kl_ref"])
+def test_the_health_page_draws_four_panels_and_says_which_number_the_run_lacks(tmp_path, monkeypatch, kl):
+    import matplotlib.image
+
+    notes = noted(monkeypatch)
+    health_run(tmp_path / "run", kl=kl)
+    paths = render(tmp_path / "run")
+    assert sorted(p.name for p in paths) == ["eval.png", "health.png", "reward.png", "staleness.png"]
+    page = matplotlib.image.imread(tmp_path / "run" / "health.png")
+    assert page.ndim == 3 and page.shape[0] > 500 and page.shape[1] > 800
+    assert page.std() > 0.01  # drawn on, not blank
+    assert notes["health.png"] == ([] if kl else ["no kl_ref in metrics.jsonl (learner.kl_coef is 0)"])
+
+
+def test_a_run_without_held_out_rounds_or_health_numbers_still_gets_its_health_page(tmp_path, monkeypatch):
+    notes = noted(monkeypatch)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "staleness": {}}\n')
+    (health,) = [p for p in render(tmp_path) if p.name == "health.png"]
+    assert health.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert notes["health.png"] == ["no entropy in metrics.jsonl", "no kl_ref in metrics.jsonl (learner.kl_coef is 0)",
+                                   "no reward_mean in metrics.jsonl", "no held-out rounds (eval.jsonl)"]  # fmt: skip
