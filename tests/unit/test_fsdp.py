@@ -54,7 +54,10 @@ LAYOUTS = {
 """Two ranks each: every world-th trajectory; and by tokens, in token-budget micro-batches (rank 0 needs six,
 rank 1 five, so rank 1 runs an empty pass to keep the collectives paired) with activation checkpointing."""
 LORA = TrainerConfig(lr=1e-2, micro_batch=2, lora=LoraSection(rank=4, alpha=8.0))
-RUNS = {"fp32": CFG, "bf16": BF16, **LAYOUTS, "lora": LORA}
+OBJECTIVES = TrainerConfig(lr=1e-2, micro_batch=2, mini_batches=3, epochs=2, weight_decay=0.1)
+RUNS = {"fp32": CFG, "bf16": BF16, **LAYOUTS, "lora": LORA, "objectives": OBJECTIVES}
+LOSSES = {"objectives": LossConfig(is_cap=2.0, kl_coef=0.05, entropy_coef=0.01, advantage="rloo")}
+"""The loss of a run where it is not the default: every objective on, its reference model sharded as the model is."""
 """Every two-rank step of this file, taken by one pair of ranks (starting a pair costs more than its steps)."""
 
 
@@ -68,7 +71,7 @@ def steps_main(rank: int, world: int, port: int, runs: dict[str, tuple[str, Trai
     done = False
     try:
         for name, (model, cfg) in runs.items():
-            trainer = TorchTrainer(model, WeightStore(pathlib.Path(root) / name), LossConfig(), cfg)
+            trainer = TorchTrainer(model, WeightStore(pathlib.Path(root) / name), LOSSES.get(name, LossConfig()), cfg)
             metrics = trainer.train(batch())
             published = trainer.publish(1)
             assert (published is not None) == (rank == 0), "rank 0 publishes, and only rank 0"
@@ -122,6 +125,22 @@ def test_two_rank_fsdp_step_equals_one_process_and_published_weights_serve(shard
         got = engine.model(input_ids=torch.tensor([seq])).logits.float()
         ref = single.model.eval()(input_ids=torch.tensor([seq])).logits.float()
     assert torch.allclose(torch.log_softmax(got, -1), torch.log_softmax(ref, -1), atol=1e-4)
+
+
+def test_two_rank_mini_batches_with_kl_entropy_and_correction_equal_one_process(sharded, tiny_model, tmp_path):
+    """Three mini-batches, two epochs, the correction capped, KL to a reference sharded as the model is, an entropy
+    bonus, RLOO: six optimizer steps on two ranks move the weights as one process does."""
+    out = torch.load(sharded / "objectives.pt")
+    single = TorchTrainer(tiny_model, WeightStore(tmp_path / "single"), LOSSES["objectives"], OBJECTIVES)
+    want = single.train(batch())
+    from safetensors.torch import load_file
+
+    shards = load_file(out["uri"].removeprefix("file://") + "/model.safetensors")
+    for k, v in single.model.state_dict().items():  # six AdamW steps of about lr each: 1% of one step
+        diff = (shards[k] - v).abs()
+        assert diff.gt(1e-4).sum().item() <= max(1, v.numel() // 1_000), (k, diff.max().item())
+    for k in ("loss", "grad_norm", "entropy", "kl_ref", "is_weight_mean", "optimizer_steps", "clip_fraction"):
+        assert out["metrics"][k] == pytest.approx(want[k], rel=1e-3, abs=1e-5), k
 
 
 def test_bf16_mixed_precision_keeps_fp32_master_weights_and_follows_the_fp32_step(sharded, tiny_model, tmp_path):

@@ -25,6 +25,7 @@ block replayed on a shared prompt's cache would write it twice. A step's metrics
 from __future__ import annotations
 
 import contextlib
+import itertools
 import pathlib
 import time
 from collections.abc import Iterator
@@ -390,8 +391,11 @@ class TorchTrainer:
     def _proximal(self, rows: list[tuple[list[int], Any, int]], sizes: list[int], fresh: torch.Tensor,
                   tally: Tally) -> dict[int, torch.Tensor]:  # fmt: skip
         """Every row's log-probs at the weights the batch starts with (per row, its sampled positions; no
-        gradient), and the engine-learner gap of its staleness-0 rows into ``tally``."""
-        prox: dict[int, torch.Tensor] = {}
+        gradient), and the engine-learner gap of its staleness-0 rows into ``tally``. Sharded, each rank scores its
+        share, and one all-reduce gives every rank every row's (a later mini-batch may put a row on another rank)."""
+        lengths = [len(s.token_ids) for _, s, _ in rows]
+        starts = [0, *itertools.accumulate(lengths)]
+        flat = torch.zeros(starts[-1], dtype=torch.float32, device=self.device)
         _, parts = self._plan(list(range(len(rows))), sizes, rows)
         fed = self.fed_tokens
         with torch.no_grad():
@@ -402,9 +406,13 @@ class TorchTrainer:
                 stats, beh, mask = self._score([rows[i] for i in part])
                 mismatch(tally, stats.logp, beh, mask, fresh[part])
                 for b, i in enumerate(part):
-                    prox[i] = stats.logp[b, : len(rows[i][1].token_ids)]
+                    flat[starts[i] : starts[i + 1]] = stats.logp[b, : lengths[i]]
         self.fed_tokens = fed
-        return prox
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(flat)  # each position is one rank's, zero on the others
+        return {i: flat[starts[i] : starts[i + 1]] for i in range(len(rows))}
 
     def _optimizer_step(self, rows: list[tuple[list[int], Any, int]], index: list[int], sizes: list[int],
                         adv: torch.Tensor, keep: torch.Tensor, fresh: torch.Tensor,
