@@ -37,15 +37,14 @@ def chunk_rows(vocab: int, chunk_bytes: int) -> int:
     return max(1, chunk_bytes // (4 * vocab))
 
 
-FLOOR = -1.0e4
-"""The log-prob given to a token outside the learner's own nucleus (``top_p < 1``): it cannot be sampled there (its
-ratio is 0 to float32, with no gradient), and a finite value keeps means and sequence ratios free of NaN."""
-
-
 class Stats(NamedTuple):
     """Per scored position (float32 [N] each): the sampled token's log-prob under the distribution the engines
-    sample from (temperature, then the ``top_p`` nucleus, renormalised; ``FLOOR`` outside it), the same under the
-    tempered distribution over the whole vocabulary, and that distribution's entropy."""
+    sample from (temperature, then the ``top_p`` nucleus, renormalised), the same under the tempered distribution
+    over the whole vocabulary, and that distribution's entropy.
+
+    A sampled token the learner's nucleus leaves out (its weights have moved, or float rounding put it just past
+    the nucleus's edge) is scored over the nucleus with it added: the engine's nucleus held it. So a token at the
+    edge never turns a ratio into 0 or infinity, and the value is continuous as the token crosses the edge."""
 
     logp: torch.Tensor
     full: torch.Tensor
@@ -103,9 +102,9 @@ class _Chunk:
 
     Forward: the full logsumexp ``lse`` and entropy ``H = lse - sum(p z)``; with ``top_p < 1`` the nucleus as the
     engines cut it (tokens by probability, most likely first, while the mass before a token is below ``top_p``),
-    kept as the smallest logit in it (``z_min``: the nucleus is ``z >= z_min``), and its logsumexp ``lse_k``.
-    Backward, per position, for upstream gradients ``g`` of the three outputs (each may be absent):
-    ``d logp/dz = onehot - softmax over the nucleus`` (0 for a token outside it), ``d full/dz = onehot - p``,
+    kept as the smallest logit in it (``z_min``: the nucleus is ``z >= z_min``, with the sampled token added), and
+    its logsumexp ``lse_k``. Backward, per position, for upstream gradients ``g`` of the three outputs (each may be
+    absent): ``d logp/dz = onehot - softmax over the nucleus``, ``d full/dz = onehot - p``,
     ``d H/dz = -p (z - sum(p z))``."""
 
     @staticmethod
@@ -121,8 +120,8 @@ class _Chunk:
         inside = (torch.cumsum(sorted_p, -1) - sorted_p < top_p).sum(-1)  # >= 1: the first's mass before is 0
         z_min = z.gather(1, order.gather(1, (inside - 1)[:, None])).squeeze(1)
         lse_k = torch.logsumexp(z.masked_fill(z < z_min[:, None], float("-inf")), -1)
-        logp = torch.where(picked >= z_min, picked - lse_k, torch.full_like(picked, FLOOR))
-        return logp, full, entropy, lse, lse_k, z_min
+        lse_k = torch.where(picked >= z_min, lse_k, torch.logaddexp(lse_k, picked))  # the token added
+        return picked - lse_k, full, entropy, lse, lse_k, z_min
 
     @staticmethod
     def backward(z: torch.Tensor, tokens: torch.Tensor, grads: tuple[torch.Tensor | None, ...], lse: torch.Tensor,
@@ -142,10 +141,9 @@ class _Chunk:
             d.sub_(p * g_full).scatter_add_(1, tokens[:, None], g_full)
         if g_logp is not None:
             if truncated:
-                inside = (z.gather(1, tokens[:, None]) >= z_min[:, None]).float()
-                g = g_logp * inside
-                nucleus = (z - lse_k[:, None]).exp_().masked_fill_(z < z_min[:, None], 0.0)
-                d.sub_(nucleus * g).scatter_add_(1, tokens[:, None], g)
+                outside = (z < z_min[:, None]).scatter_(1, tokens[:, None], False)
+                nucleus = (z - lse_k[:, None]).exp_().masked_fill_(outside, 0.0)
+                d.sub_(nucleus * g_logp).scatter_add_(1, tokens[:, None], g_logp)
             else:
                 d.sub_(p * g_logp).scatter_add_(1, tokens[:, None], g_logp)
         return d

@@ -65,6 +65,10 @@ SUMMED = ("clip_low_fraction", "clip_high_fraction", "is_weight_mean", "is_corre
 ``clip_fraction``): clipped below (A < 0) and above (A > 0) apart, the importance weight's mean, and the share of
 tokens whose weight was capped or masked."""
 
+LOG_RATIO_BOUND = 20.0
+"""Log-ratios are clamped to +-20 before ``exp`` (e^20 is 5e8): a ratio past it is clipped anyway, and an overflow
+to infinity would make the loss NaN."""
+
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
@@ -170,7 +174,7 @@ def importance_weight(logp_prox: torch.Tensor, logp_behaviour: torch.Tensor, mas
         log_w = logp_prox - logp_behaviour
         if cfg.is_level == "sequence":
             log_w = _sequence_mean(log_w, mask).expand_as(log_w)
-        w = torch.exp(log_w)
+        w = torch.exp(log_w.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
         changed = torch.zeros_like(w, dtype=torch.bool)
         if cfg.is_mask is not None:
             out = (w > cfg.is_mask) | (w < 1 / cfg.is_mask)
@@ -205,9 +209,9 @@ def policy_loss(
     denominator = logp_prox if cfg.decoupled else logp_behaviour
     if cfg.ratio == "sequence":  # GSPO-token: the value is the sequence's ratio, the gradient each token's
         log_ratio = _sequence_mean(logp - denominator, mask).detach() + logp - logp.detach()
-        ratio = torch.exp(log_ratio)
     else:
-        ratio = torch.exp(logp - denominator)
+        log_ratio = logp - denominator
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
     adv = advantages[:, None].to(logp.dtype)
     clipped = torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high)
     per_token = -torch.minimum(ratio * adv, clipped * adv)

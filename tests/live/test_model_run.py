@@ -236,3 +236,40 @@ def test_a_learner_drained_stopped_or_killed_resumes_from_its_checkpoint_and_tra
         c.check_exactly_once()
         report = audit_run(tmp_path / "journal.jsonl", tmp_path / "audit.jsonl", total_steps=steps)
         assert report.ok and report.finished, report.problems
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="the vllm extra is not installed")
+def test_every_learner_option_on_trains_from_torch_and_vllm_workers(tmp_path, tiny_model):
+    """The learner's options all at once, on samples drawn at top_p 0.9 by a torch and a vLLM worker: two
+    mini-batches and two epochs (four optimizer steps a batch), the decoupled correction masked and capped per
+    sequence, GSPO's sequence ratio, RLOO, KL (k2) to the start model, an entropy bonus, a cosine decay after a warmup,
+    weight decay. The run ends with every group trained once, and every step reports its health."""
+    steps = 4
+    learner = {"mini_batches": 2, "epochs": 2, "is_cap": 2.0, "is_mask": 4.0, "is_level": "sequence",
+               "ratio": "sequence", "clip_low": 0.05, "clip_high": 0.05, "advantage": "rloo", "kl_coef": 0.05,
+               "kl_estimator": "k2", "entropy_coef": 0.001, "lr_schedule": "cosine", "warmup_steps": 2,
+               "weight_decay": 0.01}  # fmt: skip
+    overrides = torch_run(tmp_path, tiny_model, steps, min_workers=2, max_tokens=12, learner=learner,
+                          run={"max_tokens": 12, "top_p": 0.9, "temperature": 0.9},
+                          rollout={"kv_cache_mib": 64, "max_model_len": 1024})  # fmt: skip
+    with cluster(tmp_path, overrides, fork=True) as c:
+        c.start_broker()
+        c.start_worker("t", "torch", "--model", str(tiny_model))
+        c.start_worker("v", "vllm", "--model", str(tiny_model))
+        c.spawn("learner", "learner", "--trainer", "torch", "--broker", str(tmp_path / "broker.json"))
+        assert c.wait("learner", 220) == 0, c.log("learner")[-3000:] + c.log("v")[-2000:]
+        assert c.wait("broker", 15) == 0, c.log("broker")[-3000:]
+        audit = c.check_exactly_once()
+        assert {v for r in audit for v in r["versions"]} >= {0, 1}
+        steps_seen = [r["learner"] for r in c.events("broker", "train_step")]
+        assert len(steps_seen) == steps
+        for k, row in enumerate(steps_seen):
+            assert row["optimizer_steps"] == 4 and row["entropy"] > 0 and row["kl_ref"] >= 0, row
+            assert 0 < row["is_weight_max"] <= 2.0 and 0 <= row["is_corrected"] <= 1, row
+            assert row["length_max"] <= 12 and 0 <= row["truncated_share"] <= 1 and 0 <= row["uniform_share"] <= 1
+            assert row["lr"] < 1e-3 or k == 0, row  # the cosine has begun to fall
+        gaps = [row["mismatch_abs"] for row in steps_seen if "mismatch_abs" in row]
+        assert gaps and max(gaps) < 0.01, gaps  # staleness-0 tokens: the same nucleus, the same weights
+        served = {c.events(w, "weights_loaded")[-1]["version"] for w in ("t", "v") if c.events(w, "weights_loaded")}
+        assert served, "neither worker loaded a published version"

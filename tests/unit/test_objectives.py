@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dora.balance import plan
-from dora.learner.logprobs import FLOOR, head_stats, sampled_stats
+from dora.learner.logprobs import head_stats, sampled_stats
 from dora.learner.loss import (LossConfig, advantages, group_advantages, importance_weight, kl_terms, policy_loss,
                                regularizers, uniform_groups)  # fmt: skip
 from dora.learner.schedule import LrSchedule, mini_batches
@@ -32,7 +32,7 @@ def t(*rows) -> torch.Tensor:
 
 def plain(z: torch.Tensor, tokens: torch.Tensor, top_p: float) -> tuple[torch.Tensor, ...]:
     """The three outputs over the whole vocabulary at once: the nucleus cut as the engines cut it (most likely
-    first, while the mass before a token is below top_p), renormalised."""
+    first, while the mass before a token is below top_p), with the sampled token in it, renormalised."""
     logp = torch.log_softmax(z, -1)
     p = logp.exp()
     entropy = -(p * logp).sum(-1)
@@ -41,8 +41,9 @@ def plain(z: torch.Tensor, tokens: torch.Tensor, top_p: float) -> tuple[torch.Te
         return full, full, entropy
     sorted_p, order = torch.sort(p, descending=True, dim=-1)
     keep = torch.zeros_like(p, dtype=torch.bool).scatter(-1, order, (torch.cumsum(sorted_p, -1) - sorted_p) < top_p)
+    keep = keep.scatter(1, tokens[:, None], True)
     nucleus = torch.log_softmax(z.masked_fill(~keep, float("-inf")), -1).gather(1, tokens[:, None]).squeeze(1)
-    return torch.where(torch.isfinite(nucleus), nucleus, torch.full_like(nucleus, FLOOR)), full, entropy
+    return nucleus, full, entropy
 
 
 @pytest.mark.parametrize("top_p", [1.0, 0.8, 0.3])
@@ -52,7 +53,7 @@ def test_the_chunked_stats_and_their_gradients_equal_the_whole_vocabulary_comput
     n, vocab, hidden, temperature = 11, 64, 8, 0.7
     h, w, b = torch.randn(n, hidden), torch.randn(vocab, hidden), torch.randn(vocab)
     tokens = torch.multinomial(torch.softmax((h @ w.T + b) / temperature, -1), 1).squeeze(1)
-    tokens[0] = int(torch.argmin(h[0] @ w.T + b))  # one token outside any nucleus: its log-prob is the floor
+    tokens[0] = int(torch.argmin(h[0] @ w.T + b))  # a token outside any nucleus: scored with it added
     weights = [torch.randn(n) for _ in range(3)]
     chunk = 3 * 4 * vocab  # three positions a chunk, the last one short
     if path == "logits":
@@ -68,8 +69,7 @@ def test_the_chunked_stats_and_their_gradients_equal_the_whole_vocabulary_comput
         leaves = [(h1, h2), (w1, w2)]
     for mine, theirs in zip(got, want, strict=True):
         torch.testing.assert_close(mine, theirs.float(), atol=2e-5, rtol=1e-5)
-    if top_p < 1:
-        assert got.logp[0] == FLOOR
+    assert torch.all(got.logp >= got.full - 1e-5)  # a nucleus holds less mass than the whole vocabulary
     sum((o * k).sum() for o, k in zip(got, weights, strict=True)).backward()
     sum((o * k).sum() for o, k in zip(want, weights, strict=True)).backward()
     for mine, theirs in leaves:
