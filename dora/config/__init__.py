@@ -74,6 +74,16 @@ class CoreConfig:
     moved one step later, never past v + K, only when that lets a waiting trainer take its batch now, and
     not when the elastic workers yielding for that batch would hold a running group paused through the step.
     K stays the hard bound either way; K = 0 is synchronous training in both."""
+    filter_uniform: bool = False
+    """A group whose rewards are all equal (zero GRPO advantage: no signal) is consumed as filtered when it
+    finishes, instead of being trained: counted once, never trained, never lost. The batch still holds exactly
+    train_groups groups, filled with other whole groups, and every group filtered lets one more be dispatched
+    (beyond total_steps x train_groups). A live run sets it with learner.filter_uniform_groups = "replace" (alone
+    it is refused there); `dora sim` reads it here, with workload.uniform_share."""
+    max_filtered: int | None = None
+    """With filter_uniform: the most groups filtered per train step (None: 4 x train_groups). Past it, the step's
+    uniform groups are trained as they are (zero advantage), so a run whose groups all come back uniform (a solved
+    task) still makes progress and ends: it dispatches at most total_steps x (train_groups + max_filtered) groups."""
 
     def __post_init__(self) -> None:
         try:
@@ -92,6 +102,8 @@ class CoreConfig:
             raise ConfigError(f"deadlines must be fixed or adaptive; got {self.deadlines!r}")
         if self.total_steps is not None:
             _at_least("total_steps", self.total_steps, 1)
+        if self.max_filtered is not None:
+            _at_least("max_filtered", self.max_filtered, 1)
         if not 0.0 < self.kv_rebalance_threshold <= 1.0:
             raise ConfigError(f"kv_rebalance_threshold must be in (0, 1]; got {self.kv_rebalance_threshold}")
 
@@ -125,8 +137,16 @@ class CoreConfig:
         return self.mode is Mode.DROP_STALE
 
     @property
+    def filter_cap(self) -> int:
+        """Groups filtered per train step at most (0: filtering is off)."""
+        if not self.filter_uniform:
+            return 0
+        return self.max_filtered if self.max_filtered is not None else 4 * self.train_groups
+
+    @property
     def prompt_budget(self) -> int | None:
-        """Groups the run may dispatch; unbounded when groups can be dropped (they must be replaced)."""
+        """Groups the run may dispatch; unbounded when groups can be dropped (they must be replaced). With
+        filter_uniform, one more for every group filtered (``dora.core.dispatch.budget_left``)."""
         if self.total_steps is None or self.drops_stale:
             return None
         return self.total_steps * self.train_groups
@@ -303,11 +323,14 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if empty and type(None) in args:
             return None
         errors = []
-        for arm in (a for a in args if a is not type(None)):
+        arms = [a for a in args if a is not type(None)]
+        for arm in arms:
             try:
                 return _coerce(value, arm, where)
             except ConfigError as e:
                 errors.append(str(e))
+        if len(errors) > 1:  # say every form the key takes, not the first one tried
+            raise ConfigError(f"{where} must be {' or '.join(map(_describe, arms))}; got {value!r}")
         raise ConfigError(errors[0] if errors else f"{where}: bad value {value!r}")
     if dataclasses.is_dataclass(tp):
         return build(tp, value, where)
@@ -355,3 +378,10 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     elif (tp is str and isinstance(value, str)) or tp is Any:
         return value
     raise ConfigError(f"{where} must be {getattr(tp, '__name__', tp)}; got {value!r}")
+
+
+def _describe(tp: Any) -> str:
+    """A type as a config error names it."""
+    if typing.get_origin(tp) is typing.Literal:
+        return " or ".join(map(repr, typing.get_args(tp)))
+    return str(getattr(tp, "__name__", tp))

@@ -210,9 +210,13 @@ class LearnerSection:
     """torch trainer: optimizer steps over which the learning rate rises linearly from lr / warmup_steps to lr."""
     min_lr_ratio: float = 0.0
     """torch trainer: where a linear or cosine decay ends, as a share of lr."""
-    filter_uniform_groups: bool = False
-    """Mask out groups whose rewards are all equal (zero advantage) and report how many (DAPO dynamic sampling);
-    the batch still holds train_groups groups."""
+    filter_uniform_groups: bool | Literal["replace"] = False
+    """Groups whose rewards are all equal (zero advantage: no signal). false: trained as they are. true: masked
+    out of the loss and counted (the batch still holds train_groups groups, fewer of them carry signal).
+    "replace" (DAPO dynamic sampling that refills): the broker consumes each one as filtered when it finishes,
+    never trains it, and fills the batch with other whole groups, dispatching one more group for each; at most
+    core.max_filtered per step (then the step's uniform groups are trained, masked as with true, so a run whose
+    groups all come back uniform still ends). `dora audit` counts the filtered groups."""
     loss: str | None = None
     """torch trainer: `module:function` called instead of `dora.learner.loss:policy_loss`, with the same
     arguments, returning the same (loss, metrics); the contract is in dora/learner/loss.py. None: policy_loss."""

@@ -8,7 +8,7 @@ time by ``run.time_scale``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from dora.config import ConfigError, CoreConfig
@@ -358,6 +358,12 @@ class RunConfig:
     sft: SftSection = field(default_factory=SftSection)
 
     def __post_init__(self) -> None:
+        replacing = self.learner.filter_uniform_groups == "replace"
+        if self.core.filter_uniform and not replacing:
+            raise ConfigError("core.filter_uniform is set by learner.filter_uniform_groups = 'replace' in a live run "
+                              f"(it is {self.learner.filter_uniform_groups!r})")  # fmt: skip
+        if replacing and not self.core.filter_uniform:  # the broker's core filters; the learner masks what is left
+            object.__setattr__(self, "core", replace(self.core, filter_uniform=True))
         if self.learner.mini_batches > self.core.train_groups:
             raise ConfigError(f"learner.mini_batches = {self.learner.mini_batches} is more than core.train_groups = "
                               f"{self.core.train_groups}: a mini-batch holds whole groups, at least one")  # fmt: skip

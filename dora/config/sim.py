@@ -297,8 +297,15 @@ class WorkloadSection:
     """Median tokens a tool result appends to the episode (prefilled when it resumes; trained, not sampled)."""
     observation_sigma: float = 0.0
     """Lognormal sigma of observation tokens."""
+    uniform_share: float = 0.0
+    """The probability that a group's samples all get the same reward (no GRPO signal; drawn per group and
+    attempt): in `dora sim`, whose other groups get rewards 0 and 1, and in the live sim engine, whose other groups
+    keep their length-based rewards (uniform too, now and then). With core.filter_uniform such groups are
+    filtered and replaced, and `dora sim` reports what that costs in throughput; without it they are trained."""
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.uniform_share <= 1.0:
+            raise ConfigError(f"workload.uniform_share must be in [0, 1]; got {self.uniform_share}")
         if self.max_turns < 1 or not 1 <= self.turns <= self.max_turns:
             raise ConfigError(f"workload: need 1 <= turns <= max_turns; got {self.turns} and {self.max_turns}")
         if min(self.turns_sigma, self.tool_s, self.tool_sigma, self.observation_tokens, self.observation_sigma) < 0:

@@ -110,6 +110,8 @@ class Core:
         keep every version it still runs groups of (``_advance``), without draining or handing groups over."""
         self.behind: set[WorkerId] = set()
         """The multi-version workers that may be pinned to an older version than the newest."""
+        self.filtered_before = 0
+        """Groups a restarted broker's run had filtered before it (``restore``)."""
 
     # ------------------------------------------------------------------ entry point
 
@@ -117,7 +119,9 @@ class Core:
         self.now = now
         out = Outbox()
         full = self._apply(event, out)
+        self._filter()
         self._deliver(out)
+        self._filter()  # a batch taken opens the next step's window: uniform groups left waiting may go now
         self._orchestrate(out, full=full)
         if not self.fleet_ready and self._ready_workers() + self.lost_unready >= self.cfg.min_workers:
             self.fleet_ready = True
@@ -137,18 +141,21 @@ class Core:
     def _ready_workers(self) -> int:
         return sum(1 for w in self.scheduler.workers.values() if w.ready)
 
-    def restore(self, owed: list[int]) -> int:
-        """A restarted broker's debts: groups handed out before the restart and never trained (call before
-        the first event). They are dispatched again, whole, before any group past the cursor, under the same
-        admission rule as fresh groups; a group's prompt depends on its id alone. Ids at or past the prompt
+    def restore(self, owed: list[int], filtered: int = 0) -> int:
+        """A restarted broker's debts: groups handed out before the restart and neither trained nor filtered (call
+        before the first event). They are dispatched again, whole, before any group past the cursor, under the
+        same admission rule as fresh groups; a group's prompt depends on its id alone. Ids at or past the prompt
         budget are left out (a journal reserves ids in blocks, beyond those it handed out, and this run trains
-        only ids below its budget: owing those would dispatch groups it never trains); returns how many."""
+        only ids below its budget: owing those would dispatch groups it never trains); returns how many.
+        ``filtered``: groups the run filtered before the restart; with ``filter_uniform`` each one moves the
+        budget one id further, and more may yet, so every owed id is kept, in order, for the budget to reach."""
         if any(g >= self.scheduler.cursor for g in owed) or len(set(owed)) != len(owed):
             raise ValueError("restored groups must be distinct and below the cursor")
         budget = self.cfg.prompt_budget
-        kept = sorted(g for g in owed if budget is None or g < budget)
+        self.scheduler.filtered = self.filtered_before = filtered
+        kept = sorted(g for g in owed if budget is None or g < budget or self.cfg.filter_uniform)
         self.scheduler.owed.extend(GroupId(g) for g in kept)
-        return len(owed) - len(kept)
+        return sum(1 for g in owed if budget is not None and g >= budget + filtered)
 
     def publishable(self, version: int) -> DeliverBatch | None:
         """The batch a publish of ``version`` completes, if the core takes that publish; None if it refuses it.
@@ -162,6 +169,11 @@ class Core:
     def step(self) -> int:
         """s: the next train step whose batch will be taken."""
         return self.transfer.step
+
+    def filtered_with(self, step: int) -> list[GroupId]:
+        """The groups filtered in step ``step``'s window (before its batch was taken): what the broker journals
+        beside batch ``step``'s groups, before the publish that completes it takes effect."""
+        return list(self.transfer.filtered_by_step.get(step, ()))
 
     def _apply(self, event: Event, out: Outbox) -> bool:
         """Apply one event; True if it is a trigger for a full re-partition."""
@@ -354,9 +366,26 @@ class Core:
 
     def _finished(self, flight: Flight) -> None:
         samples = tuple(flight.done[i] for i in range(self.cfg.group_size))
+        rewards = set(flight.rewards.values())
         self.transfer.add(
-            TrainGroup(group_id=flight.group_id, version=flight.version, samples=samples, deadline=flight.deadline)
+            TrainGroup(group_id=flight.group_id, version=flight.version, samples=samples, deadline=flight.deadline),
+            uniform=self.cfg.filter_uniform and len(rewards) == 1 and None not in rewards,
         )
+
+    def _filter(self) -> None:
+        """Consume the finished groups whose rewards are all equal as filtered, up to the step's cap (see
+        ``TransferQueue.filter``). Each leaves the unconsumed counts, which only frees room: the feasibility
+        invariant holds with fewer groups, a group due at ``s`` that is filtered is one the batch no longer
+        waits for, and admission may lease another in its place at once (the prompt budget grows by one; in the
+        wave modes a refill is owed beside the waves). Past the cap the step's uniform groups are trained."""
+        cap = self.cfg.filter_cap
+        if not cap:
+            return
+        for g in self.transfer.filter(cap):
+            self.ledger.remove_group(g.version, g.deadline)
+            self.scheduler.filtered += 1
+            if self.cfg.waves:
+                self.scheduler.refill += 1
 
     def _deliver(self, out: Outbox) -> None:
         if not self.learner_waiting or self.transfer.in_training is not None:
@@ -511,13 +540,21 @@ class Core:
         if expect != counts:
             raise InvariantViolation(f"ledger counts {counts} != groups owed {expect}")
         created = self.scheduler.cursor - self.start_cursor + self.scheduler.reissued
-        held = (
-            len(self.transfer.consumed) + len(self.scheduler.flights) + len(self.transfer) + len(self.transfer.dropped)
-        )
+        tq = self.transfer
+        held = len(tq.consumed) + len(self.scheduler.flights) + len(tq) + len(tq.dropped) + len(tq.filtered)
         if created != held:
             raise InvariantViolation(f"C2: {created} groups created, {held} accounted for")
-        if self.cfg.prompt_budget is not None and created > self.cfg.prompt_budget:
-            raise InvariantViolation(f"{created} groups created, budget is {self.cfg.prompt_budget}")
+        filtered = self.scheduler.filtered
+        if filtered != self.filtered_before + len(tq.filtered):
+            raise InvariantViolation(f"{filtered} groups counted filtered, {len(tq.filtered)} filtered here")
+        if self.cfg.prompt_budget is not None and created > self.cfg.prompt_budget + filtered:
+            raise InvariantViolation(f"{created} groups created, budget is {self.cfg.prompt_budget} + {filtered}")
+        window = len(tq.filtered_by_step.get(self.step, ()))
+        if any(len(ids) > self.cfg.filter_cap for ids in tq.filtered_by_step.values()) or (
+            tq.uniform_waiting and window < self.cfg.filter_cap
+        ):
+            raise InvariantViolation(f"step {self.step} filtered {window} groups, cap {self.cfg.filter_cap}, "
+                                     f"with {tq.uniform_waiting} uniform groups waiting")  # fmt: skip
         running = [f for f in self.scheduler.flights.values() if f.state is not GroupState.QUEUED]
         if any(f.version not in self.ledger.alive() for f in running):
             raise InvariantViolation("a running group's version is retired")

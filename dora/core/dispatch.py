@@ -5,7 +5,9 @@ they need no admission check. Then fresh groups: those a restarted broker owes, 
 the prompt budget. Each fresh group gets the earliest deadline admission allows (``pick_deadline``; the
 arithmetic is ``deadline.admits``) and goes to the ready worker of its version with the most free slots.
 Fresh groups fill the newest version up to the watermark, or come a whole wave at a time (``waves``), or, in
-dora mode with legacy fill, go into an idle worker of a middle version.
+dora mode with legacy fill, go into an idle worker of a middle version. A group consumed as filtered (all rewards
+equal, ``filter_uniform``) frees its room at once and moves the prompt budget one id on, so the streaming modes
+lease another in its place as admission allows; the wave modes owe a refill, leased first, outside the waves.
 
 These are functions of the ``Scheduler``'s state: they choose, then call ``Scheduler.lease``. The lease, its
 attempt id and the slot bookkeeping belong to the scheduler. What happens to a result is ``intake``'s.
@@ -36,6 +38,8 @@ def dispatch(sched: Scheduler, step: int, out: Outbox) -> None:
     if sched.queue:
         return
     if sched.cfg.waves:
+        while sched.refill > 0 and budget_left(sched) and _fresh(sched, newest, step, out, wave=False):
+            sched.refill -= 1
         if sched.wave_left == 0 and not sched.wave and budget_left(sched):
             sched.wave_left = sched.cfg.train_groups
         while sched.wave_left > 0 and budget_left(sched):
@@ -52,9 +56,14 @@ def dispatch(sched: Scheduler, step: int, out: Outbox) -> None:
 
 
 def budget_left(sched: Scheduler) -> bool:
-    """Whether a fresh group may still be dispatched: one is owed, or the cursor is below the prompt budget."""
+    """Whether a fresh group may still be dispatched: the next one's id (an owed one's, else the cursor) is below
+    the prompt budget, plus one for every group filtered. (Without filtering every owed id is below it.)"""
     budget = sched.cfg.prompt_budget
-    return bool(sched.owed) or budget is None or sched.cursor < budget
+    if budget is None:
+        return True
+    if not sched.cfg.filter_uniform:
+        return bool(sched.owed) or sched.cursor < budget
+    return (sched.owed[0] if sched.owed else sched.cursor) < budget + sched.filtered
 
 
 def pick_deadline(sched: Scheduler, version: int, step: int) -> int | None:
@@ -69,8 +78,9 @@ def pick_deadline(sched: Scheduler, version: int, step: int) -> int | None:
     return None
 
 
-def new_flight(sched: Scheduler) -> Flight:
-    """The next fresh group: one a restarted broker owes, else the one at the cursor."""
+def new_flight(sched: Scheduler, *, wave: bool = True) -> Flight:
+    """The next fresh group: one a restarted broker owes, else the one at the cursor (``wave``: in the wave modes,
+    one of the current wave; a refill for a filtered group is not)."""
     if sched.owed:
         gid = sched.owed.popleft()
         sched.reissued += 1
@@ -79,12 +89,12 @@ def new_flight(sched: Scheduler) -> Flight:
         sched.cursor += 1
     flight = Flight(group_id=gid, version=sched.ledger.newest, state=GroupState.QUEUED)
     sched.flights[gid] = flight
-    if sched.cfg.waves:
+    if sched.cfg.waves and wave:
         sched.wave.add(gid)
     return flight
 
 
-def _fresh(sched: Scheduler, version: int, step: int, out: Outbox) -> bool:
+def _fresh(sched: Scheduler, version: int, step: int, out: Outbox, *, wave: bool = True) -> bool:
     """Lease one new group on ``version`` if admission and capacity allow."""
     d = pick_deadline(sched, version, step)
     if d is None:
@@ -92,7 +102,7 @@ def _fresh(sched: Scheduler, version: int, step: int, out: Outbox) -> bool:
     worker = sched.pick_worker(version, sched.cfg.group_size)
     if worker is None:
         return False
-    flight = new_flight(sched)
+    flight = new_flight(sched, wave=wave)
     sched.ledger.add_group(version, d)
     flight.version, flight.deadline = version, d
     sched.lease(flight, worker, version, out)

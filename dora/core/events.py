@@ -63,6 +63,9 @@ class SampleFinished:
     segments: Segments
     finish: Finish = Finish.STOP
     payload: Any = None
+    reward: float | None = None
+    """The sample's reward: with ``filter_uniform`` the core finds a group whose rewards are all equal when it
+    finishes, and consumes it as filtered (None: unknown, never equal to anything). Read for nothing else."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -78,7 +81,8 @@ class ResultsReported:
     """A worker's report of finished samples as it came (one wire message): taken exactly as a SamplesFinished of
     ``SampleFinished(worker_id=worker_id, ..., payload=payloads[i])`` for each sample would be, without an event
     per sample. A sample is anything with ``group_id``, ``attempt``, ``index``, ``segments`` and ``finish`` (the
-    wire's sample headers); the core reads nothing else of it."""
+    wire's sample headers), and ``reward`` where groups are filtered (``filter_uniform``); the core reads nothing
+    else of it."""
 
     worker_id: WorkerId
     samples: Sequence[Any]

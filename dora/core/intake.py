@@ -4,7 +4,8 @@ A result first passes the lease fence (``Scheduler.check_result``: the current h
 then the sample checks (``_sample_problem``): an index in [0, G) not taken yet, no generation error,
 well-formed version segments, and every token of the lease's version (C1; under in-flight swap, none older
 than it). A taken sample frees its slot (``Scheduler.took``). The sample that completes the group releases it
-from the scheduler (``Scheduler.release``), and the caller hands it on to training. A duplicate is refused
+from the scheduler (``Scheduler.release``), and the caller hands it on to training (or, with ``filter_uniform``,
+to filtering if its rewards, kept beside its samples, are all equal). A duplicate is refused
 and otherwise ignored. Any other problem re-runs the group whole (C2), until the group has failed
 ``max_group_failures`` times (``GroupFailed``).
 
@@ -43,6 +44,8 @@ def accept(sched: Scheduler, ev: SampleFinished, out: Outbox) -> Flight | None:
             _failed(sched, flight, problem, out)
         return None
     flight.done[ev.index] = TrainSample(index=ev.index, segments=ev.segments, finish=ev.finish, payload=ev.payload)
+    if sched.cfg.filter_uniform:
+        flight.rewards[ev.index] = ev.reward
     sched.took(flight, 1)
     if len(flight.done) < sched.cfg.group_size:
         return None
@@ -58,7 +61,7 @@ def accept_report(
     lease and slots, pending counts and the roster updated once per run. Yields each flight as the sample
     that completes its group is taken (the caller hands it on before the next sample is looked at)."""
     cfg = sched.cfg
-    G, swap = cfg.group_size, cfg.in_flight_swap
+    G, swap, filtering = cfg.group_size, cfg.in_flight_swap, cfg.filter_uniform
     i, n = 0, len(samples)
     while i < n:
         s = samples[i]
@@ -88,6 +91,8 @@ def accept_report(
                 problem = _sample_problem(cfg, flight, s)
             if problem is None:
                 done[index] = TrainSample(index=index, segments=segments, finish=s.finish, payload=payload)
+                if filtering:
+                    flight.rewards[index] = s.reward
                 taken += 1
                 if len(done) == G:
                     break

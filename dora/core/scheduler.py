@@ -62,6 +62,8 @@ class Flight:
     target: WorkerId | None = None
     """Migration target while MIGRATING."""
     done: dict[int, TrainSample] = field(default_factory=dict)
+    rewards: dict[int, float | None] = field(default_factory=dict)
+    """The rewards of ``done``'s samples, kept only where uniform groups are filtered (``filter_uniform``)."""
     failures: int = 0
     reruns: int = 0
 
@@ -97,8 +99,8 @@ class Worker:
 class Scheduler:
     """Leases, workers and the prompt cursor. Pure: no I/O, no clock.
 
-    The cursor, the owed groups, the wave and the admission horizon are the state ``dispatch`` reads and moves;
-    ``took`` and ``release`` are the bookkeeping ``intake`` calls as samples are taken."""
+    The cursor, the owed groups, the wave, the refills and the admission horizon are the state ``dispatch`` reads
+    and moves; ``took`` and ``release`` are the bookkeeping ``intake`` calls as samples are taken."""
 
     def __init__(self, cfg: CoreConfig, ledger: Ledger, start_cursor: int = 0) -> None:
         self.cfg = cfg
@@ -111,6 +113,11 @@ class Scheduler:
         self.owed: deque[GroupId] = deque()
         """Groups a restarted broker owes from before the restart: handed out again before the cursor moves."""
         self.reissued = 0
+        self.filtered = 0
+        """Groups consumed as filtered over the whole run (a restarted broker's earlier ones too): each lets one
+        more fresh group be dispatched beyond the prompt budget (``dispatch.budget_left``)."""
+        self.refill = 0
+        """The wave modes: fresh groups owed for filtered ones, dispatched beside the waves (not part of one)."""
         self._next_attempt = 1
         self._joined = 0
         self.wave_left = 0
@@ -316,6 +323,7 @@ class Scheduler:
         flight.worker = None
         flight.target = None
         flight.done.clear()
+        flight.rewards.clear()
         flight.reruns += 1
         self.stats_requeued += 1
         self.queue.appendleft(flight.group_id)

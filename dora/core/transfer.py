@@ -9,6 +9,12 @@ since that baseline resumes requests on newer weights by design).
 
 A delivered batch stays here until the learner publishes version ``s + 1``: if the learner is lost
 before that, the same batch is delivered again, so a crash never drops or reshuffles a batch.
+
+Filtering (``filter_uniform``): a finished group whose rewards are all equal waits here marked uniform, and
+``filter`` consumes it as filtered, earliest deadline first, while step ``s`` has filtered fewer than its cap:
+it leaves the unconsumed groups without a batch (it is never trained) and is recorded once, with the step
+whose window it was filtered in (between taking batch ``s - 1`` and batch ``s``; the broker journals them
+with batch ``s``). Past the cap a uniform group is an ordinary finished group: trained, never lost.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ class Finished:
     group: TrainGroup
     seq: int
     """Completion order."""
+    uniform: bool = False
+    """Its rewards are all equal (only looked for with ``filter_uniform``)."""
 
 
 class TransferQueue:
@@ -52,16 +60,54 @@ class TransferQueue:
         self.drop_stale = drop_stale
         """drop_stale baseline: batches fill in completion order and over-stale groups are discarded."""
         self.dropped: list[TrainGroup] = []
+        self.filtered: list[GroupId] = []
+        """Groups consumed as filtered (all rewards equal), never trained."""
+        self.filtered_by_step: dict[int, list[GroupId]] = {}
+        """step -> the groups filtered while it was the next step, until its batch is trained."""
+        self._uniform = 0
+        """Finished groups here marked uniform."""
 
     def __len__(self) -> int:
         return sum(len(q) for q in self._by_deadline.values())
 
-    def add(self, group: TrainGroup) -> None:
+    def add(self, group: TrainGroup, *, uniform: bool = False) -> None:
         self._seq += 1
         d = group.deadline
         if d < self.step and not self.drop_stale:
             raise InvariantViolation(f"group {group.group_id} finished after its deadline {d} (step {self.step})")
-        self._by_deadline.setdefault(d, []).append(Finished(group=group, seq=self._seq))
+        self._by_deadline.setdefault(d, []).append(Finished(group=group, seq=self._seq, uniform=uniform))
+        self._uniform += uniform
+
+    def filter(self, cap: int) -> list[TrainGroup]:
+        """Consume finished uniform groups as filtered, earliest deadline (then completion) first, while step ``s``
+        has filtered fewer than ``cap``; return them (the caller takes them out of the unconsumed counts)."""
+        gone: list[TrainGroup] = []
+        if not self._uniform:
+            return gone
+        window = self.filtered_by_step.setdefault(self.step, [])
+        for d in sorted(self._by_deadline):
+            if len(window) >= cap or not self._uniform:
+                break
+            queue = self._by_deadline[d]
+            keep = []
+            for f in queue:
+                if f.uniform and len(window) < cap:
+                    gone.append(f.group)
+                    window.append(f.group.group_id)
+                    self.filtered.append(f.group.group_id)
+                    self._uniform -= 1
+                else:
+                    keep.append(f)
+            self._by_deadline[d] = keep
+        self._by_deadline = {d: q for d, q in self._by_deadline.items() if q}
+        if not window:
+            del self.filtered_by_step[self.step]
+        return gone
+
+    @property
+    def uniform_waiting(self) -> int:
+        """Finished groups here whose rewards are all equal (left past their step's cap)."""
+        return self._uniform
 
     def pending_by_deadline(self) -> dict[int, int]:
         return {d: len(q) for d, q in self._by_deadline.items() if q}
@@ -72,7 +118,9 @@ class TransferQueue:
 
     def expire(self) -> list[TrainGroup]:
         """drop_stale only: discard finished groups that would exceed K at step ``s`` (they are lost)."""
-        gone = [f.group for d, q in self._by_deadline.items() if d < self.step for f in q]
+        stale = [f for d, q in self._by_deadline.items() if d < self.step for f in q]
+        gone = [f.group for f in stale]
+        self._uniform -= sum(f.uniform for f in stale)
         self._by_deadline = {d: q for d, q in self._by_deadline.items() if d >= self.step}
         self.dropped.extend(gone)
         return gone
@@ -97,6 +145,7 @@ class TransferQueue:
             gone = {id(f) for f in picked}
             self._by_deadline = {d: [f for f in q if id(f) not in gone] for d, q in self._by_deadline.items()}
         self._by_deadline = {d: q for d, q in self._by_deadline.items() if q}
+        self._uniform -= sum(f.uniform for f in picked)
         batch = DeliverBatch(step=self.step, groups=tuple(f.group for f in picked))
         self._consume(batch)
         self.in_training = batch
@@ -150,5 +199,6 @@ class TransferQueue:
         """The learner published ``version``: the batch in training is done. False if none was pending."""
         if self.in_training is None or self.in_training.step + 1 != version:
             return False
+        self.filtered_by_step.pop(self.in_training.step, None)
         self.in_training = None
         return True

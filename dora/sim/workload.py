@@ -16,6 +16,11 @@ tool call of lognormal seconds whose result appends lognormal observation tokens
 turn lengths come from one random stream, tool seconds and observations from another, and every
 draw is made whatever its median, so a sweep over tool latency keeps the same turns and tokens.
 With ``max_turns = 1`` none of this runs: lengths are exactly the single-turn ones.
+
+Rewards: a group is uniform (every sample gets the same reward, so it carries no GRPO signal) with probability
+``uniform_share``, drawn per (group, attempt) from a stream of its own (a re-run draws afresh, and no length
+moves with the share); the samples of any other group get rewards 0 and 1 alternately. What a refill of the
+uniform groups costs (``core.filter_uniform``) is then measured on the very lengths a run without it sees.
 """
 
 from __future__ import annotations
@@ -74,6 +79,8 @@ class Workload:
     observation_tokens: float = 0.0
     """Median tokens of one tool result."""
     observation_sigma: float = 0.0
+    uniform_share: float = 0.0
+    """Probability that a group's samples all get the same reward (a prompt solved, or failed, by every sample)."""
 
     def __post_init__(self) -> None:
         if not self.components or any(c.weight <= 0 or c.median <= 0 or c.sigma < 0 for c in self.components):
@@ -84,6 +91,8 @@ class Workload:
             raise ValueError("workload turns must be in [1, max_turns]")
         if min(self.turns_sigma, self.tool_s, self.tool_sigma, self.observation_tokens, self.observation_sigma) < 0:
             raise ValueError("workload tool and observation medians and every sigma must be >= 0")
+        if not 0.0 <= self.uniform_share <= 1.0:
+            raise ValueError(f"workload uniform_share must be in [0, 1]; got {self.uniform_share}")
 
     @property
     def multi_turn(self) -> bool:
@@ -135,6 +144,17 @@ class Workload:
             tools_s.append(_lognormal(tools, self.tool_s, self.tool_sigma))
         return Episode(turns=tuple(turns), observations=tuple(observations), tools_s=tuple(tools_s))
 
+    def uniform(self, group: int, attempt: int) -> bool:
+        """Whether this attempt of the group gives every sample the same reward."""
+        if self.uniform_share <= 0.0:
+            return False
+        return random.Random(f"{self.seed}:uniform:{group}:{attempt}").random() < self.uniform_share
+
+    def reward(self, group: int, index: int, attempt: int) -> float:
+        """A sample's reward: 1 for every sample of a uniform group, else 0 and 1 alternately (a group of one
+        sample is uniform whatever it gets, as for the learner)."""
+        return 1.0 if self.uniform(group, attempt) else float(index % 2)
+
     def prompt_len(self, group: int) -> int:
         rng = random.Random(f"{self.seed}:prompt:{group}")
         return max(1, round(rng.lognormvariate(math.log(self.prompt_tokens), self.prompt_sigma)))
@@ -158,6 +178,7 @@ def from_section(section: WorkloadSection, seed: int) -> Workload:
                         turns=section.turns, turns_sigma=section.turns_sigma, max_turns=section.max_turns,
                         tool_s=section.tool_s, tool_sigma=section.tool_sigma,
                         observation_tokens=section.observation_tokens,
-                        observation_sigma=section.observation_sigma)  # fmt: skip
+                        observation_sigma=section.observation_sigma,
+                        uniform_share=section.uniform_share)  # fmt: skip
     except ValueError as e:
         raise ConfigError(f"workload: {e}") from None

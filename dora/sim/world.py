@@ -160,6 +160,8 @@ class World:
         self.retired: set[int] = set()
         self.sent: list[SampleFinished] = []
         """Every result ever sent, for replaying late or duplicated messages."""
+        self.attempts: dict[GroupId, AttemptId] = {}
+        """Each group's latest lease: the attempt whose samples it finished with (or runs now)."""
         self.migrated_requests = 0
         self.migrated_waiting = 0
         """Migrated episodes that were waiting on a tool call (their state went along)."""
@@ -177,6 +179,7 @@ class World:
         for a in actions:
             match a:
                 case Lease():
+                    self.attempts[a.group_id] = a.attempt
                     w = self._live(a.worker_id)
                     if w is None:
                         continue  # the message was sent to a process that is already dead
@@ -404,7 +407,8 @@ class World:
                 self.episodes[(r.group_id, r.attempt, r.index)] = (len(r.ends) or 1, sum(r.observations))
         done = [
             SampleFinished(worker_id=worker, group_id=GroupId(r.group_id), attempt=r.attempt, index=r.index,
-                           segments=r.segments(), payload=r.attempt)
+                           segments=r.segments(), payload=r.attempt,
+                           reward=self.workload.reward(r.group_id, r.index, r.attempt))
             for r in finished
         ]  # fmt: skip
         self.sent.extend(done)

@@ -51,5 +51,8 @@ def completion(
 
 
 def reward(workload: Workload, group: int, index: int, attempt: int) -> float:
-    """A verifiable-looking binary reward: shorter-than-median answers of a prompt are 'correct'."""
+    """A verifiable-looking binary reward: shorter-than-median answers of a prompt are 'correct'; every answer of
+    a group the workload draws uniform (``workload.uniform_share``) is."""
+    if workload.uniform(group, attempt):
+        return 1.0
     return 1.0 if workload.length(group, index, attempt) <= workload.components[0].median else 0.0

@@ -47,6 +47,7 @@ class Harness:
         for a in actions:
             if isinstance(a, DeliverBatch) and not a.redelivery:
                 self.delivered.append(a)
+                self._check_filtered(a)
             elif isinstance(a, Retire):
                 self.retired.append(a.version)
         self.max_alive = max(self.max_alive, len(self.core.ledger.alive()))
@@ -54,6 +55,21 @@ class Harness:
         for w in self.core.multi:
             self.kept_max = max(self.kept_max, 1 + len(led.kept_by(w)))
         return actions
+
+    def uniform(self, group: int) -> bool:
+        """Whether the group's latest attempt gave every sample the same reward (as the world drew them)."""
+        attempt = self.world.attempts[group]
+        return len({self.workload.reward(group, i, attempt) for i in range(self.cfg.group_size)}) == 1
+
+    def _check_filtered(self, batch: DeliverBatch) -> None:
+        """With filtering, a batch holds a uniform group only once its step has filtered as many as it may."""
+        if not self.cfg.filter_uniform:
+            return
+        flat = [g.group_id for g in batch.groups if self.uniform(g.group_id)]
+        filtered = self.core.filtered_with(batch.step)
+        assert not flat or len(filtered) == self.cfg.filter_cap, (
+            f"batch {batch.step} trains uniform groups {flat} with {len(filtered)} filtered, cap {self.cfg.filter_cap}"
+        )
 
     def feed_all(self, events: list[SampleFinished]) -> None:
         for ev in events:
@@ -120,12 +136,19 @@ class Harness:
         )
 
     def check_end(self) -> None:
-        """C2 over the whole run: every group of the run trained exactly once, in whole batches."""
+        """C2 over the whole run: every group of the run trained exactly once, in whole batches, or filtered
+        exactly once (its rewards all equal), and nothing else dispatched."""
         total = self.cfg.prompt_budget
         assert total is not None
         trained = self.world.learner.trained
+        filtered = self.core.transfer.filtered
         assert len(trained) == len(set(trained)), "a group was trained twice"
-        assert sorted(trained) == list(range(total)), "a dispatched group was never trained"
+        assert len(filtered) == len(set(filtered)), "a group was filtered twice"
+        assert not set(trained) & set(filtered), "a group was filtered and trained"
+        assert sorted(trained + filtered) == list(range(total + len(filtered))), "a dispatched group was lost"
+        assert self.core.scheduler.cursor == total + len(filtered), "more groups dispatched than consumed"
+        assert all(self.uniform(g) for g in filtered), "a group with a signal was filtered"
+        assert len(filtered) <= self.cfg.filter_cap * self.cfg.total_steps  # type: ignore[operator]
         assert self.world.learner.steps == self.cfg.total_steps
         assert max(self.world.learner.staleness, default=0) <= self.cfg.staleness
         assert self.max_alive <= self.cfg.staleness + 1

@@ -98,3 +98,16 @@ def test_each_command_reads_only_its_own_environment_variables():
     assert load(SimConfig, env=env, env_prefix="DORA_SIM__").run.steps == 7
     with pytest.raises(ConfigError, match="unknown key 'brokr'"):  # a typo is still an error
         load(RunConfig, env={"DORA_BROKR__BIND": "x"}, env_prefix="DORA_")
+
+
+@pytest.mark.parametrize(("value", "learner", "core"),
+                         [("false", False, False), ("true", True, False), ("replace", "replace", True)])  # fmt: skip
+def test_filter_uniform_groups_is_false_true_or_replace_and_replace_turns_the_cores_filtering_on(value, learner, core):
+    cfg = load(RunConfig, overrides=[f"learner.filter_uniform_groups={value}"])
+    assert (cfg.learner.filter_uniform_groups, cfg.core.filter_uniform) == (learner, core)
+    assert load(RunConfig, base={"learner": {"filter_uniform_groups": learner}}) == cfg  # the TOML value too
+    with pytest.raises(ConfigError, match=r"learner\.filter_uniform_groups must be bool or 'replace'; got 'refill'"):
+        load(RunConfig, overrides=["learner.filter_uniform_groups=refill"])
+    with pytest.raises(ConfigError, match=r"core\.filter_uniform is set by learner\.filter_uniform_groups = 'replace'"):
+        load(RunConfig, overrides=["core.filter_uniform=true"])
+    assert load(SimConfig, overrides=["core.filter_uniform=true", "workload.uniform_share=0.5"]).core.filter_cap == 32

@@ -7,11 +7,13 @@ crashes, when old results are replayed, when the orchestrator's timer and load t
 which workers are elastic (yield their accelerators for each train step) and when their yields end,
 and how many versions each worker holds at once (1: full weights; more: a LoRA engine's adapters, which
 takes a new version while groups of older ones still run on it, and serves those until they end);
-in every mode, for K in {0, 1, 2, 3}, with fixed and adaptive deadlines.
+in every mode, for K in {0, 1, 2, 3}, with fixed and adaptive deadlines, and with groups whose rewards are all
+equal filtered and replaced (a share of them drawn per group, up to all of them: then every step's cap binds).
 
 Checked after every step: the core's own invariants from scratch (strict mode), at most K + 1
 live versions, and liveness (something can still move). At the end the run is driven to completion:
-every group of the run must be trained exactly once (C2), in exact batches, with staleness <= K
+every group of the run must be trained exactly once or filtered exactly once (C2), in exact batches, a
+uniform group trained only where its step filtered its cap, with staleness <= K
 (C3) and one version per trajectory (C1) as seen by the learner model, independently of the core.
 """
 
@@ -57,10 +59,13 @@ class CoreMachine(RuleBasedStateMachine):
         holds=st.lists(st.sampled_from([1, 1, 2, 3, 4]), min_size=5, max_size=5),
         deadlines=st.sampled_from(["fixed", "adaptive"]),
         drain_load=st.sampled_from([0, 0, 1, 2, 4]),
+        filtering=st.sampled_from([False, False, True]),
+        max_filtered=st.sampled_from([None, 1, 2, 5]),
+        uniform_share=st.sampled_from([0.0, 0.3, 0.7, 1.0]),
     )
     def setup(
         self, mode, k, train_groups, group_size, steps, workers, slot_groups, watermark, seed, sigma, elastic,
-        holds, deadlines, drain_load,
+        holds, deadlines, drain_load, filtering, max_filtered, uniform_share,
     ):  # fmt: skip
         cfg = CoreConfig(
             deadlines=deadlines,
@@ -71,12 +76,20 @@ class CoreMachine(RuleBasedStateMachine):
             group_size=group_size,
             total_steps=steps,
             rollout_groups=watermark,
+            filter_uniform=filtering,
+            max_filtered=max_filtered,
         )
         self.h = Harness(
             cfg=cfg,
             slots=slot_groups * group_size,
             workload=Workload.lognormal(
-                median=8, sigma=sigma, difficulty_sigma=0.7, cap=200, seed=seed, prompt_tokens=4
+                median=8,
+                sigma=sigma,
+                difficulty_sigma=0.7,
+                cap=200,
+                seed=seed,
+                prompt_tokens=4,
+                uniform_share=uniform_share,
             ),
         )
         for i in range(workers):
@@ -243,6 +256,10 @@ class CoreMachine(RuleBasedStateMachine):
             event(f"versions kept={'yes' if self.h.kept_max > 1 else 'no'}")
             event(f"migrated to a keeper={'yes' if core.scheduler.stats_migrated_to_keepers else 'no'}")
             event(f"max live versions={self.h.max_alive}")
+            filtered = len(core.transfer.filtered)
+            event(f"filtered={'off' if not self.h.cfg.filter_uniform else 'some' if filtered else 'none'}")
+            if filtered and filtered == self.h.cfg.filter_cap * self.h.cfg.total_steps:
+                event("filtered up to every step's cap")
             for reason in core.refusals:
                 event(f"refused {reason.split()[0]}")
 
