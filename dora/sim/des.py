@@ -140,6 +140,10 @@ class Outcome:
     worker_moves: int
     preemptions: int
     max_live_versions: int
+    groups_filtered: int = 0
+    """Groups consumed as filtered (every reward equal, ``core.filter_uniform``): generated, never trained."""
+    filtered_tokens: int = 0
+    """Response tokens of those groups: decoded for nothing (what refilling costs)."""
     resume_prefill_tokens: int = 0
     """Context re-prefilled because an episode resumed after a tool call without its KV cache."""
     kv_evictions: int = 0
@@ -500,7 +504,9 @@ class Simulation:
             mixed_version_trajectories=lr.mixed_version_trajectories, trained=list(lr.trained),
             dropped_lengths=[sum(n for _, n in s.segments) for g in tq.dropped for s in g.samples],
             trained_lengths=trained_lengths, groups_dispatched=self.core.scheduler.cursor,
-            groups_in_flight=len(self.core.scheduler.flights) + len(tq),
+            groups_in_flight=len(self.core.scheduler.flights) + len(tq), groups_filtered=len(tq.filtered),
+            filtered_tokens=sum(self.world.workload.length(g, i, self.world.attempts[g]) for g in tq.filtered
+                                for i in range(self.cfg.core.group_size)),
             migrated_groups=self.core.scheduler.stats_migrated_groups,
             migrated_requests=self.core.scheduler.stats_migrated_requests,
             reprefill_tokens=self.world.reprefill_tokens, requeued=self.core.scheduler.stats_requeued,

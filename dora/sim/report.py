@@ -20,7 +20,8 @@ def kept(m: dict[str, Any]) -> set[str]:
     out = set()
     if m["c1_violations"] == 0:
         out.add("C1")
-    if m["dropped_groups"] == 0 and m["groups_dispatched"] == m["groups_trained"] + m["groups_in_flight_at_end"]:
+    consumed = m["groups_trained"] + m.get("groups_filtered", 0)  # a filtered group is consumed, counted, not lost
+    if m["dropped_groups"] == 0 and m["groups_dispatched"] == consumed + m["groups_in_flight_at_end"]:
         out.add("C2")
     if m["max_staleness_consumed"] <= m["max_staleness"]:
         out.add("C3")
@@ -59,12 +60,33 @@ def print_table(rows: list[dict[str, Any]], console: Console | None = None) -> N
     console.print(
         "step: steady-state step time; tok/s: prompt+response tokens trained per second; rollout-only: share of time "
         "the trainer waits for data; of ideal: perfect-packing bound / step. C1: one version per trajectory. "
-        "C2: nothing dispatched dropped. C3: staleness at consumption <= K. "
+        "C2: nothing dispatched dropped (a filtered group is counted, not dropped). C3: staleness at consumption <= K. "
         "re-run: groups re-run whole after a worker died. Disaggregated modes: rollout+trainer GPUs.",
         style="dim",
     )
+    if any(m.get("groups_filtered") for m in rows):
+        print_filtered(rows, console)
     if any(m.get("turns_per_episode", 1.0) > 1.0 for m in rows):
         print_episodes(rows, console)
+
+
+def print_filtered(rows: list[dict[str, Any]], console: Console) -> None:
+    """Filtering that refills (core.filter_uniform): how many groups it filtered and what their decoding cost."""
+    table = Table(title="groups filtered (every reward equal) and replaced")
+    for col in ("mode", "filtered", "of consumed", "tokens decoded for them", "tok/s trained", "step"):
+        table.add_column(col, justify="left" if col == "mode" else "right")
+    for m in rows:
+        table.add_row(
+            m["mode"], str(m["groups_filtered"]), f"{m['filtered_share']:.0%}", f"{m['filtered_tokens'] / 1e6:.2f}M",
+            f"{m['throughput_tokens_per_s']:.0f}", f"{m['step_time_s']:.0f}s",
+        )  # fmt: skip
+    console.print(table)
+    console.print(
+        "filtered: groups consumed without training (whole run), each replaced by one more dispatched; of consumed: "
+        "their share of the groups trained or filtered. Run again without core.filter_uniform to see what the "
+        "refills cost: the same lengths and rewards, the uniform groups trained instead.",
+        style="dim",
+    )
 
 
 def print_episodes(rows: list[dict[str, Any]], console: Console) -> None:

@@ -4,7 +4,8 @@ Where the stateful machine lets hypothesis pick adversarial orders, these runs k
 (continuous batching with slot and KV limits, preemption, prefill, weight loads, migrations, learner
 steps, every placement: elastic workers yield to the trainer, paying role switches, with their KV
 offloaded or dropped) so that several versions really are alive at once and the orchestrator
-really migrates. Each run must end (liveness), train every group of the run exactly once (C2),
+really migrates; with a share of groups whose rewards are all equal filtered and replaced, or not. Each run
+must end (liveness), train every group of the run exactly once or filter it exactly once (C2),
 keep staleness <= K (C3) and one version per trajectory (C1, except the partial baseline, which
 must report its violations), with at most K + 1 versions alive.
 """
@@ -30,8 +31,11 @@ def check_run(o, cfg, mode: Mode) -> None:
     steps, b, k = cfg.for_mode(mode).core.total_steps, cfg.core.train_groups, cfg.for_mode(mode).core.staleness
     assert steps == cfg.run.steps + cfg.run.cooldown(k)
     assert len(o.steps) == steps
-    assert sorted(o.trained) == list(range(steps * b)), "C2: every group of the run trained exactly once"
-    assert o.groups_dispatched == len(o.trained) + o.groups_in_flight, "conservation"
+    f = o.groups_filtered  # with filtering, groups whose rewards were all equal: consumed, never trained
+    assert len(set(o.trained)) == len(o.trained) == steps * b, "C2: no group trained twice, exact batches"
+    assert len(o.trained) + f == o.groups_dispatched == steps * b + f, "C2: every group trained or filtered"
+    assert o.groups_in_flight == 0, "conservation: nothing dispatched is left at the end"
+    assert f <= steps * cfg.core.filter_cap
     assert max(o.staleness, default=0) <= k, "C3"
     assert o.max_live_versions <= k + 1
     if mode is not Mode.PARTIAL:
@@ -61,11 +65,13 @@ def check_run(o, cfg, mode: Mode) -> None:
     train_s=st.floats(0.1, 30.0),
     deaths=st.lists(st.tuples(st.floats(0.0, 200.0), st.integers(0, 99)), max_size=5),
     seed=st.integers(0, 2**20),
+    uniform=st.sampled_from([None, None, 0.3, 0.8]),
 )
 def test_simulated_runs_keep_every_invariant(
     mode, placement, elastic, yield_kv, deadlines, drain_load, k, train_groups, group_size, steps, workers,
-    slot_groups, running_frac, kv, watermark, legacy_fill, sigma, load_s, train_s, deaths, seed,
+    slot_groups, running_frac, kv, watermark, legacy_fill, sigma, load_s, train_s, deaths, seed, uniform,
 ):  # fmt: skip
+    """``uniform``: that share of groups get equal rewards and are filtered and replaced (None: no filtering)."""
     credit = slot_groups * group_size
     cfg = small(
         workers=workers, credit=credit, max_running=max(1, round(credit * running_frac)), steps=steps, k=k,
@@ -75,7 +81,8 @@ def test_simulated_runs_keep_every_invariant(
     )  # fmt: skip
     cfg = replace(  # role switches cost about a second: offloads, wake-up, trainer state
         cfg,
-        core=replace(cfg.core, deadlines=deadlines, drain_load=drain_load),
+        core=replace(cfg.core, deadlines=deadlines, drain_load=drain_load, filter_uniform=uniform is not None),
+        workload=replace(cfg.workload, uniform_share=uniform or 0.0),
         cluster=replace(cfg.cluster, elastic_gpus=min(elastic, workers), host_link_bytes_per_s=1e9),
         engine=replace(cfg.engine, weight_bytes=1e9, wake_s=0.5, kv_bytes_per_token=1e6, yield_kv=yield_kv),
         trainer=replace(cfg.trainer, state_bytes=1e9),
@@ -91,6 +98,7 @@ def test_simulated_runs_keep_every_invariant(
     event(f"re-run={'yes' if o.requeued else 'no'}")
     event(f"preempted={'yes' if o.preemptions else 'no'}")
     event(f"live versions={o.max_live_versions}")
+    event(f"filtered={'off' if uniform is None else 'some' if o.groups_filtered else 'none'}")
 
 
 @settings(max_examples=max(EXAMPLES // 3, 10), deadline=None, suppress_health_check=[HealthCheck.too_slow])
