@@ -366,8 +366,9 @@ class BrokerActor:
             self.counters["refused publish"] += 1
             log.warning("publish_refused", version=msg.version, newest=self.core.ledger.newest)
             return
+        filtered = self.core.filtered_with(batch.step)  # consumed beside the batch, never trained
         if self.journal is not None:  # durable before it takes effect, and before the learner may checkpoint it
-            self.journal.step(msg.version, msg.uri, msg.sha256, [g.group_id for g in batch.groups])
+            self.journal.step(msg.version, msg.uri, msg.sha256, [g.group_id for g in batch.groups], filtered)
         self.weights[msg.version] = (msg.uri, msg.sha256)
         tokens, rewards = batch_stats(batch.groups)
         self.trained_tokens += tokens
@@ -379,7 +380,11 @@ class BrokerActor:
         row = step_row(self.core, msg, now - self.step_started, rewards)
         self.evals.published(msg.version, now)
         learner = {k: rounded(v) for k, v in msg.metrics.items()}
-        log.info("train_step", **row, learner=learner)  # the learner's own numbers, kept apart
+        if self.core.cfg.filter_uniform:
+            self.counters["groups filtered"] += len(filtered)
+            log.info("train_step", **row, learner=learner, filtered_groups=len(filtered))
+        else:
+            log.info("train_step", **row, learner=learner)  # the learner's own numbers, kept apart
         self.metrics.train_step(row, learner, elapsed_s=now - self.started)
         self.step_started = now
 

@@ -6,13 +6,15 @@ An append-only file of JSON lines, each written and fsync'd before the broker ac
   Slurm, the job and attempt it belongs to);
 - ``reserve``: group ids below ``cursor`` may have been handed out. Written ahead of use in blocks, so
   one fsync covers many dispatches;
-- ``step``: the learner published ``version`` (weights ``uri`` + ``sha256``) after training ``groups``.
-  It is written before the publish takes effect and before the learner is told it is committed.
+- ``step``: the learner published ``version`` (weights ``uri`` + ``sha256``) after training ``groups``;
+  ``filtered`` (present when not empty): the groups consumed without training in that step (every reward equal,
+  ``learner.filter_uniform_groups = "replace"``). It is written before the publish takes effect and before the
+  learner is told it is committed.
 
-Replay gives the newest version and its weights, every group trained so far, and the reserved cursor.
-Every reserved group not trained yet is owed again: it is re-run whole on the newest version (the
-groups that were running, or finished but not yet trained, at the crash). So across broker restarts
-generation may repeat, and training of a group happens exactly once.
+Replay gives the newest version and its weights, every group trained and every group filtered so far, and the
+reserved cursor. Every reserved group neither trained nor filtered yet is owed again: it is re-run whole on the
+newest version (the groups that were running, or finished but not yet consumed, at the crash). So across broker
+restarts generation may repeat, and consumption of a group (trained, or filtered) happens exactly once.
 
 Why a JSON-lines file and not SQLite: the broker writes about one record per train step plus one per
 block of dispatches, never updates or queries one, and reads the whole file once at start. An append
@@ -44,6 +46,8 @@ class Replay:
     weights: tuple[str, str] | None = None
     """(uri, sha256) of the newest version; None while only version 0 exists."""
     trained: set[int] = field(default_factory=set)
+    filtered: set[int] = field(default_factory=set)
+    """Groups consumed without training (their rewards all equal)."""
     reserved: int = 0
     epochs: list[int] = field(default_factory=list)
     starts: list[dict[str, Any]] = field(default_factory=list)
@@ -52,8 +56,8 @@ class Replay:
 
     @property
     def owed(self) -> list[int]:
-        """Groups handed out (or about to be) and not trained: each is re-run whole."""
-        return [g for g in range(self.reserved) if g not in self.trained]
+        """Groups handed out (or about to be) and neither trained nor filtered: each is re-run whole."""
+        return [g for g in range(self.reserved) if g not in self.trained and g not in self.filtered]
 
 
 def replay(path: str | pathlib.Path) -> Replay:
@@ -84,10 +88,16 @@ def replay(path: str | pathlib.Path) -> Replay:
                 raise JournalError(f"{path}:{n}: version {rec['version']} follows {state.newest}")
             state.newest = int(rec["version"])
             state.weights = (rec["uri"], rec["sha256"])
-            again = state.trained.intersection(rec["groups"])
+            trained, filtered = [int(g) for g in rec["groups"]], [int(g) for g in rec.get("filtered", ())]
+            again = state.trained.intersection(trained)
             if again:
                 raise JournalError(f"{path}:{n}: groups trained twice: {sorted(again)[:8]}")
-            state.trained.update(int(g) for g in rec["groups"])
+            again = state.trained.intersection(filtered) | state.filtered.intersection(trained + filtered)
+            again |= set(trained).intersection(filtered)
+            if again or len(set(filtered)) < len(filtered):
+                raise JournalError(f"{path}:{n}: groups filtered and consumed again: {sorted(again)[:8]}")
+            state.trained.update(trained)
+            state.filtered.update(filtered)
         else:
             raise JournalError(f"{path}:{n}: unknown record kind {kind!r}")
     return state
@@ -120,8 +130,11 @@ class Journal:
             self.reserved = cursor + RESERVE_BLOCK
             self.append({"kind": "reserve", "cursor": self.reserved})
 
-    def step(self, version: int, uri: str, sha256: str, groups: list[int]) -> None:
-        self.append({"kind": "step", "version": version, "uri": uri, "sha256": sha256, "groups": sorted(groups)})
+    def step(self, version: int, uri: str, sha256: str, groups: list[int], filtered: list[int] | None = None) -> None:
+        record = {"kind": "step", "version": version, "uri": uri, "sha256": sha256, "groups": sorted(groups)}
+        if filtered:
+            record["filtered"] = sorted(filtered)
+        self.append(record)
 
     def close(self) -> None:
         os.close(self._fd)

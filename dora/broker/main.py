@@ -184,6 +184,8 @@ def open_journal(cfg: RunConfig, epoch: int, cluster: ClusterInfo | None = None,
         return Core(cfg.core, strict=cfg.broker.strict), None, None
     shape: dict[str, Any] = {"mode": cfg.core.mode.value, "max_staleness": cfg.core.max_staleness,
                              "train_groups": cfg.core.train_groups, "group_size": cfg.core.group_size}  # fmt: skip
+    if cfg.core.filter_uniform:  # the ids a run hands out depend on it (the budget moves with every group filtered)
+        shape["filter_uniform"] = True
     if task and "fingerprint" in task:
         shape["dataset"] = {"rows": task["kept"], "seed": cfg.task.seed, "fingerprint": task["fingerprint"]}
     past = replay(cfg.broker.journal)
@@ -194,7 +196,7 @@ def open_journal(cfg: RunConfig, epoch: int, cluster: ClusterInfo | None = None,
             log.info("version_retired", version=int(path.name[1:]), deleted=str(path), reason="restart")
     core = Core(cfg.core, initial_version=past.newest, start_cursor=past.reserved, strict=cfg.broker.strict)
     owed = past.owed
-    past_budget = core.restore(owed)
+    past_budget = core.restore(owed, filtered=len(past.filtered))
     journal = Journal(cfg.broker.journal)
     about = {}
     if cluster is not None and cluster.job_id is not None:
@@ -202,6 +204,7 @@ def open_journal(cfg: RunConfig, epoch: int, cluster: ClusterInfo | None = None,
     journal.start(epoch, shape, past.reserved, about)
     if past.epochs:
         log.info("resumed_from_journal", version=past.newest, trained_groups=len(past.trained),
+                 filtered_groups=len(past.filtered),
                  owed_groups=len(owed) - past_budget, reserved_past_budget=past_budget,
                  earlier_epochs=len(past.epochs), journal=cfg.broker.journal)  # fmt: skip
     return core, journal, {past.newest: past.weights} if past.weights else None

@@ -13,9 +13,10 @@ Checks (each a line of the report; the exit status is 1 if one fails):
   place: its groups are the journal's, trained by the learner that published it), and the journal's versions
   follow on;
 - C2: no group trained twice; learner and broker agree on what was trained (a learner killed between the
-  broker's record and its own may leave the journal one step ahead: reported, not a failure); once the run
-  is finished, every group dispatched was trained (group ids are handed out in order, so the trained set
-  must be exactly 0 .. steps x train_groups - 1);
+  broker's record and its own may leave the journal one step ahead: reported, not a failure); a group filtered
+  (every reward equal, ``learner.filter_uniform_groups = "replace"``) is counted once, never trained; once the run
+  is finished, every group dispatched was trained or filtered (group ids are handed out in order, so the groups
+  consumed must be exactly 0 .. steps x train_groups + filtered - 1: dispatched = trained + filtered);
 - C3: no trajectory trained more than K versions after it was dispatched;
 - C1: no trajectory mixes policy versions (``partial`` breaks this on purpose; it is reported for it); an
   episode's turns were each checked by the learner against the group's version, and are counted.
@@ -57,7 +58,9 @@ class Report:
     checkpoints: list[int]
     finished: bool
     owed: int
-    """Groups handed out and not trained (at the end of a finished run: lost)."""
+    """Groups handed out (or reserved) and neither trained nor filtered (at the end of a finished run: lost)."""
+    groups_filtered: int = 0
+    """Groups consumed without training: their rewards were all equal (counted once each, C2)."""
     steps_adopted: int = 0
     """Of those, steps a restarted learner took from the store without having committed them itself."""
     notes: list[str] = field(default_factory=list)
@@ -94,7 +97,7 @@ def audit_run(journal_path: pathlib.Path, audit_path: pathlib.Path, *, total_ste
     report = Report(
         mode=core.mode.value, k=core.staleness, train_groups=core.train_groups, total_steps=total_steps,
         steps_committed=held, steps_adopted=len(adopted), journal_version=journal.newest,
-        groups_trained=len(journal.trained), staleness={},
+        groups_trained=len(journal.trained), groups_filtered=len(journal.filtered), staleness={},
         mixed_version_trajectories=sum(r.get("mixed", 0) for r in rows), turns=sum(r.get("turns", 0) for r in rows),
         broker_starts=[_start_info(s) for s in journal.starts], checkpoints=_checkpoints(checkpoint_dir),
         finished=total_steps is not None and journal.newest >= total_steps, owed=len(journal.owed),
@@ -119,13 +122,18 @@ def audit_run(journal_path: pathlib.Path, audit_path: pathlib.Path, *, total_ste
     if not set(counts) <= journal.trained:
         problems.append(f"C2: groups the learner trained that the broker never recorded: "
                         f"{sorted(set(counts) - journal.trained)[:10]}")  # fmt: skip
+    if set(counts) & journal.filtered:
+        problems.append(f"C2: groups the broker filtered that the learner trained: "
+                        f"{sorted(set(counts) & journal.filtered)[:10]}")  # fmt: skip
     if any(len(r["groups"]) != core.train_groups for r in rows):
         problems.append(f"C2: a batch without exactly {core.train_groups} groups")
     if report.finished and core.mode is not Mode.DROP_STALE:
-        expected = set(range(journal.newest * core.train_groups))
-        if journal.trained != expected:
-            lost, extra = sorted(expected - journal.trained), sorted(journal.trained - expected)
-            problems.append(f"C2: the finished run did not train exactly groups 0..{len(expected) - 1}: "
+        expected = set(range(journal.newest * core.train_groups + len(journal.filtered)))
+        consumed = journal.trained | journal.filtered
+        if consumed != expected:
+            lost, extra = sorted(expected - consumed), sorted(consumed - expected)
+            what = "train or filter" if journal.filtered else "train"
+            problems.append(f"C2: the finished run did not {what} exactly groups 0..{len(expected) - 1}: "
                             f"missing {lost[:10]}, unexpected {extra[:10]}")  # fmt: skip
     for r in rows:
         for lag, n in r["staleness"].items():
@@ -160,7 +168,7 @@ def _checkpoints(root: pathlib.Path | None) -> list[int]:
 
 
 def render(r: Report) -> str:
-    state = "finished" if r.finished else f"in progress ({r.owed} groups handed out and not trained yet)"
+    state = "finished" if r.finished else f"in progress ({r.owed} groups handed out and not consumed yet)"
     attempts = ", ".join(
         f"job {s['slurm_job_id']} attempt {s.get('slurm_restart', 0)}" if "slurm_job_id" in s else "outside Slurm"
         for s in r.broker_starts
@@ -171,7 +179,14 @@ def render(r: Report) -> str:
         + (f" ({r.steps_adopted} adopted from the store)" if r.steps_adopted else "")
         + f", broker recorded {r.journal_version}"
         + (f" of {r.total_steps}" if r.total_steps is not None else ""),
-        f"groups trained: {r.groups_trained}; broker starts: {len(r.broker_starts)} ({attempts})",
+        f"groups trained: {r.groups_trained}"
+        + (
+            f", filtered (every reward equal, never trained): {r.groups_filtered}"
+            f" (dispatched = trained + filtered{'' if r.finished else ' + in flight'})"
+            if r.groups_filtered
+            else ""
+        )
+        + f"; broker starts: {len(r.broker_starts)} ({attempts})",
         f"staleness of trained samples: {r.staleness} (max {max(r.staleness, default=0)}, K = {r.k})",
         f"mixed-version trajectories: {r.mixed_version_trajectories}"
         + (f"; episode turns checked one by one: {r.turns}" if r.turns else ""),
@@ -182,7 +197,9 @@ def render(r: Report) -> str:
     if r.ok:
         lines.append("invariants hold: every step once and in order, no group trained twice, broker and learner "
                      "agree, staleness <= K, one policy version per trajectory" + (" and per turn" if r.turns else "")
-                     + (", nothing dispatched left untrained" if r.finished else ""))  # fmt: skip
+                     + (", nothing dispatched left untrained" if r.finished and not r.groups_filtered else "")
+                     + (", every group dispatched trained or filtered once" if r.finished and r.groups_filtered
+                        else ""))  # fmt: skip
     return "\n".join(lines)
 
 

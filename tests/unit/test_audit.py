@@ -14,8 +14,10 @@ B = 2  # groups per step
 
 
 def write_run(root: pathlib.Path, steps: list[list[tuple[int, int]]], *, mode: str = "dora", k: int = 1,
-              journal_steps: int | None = None, mixed: int = 0, restarts: int = 0, turns: int = 0) -> None:  # fmt: skip
-    """A run whose step ``s`` trained ``steps[s]``: (group id, dispatch version) pairs, 4 samples each."""
+              journal_steps: int | None = None, mixed: int = 0, restarts: int = 0, turns: int = 0,
+              filtered: dict[int, list[int]] | None = None) -> None:  # fmt: skip
+    """A run whose step ``s`` trained ``steps[s]``: (group id, dispatch version) pairs, 4 samples each; and
+    filtered ``filtered[s]`` (the broker's record only)."""
     shape = {"mode": mode, "max_staleness": k, "train_groups": B, "group_size": 4}
     journal = Journal(root / "journal.jsonl")
     for attempt in range(restarts + 1):
@@ -25,7 +27,7 @@ def write_run(root: pathlib.Path, steps: list[list[tuple[int, int]]], *, mode: s
     for s, groups in enumerate(steps[: len(steps) if journal_steps is None else journal_steps]):
         fresh = [g for g, _ in groups if g not in recorded]  # the broker records a group once; a learner may not
         recorded.update(fresh)
-        journal.step(s + 1, f"file:///w/v{s + 1}", "0" * 64, fresh)
+        journal.step(s + 1, f"file:///w/v{s + 1}", "0" * 64, fresh, (filtered or {}).get(s))
     journal.close()
     with open(root / "audit.jsonl", "w") as f:
         for s, groups in enumerate(steps):
@@ -158,4 +160,37 @@ def test_adopted_steps_cannot_hide_a_broken_order(tmp_path: pathlib.Path, rows, 
            for r in rows]  # fmt: skip
     (tmp_path / "audit.jsonl").write_text("\n".join(out) + "\n")
     r = audit_run(tmp_path / "journal.jsonl", tmp_path / "audit.jsonl")
+    assert any(problem in p for p in r.problems), r.problems
+
+
+FILTERED = [[(0, 0), (2, 0)], [(3, 0), (4, 1)], [(6, 1), (7, 2)]]
+"""Groups 1 and 5 came back with every reward equal: filtered in steps 0 and 2, never trained."""
+
+
+def test_a_finished_run_that_filtered_counts_its_filtered_groups_and_passes(tmp_path: pathlib.Path) -> None:
+    write_run(tmp_path, FILTERED, filtered={0: [1], 2: [5]})
+    r = audit_run(tmp_path / "journal.jsonl", tmp_path / "audit.jsonl", total_steps=3)
+    assert r.ok, r.problems
+    assert (r.groups_trained, r.groups_filtered) == (6, 2)
+    text = render(r)
+    assert "groups trained: 6, filtered (every reward equal, never trained): 2 (dispatched = trained + filtered)" in (
+        text
+    )
+    assert "every group dispatched trained or filtered once" in text
+
+
+@pytest.mark.parametrize(
+    ("steps", "filtered", "problem"),
+    [
+        (FILTERED, {0: [1]}, "did not train or filter exactly groups 0..6: missing [5]"),
+        (FILTERED, {0: [1], 2: [5, 9]}, "did not train or filter exactly groups 0..8: missing [8], unexpected [9]"),
+        ([[(0, 0), (2, 0)], [(3, 0), (1, 1)], [(4, 1), (5, 2)]], {0: [1]}, "filtered that the learner trained: [1]"),
+    ],
+)
+def test_a_filtered_group_lost_or_trained_anyway_is_reported(tmp_path: pathlib.Path, steps, filtered, problem) -> None:
+    write_run(tmp_path, steps, filtered=filtered)
+    if problem.startswith("filtered"):  # the broker would refuse to record it twice: only the learner trained it
+        lines = (tmp_path / "journal.jsonl").read_text().replace('"groups":[1,3]', '"groups":[3]')
+        (tmp_path / "journal.jsonl").write_text(lines)
+    r = audit_run(tmp_path / "journal.jsonl", tmp_path / "audit.jsonl", total_steps=3)
     assert any(problem in p for p in r.problems), r.problems

@@ -558,3 +558,75 @@ async def test_a_stalled_loop_is_logged_with_the_cpu_it_used_meanwhile():
     assert idle["late_s"] > 0.5 and idle["cpu_s"] < 0.3, idle
     # the 0.8 s asleep in a system call is neither CPU nor a wait for one, however loaded the machine
     assert idle["late_s"] - idle["cpu_s"] - idle.get("queued_s", 0.0) >= 0.7, idle
+
+
+async def test_with_replace_the_learner_gets_only_groups_with_a_signal_and_the_audit_counts_those_filtered(tmp_path):
+    """learner.filter_uniform_groups = "replace": every third group's samples all get the same reward. The broker
+    consumes each of those as filtered when it finishes, leases another in its place, journals it beside the step
+    it was filtered in, and the learner trains only groups whose rewards differ; `dora audit` counts the filtered
+    groups (dispatched = trained + filtered) and finds every id below steps x B + filtered consumed once."""
+    import json
+
+    from dora.broker.journal import replay
+    from dora.broker.main import open_journal
+    from dora.ops.audit import audit_run, render
+
+    steps = 3
+    cfg = load(RunConfig, overrides=[f"broker.bind=inproc://broker-{uuid.uuid4().hex}", "broker.strict=true",
+                                     f"core.group_size={G}", f"core.train_groups={B}", "core.max_staleness=1",
+                                     f"core.total_steps={steps}", f"broker.journal={tmp_path / 'journal.jsonl'}",
+                                     "learner.filter_uniform_groups=replace",
+                                     "broker.exit_when_done=false"])  # fmt: skip
+    ctx = zmq.asyncio.Context()
+    sock, ep = open_router(ctx, cfg)
+    core, journal, _ = open_journal(cfg, epoch=7)
+    actor = BrokerActor(cfg, sock, core, lambda g: np.arange(3, dtype=np.int32) + g, epoch=7, journal=journal)
+    stop = asyncio.Event()
+    task = asyncio.create_task(actor.run(stop))
+
+    def flat(group: int) -> bool:
+        return group % 3 == 0
+
+    async def serve(w: Fake) -> None:  # load what is assigned, and answer every lease at once
+        while True:
+            gen = await w.recv((m.Generate, m.Assign), timeout_s=30)
+            if isinstance(gen, m.Assign):
+                await w.send(m.WeightsLoaded(version=gen.version, load_s=0.0))
+                continue
+            for i in range(G):
+                sample = finished(gen, i, epoch=7)
+                if flat(gen.group_id):
+                    sample = m.SampleFinished(**{**{f: getattr(sample, f) for f in sample.__slots__}, "reward": 1.0})
+                await w.send(sample)
+
+    try:
+        w = Fake(ctx, ep, "rollout/a/1")
+        await w.worker(slots=4 * G)
+        worker = asyncio.create_task(serve(w))
+        learner = Fake(ctx, ep, "learner/x")
+        await learner.hello(m.Role.LEARNER)
+        audit = []
+        for step in range(steps):
+            await learner.send(m.RequestBatch(step=step))
+            batch = packed.unpack_batch(await learner.recv(m.TrainBatch, timeout_s=10))
+            assert batch.step == step and len(batch.groups) == B
+            for g in batch.groups:
+                assert not flat(g.group_id) and len({s.reward for s in g.samples}) == 2, "a uniform group trained"
+            audit.append({"step": step, "groups": sorted(g.group_id for g in batch.groups), "staleness": {},
+                          "versions": sorted({g.version for g in batch.groups}), "mixed": 0, "turns": 0})  # fmt: skip
+            await learner.send(m.WeightsPublished(version=step + 1, uri=f"sim://v{step + 1}", sha256="0" * 64))
+            assert (await learner.recv(m.PublishAck)).version == step + 1
+        worker.cancel()
+    finally:
+        stop.set()
+        await task
+        journal.close()
+        ctx.destroy(linger=0)
+    (tmp_path / "audit.jsonl").write_text("".join(json.dumps(r) + "\n" for r in audit))
+    past = replay(tmp_path / "journal.jsonl")
+    assert past.filtered and all(flat(g) for g in past.filtered) and not past.filtered & past.trained
+    assert past.filtered == set(core.transfer.filtered) and actor.counters["groups filtered"] == len(past.filtered)
+    r = audit_run(tmp_path / "journal.jsonl", tmp_path / "audit.jsonl", total_steps=steps)
+    assert r.ok, r.problems
+    assert (r.groups_trained, r.groups_filtered) == (steps * B, len(past.filtered))
+    assert f"filtered (every reward equal, never trained): {len(past.filtered)}" in render(r)

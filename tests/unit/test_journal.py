@@ -147,3 +147,68 @@ def test_a_broker_resumed_from_its_journal_retires_the_store_versions_its_ledger
     journal.close()
     assert core.ledger.alive() == [3] and weights == {3: (uri, digest)}
     assert store.versions() == [3, 4]
+
+
+def test_groups_filtered_are_journalled_once_and_never_owed(tmp_path):
+    j = Journal(tmp_path / "j.jsonl")
+    j.start(7, SHAPE, 0)
+    j.reserve_through(5)
+    j.step(1, "u1", "a" * 64, [2, 0], filtered=[1])
+    j.step(2, "u2", "b" * 64, [4, 5], filtered=[])
+    j.close()
+    r = replay(tmp_path / "j.jsonl")
+    assert (r.trained, r.filtered, r.owed[:2]) == ({0, 2, 4, 5}, {1}, [3, 6])
+    assert '"filtered"' not in (tmp_path / "j.jsonl").read_text().splitlines()[-1], "an empty list is not written"
+    for extra in ('"groups":[7],"filtered":[1]', '"groups":[1],"filtered":[]', '"groups":[8],"filtered":[8]'):
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text(STEP1.replace('"groups":[1]', '"groups":[1],"filtered":[0]') + "\n"
+                       + STEP1.replace('"version":1', '"version":2').replace('"groups":[1]', extra) + "\n")  # fmt: skip
+        with pytest.raises(JournalError, match=r"twice|filtered and consumed again"):
+            replay(bad)
+
+
+def test_a_broker_that_filters_resumes_with_its_budget_and_consumes_exactly_the_ids_below_it(tmp_path):
+    """Filtering moves the budget one id per group filtered, across a restart too: the rebuilt core counts the
+    journal's filtered groups, owes every reserved id neither trained nor filtered, and the run ends having trained
+    or filtered exactly ids 0 .. steps x train_groups + filtered - 1. A journal of a run that filters cannot be
+    resumed by one that does not (its ids would not add up)."""
+    from dora.broker.main import open_journal
+    from dora.config import ConfigError, load
+    from dora.config.run import RunConfig
+
+    path = tmp_path / "j.jsonl"
+    shape = {**SHAPE, "group_size": 1, "filter_uniform": True}
+    j = Journal(path)
+    j.start(1, shape, 0)
+    j.reserve_through(9)
+    j.step(1, "file:///w/v1", "0" * 64, [1, 3], filtered=[0])
+    j.close()
+    base = [f"broker.journal={path}", "core.train_groups=2", "core.group_size=1", "core.total_steps=3"]
+    with pytest.raises(ConfigError, match="was written by a run with"):
+        open_journal(load(RunConfig, overrides=base), epoch=2)
+    core, journal, _ = open_journal(load(RunConfig, overrides=[*base, "learner.filter_uniform_groups=replace"]), 2)
+    journal.close()
+    assert core.scheduler.filtered == 1 and list(core.scheduler.owed)[:3] == [2, 4, 5]
+    w = WorkerId("w")
+    out = core.handle(0.0, ev.WorkerJoined(worker_id=w, slots=64))
+    out += core.handle(0.1, ev.WeightsLoaded(worker_id=w, version=1))
+    trained = []
+    for now in range(1, 30):
+        if any(isinstance(a, ev.RunFinished) for a in out):
+            break
+        todo = [a for a in out if isinstance(a, ev.Lease)]
+        loads = [a for a in out if isinstance(a, ev.Assign)]
+        out = []
+        for a in loads:
+            out += core.handle(now, ev.WeightsLoaded(worker_id=w, version=a.version))
+        for a in todo:  # ids 2, 4 and 6 come with a reward (one sample: uniform), the others with none (never)
+            out += core.handle(now, ev.SampleFinished(worker_id=w, group_id=a.group_id, attempt=a.attempt, index=0,
+                                                      segments=((a.version, 3),),
+                                                      reward=1.0 if a.group_id in (2, 4, 6) else None))  # fmt: skip
+        out += core.handle(now, ev.BatchRequested(step=core.step))
+        for batch in [a for a in out if isinstance(a, ev.DeliverBatch)]:
+            trained += [g.group_id for g in batch.groups]
+            out += core.handle(now, ev.WeightsPublished(version=batch.step + 1))
+    filtered = [0, *core.transfer.filtered]
+    assert sorted([*trained, 1, 3, *filtered]) == list(range(3 * 2 + len(filtered)))
+    assert core.transfer.filtered == [2, 4, 6] and not core.scheduler.flights
