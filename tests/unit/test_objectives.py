@@ -240,3 +240,33 @@ def test_several_mini_batches_take_as_many_optimizer_steps_clipped_against_the_b
     assert first.train(b)["optimizer_steps"] == 3 and len(seen) == 3  # a group of 4 rows a mini-batch
     assert seen[0] == pytest.approx((1.0, 1.0), abs=1e-5)
     assert all(abs(lo - 1) > 1e-3 or abs(hi - 1) > 1e-3 for lo, hi in seen[1:]), seen
+
+
+def test_with_lora_the_kl_reference_is_the_model_with_its_adapters_off(tiny_model, tmp_path):
+    """No copy of the model: at the start (B = 0) the adapters change nothing and KL is 0; after a step it is not,
+    and the reference's log-probs are still the start model's."""
+    from dora.config.models import LoraSection
+
+    cfg = TrainerConfig(lr=5e-2, micro_batch=4, lora=LoraSection(rank=4, alpha=8.0))
+    trainer = TorchTrainer(tiny_model, WeightStore(tmp_path), LossConfig(kl_coef=0.1), cfg)
+    assert trainer.reference is None
+    b = batch()
+    rows = [(g.prompt_ids.tolist(), s, gi) for gi, g in enumerate(b.groups) for s in g.samples][:4]
+    with torch.no_grad():
+        start = trainer._score(rows)[0].full
+    assert trainer.train(b)["kl_ref"] == pytest.approx(0.0, abs=1e-7)
+    second = trainer.train(b)
+    assert second["kl_ref"] > 1e-6
+    with torch.no_grad():
+        torch.testing.assert_close(trainer._reference_logp(rows), start)
+        assert not torch.allclose(trainer._score(rows)[0].full, start)
+
+
+def test_a_correction_with_a_loss_that_cannot_take_the_proximal_log_probs_is_refused(tiny_model, tmp_path):
+    from dora.config import ConfigError
+
+    def mine(logp, logp_behaviour, advantages, mask, cfg, *, keep):
+        return policy_loss(logp, logp_behaviour, advantages, mask, cfg, keep=keep)
+
+    with pytest.raises(ConfigError, match="logp_prox"):
+        TorchTrainer(tiny_model, WeightStore(tmp_path), LossConfig(is_mask=3.0), TrainerConfig(), loss_fn=mine)
