@@ -56,6 +56,28 @@ def test_dora_run_sim_completes_with_metrics_and_plots(tmp_path):
     assert len(groups) == len(set(groups)) == 12 * 8
 
 
+def test_dora_run_that_filters_uniform_groups_trains_exactly_its_steps_and_audits_what_it_filtered(tmp_path):
+    """learner.filter_uniform_groups = "replace", with half the groups drawn uniform (every sample rewarded the
+    same): the run ends, each step trained train_groups groups, the journal holds the groups filtered, never
+    trained, and the run's report counts them (dispatched = trained + filtered)."""
+    proc = dora_run(tmp_path, "examples/live/sim.toml", "run.workers=3", "run.time_scale=0.005",
+                    "core.total_steps=6", "learner.filter_uniform_groups=replace",
+                    "workload.uniform_share=0.5")  # fmt: skip
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    rundir = the_run(tmp_path)
+    records = [json.loads(x) for x in (rundir / "journal.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["kind"] == "step"]
+    trained = [g for r in steps for g in r["groups"]]
+    filtered = [g for r in steps for g in r.get("filtered", ())]
+    assert len(steps) == 6 and len(trained) == 6 * 8 and filtered, records
+    assert sorted(trained + filtered) == list(range(6 * 8 + len(filtered))), "every id below the budget, once"
+    audit = [json.loads(x) for x in (rundir / "audit.jsonl").read_text().splitlines()]
+    assert sorted(g for r in audit for g in r["groups"]) == sorted(trained)
+    assert f"filtered (every reward equal, never trained): {len(filtered)}" in out and "invariants hold" in out, out
+    assert "every group dispatched trained or filtered once" in out, out
+
+
 def test_dora_run_makes_the_first_workers_elastic_and_they_yield_for_every_step(tmp_path):
     """run.elastic_workers = 1 of 3: w0 shares the learner's cores (yields before each train step, resumes after
     the publish), w1 and w2 always roll out; every group is trained once."""
