@@ -82,8 +82,8 @@ class TransferQueue:
         """Consume finished uniform groups as filtered, earliest deadline (then completion) first, while step ``s``
         has filtered fewer than ``cap``; return them (the caller takes them out of the unconsumed counts)."""
         gone: list[TrainGroup] = []
-        if not self._uniform:
-            return gone
+        if not self._uniform or len(self.filtered_by_step.get(self.step, ())) >= cap:
+            return gone  # (past the cap, on every event until the batch is taken: nothing to look at)
         window = self.filtered_by_step.setdefault(self.step, [])
         for d in sorted(self._by_deadline):
             if len(window) >= cap or not self._uniform:
