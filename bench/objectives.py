@@ -134,6 +134,7 @@ def main(argv: list[str]) -> int:
     out = pathlib.Path(args.out or ROOT / "bench" / "out" / ("objectives-env" if args.env else "objectives")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     results: list[dict[str, Any]] = []
+    failed: list[dict[str, Any]] = []
     record_path = out / "objectives.json"
     for seed in args.seeds:
         model = out / f"sft-s{seed}"
@@ -141,11 +142,17 @@ def main(argv: list[str]) -> int:
         run(["sft", "--config", cfg, "--set", f"sft.seed={seed}", "--set", f"sft.out={model}"], out / f"sft-s{seed}.log")
         print(f"seed {seed}: warm start in {time.perf_counter() - started:.0f} s", flush=True)
         for row in rows:
-            r = one(cfg, row, ROWS[row], model, seed, out)
+            try:
+                r = one(cfg, row, ROWS[row], model, seed, out)
+            except RuntimeError as e:  # one failed run is reported, and the other rows still run
+                failed.append({"row": row, "seed": seed, "error": str(e)})
+                print(f"seed {seed} {row}: FAILED ({e})", flush=True)
+                continue
             results.append(r)
             print(f"seed {seed} {row}: {r['before']:.3f} -> {r['after']:.3f} in {r['run_s']:.0f} s", flush=True)
-            record_path.write_text(json.dumps({"config": cfg, "rows": rows, "results": results}, indent=1))
-    text = table(results, rows)
+            record = {"config": cfg, "rows": rows, "results": results, "failed": failed}
+            record_path.write_text(json.dumps(record, indent=1))
+    text = table(results, rows) + "".join(f"\nfailed: {f['row']} seed {f['seed']}: {f['error']}" for f in failed)
     print(text)
     (out / "objectives.md").write_text(f"`{cfg}`\n\n" + text)
     curves(results, rows, out / "curves.png")
