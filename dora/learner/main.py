@@ -118,7 +118,7 @@ def make_trainer(cfg: RunConfig, loss_fn: Callable[..., Any] | None = None,
 
     lc = cfg.learner
     loss = LossConfig(clip_low=lc.clip_low, clip_high=lc.clip_high, token_level=lc.token_level,
-                      advantage=lc.advantage, filter_uniform_groups=lc.filter_uniform_groups, ratio=lc.ratio,
+                      advantage=lc.advantage, filter_uniform_groups=bool(lc.filter_uniform_groups), ratio=lc.ratio,
                       is_cap=lc.is_cap or None, is_mask=lc.is_mask or None, is_level=lc.is_level,
                       kl_coef=lc.kl_coef, kl_estimator=lc.kl_estimator, entropy_coef=lc.entropy_coef)  # fmt: skip
     tc = TrainerConfig(lr=lc.lr, micro_batch=lc.micro_batch, temperature=cfg.run.temperature, top_p=cfg.run.top_p,
