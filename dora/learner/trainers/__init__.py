@@ -1,7 +1,7 @@
 """The trainers behind the learner actor: what turns a checked train batch into a new published version.
 
 ``sim`` waits the trainer timing model's time and publishes a named, weightless version (no torch);
-``torch_trainer`` takes one GRPO step on a transformers model (FSDP2 over several ranks) and writes
+``torch_trainer`` trains each batch in mini-batches on a transformers model (FSDP2 over several ranks) and writes
 the version to the weight store. ``dora.learner.ranks.Leader`` wraps the torch trainer on rank 0 of
 several and announces every call to the other ranks first.
 

@@ -1,18 +1,28 @@
-"""The torch trainer: one GRPO step per train batch on a transformers model, then a published version.
+"""The torch trainer: a train batch in ``mini_batches x epochs`` optimizer steps on a transformers model, then a
+published version.
 
 Per batch:
-1. Every trajectory's advantage comes from its group's rewards (``dora.learner.loss``).
-2. The trajectories are assigned to ranks (``learner.balance``: by tokens, or every world-th) and each rank cuts
-   its share into micro-batches, a group's samples together, groups by length: ``micro_batch`` trajectories
-   each, or as many as fit ``micro_batch_tokens`` (``dora.balance``).
-3. The model scores the sampled tokens at the rollout temperature, each distinct prompt run once per
-   micro-batch (``_score``), a chunk of positions at a time: no float32 tensor of the whole vocabulary at every
-   position is ever made (``dora.learner.scoring``). The clipped surrogate against the trajectory's behaviour
-   log-probs is back-propagated, and micro-batches are weighted so the accumulated gradient equals the full
-   batch's.
-4. One AdamW step. Then ``publish`` writes the new version to the weight store: a model folder (the start
-   folder's config, generation config and tokenizer beside the weights) in ``publish_dtype``, each tied tensor
-   once (``dora.hf.tensors``).
+1. Every trajectory's advantage comes from its group's rewards (``dora.learner.loss``: GRPO, Dr. GRPO, RLOO,
+   REINFORCE++).
+2. The batch's groups are cut into mini-batches of whole groups, passed over ``epochs`` times
+   (``dora.learner.schedule``). With more than one optimizer step, the batch is first scored without gradients at
+   its starting weights: the proximal policy's log-probs (``_proximal``).
+3. In each mini-batch the trajectories are assigned to ranks (``learner.balance``: by tokens, or every world-th)
+   and each rank cuts its share into micro-batches, a group's samples together, groups by length:
+   ``micro_batch`` trajectories each, or as many as fit ``micro_batch_tokens`` (``dora.balance``).
+4. The model scores the sampled tokens under the distribution the engines sampled from (temperature and top-p
+   nucleus), each distinct prompt run once per micro-batch (``_score``), a chunk of positions at a time: no float32
+   tensor of the whole vocabulary at every position is ever made (``dora.learner.scoring``). The same pass gives
+   each position's entropy and the whole-vocabulary log-prob, for the entropy bonus and the KL term (the
+   reference scored likewise: a frozen copy, or the LoRA model with its adapters off). The clipped surrogate plus
+   the regularisers is back-propagated, and micro-batches are weighted so the accumulated gradient equals the
+   mini-batch's.
+5. One AdamW step per mini-batch at the schedule's learning rate. After the last, ``publish`` writes the new version
+   to the weight store: a model folder (the start folder's config, generation config and tokenizer beside the
+   weights) in ``publish_dtype``, each tied tensor once (``dora.hf.tensors``).
+
+With one mini-batch, one epoch and no correction the step is the one this trainer took before mini-batches
+existed, bit for bit. The step's metrics include its health (``dora.learner.health``).
 
 Single process, or sharded with FSDP2 when a process group of several ranks is initialised (each decoder block
 the model declares in ``_no_split_modules`` is a shard unit, then the root; gradients are reduced by FSDP,
