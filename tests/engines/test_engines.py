@@ -89,7 +89,8 @@ def test_behaviour_log_probs_are_those_of_the_weights_at_the_sampled_tokens(new_
 
 def test_the_learner_scores_an_engines_top_p_samples_over_the_same_nucleus(new_engine, tiny_model, tmp_path):
     """At the weights that sampled them, the learner's log-probs of an engine's tokens drawn at temperature 0.8 and
-    top_p 0.6 are the engine's: the learner cuts the same nucleus. Over the whole vocabulary they are not."""
+    top_p 0.6 are the engine's within 1e-4 in float32, vLLM's too: the learner cuts the same nucleus. Over the
+    whole vocabulary they are not (by about log 0.6)."""
     from dora.learner.loss import LossConfig
     from dora.learner.trainers.torch_trainer import TorchTrainer, TrainerConfig
     from dora.store import WeightStore
@@ -108,8 +109,8 @@ def test_the_learner_scores_an_engines_top_p_samples_over_the_same_nucleus(new_e
     live = mask > 0
     gap = (stats.logp - behaviour)[live].abs().max()
     whole = (stats.full - behaviour)[live].abs().max()
-    assert gap <= TOLERANCE[e.name], (float(gap), e.name)
-    assert whole > 10 * TOLERANCE[e.name], "the nucleus never cut anything: the test proves nothing"
+    assert gap <= 1e-4, (float(gap), e.name)
+    assert whole > 0.1, "the nucleus never cut anything: the test proves nothing"
 
 
 def test_many_requests_of_different_lengths_all_finish(new_engine):
