@@ -227,7 +227,10 @@ class TorchTrainer:
 
     def _move(self, device: torch.device) -> None:
         """Weights and optimizer state to ``device``. One rank parks them in one pinned host buffer
-        (``dora.hostmem``); FSDP2 ranks use the module's ``to``, on which FSDP2 re-registers its shards."""
+        (``dora.hostmem``); FSDP2 ranks use the module's ``to``, on which FSDP2 re-registers its shards. The KL
+        reference, if there is one, goes with its ``to``."""
+        if self.reference is not None:
+            self.reference.to(device)
         # AdamW keeps its step count on the CPU
         slots = [(state, key) for state in self.opt.state.values() for key, value in state.items()
                  if torch.is_tensor(value) and key != "step"]  # fmt: skip
