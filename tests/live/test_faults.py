@@ -242,6 +242,36 @@ def test_broker_killed_and_restarted_resumes_from_its_journal(tmp_path):
         )
 
 
+def test_a_broker_that_filters_killed_and_restarted_consumes_every_group_once(tmp_path):
+    """The same kill with learner.filter_uniform_groups = "replace" and half the groups uniform: the restarted
+    broker owes neither the trained nor the filtered groups of its journal and counts the filtered ones in its
+    budget, so the run ends having trained or filtered exactly ids 0 .. steps x B + filtered - 1, each once."""
+    from dora.ops.audit import audit_run
+
+    journal = tmp_path / "journal.jsonl"
+    steps = 12
+    overrides = {"core": {"total_steps": steps, "min_workers": 2}, "broker": {"journal": str(journal)},
+                 "rollout": {"reconnect_max_s": 1.0}, "learner": {"filter_uniform_groups": "replace"},
+                 "workload": {"uniform_share": 0.5}}  # fmt: skip
+    with cluster(tmp_path, overrides) as c:
+        c.start(workers=2)
+        wait_until(lambda: len(c.events("broker", "train_step")) >= 4, 60, "4 steps")
+        c.signal("broker", signal.SIGKILL)
+        c.wait("broker", 10)
+        c.start_broker(name="broker2")
+        assert c.wait("learner", 120) == 0, c.log("learner")[-3000:] + c.log("broker2")[-3000:]
+        assert c.wait("broker2", 15) == 0, c.log("broker2")[-3000:]
+        [resumed] = c.events("broker2", "resumed_from_journal")
+        assert resumed["filtered_groups"] > 0
+        past = replay(journal)
+        b = c.cfg["core"]["train_groups"]
+        assert not past.trained & past.filtered
+        assert sorted(past.trained | past.filtered) == list(range(steps * b + len(past.filtered)))
+        assert sorted(g for r in c.audit() for g in r["groups"]) == sorted(past.trained)
+        report = audit_run(journal, c.dir / "audit.jsonl", total_steps=steps)
+        assert report.ok and report.groups_filtered == len(past.filtered), report.problems
+
+
 def test_a_hung_engine_behind_a_live_heartbeat_is_declared_stalled_and_its_groups_re_leased(tmp_path):
     """T3: the worker keeps heartbeating but its engine makes no progress; the broker's stall watchdog
     ends its leases after stall_timeout_s and the groups are trained exactly once elsewhere."""
