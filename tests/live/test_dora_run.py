@@ -50,7 +50,7 @@ def test_dora_run_sim_completes_with_metrics_and_plots(tmp_path):
     r = subprocess.run([sys.executable, "-m", "dora", "plot", str(rundir), "--out", str(plots)], capture_output=True,
                        text=True, timeout=120)  # fmt: skip
     assert r.returncode == 0, r.stderr
-    assert sorted(p.name for p in plots.iterdir()) == sorted(figures)
+    assert sorted(p.name for p in plots.iterdir()) == sorted([*figures, "health.png"])  # health: notes, no numbers
     audit = [json.loads(x) for x in (rundir / "audit.jsonl").read_text().splitlines()]
     groups = [g for r in audit for g in r["groups"]]
     assert len(groups) == len(set(groups)) == 12 * 8
