@@ -231,6 +231,8 @@ class BrokerMetrics:
         yield _counter("dora_migrated_groups", "Groups handed to a same-version worker", sched.stats_migrated_groups)
         yield _counter("dora_migrated_requests", "Running samples handed over", sched.stats_migrated_requests)
         yield _counter("dora_requeued_groups", "Voided leases whose group runs again, whole", sched.stats_requeued)
+        yield _counter("dora_filtered_groups", "Groups consumed as filtered, all rewards equal (this broker's and "
+                       "those its journal recorded)", sched.filtered)  # fmt: skip
         yield _by(CounterMetricFamily, "dora_malformed_frames", "Messages dropped as malformed", "reason", a.malformed)
         for prefix, name, doc in (
             ("handshake failed (", "dora_handshakes_failed", "CURVE handshakes refused"),

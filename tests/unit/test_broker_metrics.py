@@ -92,6 +92,7 @@ async def test_scrape_agrees_with_the_peers_the_snapshot_and_the_record_files(tm
                     assert value(mid, "dora_batch_in_training") == 1
                     assert value(mid, "dora_consumed_groups", "dora_consumed_groups_total") == 2 * B
                     assert value(mid, "dora_trained_groups", "dora_trained_groups_total") == B
+                    assert value(mid, "dora_filtered_groups", "dora_filtered_groups_total") == 0  # not filtering
                 numbers = {"reward_mean": 0.25 * (step + 1), "loss": -1.0, **HEALTH}
                 await learner.send(m.WeightsPublished(version=step + 1, uri="sim://v", sha256="0" * 8, metrics=numbers))
                 await learner.recv(m.PublishAck)
