@@ -253,8 +253,8 @@ def main(argv: list[str]) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     sub = p.add_subparsers(dest="what", required=True, metavar="reference|show")
     ref = sub.add_parser("reference", help="the configuration reference as Markdown")
-    ref.add_argument("--write", nargs="?", const=DOC, metavar="FILE.md",
-                     help=f"replace the reference between the markers in FILE.md (without FILE.md: {DOC})")  # fmt: skip
+    ref.add_argument("--write", nargs="?", const=DOC, metavar="PAGE",
+                     help=f"replace the reference between the markers in the Markdown file PAGE (without PAGE: {DOC})")  # fmt: skip
     sh = sub.add_parser("show", help="the resolved config as TOML")
     sh.add_argument("--config", metavar="FILE.toml")
     sh.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")

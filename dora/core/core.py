@@ -11,7 +11,7 @@ deadline rule allows, (3) lets the orchestrator move workers, (4) dispatches wor
 versions, and in strict mode (6) re-checks every invariant from scratch, raising
 ``InvariantViolation`` on a bug.
 
-Elastic workers share their accelerators with the trainer (DESIGN.md §8). When a batch is taken, each
+Elastic workers share their accelerators with the trainer (docs/how-it-works.md#elastic-workers). When a batch is taken, each
 one hands its running groups to standalone workers of the same version that have room (a migration:
 C1 holds because the weights are identical) and is told to ``Yield``: it pauses whatever it still holds.
 The batch is delivered once every elastic worker has yielded (the trainer has its accelerators). After
@@ -20,7 +20,7 @@ served, so they go on under the same weights (C1); one that holds none is assign
 Held groups keep their deadlines; the feasibility invariant counts them like any running group, so C2
 and C3 hold as before. All workers elastic is colocated training; none is disaggregated (``dora.core.elastic``).
 
-Multi-version workers (LoRA, DESIGN.md §9) take each new version as soon as they can keep every version their
+Multi-version workers (LoRA, docs/how-it-works.md#multi-version-workers) take each new version as soon as they can keep every version their
 groups run under (``Assign.keep``): they are never drained for a publish (``_advance``).
 """
 

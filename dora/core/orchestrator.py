@@ -1,6 +1,6 @@
 """Orchestrator: re-partitions workers across live versions and plans same-version migrations.
 
-DORA's Algorithm 1 as dora implements it (DESIGN.md §5). Given the pending requests ``R_v`` of each
+DORA's Algorithm 1 as dora implements it (docs/how-it-works.md#the-orchestrator). Given the pending requests ``R_v`` of each
 live version (unfinished samples, plus the planned top-up of the newest version):
 
 1. each version gets ``round(W * R_v / sum R)`` workers, at least one if ``R_v > 0``; rounding is

@@ -1,4 +1,5 @@
-"""Deadline arithmetic, and the counter-example from DESIGN.md that a plain capacity bound gets wrong."""
+"""Deadline arithmetic, and the counter-example a plain capacity bound gets wrong
+(docs/how-it-works.md#deadlines-admission-and-consumption)."""
 
 from __future__ import annotations
 

@@ -173,3 +173,38 @@ def test_the_checker_finds_broken_links_and_skips_code(tmp_path, monkeypatch):
         "(missing.md) names no file", "(a.md#not-a-heading) names no heading of a.md",
         "(a.md#not-a-heading-1) names no heading of a.md",
     ]  # fmt: skip
+
+
+CITED = re.compile(r"(?<![\w/.-])(docs/[\w-]+\.md|[A-Z][A-Z_]+\.md)(#[\w-]+)?(\s*(?:§|section\s+\d))?")
+"""A project document named in code: ``README.md``, ``ARCHITECTURE.md``, ``docs/metrics.md``, with a heading's anchor
+(``docs/gpus.md#placement-...``) or a section number after it. (Lower-case bare names are files code writes.)"""
+SOURCES = [p for top in ("dora", "tests", "bench", "examples", ".ci") for p in sorted((ROOT / top).rglob("*"))
+           if p.suffix in (".py", ".toml", ".sh", "") and p.is_file() and "__pycache__" not in p.parts
+           and p != pathlib.Path(__file__).resolve()]  # fmt: skip
+
+
+def cited(path: pathlib.Path) -> list[str]:
+    """Every document ``path`` names that the repository lacks, or whose section (``#anchor``) it lacks."""
+    problems = []
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError:
+        return []
+    for n, line in enumerate(text.splitlines(), 1):
+        for m in CITED.finditer(line):
+            name, anchor = m.group(1), (m.group(2) or "")[1:]
+            found = next((d for d in (ROOT / name, ROOT / "docs" / name) if d.is_file()), None)
+            where = f"{path.relative_to(ROOT)}:{n}"
+            if found is None:
+                problems.append(f"{where} names {name}, which the repository does not hold")
+            elif anchor and anchor not in anchors(found):
+                problems.append(f"{where} names {name}#{anchor}, a section {name} does not have")
+            elif m.group(3):
+                problems.append(f"{where} cites {name} by a section number; name the heading (#anchor)")
+    return problems
+
+
+def test_every_document_the_code_cites_is_in_the_repository_with_its_section():
+    """Code, tests, benches and examples cite the design by document and heading (``docs/how-it-works.md#...``):
+    each must exist here, so a reader can follow it."""
+    assert [p for path in SOURCES for p in cited(path)] == []

@@ -1,6 +1,6 @@
 """The package layers, read from the source: every import statement of every module under dora/, lazy
-imports inside functions included, is an edge of the import graph; the rules of DESIGN.md section 7 are
-checked on it.
+imports inside functions included, is an edge of the import graph; the layer rules of ARCHITECTURE.md
+(ARCHITECTURE.md#the-package-map) are checked on it.
 
 - dora.core decides; it reads no sockets, clocks, threads, torch, engines or simulator, and imports no
   process package (directly or through what it imports).
