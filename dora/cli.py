@@ -11,7 +11,7 @@ import importlib
 import os
 import sys
 
-COMMANDS: dict[str, tuple[str, str | None]] = {
+COMMANDS: dict[str, tuple[str, str]] = {
     "broker": ("the asyncio + ZeroMQ broker: ledger, scheduler, transfer queue, orchestrator", "dora.broker.main"),
     "rollout": ("a rollout worker (engine: sim, torch or vllm)", "dora.rollout.main"),
     "learner": ("the learner: --trainer sim (stand-in) or torch (GRPO; FSDP2 over ranks)", "dora.learner.main"),
@@ -67,14 +67,11 @@ def main(argv: list[str] | None = None) -> int:
         p.parse_args(argv[:1])  # prints --help / --version, or a usage error naming the bad command
         return 2
     name, rest = argv[0], argv[1:]
-    summary, module = COMMANDS[name]
+    _, module = COMMANDS[name]
     if name in ("broker", "rollout", "learner"):  # a SIGTERM is orderly from here on, not only once serving
         from dora.actor.signals import stop_before_serving
 
         stop_before_serving()
-    if module is None:
-        print(f"dora {name}: not built yet ({summary}).", file=sys.stderr)
-        return 2
     try:
         return int(importlib.import_module(module).main(rest) or 0)
     except BrokenPipeError:  # the reader went away (`dora audit ... | head`): stop quietly, as cat does

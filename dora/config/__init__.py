@@ -184,6 +184,7 @@ def _at_least(name: str, value: object, low: int) -> None:
 
 MOVED = {
     "learner.scale_by_std": "set learner.advantage = 'grpo' (what true meant) or 'dr_grpo' (false)",
+    "broker.shutdown_s": "nothing read it; the broker stops at once on SIGTERM, after telling its peers",
 }
 """Keys a configuration file may still hold from an earlier dora: each is refused with where its meaning went."""
 

@@ -143,8 +143,6 @@ class BrokerSection:
     finds the pipe full is kept and retried, never dropped)."""
     exit_when_done: bool = True
     """Exit 0 once the run's total_steps are trained (after telling the peers)."""
-    shutdown_s: float = 5.0
-    """Budget for a graceful stop on SIGTERM (below Slurm's KillWait)."""
     strict: bool = False
     """Re-check every core invariant from scratch after every event (slow; for tests and debugging)."""
     journal: str | None = None

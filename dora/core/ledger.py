@@ -106,9 +106,6 @@ class Ledger:
         """Versions at least one worker is pinned to, oldest first."""
         return sorted(self._pinned)
 
-    def unconsumed(self, version: int) -> int:
-        return self._unconsumed[version]
-
     def deadline_counts(self) -> dict[int, int]:
         """{deadline: unconsumed groups}."""
         return {d: n for d, n in self._by_deadline.items() if n}
