@@ -1,6 +1,9 @@
 """A model folder and what it says: where it is, which tokens end a turn, how long a sequence may be.
 
-**Where.** ``resolve`` takes what a user writes in ``rollout.model`` or ``sft.model``:
+**Where.** ``resolve`` takes what a user writes in ``rollout.model``, ``learner.model``, ``sft.model`` or
+``--model``:
+- a name dora knows (``DORA_MODELS``: ``"dora:tiny"``, its tiny model, built on first use into the user's cache);
+  any other ``dora:`` name is an error that lists them;
 - a folder that exists, or a name that is plainly a path (``/...``, ``./...``, ``../...``, ``~...``): that folder;
 - otherwise a hub id (``Qwen/Qwen2.5-0.5B-Instruct``, ``gpt2``): its snapshot in huggingface_hub's cache,
   downloaded when there is a network (weights as safetensors only, with the config, generation config and
@@ -29,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dora.config import ConfigError
+from dora.hf import tiny
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5", ".ckpt", ".index.json")
 """Files of a model folder that hold (or index) weights: a published version writes its own."""
@@ -40,6 +44,8 @@ POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length"
                  "model_max_length")  # fmt: skip
 """Where configs keep the longest sequence (MPT and DBRX: ``max_seq_len``; Kimi-Linear: ``model_max_length``)."""
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+DORA_MODELS = (tiny.NAME,)
+"""The models dora builds itself, by name: ``dora.hf.tiny.cached``."""
 MARK = "\u27e6dora:turn\u27e7"
 """Stands for an assistant turn's content while the template is rendered to find what follows it."""
 
@@ -50,8 +56,14 @@ def is_path(name: str) -> bool:
 
 
 def resolve(name: str, *, key: str) -> pathlib.Path:
-    """The local folder of ``name`` (``key``: the setting it came from, for errors): itself when it exists or is
-    written as a path, else the cached (or now downloaded) snapshot of the hub model of that id."""
+    """The local folder of ``name`` (``key``: the setting it came from, for errors): dora's own model for a name
+    of ``DORA_MODELS``; itself when it exists or is written as a path, else the cached (or now downloaded) snapshot
+    of the hub model of that id."""
+    if name.startswith("dora:"):
+        if name not in DORA_MODELS:
+            known = ", ".join(f'"{n}"' for n in DORA_MODELS)
+            raise ConfigError(f"{key} = {name!r}: dora has no model of that name (it knows {known})")
+        return tiny.cached()
     path = pathlib.Path(name).expanduser()
     if path.exists() or is_path(name):
         return path

@@ -9,16 +9,27 @@ checks pass vacuously, and vLLM's CPU in-place reload mishandles tied heads.
 The tokenizer is trained on a fixed list of standard-library sources, so it is the same on every
 machine with the same Python. The task alphabet (digits, operators, words used in prompts) is
 always representable: byte-level BPE covers every byte.
+
+**By name.** ``"dora:tiny"`` (in any setting that takes a model) is ``cached()``: built once into the user's cache
+(``~/.cache/dora/tiny-model``) and reused after. ``build_model`` is deterministic: the tokenizer is trained on
+fixed files and the weights are drawn after ``torch.manual_seed(spec.seed)``, so two builds with the same Python,
+torch and transformers are the same bytes (processes on machines that do not share a home build the same model).
 """
 
 from __future__ import annotations
 
+import os
 import pathlib
+import shutil
+import sys
 import sysconfig
+import tempfile
 from dataclasses import dataclass
 
 CORPUS = ("textwrap.py", "argparse.py", "difflib.py", "json/__init__.py", "string.py", "fractions.py")
 SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+NAME = "dora:tiny"
+"""What a user writes for dora's tiny model (``rollout.model = "dora:tiny"``)."""
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -76,6 +87,37 @@ def build_model(out: str | pathlib.Path, spec: TinySpec = TinySpec()) -> pathlib
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+def cached(cache: pathlib.Path | None = None) -> pathlib.Path:
+    """The folder of ``"dora:tiny"``: ``<cache>/tiny-model`` (default cache: ``~/.cache/dora``), built on first use.
+
+    Safe when several processes ask at once (xdist workers, a run's processes, ranks): each builds into a temporary
+    sibling and renames it into place, which is atomic; a loser of the race finds the winner's complete folder and
+    removes its own. A folder there is therefore always complete: one with no config.json is not ours, and is a
+    ConfigError rather than something to build over."""
+    from dora.config import ConfigError
+
+    folder = (cache if cache is not None else pathlib.Path.home() / ".cache" / "dora") / "tiny-model"
+    if (folder / "config.json").is_file():
+        return folder
+    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
+        raise ConfigError(f"{folder} is where {NAME} is kept, but it holds no config.json: remove it and dora builds "
+                          "the tiny model there again")  # fmt: skip
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    print(f"dora: building {NAME} into {folder} (on first use only; later runs reuse it)", file=sys.stderr)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=".tiny-model-", dir=folder.parent))
+    try:
+        build_model(tmp)
+        tmp.chmod(0o755)  # mkdtemp's folder is the owner's alone; the cache's folders are not
+        try:
+            os.rename(tmp, folder)  # replaces an empty folder; fails on a full one
+        except OSError:
+            if not (folder / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
 
 
 def load(path: str | pathlib.Path, *, dtype: str = "float32"):  # -> (model, tokenizer)
