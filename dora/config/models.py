@@ -22,7 +22,9 @@ class RolloutSection:
     reconnect_max_s: float = 32.0
     """Cap of the reconnect backoff (1 s, doubling) after the broker is lost; it starts over after a welcome."""
     model: str | None = None
-    """An HF model folder for the torch and vllm engines (the version-0 weights)."""
+    """The model of the torch and vllm engines (the version-0 weights): a model folder, a hub id (org/name), or
+    ``"dora:tiny"``, dora's tiny model, built on first use into ~/.cache/dora. A path that does not exist, or an
+    empty folder, is an error."""
     device: str = "cpu"
     """torch engine: the torch device it runs on (cpu, cuda, cuda:1). vLLM runs on its own platform's device.
     Under `dora run` on GPUs, ``cuda`` is the first of the worker's own GPUs (run.gpus)."""
@@ -125,7 +127,8 @@ class LearnerSection:
     sim_gpus: int = 1
     """Accelerators the sim trainer stands for (its step time is the trainer model's for this many)."""
     model: str | None = None
-    """torch trainer: the HF model folder it starts from (the same version 0 the rollout workers load)."""
+    """torch trainer: the model it starts from, a folder, a hub id or ``"dora:tiny"`` (the same version 0 the
+    rollout workers load)."""
     ranks: int = 1
     """`dora run`: learner processes (torchrun --nproc-per-node); more than one shards the model with FSDP2."""
     gpus: tuple[int, ...] = ()
@@ -293,7 +296,7 @@ class SftSection:
     task.system_prompt); the loss is on the answer tokens (the answer, then EOS) only."""
 
     model: str | None = None
-    """The model folder to start from (built as the tiny model when it has no config.json, like `dora run`);
+    """The model to start from: a folder, a hub id, or ``"dora:tiny"`` (dora's tiny model, built on first use);
     None: rollout.model."""
     out: str | None = None
     """The model folder to write (required): weights, config and the start folder's tokenizer files, written

@@ -4,7 +4,8 @@
 ``--model``:
 - a name dora knows (``DORA_MODELS``: ``"dora:tiny"``, its tiny model, built on first use into the user's cache);
   any other ``dora:`` name is an error that lists them;
-- a folder that exists, or a name that is plainly a path (``/...``, ``./...``, ``../...``, ``~...``): that folder;
+- a folder that exists, or a name that is plainly a path (``/...``, ``./...``, ``../...``, ``~...``): that folder,
+  which must exist and hold something (a typo is an error, never a folder made and filled);
 - otherwise a hub id (``Qwen/Qwen2.5-0.5B-Instruct``, ``gpt2``): its snapshot in huggingface_hub's cache,
   downloaded when there is a network (weights as safetensors only, with the config, generation config and
   tokenizer files). ``HF_HUB_OFFLINE=1`` is honoured: the cached copy or one line naming the id and the cache.
@@ -46,6 +47,7 @@ POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length"
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 DORA_MODELS = (tiny.NAME,)
 """The models dora builds itself, by name: ``dora.hf.tiny.cached``."""
+TINY_HINT = 'dora\'s tiny model is "dora:tiny"'
 MARK = "\u27e6dora:turn\u27e7"
 """Stands for an assistant turn's content while the template is rendered to find what follows it."""
 
@@ -57,16 +59,21 @@ def is_path(name: str) -> bool:
 
 def resolve(name: str, *, key: str) -> pathlib.Path:
     """The local folder of ``name`` (``key``: the setting it came from, for errors): dora's own model for a name
-    of ``DORA_MODELS``; itself when it exists or is written as a path, else the cached (or now downloaded) snapshot
-    of the hub model of that id."""
+    of ``DORA_MODELS``; itself when it exists or is written as a path (a folder with something in it); else the
+    cached (or now downloaded) snapshot of the hub model of that id. A name that does not resolve is a
+    ConfigError."""
     if name.startswith("dora:"):
         if name not in DORA_MODELS:
             known = ", ".join(f'"{n}"' for n in DORA_MODELS)
             raise ConfigError(f"{key} = {name!r}: dora has no model of that name (it knows {known})")
         return tiny.cached()
     path = pathlib.Path(name).expanduser()
-    if path.exists() or is_path(name):
+    if path.is_dir() and not any(path.iterdir()):
+        raise ConfigError(f"{key} = {name!r}: {path.absolute()} is an empty folder, not a model; {TINY_HINT}")
+    if path.exists():
         return path
+    if is_path(name):
+        raise ConfigError(f"{key} = {name!r}: no such folder ({path.absolute()}); {TINY_HINT}")
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import validate_repo_id
@@ -74,7 +81,7 @@ def resolve(name: str, *, key: str) -> pathlib.Path:
     try:
         validate_repo_id(name)
     except HFValidationError:
-        raise ConfigError(f"{key} = {name!r}: no such folder, and not a hub id (org/name)") from None
+        raise ConfigError(f"{key} = {name!r}: no such folder, and not a hub id (org/name); {TINY_HINT}") from None
     try:
         return pathlib.Path(snapshot_download(name, allow_patterns=list(HUB_FILES)))
     except Exception as e:  # huggingface_hub's many ways of not having it: offline, no network, gated, missing

@@ -1,5 +1,5 @@
-"""Before any process starts: the model a run names, found (a folder or a hub id) and checked against the run's
-settings, so a user's mistake is one line and exit 2 instead of a worker's traceback or a hang.
+"""Before any process starts: the model a run names, found (dora:tiny, a folder or a hub id) and checked against the
+run's settings, so a user's mistake is one line and exit 2 instead of a worker's traceback or a hang.
 
 Used by `dora run` (for the whole run), `dora rollout` and `dora learner` (each on its own, as under Slurm) and
 `dora sft`. What is checked is ``dora.hf.checks``: a model folder (config and fast tokenizer), a causal LM, a
@@ -9,23 +9,18 @@ tokenizer that fits the embedding, an architecture the engine runs, and lengths 
 from __future__ import annotations
 
 import pathlib
-import sys
 from typing import Any
 
 from dora.hf.checks import check_lengths, check_model, model_limit
-from dora.hf.folder import ModelFacts, is_path, resolve
+from dora.hf.folder import ModelFacts, resolve
 
 
-def model_folder(name: str, *, key: str, build_tiny: bool = False, who: str = "dora") -> pathlib.Path:
-    """The local folder of ``name``: a folder, or a hub id's cached snapshot. With ``build_tiny``, a folder written
-    as a path that does not exist yet, or is empty (``./runs/tiny-model``), is built there as dora's tiny model."""
-    path = resolve(name, key=key)
-    if build_tiny and (is_path(name) or path.exists()) and not (path.exists() and any(path.iterdir())):
-        from dora.hf.tiny import build_model
-
-        print(f"{who}: building the tiny model into {path} (it has no config.json)", file=sys.stderr)
-        build_model(path)
-    return path
+def model_folder(name: str, *, key: str) -> pathlib.Path:
+    """The local folder of ``name`` (``key``: the setting it came from): ``"dora:tiny"``'s (built on first use), a
+    folder that exists and is not empty, or a hub id's cached snapshot. Anything else (a path that does not exist,
+    an empty folder, an unknown ``dora:`` name, an id the hub does not have) is a ConfigError: one line and exit 2,
+    never a folder made and filled with dora's tiny model."""
+    return resolve(name, key=key)
 
 
 def check_run_model(cfg: Any, folder: pathlib.Path, engine: str,

@@ -49,8 +49,24 @@ from dora.launch.watch import RunStuck, WorkerWatch, new_lines
 from dora.ops.plot import EVAL, METRICS, TIMELINE, PlotError, render
 
 
-def prepare(cfg: RunConfig, rundir: pathlib.Path) -> dict[str, Any]:
-    """The config the processes get: this run's socket, discovery file, audit and weight store."""
+def run_model(cfg: RunConfig) -> pathlib.Path | None:
+    """The model folder every process of a run of ``cfg`` loads (rollout.model, else learner.model), found and
+    checked as a model folder; None for a run with neither a model engine nor a model trainer. A name that does not
+    resolve is a ConfigError, before the run's directory is made."""
+    if cfg.run.engine == "sim" and cfg.run.trainer == "sim":
+        return None
+    name, key = (cfg.rollout.model, "rollout.model") if cfg.rollout.model else (cfg.learner.model, "learner.model")
+    if not name:
+        raise ConfigError("run.engine/run.trainer torch|vllm need rollout.model (a model folder, a hub id, or "
+                          '"dora:tiny")')  # fmt: skip
+    model = model_folder(name, key=key)
+    check_model(model, key=key, chat_template=cfg.task.chat_template)  # before the task reads it
+    return model
+
+
+def prepare(cfg: RunConfig, rundir: pathlib.Path, model: pathlib.Path | None = None) -> dict[str, Any]:
+    """The config the processes get: this run's socket, discovery file, audit and weight store, and its model
+    folder (``model``: ``run_model(cfg)``'s, found here when not given)."""
     data = to_data(cfg)
     data["broker"].update(bind=f"ipc://{rundir / 'broker.sock'}", discovery_file=str(rundir / "broker.json"),
                           metrics_file=str(rundir / METRICS), timeline_file=str(rundir / TIMELINE),
@@ -64,12 +80,8 @@ def prepare(cfg: RunConfig, rundir: pathlib.Path) -> dict[str, Any]:
         if key in data["metrics"] and not os.path.isabs(data["metrics"][key]):
             data["metrics"][key] = str(rundir / data["metrics"][key])
     data["log"]["format"] = "json"
-    if cfg.run.engine != "sim" or cfg.run.trainer != "sim":
-        name = cfg.rollout.model or cfg.learner.model
-        if not name:
-            raise ConfigError("run.engine/run.trainer torch|vllm need rollout.model (a model folder or a hub id)")
-        model = model_folder(name, key="rollout.model", build_tiny=True, who="dora run")
-        check_model(model, key="rollout.model", chat_template=cfg.task.chat_template)  # before the task reads it
+    model = model if model is not None else run_model(cfg)
+    if model is not None:
         data["rollout"]["model"] = data["learner"]["model"] = str(model)
         data["task"].setdefault("tokenizer", str(model))
     return data
@@ -140,9 +152,10 @@ def main(argv: list[str]) -> int:
         if cfg.rollout.sleep_on_yield:
             check_sleep(cfg.run.engine, cfg.rollout.device)
         placement = plan(cfg, visible_gpus(os.environ) if wants_gpus(cfg) else ())
+        model = run_model(cfg)
         rundir = pathlib.Path(cfg.run.dir) / time.strftime("%Y%m%d-%H%M%S")
         rundir.mkdir(parents=True, exist_ok=False)
-        data = prepare(cfg, rundir)
+        data = prepare(cfg, rundir, model)
         about = check_task(data)
         report_task(about)
         if cfg.run.engine != "sim" or cfg.run.trainer != "sim":

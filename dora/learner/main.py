@@ -42,7 +42,8 @@ def main(argv: list[str]) -> int:
         required=True,
         help="sim: a stand-in that checks and times batches; torch: GRPO on a transformers model",
     )
-    p.add_argument("--model", help="torch trainer: the HF model folder to start from (overrides learner.model)")
+    about = "torch trainer: the model to start from, a folder, a hub id or dora:tiny (overrides learner.model)"
+    p.add_argument("--model", help=about)
     p.add_argument("--config", metavar="FILE.toml")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     args = p.parse_args(argv)
@@ -52,7 +53,7 @@ def main(argv: list[str]) -> int:
         cluster = ClusterInfo.from_env(os.environ)
         if args.trainer == "torch":
             if not cfg.learner.model:
-                raise ConfigError("--trainer torch needs --model (a model folder or a hub id; learner.model)")
+                raise ConfigError("--trainer torch needs --model (learner.model: a model folder, hub id or dora:tiny)")
             folder = model_folder(cfg.learner.model, key="learner.model")
             check_model(folder, key="learner.model", chat_template=False)
             cfg = dataclasses.replace(cfg, learner=dataclasses.replace(cfg.learner, model=str(folder)))

@@ -71,17 +71,15 @@ class Examples:
     answer_tokens: int
 
 
-def start_folder(cfg: RunConfig, build: bool = True) -> pathlib.Path:
-    """The folder `dora sft` starts from (a folder, or a hub id's cached snapshot), checked; with ``build``, built as
-    the tiny model when it is written as a path and has no config.json yet."""
+def start_folder(cfg: RunConfig) -> pathlib.Path:
+    """The folder `dora sft` starts from (``"dora:tiny"``'s, a folder, or a hub id's cached snapshot), checked."""
     from dora.hf.checks import check_model
     from dora.hf.preflight import model_folder
+    from dora.learner.sft_main import start_name
 
-    name = cfg.sft.model or cfg.rollout.model
-    if not name:
-        raise ConfigError("dora sft needs sft.model or rollout.model (the model folder or hub id to start from)")
-    folder = model_folder(name, key="sft.model", build_tiny=build, who="dora sft")
-    check_model(folder, key="sft.model", chat_template=cfg.task.chat_template)
+    name, key = start_name(cfg)
+    folder = model_folder(name, key=key)
+    check_model(folder, key=key, chat_template=cfg.task.chat_template)
     return folder
 
 
@@ -342,10 +340,9 @@ class Plan:
     data: Examples
 
 
-def plan(cfg: RunConfig, build: bool = True) -> Plan:
-    """The start folder (with ``build``, built as the tiny model if need be), sft.out and the encoded rows; bad input
-    is a ConfigError (or ValueError). `dora sft` checks this before it starts ranks, and every rank makes it again
-    (one of several does not build: they would race; the process that started them has built it)."""
+def plan(cfg: RunConfig) -> Plan:
+    """The start folder, sft.out and the encoded rows; bad input is a ConfigError (or ValueError). `dora sft`
+    checks this before it starts ranks, and every rank makes it again."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one line per epoch is the progress shown
@@ -353,7 +350,7 @@ def plan(cfg: RunConfig, build: bool = True) -> Plan:
     if not sft.out:
         raise ConfigError("dora sft needs sft.out (the model folder to write)")
     out = pathlib.Path(sft.out)
-    start = start_folder(cfg, build)
+    start = start_folder(cfg)
     if out.resolve() == start.resolve():
         raise ConfigError(f"sft.out must differ from the folder it starts from ({start})")
     check_out(out)
@@ -372,7 +369,7 @@ def run(cfg: RunConfig, cluster: ClusterInfo) -> pathlib.Path | None:
     training. Rank 0 writes sft.out and returns it; the other ranks return None."""
     from dora.hf.tensors import tied_copies
 
-    sft, job = cfg.sft, plan(cfg, build=cluster.world == 1)
+    sft, job = cfg.sft, plan(cfg)
     where = sft_ranks.place(sft, cluster)
     try:
         torch.set_num_threads(sft.threads or max(1, (os.cpu_count() or 1) // where.world))

@@ -1,9 +1,10 @@
 """`dora sft --config FILE.toml [--set SECTION.KEY=VALUE ...]`: a supervised warm start before RL.
 
-Fine-tunes ``sft.model`` (default: rollout.model; the tiny model is built there when the folder has no
-config.json) on the (prompt, answer) rows of ``task.dataset``, rendered exactly as RL renders them, and
+Fine-tunes ``sft.model`` (default: rollout.model; a folder, a hub id, or ``"dora:tiny"``, dora's tiny model,
+built on first use) on the (prompt, answer) rows of ``task.dataset``, rendered exactly as RL renders them, and
 writes the model folder ``sft.out``. Then point ``rollout.model`` at it and run `dora run`. Bad input
-(a missing dataset, a bad row, no sft.out, a model folder that does not load) is one line and exit 2.
+(a missing dataset, a bad row, no sft.out, a model folder that does not exist or does not load) is one line and
+exit 2.
 It trains on sft.device (auto: a GPU if there is one, in bf16); with sft.ranks > 1 it starts itself that many
 times under torchrun on this node (or runs as srun's tasks), the model sharded with FSDP2.
 """
@@ -11,12 +12,23 @@ times under torchrun on this node (or runs as srun's tasks), the model sharded w
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
 from dora.actor.cluster import ClusterInfo
 from dora.config import ConfigError, load
 from dora.config.run import RunConfig
+from dora.hf.preflight import model_folder
+
+
+def start_name(cfg: RunConfig) -> tuple[str, str]:
+    """The model `dora sft` starts from, as written, and the setting it came from: sft.model, else rollout.model."""
+    name, key = (cfg.sft.model, "sft.model") if cfg.sft.model else (cfg.rollout.model, "rollout.model")
+    if not name:
+        raise ConfigError('dora sft needs sft.model or rollout.model (the model folder, hub id or "dora:tiny" to '
+                          "start from)")  # fmt: skip
+    return name, key
 
 
 def main(argv: list[str]) -> int:
@@ -29,6 +41,9 @@ def main(argv: list[str]) -> int:
         cfg = load(RunConfig, path=args.config, env=os.environ, env_prefix="DORA_", overrides=args.set)
         if not cfg.sft.out:
             raise ConfigError("dora sft needs sft.out (the model folder to write)")
+        name, key = start_name(cfg)
+        start = model_folder(name, key=key)  # before torch is imported: a name that does not resolve is one line
+        cfg = dataclasses.replace(cfg, sft=dataclasses.replace(cfg.sft, model=str(start)))
         cluster = ClusterInfo.from_env(os.environ)
         from dora.learner import sft, sft_ranks  # torch and transformers: only once the config is good
 

@@ -75,7 +75,8 @@ def line(metrics: dict[str, Any]) -> str:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="dora eval", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    about = "the model folder (architecture, tokenizer, chat template; a published version's folder is one) or a hub id"
+    about = ("the model folder (architecture, tokenizer, chat template; a published version's folder is one), a hub id "
+             "or dora:tiny")
     p.add_argument("--model", required=True, help=about)
     p.add_argument("--dataset", help="held-out rows (overrides eval.dataset)")
     p.add_argument("--store", help="a weight store: evaluate --version from it")

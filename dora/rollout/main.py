@@ -35,7 +35,7 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="dora rollout", description="A rollout worker: one inference-engine replica.")
     p.add_argument("--broker", required=True, help="tcp://host:port, ipc://path, or a broker.json discovery file")
     p.add_argument("--engine", choices=["sim", "torch", "vllm"], default="sim")
-    p.add_argument("--model", help="torch/vllm engines: an HF model folder (overrides rollout.model)")
+    p.add_argument("--model", help="torch/vllm engines: a model folder, hub id or dora:tiny (overrides rollout.model)")
     p.add_argument("--name", default=f"{socket.gethostname()}-{os.getpid()}")
     p.add_argument("--config", metavar="FILE.toml")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
@@ -50,7 +50,7 @@ def main(argv: list[str]) -> int:
         cluster = ClusterInfo.from_env(os.environ)
         if args.engine != "sim":
             if not cfg.rollout.model:
-                raise ConfigError(f"--engine {args.engine} needs --model (a model folder or a hub id)")
+                raise ConfigError(f"--engine {args.engine} needs --model (a model folder, a hub id or dora:tiny)")
             folder = model_folder(cfg.rollout.model, key="rollout.model")
             check_model(folder, key="rollout.model", engine=args.engine, chat_template=cfg.task.chat_template)
             cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, model=str(folder)))

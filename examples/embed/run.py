@@ -8,7 +8,7 @@ dora's broker and torch learner.
 - ``my_stack.py``: ``reward`` (``task.reward = "my_stack:reward"``), called by the workers, and ``loss``
   (``learner.loss = "my_stack:loss"``), called by dora's torch learner instead of its built-in loss;
 - ``run.toml``: the run; dora's ``prepare`` fills in this run's socket, weight store, checkpoints and
-  journal, and builds the tiny model on the first run, as ``dora run`` does.
+  journal, and finds the model (``"dora:tiny"``: dora's tiny model, built on first use), as ``dora run`` does.
 
 Everything lands in ``runs/embed-<time>/`` (``run.dir``): ``metrics.jsonl``, the figures, one log per
 process. The exit status is 0 only if every process exited 0.

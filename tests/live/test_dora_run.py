@@ -122,17 +122,18 @@ def test_ctrl_c_stops_every_process(tmp_path):
 
 @pytest.mark.timeout(600)  # CPU-bound (about 110 CPU-s) and each of its two commands may take 240 s when starved
 def test_the_readme_first_command_in_miniature_warm_start_then_rl_with_held_out_evaluation(tmp_path):
-    """examples/arithmetic.toml as the README runs it (dora sft, which builds the starting model on first use,
+    """examples/arithmetic.toml as the README runs it (dora sft from its "dora:tiny", which is built on first use,
     then dora run from its model folder), only shorter: one epoch, four steps of four groups, 12 held-out rows,
     and the learner sharded over two FSDP2 ranks; the config, paths and reports stay those of the example. The
     rollout workers evaluate every 2 versions on exactly that version, and dora run evaluates the starting model
     and the final version itself."""
-    model, sft = tmp_path / "model", tmp_path / "sft"
+    home, sft = tmp_path / "home", tmp_path / "sft"  # dora:tiny is built into this home's cache, not the user's
     r = subprocess.run([sys.executable, "-m", "dora", "sft", "--config", str(ROOT / "examples/arithmetic.toml"),
-                        "--set", f"sft.model={model}", "--set", f"sft.out={sft}", "--set", "sft.epochs=1"],
-                       capture_output=True, text=True, timeout=240, cwd=ROOT)  # fmt: skip
+                        "--set", f"sft.out={sft}", "--set", "sft.epochs=1"],
+                       capture_output=True, text=True, timeout=240, cwd=ROOT,
+                       env={**os.environ, "HOME": str(home)})  # fmt: skip
     assert r.returncode == 0, r.stderr
-    assert (model / "config.json").is_file()  # built on first use
+    assert (home / ".cache" / "dora" / "tiny-model" / "config.json").is_file()  # built on first use
     assert "2000 rows of examples/data/arithmetic/train.jsonl" in r.stderr and (sft / "model.safetensors").is_file()
     proc = dora_run(tmp_path, "examples/arithmetic.toml", f"rollout.model={sft}", "core.total_steps=4",
                     "core.train_groups=4", "eval.limit=12", "eval.every_steps=2", "learner.ranks=2")  # fmt: skip

@@ -21,9 +21,9 @@ def events(path, name):
     return [r for r in rows if r["event"] == name]
 
 
-def test_an_elastic_torch_worker_sleeps_for_each_step_beside_a_learner_that_offloads(tmp_path):
+def test_an_elastic_torch_worker_sleeps_for_each_step_beside_a_learner_that_offloads(tmp_path, tiny_model):
     steps, groups = 4, 4
-    proc = dora_run(tmp_path, "examples/quickstart.toml", f"rollout.model={tmp_path / 'model'}",
+    proc = dora_run(tmp_path, "examples/quickstart.toml", f"rollout.model={tiny_model}",
                     f"core.total_steps={steps}", f"core.train_groups={groups}", "core.group_size=4",
                     "run.elastic_workers=1", "rollout.device=cuda", "rollout.sleep_on_yield=true",
                     "learner.device=auto", "learner.offload_between_steps=true", "run.share_gpus=true")  # fmt: skip

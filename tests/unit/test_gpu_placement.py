@@ -57,8 +57,8 @@ def test_a_two_gpu_vllm_engine_sleeps_on_both_wakes_and_reloads_into_both(tiny_m
         e.llm.llm_engine.engine_core.shutdown()
 
 
-def test_dora_run_puts_the_learner_and_a_standalone_worker_each_on_its_own_gpu(tmp_path):
-    proc = dora_run(tmp_path, "examples/quickstart.toml", f"rollout.model={tmp_path / 'model'}", "run.workers=1",
+def test_dora_run_puts_the_learner_and_a_standalone_worker_each_on_its_own_gpu(tmp_path, tiny_model):
+    proc = dora_run(tmp_path, "examples/quickstart.toml", f"rollout.model={tiny_model}", "run.workers=1",
                     "run.gpus=2", "rollout.device=cuda", "core.total_steps=3", "core.train_groups=4",
                     "core.group_size=4")  # fmt: skip
     out, _ = proc.communicate(timeout=380)

@@ -1,5 +1,6 @@
-"""``"dora:tiny"`` is dora's tiny model, built once into the user's cache, atomically, and reused; an unknown
-``dora:`` name is an error naming the ones dora knows."""
+"""A model name that does not resolve is an error: a path that does not exist, an empty folder or an unknown
+``dora:`` name is one line and exit 2 before anything starts, never a folder made and filled. ``"dora:tiny"`` is
+dora's tiny model, built once into the user's cache, atomically, and reused."""
 
 from __future__ import annotations
 
@@ -14,6 +15,65 @@ import pytest
 from dora.config import ConfigError
 from dora.hf import tiny
 from dora.hf.folder import resolve
+from dora.learner import main as learner_main
+from dora.rollout import main as rollout_main
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def dora(tmp_path: pathlib.Path, *argv: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "HOME": str(tmp_path / "home")}  # dora:tiny, were it asked for, is built there
+    return subprocess.run([sys.executable, "-m", "dora", *argv], capture_output=True, text=True, cwd=tmp_path,
+                          env=env, timeout=60)  # fmt: skip
+
+
+COMMANDS = {
+    "run": lambda model, tmp: ["run", "--config", str(ROOT / "examples/arithmetic.toml"), "--set",
+                               f"rollout.model={model}", "--set", f"run.dir={tmp / 'runs'}"],
+    "sft": lambda model, tmp: ["sft", "--config", str(ROOT / "examples/arithmetic.toml"), "--set",
+                               f"sft.model={model}", "--set", f"sft.out={tmp / 'out'}"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("empty", [False, True], ids=["missing", "empty"])
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_a_model_path_that_does_not_exist_or_is_empty_is_one_line_and_exit_2(tmp_path, command, empty):
+    model = tmp_path / "typo"
+    if empty:
+        model.mkdir()
+    r = dora(tmp_path, *COMMANDS[command](f"./{model.name}", tmp_path))
+    key = "rollout.model" if command == "run" else "sft.model"
+    assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(f"dora {command}: {key} = './typo': ") and str(model) in r.stderr, r.stderr
+    assert ("is an empty folder" if empty else "no such folder") in r.stderr
+    assert 'dora\'s tiny model is "dora:tiny"' in r.stderr
+    assert model.exists() == empty and (not empty or not any(model.iterdir()))  # neither made nor filled
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["typo"] if empty else [])  # no run dir, no out, no home
+
+
+@pytest.mark.parametrize(
+    ("main", "argv"),
+    [(rollout_main.main, ["--broker", "ipc:///nowhere", "--engine", "torch", "--model"]),
+     (learner_main.main, ["--broker", "ipc:///nowhere", "--trainer", "torch", "--model"])],
+    ids=["rollout", "learner"],
+)  # fmt: skip
+@pytest.mark.parametrize("name", ["./missing", "dora:small"])
+def test_the_processes_refuse_a_name_that_does_not_resolve_in_one_line(tmp_path, monkeypatch, capsys, main, argv,
+                                                                        name):  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    assert main([*argv, name]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and repr(name) in err and '"dora:tiny"' in err, err
+    assert not any(tmp_path.iterdir())
+
+
+def test_dora_eval_refuses_a_model_path_that_does_not_exist(tmp_path, monkeypatch, capsys):
+    from dora.ops import evaluate
+
+    monkeypatch.chdir(tmp_path)
+    assert evaluate.main(["--config", str(ROOT / "examples/arithmetic.toml"), "--model", "./missing"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dora eval: --model = './missing': no such folder") and err.count("\n") == 1, err
 
 
 def test_an_unknown_dora_name_is_refused_naming_the_ones_dora_knows(tmp_path, monkeypatch):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import re
 import shutil
@@ -190,7 +191,7 @@ def test_a_folder_that_is_not_a_model_is_never_replaced(tiny_model, tmp_path):
 # ---------------------------------------------------------------- the command
 
 
-def write_config(tmp_path: pathlib.Path, dataset: pathlib.Path, model: pathlib.Path, **sft_keys) -> pathlib.Path:
+def write_config(tmp_path: pathlib.Path, dataset: pathlib.Path, model: pathlib.Path | str, **sft_keys) -> pathlib.Path:
     keys = {"model": str(model), "out": str(tmp_path / "out"), "epochs": 1, "batch_size": 8, **sft_keys}
     sft_lines = [f"{k} = {json.dumps(v)}" for k, v in keys.items() if v is not None]
     lines = ["[task]", f'dataset = "{dataset}"', 'prompt_field = "question"', "chat_template = true",
@@ -200,16 +201,20 @@ def write_config(tmp_path: pathlib.Path, dataset: pathlib.Path, model: pathlib.P
     return path
 
 
-def test_dora_sft_builds_the_start_model_trains_and_writes_the_folder(tmp_path):
-    config = write_config(tmp_path, rows_file(tmp_path, 24), tmp_path / "start", epochs=2)
+def test_dora_sft_builds_dora_tiny_on_first_use_trains_and_writes_the_folder(tmp_path):
+    config = write_config(tmp_path, rows_file(tmp_path, 24), "dora:tiny", epochs=2)
+    home = tmp_path / "home"  # dora:tiny is built into the user's cache: this test's, not the real one
     r = subprocess.run([sys.executable, "-m", "dora", "sft", "--config", str(config)], capture_output=True,
-                       text=True, timeout=120)  # fmt: skip
+                       text=True, timeout=120, env={**os.environ, "HOME": str(home)})  # fmt: skip
     assert r.returncode == 0, r.stderr
-    assert "building the tiny model" in r.stderr and "24 rows" in r.stderr and "0 answers cut" in r.stderr
+    start = home / ".cache" / "dora" / "tiny-model"
+    assert f"building dora:tiny into {start}" in r.stderr and f"epochs from {start}" in r.stderr, r.stderr
+    assert "24 rows" in r.stderr and "0 answers cut" in r.stderr
     assert re.search(r"epoch 2/2  loss [\d.]+  [\d,]+ tok/s", r.stderr), r.stderr
     assert (tmp_path / "out" / "config.json").is_file() and (tmp_path / "out" / "chat_template.jinja").is_file()
     assert f"wrote {tmp_path / 'out'}" in r.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "rows.jsonl", "sft.toml", "start"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["home", "out", "rows.jsonl", "sft.toml"]
+    assert sorted(p.name for p in start.parent.iterdir()) == ["tiny-model"] and (start / "config.json").is_file()
 
 
 def bad_row(tmp_path: pathlib.Path) -> pathlib.Path:

@@ -250,11 +250,11 @@ def test_on_the_gpu_sft_trains_in_bf16_with_fp32_master_weights(tiny_model, tmp_
     assert all(p.dtype == torch.float32 for p in loaded.parameters())
 
 
-def test_one_of_several_ranks_never_builds_the_start_model(tmp_path):
-    """Ranks building one folder at once would race: the process that starts them builds it, or one rank alone."""
+def test_a_start_folder_that_does_not_exist_is_refused_on_every_rank_never_built(tmp_path):
+    """Only ``"dora:tiny"`` is built (atomically: ranks asking at once share one folder); a path is taken as is."""
     cfg = load(RunConfig, path=str(write_config(tmp_path, rows_file(tmp_path, 3), tmp_path / "start")))
-    with pytest.raises(ConfigError, match=r"sft\.model"):
-        sft.plan(cfg, build=False)
+    with pytest.raises(ConfigError, match=r"sft\.model = .*: no such folder"):
+        sft.plan(cfg)
     assert not (tmp_path / "start").exists()
 
 
