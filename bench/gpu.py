@@ -455,6 +455,10 @@ def dora(argv: list[str], log: pathlib.Path, timeout_s: float) -> tuple[int | st
 def part_run(device: torch.device, sz: Sizes, scratch: pathlib.Path, config: str, deadline: float,
              sft_timeout_s: float, run_timeout_s: float) -> dict[str, Any]:  # fmt: skip
     dev = "cuda" if device.type == "cuda" else str(device)
+    from dora.hf.tiny import build_model
+
+    if not (scratch / "tiny-model" / "config.json").exists():  # a folder of its own: the device's home may be read-only
+        build_model(scratch / "tiny-model")
     sets = [f"sft.model={scratch / 'tiny-model'}", f"sft.out={scratch / 'sft'}", f"rollout.model={scratch / 'sft'}",
             f"run.dir={scratch / 'runs'}", f"rollout.device={dev}", f"learner.device={dev}",
             f"core.total_steps={sz.run_steps}", "run.share_gpus=true"]  # fmt: skip
