@@ -2,8 +2,8 @@
 
 **Where.** ``resolve`` takes what a user writes in ``rollout.model``, ``learner.model``, ``sft.model`` or
 ``--model``:
-- a name dora knows (``DORA_MODELS``: ``"dora:tiny"``, its tiny model, built on first use into the user's cache);
-  any other ``dora:`` name is an error that lists them;
+- (a name dora knows, ``"dora:tiny"``, is ``dora.hf.preflight.model_folder``'s: it builds dora's tiny model on
+  first use, so this module, which the broker reads, stays free of torch);
 - a folder that exists, or a name that is plainly a path (``/...``, ``./...``, ``../...``, ``~...``): that folder,
   which must exist and hold something (a typo is an error, never a folder made and filled);
 - otherwise a hub id (``Qwen/Qwen2.5-0.5B-Instruct``, ``gpt2``): its snapshot in huggingface_hub's cache,
@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from dora.config import ConfigError
-from dora.hf import tiny
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5", ".ckpt", ".index.json")
 """Files of a model folder that hold (or index) weights: a published version writes its own."""
@@ -45,8 +44,6 @@ POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length"
                  "model_max_length")  # fmt: skip
 """Where configs keep the longest sequence (MPT and DBRX: ``max_seq_len``; Kimi-Linear: ``model_max_length``)."""
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-DORA_MODELS = (tiny.NAME,)
-"""The models dora builds itself, by name: ``dora.hf.tiny.cached``."""
 TINY_HINT = 'dora\'s tiny model is "dora:tiny"'
 MARK = "\u27e6dora:turn\u27e7"
 """Stands for an assistant turn's content while the template is rendered to find what follows it."""
@@ -58,15 +55,10 @@ def is_path(name: str) -> bool:
 
 
 def resolve(name: str, *, key: str) -> pathlib.Path:
-    """The local folder of ``name`` (``key``: the setting it came from, for errors): dora's own model for a name
-    of ``DORA_MODELS``; itself when it exists or is written as a path (a folder with something in it); else the
+    """The local folder of ``name`` (``key``: the setting it came from, for errors): itself when it exists or is
+    written as a path (a folder with something in it); else the
     cached (or now downloaded) snapshot of the hub model of that id. A name that does not resolve is a
     ConfigError."""
-    if name.startswith("dora:"):
-        if name not in DORA_MODELS:
-            known = ", ".join(f'"{n}"' for n in DORA_MODELS)
-            raise ConfigError(f"{key} = {name!r}: dora has no model of that name (it knows {known})")
-        return tiny.cached()
     path = pathlib.Path(name).expanduser()
     if path.is_dir() and not any(path.iterdir()):
         raise ConfigError(f"{key} = {name!r}: {path.absolute()} is an empty folder, not a model; {TINY_HINT}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
+from dora.config import ConfigError
 from dora.hf.checks import check_lengths, check_model, model_limit
 from dora.hf.folder import ModelFacts, resolve
 
@@ -20,7 +21,23 @@ def model_folder(name: str, *, key: str) -> pathlib.Path:
     folder that exists and is not empty, or a hub id's cached snapshot. Anything else (a path that does not exist,
     an empty folder, an unknown ``dora:`` name, an id the hub does not have) is a ConfigError: one line and exit 2,
     never a folder made and filled with dora's tiny model."""
+    if name.startswith("dora:"):
+        from dora.hf import tiny
+
+        if name not in tiny.NAMES:
+            known = ", ".join(f'"{n}"' for n in tiny.NAMES)
+            raise ConfigError(f"{key} = {name!r}: dora has no model of that name (it knows {known})")
+        return tiny.cached()
     return resolve(name, key=key)
+
+
+def sft_start(cfg: Any) -> tuple[str, str]:
+    """The model `dora sft` starts from, as written, and the setting it came from: sft.model, else rollout.model."""
+    name, key = (cfg.sft.model, "sft.model") if cfg.sft.model else (cfg.rollout.model, "rollout.model")
+    if not name:
+        raise ConfigError('dora sft needs sft.model or rollout.model (the model folder, hub id or "dora:tiny" to '
+                          "start from)")  # fmt: skip
+    return name, key
 
 
 def check_run_model(cfg: Any, folder: pathlib.Path, engine: str,

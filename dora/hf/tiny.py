@@ -29,6 +29,8 @@ from dataclasses import dataclass
 CORPUS = ("textwrap.py", "argparse.py", "difflib.py", "json/__init__.py", "string.py", "fractions.py")
 SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 NAME = "dora:tiny"
+NAMES = (NAME,)
+"""The models dora builds itself, by name (``dora.hf.preflight.model_folder``)."""
 """What a user writes for dora's tiny model (``rollout.model = "dora:tiny"``)."""
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -74,10 +74,9 @@ class Examples:
 def start_folder(cfg: RunConfig) -> pathlib.Path:
     """The folder `dora sft` starts from (``"dora:tiny"``'s, a folder, or a hub id's cached snapshot), checked."""
     from dora.hf.checks import check_model
-    from dora.hf.preflight import model_folder
-    from dora.learner.sft_main import start_name
+    from dora.hf.preflight import model_folder, sft_start
 
-    name, key = start_name(cfg)
+    name, key = sft_start(cfg)
     folder = model_folder(name, key=key)
     check_model(folder, key=key, chat_template=cfg.task.chat_template)
     return folder

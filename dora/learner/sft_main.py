@@ -19,16 +19,7 @@ import sys
 from dora.actor.cluster import ClusterInfo
 from dora.config import ConfigError, load
 from dora.config.run import RunConfig
-from dora.hf.preflight import model_folder
-
-
-def start_name(cfg: RunConfig) -> tuple[str, str]:
-    """The model `dora sft` starts from, as written, and the setting it came from: sft.model, else rollout.model."""
-    name, key = (cfg.sft.model, "sft.model") if cfg.sft.model else (cfg.rollout.model, "rollout.model")
-    if not name:
-        raise ConfigError('dora sft needs sft.model or rollout.model (the model folder, hub id or "dora:tiny" to '
-                          "start from)")  # fmt: skip
-    return name, key
+from dora.hf.preflight import model_folder, sft_start
 
 
 def main(argv: list[str]) -> int:
@@ -41,7 +32,7 @@ def main(argv: list[str]) -> int:
         cfg = load(RunConfig, path=args.config, env=os.environ, env_prefix="DORA_", overrides=args.set)
         if not cfg.sft.out:
             raise ConfigError("dora sft needs sft.out (the model folder to write)")
-        name, key = start_name(cfg)
+        name, key = sft_start(cfg)
         start = model_folder(name, key=key)  # before torch is imported: a name that does not resolve is one line
         cfg = dataclasses.replace(cfg, sft=dataclasses.replace(cfg.sft, model=str(start)))
         cluster = ClusterInfo.from_env(os.environ)

@@ -14,7 +14,7 @@ import pytest
 
 from dora.config import ConfigError
 from dora.hf import tiny
-from dora.hf.folder import resolve
+from dora.hf.preflight import model_folder
 from dora.learner import main as learner_main
 from dora.rollout import main as rollout_main
 
@@ -79,7 +79,7 @@ def test_dora_eval_refuses_a_model_path_that_does_not_exist(tmp_path, monkeypatc
 def test_an_unknown_dora_name_is_refused_naming_the_ones_dora_knows(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     with pytest.raises(ConfigError) as e:
-        resolve("dora:huge", key="rollout.model")
+        model_folder("dora:huge", key="rollout.model")
     assert str(e.value) == "rollout.model = 'dora:huge': dora has no model of that name (it knows \"dora:tiny\")"
     assert not any(tmp_path.iterdir())
 
@@ -95,10 +95,10 @@ def test_dora_tiny_is_built_once_into_the_users_cache_and_reused(tmp_path, monke
     calls = []
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setattr(tiny, "build_model", lambda out: calls.append(out) or fake_build(out))
-    folder = resolve("dora:tiny", key="rollout.model")
+    folder = model_folder("dora:tiny", key="rollout.model")
     assert folder == tmp_path / ".cache" / "dora" / "tiny-model" and (folder / "config.json").is_file()
     assert "building dora:tiny into" in capsys.readouterr().err
-    assert resolve("dora:tiny", key="sft.model") == folder and len(calls) == 1
+    assert model_folder("dora:tiny", key="sft.model") == folder and len(calls) == 1
     assert capsys.readouterr().err == ""  # reused, said nothing
     assert sorted(p.name for p in folder.parent.iterdir()) == ["tiny-model"]  # its temporary sibling is gone
     assert calls[0].parent == folder.parent  # built beside it, then renamed into place
