@@ -71,8 +71,12 @@ def one(cfg: str, row: str, sets: list[str], model: pathlib.Path, seed: int, out
 
 
 def table(results: list[dict[str, Any]], rows: list[str]) -> str:
-    lines = ["| row | settings | held-out before | held-out after | rise | final entropy | final KL to start | "
-             "run s (mean) |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| row | settings | seeds | held-out before | held-out after | rise | final entropy | final KL to start | "
+             "run s (mean) |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+
+    def pm(value: float, se: float, n: int, sign: str = "") -> str:
+        return f"{value:{sign}.3f} ± {se:.3f}" if n > 1 else f"{value:{sign}.3f}"
+
     for row in rows:
         mine = [r for r in results if r["row"] == row]
         if not mine:
@@ -84,10 +88,10 @@ def table(results: list[dict[str, Any]], rows: list[str]) -> str:
         ent_s = f"{mean_se(ent)[0]:.3f}" if ent else "–"
         kl_s = f"{mean_se(kl)[0]:.4f}" if kl else "–"
         settings = ", ".join(f"`{s}`" for s in ROWS.get(row, [])) or "defaults"
-        lines.append(f"| {row} | {settings} | {b:.3f} ± {b_se:.3f} | {a:.3f} ± {a_se:.3f} | {rise:+.3f} ± {rise_se:.3f} "
-                     f"| {ent_s} | {kl_s} | {sum(r['run_s'] for r in mine) / len(mine):.0f} |")  # fmt: skip
-    n = max((len([r for r in results if r["row"] == row]) for row in rows), default=0)
-    return "\n".join(lines) + f"\n\nmean ± SE over {n} seeds (SE = stdev / sqrt(n)).\n"
+        n = len(mine)
+        lines.append(f"| {row} | {settings} | {n} | {pm(b, b_se, n)} | {pm(a, a_se, n)} | {pm(rise, rise_se, n, '+')} "
+                     f"| {ent_s} | {kl_s} | {sum(r['run_s'] for r in mine) / n:.0f} |")  # fmt: skip
+    return "\n".join(lines) + "\n\nmean ± SE over the row's seeds (SE = stdev / sqrt(n)); no SE for one seed.\n"
 
 
 def curves(results: list[dict[str, Any]], rows: list[str], path: pathlib.Path) -> None:
@@ -98,8 +102,8 @@ def curves(results: list[dict[str, Any]], rows: list[str], path: pathlib.Path) -
     import numpy as np
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for ax, key, title in zip(axes, ("entropy", "kl_ref", "reward_mean"),
-                              ("entropy (nats)", "KL to the start model (k3)", "train reward"), strict=True):  # fmt: skip
+    titles = ("entropy (nats)", "KL to the start model (k3)", "train reward")
+    for ax, key, title in zip(axes, ("entropy", "kl_ref", "reward_mean"), titles, strict=True):
         for row in rows:
             series = [r[key] for r in results if r["row"] == row and r[key] and all(v is not None for v in r[key])]
             if not series:
@@ -139,7 +143,8 @@ def main(argv: list[str]) -> int:
     for seed in args.seeds:
         model = out / f"sft-s{seed}"
         started = time.perf_counter()
-        run(["sft", "--config", cfg, "--set", f"sft.seed={seed}", "--set", f"sft.out={model}"], out / f"sft-s{seed}.log")
+        sft = ["sft", "--config", cfg, "--set", f"sft.seed={seed}", "--set", f"sft.out={model}"]
+        run(sft, out / f"sft-s{seed}.log")
         print(f"seed {seed}: warm start in {time.perf_counter() - started:.0f} s", flush=True)
         for row in rows:
             try:
