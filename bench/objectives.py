@@ -127,11 +127,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--env", action="store_true", help="the calculator environment: default against --best")
     p.add_argument("--best", default="mb4", choices=list(ROWS), help="with --env: the row set against default")
     p.add_argument("--out", default=None)
-    p.add_argument("--report", metavar="JSON", help="print the table of an earlier objectives.json; run nothing")
+    p.add_argument("--report", metavar="JSON", help="print the table of an earlier objectives.json and draw its curves "
+                   "beside it; run nothing")  # fmt: skip
     args = p.parse_args(argv)
-    if args.report:
+    if args.report:  # the table again, and the curves beside the JSON, from the rows it holds
         record = json.loads(pathlib.Path(args.report).read_text())
         print(table(record["results"], record["rows"]))
+        curves(record["results"], record["rows"], pathlib.Path(args.report).with_name("curves.png"))
         return 0
     cfg = CALCULATOR if args.env else ARITHMETIC
     rows = ["default", args.best] if args.env else args.rows
