@@ -37,7 +37,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 from convergence_summary import mean_se  # noqa: E402
-from quickstart import run  # noqa: E402
+from quickstart import held_out, run  # noqa: E402
 
 ROWS: dict[str, list[str]] = {
     "default": [],
@@ -58,15 +58,10 @@ def one(cfg: str, row: str, sets: list[str], model: pathlib.Path, seed: int, out
     runs = out / f"{row}-s{seed}"
     every = [f"rollout.model={model}", f"run.seed={seed}", f"task.seed={seed}", f"run.dir={runs}", *sets]
     took = run(["run", "--config", cfg, *(a for s in every for a in ("--set", s))], out / f"{row}-s{seed}.log")
-    [rundir] = sorted(runs.iterdir())[-1:]
-    evals = [json.loads(x) for x in (rundir / "eval.jsonl").read_text().splitlines()]
-    mine = [x for x in evals if x.get("by") == "dora run"]
-    if len(mine) != 2:
-        raise RuntimeError(f"{rundir / 'eval.jsonl'}: expected dora run's before and after evaluations, got {mine}")
+    rundir, before, after = held_out(runs)
     steps = [json.loads(x) for x in (rundir / "metrics.jsonl").read_text().splitlines()]
     curve = {k: [s.get(k) for s in steps] for k in ("entropy", "kl_ref", "reward_mean", "mismatch_abs")}
-    key = "accuracy" if "accuracy" in mine[0] else "success"
-    return {"row": row, "seed": seed, "before": mine[0][key], "after": mine[1][key], "run_s": took,
+    return {"row": row, "seed": seed, "before": before["accuracy"], "after": after["accuracy"], "run_s": took,
             "steps": len(steps), **curve}  # fmt: skip
 
 

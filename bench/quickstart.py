@@ -50,15 +50,21 @@ def one_seed(cfg: str, seed: int, out: pathlib.Path) -> dict[str, Any]:
     sft_s = run(sft, out / f"sft-s{seed}.log")
     sets = [f"rollout.model={model}", f"run.seed={seed}", f"task.seed={seed}", f"run.dir={runs}"]
     rl_s = run(["run", "--config", cfg, *(a for s in sets for a in ("--set", s))], out / f"run-s{seed}.log")
+    rundir, before, after = held_out(runs)
+    return {**weights(rundir), "seed": seed, "before": before["accuracy"], "after": after["accuracy"],
+            "rows": int(after["rows"]), "final_version": after["version"], "mean_tokens_before": before["mean_tokens"],
+            "mean_tokens_after": after["mean_tokens"], "sft_s": sft_s, "run_s": rl_s, "dir": str(rundir)}  # fmt: skip
+
+
+def held_out(runs: pathlib.Path) -> tuple[pathlib.Path, dict[str, Any], dict[str, Any]]:
+    """The newest run directory under ``runs`` and the held-out evaluations ``dora run`` recorded there (lines
+    ``"by": "dora run"`` of its eval.jsonl): of version 0 and of the last version."""
     [rundir] = sorted(runs.iterdir())[-1:]
     lines = [json.loads(x) for x in (rundir / "eval.jsonl").read_text().splitlines()]
     mine = [x for x in lines if x.get("by") == "dora run"]
     if len(mine) != 2:
         raise RuntimeError(f"{rundir / 'eval.jsonl'}: expected dora run's before and after evaluations, got {mine}")
-    before, after = mine
-    return {**weights(rundir), "seed": seed, "before": before["accuracy"], "after": after["accuracy"],
-            "rows": int(after["rows"]), "final_version": after["version"], "mean_tokens_before": before["mean_tokens"],
-            "mean_tokens_after": after["mean_tokens"], "sft_s": sft_s, "run_s": rl_s, "dir": str(rundir)}  # fmt: skip
+    return rundir, mine[0], mine[1]
 
 
 def weights(rundir: pathlib.Path) -> dict[str, float]:
