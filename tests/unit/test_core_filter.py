@@ -24,10 +24,7 @@ from dora.core.events import (
     WorkerJoined,
 )
 from dora.ids import Mode
-
-
-def of(actions, kind):
-    return [a for a in actions if isinstance(a, kind)]
+from tests.unit.test_core import of
 
 
 @dataclass
