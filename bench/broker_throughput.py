@@ -47,6 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 from dora.broker import translate  # noqa: E402
 from dora.ids import Finish  # noqa: E402
+from dora.samples import FinishedSample  # noqa: E402
 from dora.wire import codec, packed  # noqa: E402
 from dora.wire import messages as m  # noqa: E402
 
@@ -59,10 +60,10 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def sample(gen: m.Generate, index: int, epoch: int, ids: np.ndarray, lps: np.ndarray) -> m.SampleFinished:
-    return m.SampleFinished(group_id=gen.group_id, attempt=gen.attempt, index=index,
-                            segments=np.array([[gen.version, len(ids)]], dtype=np.int32), token_ids=ids,
-                            logprobs=lps, reward=1.0, finish=Finish.STOP, broker_epoch=epoch)  # fmt: skip
+def sample(gen: m.Generate, index: int, epoch: int, ids: np.ndarray, lps: np.ndarray) -> FinishedSample:
+    return FinishedSample(group_id=gen.group_id, attempt=gen.attempt, index=index,
+                          segments=np.array([[gen.version, len(ids)]], dtype=np.int32), token_ids=ids,
+                          logprobs=lps, reward=1.0, finish=Finish.STOP, broker_epoch=epoch)  # fmt: skip
 
 
 def finished(gen: m.Generate, epoch: int, ids: np.ndarray, lps: np.ndarray) -> m.SamplesFinished:

@@ -305,18 +305,18 @@ def hf_static_child(spec: str) -> int:
 
 def train_batch(sz: Sizes, vocab: int, seed: int = 0) -> Any:
     from dora.ids import Finish
-    from dora.wire import messages as m
+    from dora.samples import Batch, TrainGroup, TrainSample
 
     rng = np.random.default_rng(seed)
     groups = []
     for g in range(sz.train_groups):
-        samples = tuple(m.TrainSample(index=i, token_ids=rng.integers(2, vocab, sz.completion).astype(np.int32),
-                                      logprobs=rng.normal(-math.log(vocab), 0.1, sz.completion).astype(np.float32),
-                                      reward=float(rng.random()), finish=Finish.LENGTH)
+        samples = tuple(TrainSample(index=i, token_ids=rng.integers(2, vocab, sz.completion).astype(np.int32),
+                                    logprobs=rng.normal(-math.log(vocab), 0.1, sz.completion).astype(np.float32),
+                                    reward=float(rng.random()), finish=Finish.LENGTH)
                         for i in range(sz.group))  # fmt: skip
         prompt = rng.integers(2, vocab, sz.train_prompt).astype(np.int32)
-        groups.append(m.TrainGroup(group_id=g, version=0, prompt_ids=prompt, samples=samples))
-    return m.Batch(step=0, groups=tuple(groups))
+        groups.append(TrainGroup(group_id=g, version=0, prompt_ids=prompt, samples=samples))
+    return Batch(step=0, groups=tuple(groups))
 
 
 def plain_step(model: Any, opt: torch.optim.Optimizer, batch: Any, micro: int, device: torch.device) -> None:

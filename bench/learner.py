@@ -33,7 +33,7 @@ from dora.ids import Finish
 from dora.learner.loss import LossConfig
 from dora.learner.trainers.torch_trainer import TorchTrainer, TrainerConfig
 from dora.store import WeightStore
-from dora.wire import messages as m
+from dora.samples import Batch, TrainGroup, TrainSample
 
 a = json.loads(sys.argv[1])
 torch.manual_seed(0)
@@ -47,12 +47,12 @@ rng = np.random.default_rng(0)
 groups = []
 for g in range(a["groups"]):
     prompt = rng.integers(0, a["vocab"], a["prompt"]).astype(np.int32)
-    samples = tuple(m.TrainSample(index=i, token_ids=rng.integers(0, a["vocab"], a["tokens"]).astype(np.int32),
-                                  logprobs=np.full(a["tokens"], -float(np.log(a["vocab"])), np.float32),
-                                  reward=float(rng.integers(0, 2)), finish=Finish.LENGTH)
+    samples = tuple(TrainSample(index=i, token_ids=rng.integers(0, a["vocab"], a["tokens"]).astype(np.int32),
+                                logprobs=np.full(a["tokens"], -float(np.log(a["vocab"])), np.float32),
+                                reward=float(rng.integers(0, 2)), finish=Finish.LENGTH)
                     for i in range(a["group"]))
-    groups.append(m.TrainGroup(group_id=g, version=0, prompt_ids=prompt, samples=samples))
-batch = m.Batch(step=0, groups=tuple(groups))
+    groups.append(TrainGroup(group_id=g, version=0, prompt_ids=prompt, samples=samples))
+batch = Batch(step=0, groups=tuple(groups))
 trainer = TorchTrainer(model_dir, WeightStore(a["dir"] + "/store"), LossConfig(),
                        TrainerConfig(micro_batch=a["micro_batch"]))
 times = []

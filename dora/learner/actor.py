@@ -42,6 +42,7 @@ from dora.config import ConfigError
 from dora.config.run import RunConfig
 from dora.learner.checks import InvariantBroken, check_batch
 from dora.learner.trainers import Trainer
+from dora.samples import Batch
 from dora.wire import codec, packed
 from dora.wire import messages as m
 
@@ -84,7 +85,7 @@ class LearnerActor:
         """A step was trained and not published (cut short by a stop): the weights are past ``version``."""
         self.drain = asyncio.Event()
         """Set: leave at the next step boundary (after checkpointing). ``run`` may be handed its own."""
-        self.unacked: tuple[int, m.Batch, dict[str, Any]] | None = None
+        self.unacked: tuple[int, Batch, dict[str, Any]] | None = None
         """The step published and not yet acknowledged: (version, batch, facts)."""
         self.awaiting: tuple[float, Any] | None = None
         """The request whose answer is awaited (Hello, RequestBatch or WeightsPublished) and when it was sent:
@@ -284,7 +285,7 @@ class LearnerActor:
             self.version = resumed["version"] if resumed else 0
         log.warning("step_rolled_back", step=batch.step, version=self.version)
 
-    def _step(self, batch: m.Batch) -> tuple[str, str, float, dict[str, float]]:
+    def _step(self, batch: Batch) -> tuple[str, str, float, dict[str, float]]:
         """Train on the batch and publish version ``self.version + 1`` (blocking: run in a thread)."""
         metrics = self.trainer.train(batch)
         uri, sha, publish_s = self.trainer.publish(self.version + 1)
@@ -299,7 +300,7 @@ class LearnerActor:
         result = task.result()
         return None if stop.is_set() else result
 
-    async def train(self, sock: zmq.asyncio.Socket, batch: m.Batch, stop: asyncio.Event) -> None:
+    async def train(self, sock: zmq.asyncio.Socket, batch: Batch, stop: asyncio.Event) -> None:
         core = self.cfg.core
         facts = check_batch(
             batch,
@@ -344,7 +345,7 @@ class LearnerActor:
         ):
             await self.save_checkpoint(sock, stop, "final" if version == core.total_steps else "periodic")
 
-    def _audit_step(self, batch: m.Batch, facts: dict[str, Any]) -> None:
+    def _audit_step(self, batch: Batch, facts: dict[str, Any]) -> None:
         if self.audit is not None:
             self.audit.write(
                 json.dumps(

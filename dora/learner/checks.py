@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from dora.wire import messages as m
+from dora.samples import Batch, TrainGroup, TrainSample
 
 
 class InvariantBroken(RuntimeError):
@@ -21,7 +21,7 @@ class InvariantBroken(RuntimeError):
 
 
 def check_batch(
-    batch: m.Batch, *, step: int, groups: int, group_size: int, k: int, mixed_ok: bool,
+    batch: Batch, *, step: int, groups: int, group_size: int, k: int, mixed_ok: bool,
     trained: set[int] | frozenset[int] = frozenset(),
 ) -> dict[str, Any]:  # fmt: skip
     """Raise InvariantBroken unless the batch is exact, whole, new (no group in ``trained``), fresh enough and
@@ -57,7 +57,7 @@ def check_batch(
     return {"staleness": staleness, "mixed_version_trajectories": mixed, "tokens": tokens, "turns": turns}
 
 
-def check_turns(s: m.TrainSample, g: m.TrainGroup, *, mixed_ok: bool) -> bool:
+def check_turns(s: TrainSample, g: TrainGroup, *, mixed_ok: bool) -> bool:
     """C1 per turn of an episode: its turns are ordered spans of the trajectory, every model token (loss mask 1)
     lies in one and nothing else does, and each turn was sampled by the group's version. Returns whether some
     turn was not (allowed only where ``mixed_ok``); raises InvariantBroken on any other failure."""

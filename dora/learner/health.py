@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from dora.ids import Finish
-from dora.wire import messages as m
+from dora.samples import Batch
 
 
 class Tally:
@@ -59,7 +59,7 @@ class Tally:
         return v if v != float("-inf") else default
 
 
-def batch_health(batch: m.Batch, uniform: torch.Tensor) -> dict[str, float]:
+def batch_health(batch: Batch, uniform: torch.Tensor) -> dict[str, float]:
     """Length, truncation and uniform-group shares of a batch (``uniform``: per group, all rewards equal)."""
     lengths = np.array([len(s.token_ids) for g in batch.groups for s in g.samples], dtype=np.float64)
     truncated = [s.finish == Finish.LENGTH for g in batch.groups for s in g.samples]

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from dora.actor.cluster import ClusterInfo
+from dora.samples import Batch
 from dora.wire import codec, packed
-from dora.wire import messages as m
 
 TRAIN, PUBLISH, STOP, CHECKPOINT, ADOPT, RESTORE = 1, 2, 3, 4, 5, 6
 
@@ -105,7 +105,7 @@ class Leader:
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
 
-    def train(self, batch: m.Batch) -> dict[str, float]:
+    def train(self, batch: Batch) -> dict[str, float]:
         _send(TRAIN, pack(codec.encode(packed.pack_batch(batch))))
         return self.trainer.train(batch)
 

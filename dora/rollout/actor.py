@@ -39,6 +39,7 @@ from dora.config import ConfigError
 from dora.config.run import RunConfig
 from dora.rollout.engines.base import EngineError, WorkerEngine
 from dora.rollout.offloop import EngineThread, beating
+from dora.samples import FinishedSample
 from dora.store.dirs import superseded
 from dora.wire import codec, packed
 from dora.wire import messages as m
@@ -90,7 +91,7 @@ class RolloutActor:
         """The highest command number received from the broker this session."""
         self.leases: dict[tuple[int, int], int] = {}
         """(group, attempt) -> samples of that lease not yet acknowledged by the broker."""
-        self.unacked: dict[tuple[int, int, int], tuple[m.SampleFinished, float]] = {}
+        self.unacked: dict[tuple[int, int, int], tuple[FinishedSample, float]] = {}
         """Results sent and not acknowledged, with when they were last sent."""
         self.dropped_commands = 0
         self.behind: tuple[int, float] | None = None
@@ -451,7 +452,7 @@ class RolloutActor:
             self.unacked[key] = (self.unacked[key][0], now)
         self.send_results([self.unacked[key][0] for key in due])
 
-    def send_results(self, results: list[m.SampleFinished]) -> None:
+    def send_results(self, results: list[FinishedSample]) -> None:
         if results:
             self.send(packed.pack_samples(results))
 

@@ -39,6 +39,7 @@ from dora.config import ConfigError
 from dora.config.run import TaskSection
 from dora.ids import Finish
 from dora.rollout.engines.base import ran_under
+from dora.samples import FinishedSample
 from dora.tasks.prompts import TaskRun, stop_ids
 from dora.tasks.tasks import Item
 from dora.tasks.templates import observation_text
@@ -270,13 +271,13 @@ class Episodes:
         done, self.finished = self.finished, []
         return done
 
-    def result(self, ep: Episode, broker_epoch: int) -> m.SampleFinished:
+    def result(self, ep: Episode, broker_epoch: int) -> FinishedSample:
         seq = ep.seq
         mask = np.array(seq.mask, np.uint8)
         turns = np.array(ep.turns, np.int32).reshape(-1, 3)
         masked = bool(ep.reason) and self.cfg.env_failure == "mask"
         finish = Finish.LENGTH if seq.finish is None else seq.finish
-        return m.SampleFinished(
+        return FinishedSample(
             group_id=seq.group_id, attempt=seq.attempt, index=seq.index,
             segments=np.array([[ran_under(seq, self.engine), len(seq.tokens)]], dtype=np.int32),
             token_ids=np.array(seq.tokens, np.int32), logprobs=np.array(seq.logprobs, np.float32),

@@ -1,7 +1,7 @@
 """Every message that crosses a process boundary.
 
 Rules: frozen, slotted, keyword-only dataclasses; commands are imperative (``Generate``), events
-past tense (``SampleFinished``). Token ids, log-probs and KV state are numpy arrays and travel as
+past tense (``SamplesFinished``). Token ids, log-probs and KV state are numpy arrays and travel as
 raw frames (dtype + shape + bytes), never as lists. New fields go last and carry a default; that
 does not bump ``WIRE_VERSION``. Removing, renaming or retyping a field does.
 
@@ -20,16 +20,10 @@ from typing import Any, ClassVar
 import numpy as np
 
 from dora.ids import AttemptId, Finish, GroupId, WorkerId
+from dora.samples import finite, non_negative
 
 WIRE_VERSION = 6
-"""2: PublishAck (the broker acknowledges a publish once it is journalled; the learner waits for it).
-3: lease reconciliation: the broker numbers its commands to a worker (``seq``); a worker applies them in
-order or not at all and its heartbeats say the highest number seen, the leases it holds and its version.
-4: held-out evaluation by the rollout workers (``Evaluate``, ``EvalFinished``), outside every lease.
-5: episodes: a loss mask and per-turn spans on finished samples, migrated requests and train samples.
-6: finished samples and train batches travel as headers beside packed payload frames, one per array kind
-(``dora.wire.packed``): the broker decodes the headers only and forwards the frames as received; the single
-``SampleFinished`` and ``ResultAck`` kinds are gone (one sample travels as a SamplesFinished of one)."""
+"""Bumped on every removal, rename or retype of a message or field; its history is in the git log of this file."""
 
 Array = np.ndarray
 """Sent out of band as a raw frame; received as a read-only view on the frame's memory."""
@@ -42,16 +36,6 @@ class Role(StrEnum):
     ROLLOUT = "rollout"
     LEARNER = "learner"
     CLIENT = "client"
-
-
-def _finite(name: str, value: float) -> None:
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-
-
-def _non_negative(name: str, value: int | float) -> None:
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
 
 
 # ---------------------------------------------------------------- handshake and liveness (all roles)
@@ -116,9 +100,9 @@ class Heartbeat:
     """Rollout (elastic): its accelerators are the trainer's now; its requests are paused."""
 
     def __post_init__(self) -> None:
-        _non_negative("tokens_generated", self.tokens_generated)
-        _non_negative("running", self.running)
-        _non_negative("seen", self.seen)
+        non_negative("tokens_generated", self.tokens_generated)
+        non_negative("running", self.running)
+        non_negative("seen", self.seen)
         if not 0.0 <= self.kv_use <= 1.0:
             raise ValueError(f"kv_use must be in [0, 1], got {self.kv_use}")
         if self.holding is not None and (self.holding.ndim != 2 or self.holding.shape[1:] != (2,)):
@@ -166,52 +150,6 @@ class Generate:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class SampleFinished:
-    """A finished sample as an engine hands it to its worker (in process). It travels packed: a ``SampleHeader``
-    in a ``SamplesFinished``, its arrays in that message's payload frames (``dora.wire.packed.pack_samples``)."""
-
-    group_id: GroupId
-    attempt: AttemptId
-    index: int
-    segments: Array
-    """int32 (n, 2): (version, tokens) runs in generation order; one row when C1 holds."""
-    token_ids: Array
-    logprobs: Array
-    """Behaviour log-prob of every sampled token under the version that sampled it."""
-    reward: float
-    finish: Finish
-    gen_time_s: float = 0.0
-    broker_epoch: int = 0
-    reward_components: dict[str, float] = field(default_factory=dict)
-    """The named parts of the reward when the reward function returned a dict (``dora.tasks.rewards``)."""
-    reward_error: str = ""
-    """Why the reward is 0.0 when scoring failed (it raised, timed out, returned junk); empty when it scored."""
-    loss_mask: Array | None = None
-    """uint8 per token: 1 sampled by the model, 0 appended by an environment (an episode's observations, whose
-    log-probs are 0 and which are never trained on). None: every token was sampled."""
-    turns: Array | None = None
-    """int32 (n, 3): (start, end, version) of each assistant turn of an episode, in tokens; None: one turn."""
-
-    def __post_init__(self) -> None:
-        _non_negative("index", self.index)
-        _finite("reward", self.reward)
-        for name, part in self.reward_components.items():
-            _finite(f"reward_components[{name!r}]", part)
-        if self.token_ids.shape != self.logprobs.shape:
-            raise ValueError(f"token_ids {self.token_ids.shape} and logprobs {self.logprobs.shape} differ")
-        if self.segments.ndim != 2 or self.segments.shape[1:] != (2,):
-            raise ValueError(f"segments must have shape (n, 2), got {self.segments.shape}")
-        _episode_arrays(self.token_ids, self.loss_mask, self.turns)
-
-
-def _episode_arrays(token_ids: Array, loss_mask: Array | None, turns: Array | None) -> None:
-    if loss_mask is not None and loss_mask.shape != token_ids.shape:
-        raise ValueError(f"loss_mask {loss_mask.shape} and token_ids {token_ids.shape} differ")
-    if turns is not None and (turns.ndim != 2 or turns.shape[1:] != (3,)):
-        raise ValueError(f"turns must have shape (n, 3), got {turns.shape}")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
 class SampleHeader:
     """A finished sample without its arrays: all the broker decides on. Its token ids, log-probs and (when
     ``masked``) loss mask are ``[offset, offset + tokens)`` of the packed arrays that travel beside it."""
@@ -238,10 +176,10 @@ class SampleHeader:
     def __post_init__(self) -> None:  # on every sample the broker takes: one test for the common case
         if self.index < 0 or self.offset < 0 or self.tokens < 0 or not math.isfinite(self.reward):
             for name in ("index", "offset", "tokens"):
-                _non_negative(name, getattr(self, name))
-            _finite("reward", self.reward)
+                non_negative(name, getattr(self, name))
+            finite("reward", self.reward)
         for name, part in self.reward_components.items():
-            _finite(f"reward_components[{name!r}]", part)
+            finite(f"reward_components[{name!r}]", part)
 
 
 PACKED_DTYPES = {"token_ids": np.dtype("<i4"), "logprobs": np.dtype("<f4"), "loss_mask": np.dtype("|u1")}
@@ -505,44 +443,6 @@ class TrainBatch:
             if g.prompt_offset < 0 or g.prompt_tokens < 0 or g.prompt_offset + g.prompt_tokens > len(self.prompt_ids):
                 raise ValueError(f"group {g.group_id}: prompt span outside the batch's prompts")
             _spans(g.samples, sizes, masks, g.sources, f"group {g.group_id}")
-
-
-# ---------------------------------------------------------------- the learner's batch, unpacked (in process)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TrainSample:
-    index: int
-    token_ids: Array
-    logprobs: Array
-    reward: float
-    finish: Finish
-    segments: Array | None = None
-    """int32 (n, 2) (version, tokens) runs, so the learner can check C1 itself."""
-    loss_mask: Array | None = None
-    """uint8 per token, 1 = sampled by the model (trained on), 0 = an environment's (never); None: all 1."""
-    turns: Array | None = None
-    """int32 (n, 3) (start, end, version) of an episode's assistant turns, so the learner checks C1 per turn."""
-
-    def __post_init__(self) -> None:
-        _episode_arrays(self.token_ids, self.loss_mask, self.turns)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TrainGroup:
-    group_id: GroupId
-    version: int
-    prompt_ids: Array
-    samples: tuple[TrainSample, ...]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Batch:
-    """A TrainBatch unpacked and checked: every array a read-only view on the received frames."""
-
-    step: int
-    groups: tuple[TrainGroup, ...]
-    redelivery: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

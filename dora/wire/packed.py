@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 import xxhash
 
+from dora.samples import Batch, FinishedSample, TrainGroup, TrainSample
 from dora.wire import messages as m
 
 TOKEN = m.PACKED_DTYPES["token_ids"]
@@ -52,7 +53,7 @@ def _as(arr: np.ndarray, dtype: np.dtype, what: str) -> np.ndarray:
     return arr.astype(dtype).ravel()
 
 
-def pack_samples(samples: Sequence[m.SampleFinished]) -> m.SamplesFinished:
+def pack_samples(samples: Sequence[FinishedSample]) -> m.SamplesFinished:
     """One message for finished samples (at least one): headers, and one packed array per kind."""
     ids = [_as(s.token_ids, TOKEN, "token ids") for s in samples]
     lps = [_as(s.logprobs, LOGPROB, "log-probs") for s in samples]
@@ -73,7 +74,7 @@ def pack_samples(samples: Sequence[m.SampleFinished]) -> m.SamplesFinished:
     return m.SamplesFinished(samples=tuple(headers), token_ids=token_ids, logprobs=logprobs, loss_mask=loss_mask)
 
 
-def header(s: m.SampleFinished, *, offset: int, checksum: int) -> m.SampleHeader:
+def header(s: FinishedSample, *, offset: int, checksum: int) -> m.SampleHeader:
     return m.SampleHeader(
         group_id=s.group_id, attempt=s.attempt, index=s.index,
         segments=tuple((int(v), int(n)) for v, n in s.segments.tolist()), reward=s.reward, finish=s.finish,
@@ -84,12 +85,12 @@ def header(s: m.SampleFinished, *, offset: int, checksum: int) -> m.SampleHeader
     )  # fmt: skip
 
 
-def unpack_samples(msg: m.SamplesFinished) -> tuple[m.SampleFinished, ...]:
+def unpack_samples(msg: m.SamplesFinished) -> tuple[FinishedSample, ...]:
     """The samples of a message, their arrays views on its packed ones (tests and tools; the broker never does)."""
     out = []
     for h in msg.samples:
         span = slice(h.offset, h.offset + h.tokens)
-        out.append(m.SampleFinished(
+        out.append(FinishedSample(
             group_id=h.group_id, attempt=h.attempt, index=h.index, segments=_rows(h.segments, 2),
             token_ids=msg.token_ids[span], logprobs=msg.logprobs[span], reward=h.reward, finish=h.finish,
             gen_time_s=h.gen_time_s, broker_epoch=h.broker_epoch, reward_components=h.reward_components,
@@ -135,22 +136,22 @@ def batch_message(
     )  # fmt: skip
 
 
-def pack_batch(batch: m.Batch) -> m.TrainBatch:
+def pack_batch(batch: Batch) -> m.TrainBatch:
     """A learner's batch packed for the wire (tests, and the learner's ranks broadcasting what rank 0 received)."""
     groups = []
     for g in batch.groups:
         msg = pack_samples([
-            m.SampleFinished(group_id=g.group_id, attempt=0, index=s.index,
-                             segments=s.segments if s.segments is not None else np.zeros((0, 2), np.int32),
-                             token_ids=s.token_ids, logprobs=s.logprobs, reward=s.reward, finish=s.finish,
-                             loss_mask=s.loss_mask, turns=s.turns)
+            FinishedSample(group_id=g.group_id, attempt=0, index=s.index,
+                           segments=s.segments if s.segments is not None else np.zeros((0, 2), np.int32),
+                           token_ids=s.token_ids, logprobs=s.logprobs, reward=s.reward, finish=s.finish,
+                           loss_mask=s.loss_mask, turns=s.turns)
             for s in g.samples
         ])  # fmt: skip
         groups.append((g.group_id, g.version, g.prompt_ids, [(h, msg) for h in msg.samples]))
     return batch_message(batch.step, groups, redelivery=batch.redelivery)
 
 
-def unpack_batch(msg: m.TrainBatch) -> m.Batch:
+def unpack_batch(msg: m.TrainBatch) -> Batch:
     """The learner's batch: every sample's arrays as views on the received frames, each checked against its
     header's checksum. Raises ``CorruptBatch`` naming the first group that does not match."""
     groups = []
@@ -162,10 +163,10 @@ def unpack_batch(msg: m.TrainBatch) -> m.Batch:
             mask = msg.loss_mask[k][span] if h.masked else None
             if checksum(ids, lps, mask) != h.checksum:
                 raise CorruptBatch(msg.step, g.group_id, h.index, "its payload does not match its checksum")
-            samples.append(m.TrainSample(
+            samples.append(TrainSample(
                 index=h.index, token_ids=ids, logprobs=lps, reward=h.reward, finish=h.finish,
                 segments=_rows(h.segments, 2), loss_mask=mask, turns=None if h.turns is None else _rows(h.turns, 3),
             ))  # fmt: skip
         prompt = msg.prompt_ids[g.prompt_offset : g.prompt_offset + g.prompt_tokens]
-        groups.append(m.TrainGroup(group_id=g.group_id, version=g.version, prompt_ids=prompt, samples=tuple(samples)))
-    return m.Batch(step=msg.step, groups=tuple(groups), redelivery=msg.redelivery)
+        groups.append(TrainGroup(group_id=g.group_id, version=g.version, prompt_ids=prompt, samples=tuple(samples)))
+    return Batch(step=msg.step, groups=tuple(groups), redelivery=msg.redelivery)

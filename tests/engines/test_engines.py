@@ -16,8 +16,8 @@ import torch
 from dora.ids import Finish
 from dora.rollout.engines.base import EngineError
 from dora.rollout.engines.torch_engine import TorchEngine
+from dora.samples import TrainSample
 from dora.store import sha256_file
-from dora.wire import messages as m
 
 pytestmark = pytest.mark.timeout(300)
 PROMPT = [17, 300, 45, 9, 88, 12]
@@ -98,8 +98,8 @@ def test_the_learner_scores_an_engines_top_p_samples_over_the_same_nucleus(new_e
     e = new_engine()
     e.submit(group_id=2, attempt=1, prompt=PROMPT, n=4, max_tokens=24, temperature=0.8, top_p=0.6, seed=9)
     done = sorted(run(e).values(), key=lambda s: s.index)
-    samples = [m.TrainSample(index=s.index, token_ids=np.array(s.tokens, np.int32),
-                             logprobs=np.array(s.logprobs, np.float32), reward=0.0, finish=s.finish)
+    samples = [TrainSample(index=s.index, token_ids=np.array(s.tokens, np.int32),
+                           logprobs=np.array(s.logprobs, np.float32), reward=0.0, finish=s.finish)
                for s in done]  # fmt: skip
     rows = [(PROMPT, s, 0) for s in samples]
     trainer = TorchTrainer(tiny_model, WeightStore(tmp_path), LossConfig(),

@@ -17,6 +17,7 @@ from dora.config.run import TaskSection
 from dora.ids import Finish
 from dora.rollout.engines.stepped import StepWorkerEngine
 from dora.rollout.engines.torch_engine import TorchEngine
+from dora.samples import FinishedSample
 from dora.tasks.prompts import TaskRun
 from dora.wire import messages as m
 
@@ -89,8 +90,8 @@ def lease(w: StepWorkerEngine, group: int, n: int = 2, max_tokens: int = 6) -> m
                       max_tokens=max_tokens, seed=group)  # fmt: skip
 
 
-async def run(w: StepWorkerEngine, *, until: int) -> list[m.SampleFinished]:
-    out: list[m.SampleFinished] = []
+async def run(w: StepWorkerEngine, *, until: int) -> list[FinishedSample]:
+    out: list[FinishedSample] = []
     deadline = time.monotonic() + 60
     while len(out) < until and time.monotonic() < deadline:
         w.advance(0.0)

@@ -14,6 +14,7 @@ import zmq
 
 from dora.ids import Finish
 from dora.ops.status import fetch
+from dora.samples import FinishedSample
 from dora.wire import codec, packed
 from dora.wire import messages as m
 from tests.live.cluster import cluster
@@ -32,9 +33,9 @@ def hello(name: str, slots: int) -> m.Hello:
 def sample(group: int, attempt: int, epoch: int) -> m.SamplesFinished:
     ids = np.arange(8, dtype=np.int32)
     return packed.pack_samples([
-        m.SampleFinished(group_id=group, attempt=attempt, index=0, segments=np.array([[0, 8]], dtype=np.int32),
-                         token_ids=ids, logprobs=np.zeros(8, np.float32), reward=1.0, finish=Finish.STOP,
-                         broker_epoch=epoch)
+        FinishedSample(group_id=group, attempt=attempt, index=0, segments=np.array([[0, 8]], dtype=np.int32),
+                       token_ids=ids, logprobs=np.zeros(8, np.float32), reward=1.0, finish=Finish.STOP,
+                       broker_epoch=epoch)
     ])  # fmt: skip
 
 

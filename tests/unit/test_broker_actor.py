@@ -25,6 +25,7 @@ from dora.config import load
 from dora.config.run import RunConfig
 from dora.core.core import Core
 from dora.ids import Finish
+from dora.samples import FinishedSample
 from dora.wire import codec, packed
 from dora.wire import messages as m
 
@@ -46,7 +47,7 @@ class Fake:
         self.backlog: list[Any] = []
 
     async def send(self, msg: Any) -> None:
-        if isinstance(msg, m.SampleFinished):  # one finished sample travels as a message of one
+        if isinstance(msg, FinishedSample):  # one finished sample travels as a message of one
             msg = packed.pack_samples([msg])
         await self.sock.send_multipart(codec.encode(msg))
 
@@ -89,12 +90,12 @@ class Fake:
         return assign
 
 
-def finished(gen: m.Generate, index: int, epoch: int) -> m.SampleFinished:
+def finished(gen: m.Generate, index: int, epoch: int) -> FinishedSample:
     n = 5 + index
-    return m.SampleFinished(group_id=gen.group_id, attempt=gen.attempt, index=index,
-                            segments=np.array([[gen.version, n]], dtype=np.int32),
-                            token_ids=np.arange(n, dtype=np.int32), logprobs=np.full(n, -0.5, np.float32),
-                            reward=float(index % 2), finish=Finish.STOP, broker_epoch=epoch)  # fmt: skip
+    return FinishedSample(group_id=gen.group_id, attempt=gen.attempt, index=index,
+                          segments=np.array([[gen.version, n]], dtype=np.int32),
+                          token_ids=np.arange(n, dtype=np.int32), logprobs=np.full(n, -0.5, np.float32),
+                          reward=float(index % 2), finish=Finish.STOP, broker_epoch=epoch)  # fmt: skip
 
 
 @asynccontextmanager
@@ -596,7 +597,7 @@ async def test_with_replace_the_learner_gets_only_groups_with_a_signal_and_the_a
             for i in range(G):
                 sample = finished(gen, i, epoch=7)
                 if flat(gen.group_id):
-                    sample = m.SampleFinished(**{**{f: getattr(sample, f) for f in sample.__slots__}, "reward": 1.0})
+                    sample = FinishedSample(**{**{f: getattr(sample, f) for f in sample.__slots__}, "reward": 1.0})
                 await w.send(sample)
 
     try:

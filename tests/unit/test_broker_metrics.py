@@ -24,6 +24,7 @@ from dora.broker.metrics import failure_reason, serve_http
 from dora.config import ConfigError, load
 from dora.config.run import RunConfig
 from dora.ops.status import health, render
+from dora.samples import FinishedSample
 from dora.wire import messages as m
 from dora.wire import packed
 from tests.unit.test_broker_actor import B, Fake, G, finished, running_broker
@@ -228,7 +229,7 @@ def test_a_broker_that_cannot_serve_its_metrics_or_write_its_files_says_so_in_on
         taken.close()
 
 
-def scored_sample(gen: m.Generate, index: int) -> m.SampleFinished:
+def scored_sample(gen: m.Generate, index: int) -> FinishedSample:
     """A sample whose reward came as named components; the group's last sample's reward failed."""
     s = finished(gen, index, epoch=7)
     if index == G - 1:

@@ -8,28 +8,29 @@ import numpy as np
 import pytest
 
 from dora.learner.checks import InvariantBroken, check_batch
+from dora.samples import Batch, TrainGroup, TrainSample
 from dora.wire import messages as m
 
 G = 2  # samples per group
 TWO_VERSIONS = np.array([[5, 2], [4, 1]], np.int32)  # 2 tokens from version 5, then 1 from version 4
 
 
-def sample(index: int, *, tokens: int = 3, segments=None) -> m.TrainSample:
-    return m.TrainSample(index=index, token_ids=np.arange(tokens, dtype=np.int32),
-                         logprobs=np.full(tokens, -0.5, np.float32), reward=float(index), finish=m.Finish.STOP,
-                         segments=segments)  # fmt: skip
+def sample(index: int, *, tokens: int = 3, segments=None) -> TrainSample:
+    return TrainSample(index=index, token_ids=np.arange(tokens, dtype=np.int32),
+                       logprobs=np.full(tokens, -0.5, np.float32), reward=float(index), finish=m.Finish.STOP,
+                       segments=segments)  # fmt: skip
 
 
-def group(gid: int, version: int, samples=None) -> m.TrainGroup:
-    return m.TrainGroup(group_id=gid, version=version, prompt_ids=np.array([1, 2], np.int32),
-                        samples=tuple(samples or [sample(i) for i in range(G)]))  # fmt: skip
+def group(gid: int, version: int, samples=None) -> TrainGroup:
+    return TrainGroup(group_id=gid, version=version, prompt_ids=np.array([1, 2], np.int32),
+                      samples=tuple(samples or [sample(i) for i in range(G)]))  # fmt: skip
 
 
-def batch(*groups: m.TrainGroup, step: int = 5) -> m.Batch:
-    return m.Batch(step=step, groups=groups)
+def batch(*groups: TrainGroup, step: int = 5) -> Batch:
+    return Batch(step=step, groups=groups)
 
 
-def check(b: m.Batch, **kw):
+def check(b: Batch, **kw):
     args = {"step": 5, "groups": 2, "group_size": G, "k": 2, "mixed_ok": False, **kw}
     return check_batch(b, **args)
 
@@ -70,11 +71,11 @@ def test_log_probs_must_match_the_tokens():
         check(batch(group(1, 5, [sample(0), bad]), group(2, 5)))
 
 
-def episode(index: int, *, turns, mask=(1, 1, 0, 0, 1, 1)) -> m.TrainSample:
+def episode(index: int, *, turns, mask=(1, 1, 0, 0, 1, 1)) -> TrainSample:
     """Six tokens: a model turn, two environment tokens, a model turn."""
-    return m.TrainSample(index=index, token_ids=np.arange(6, dtype=np.int32), logprobs=np.zeros(6, np.float32),
-                         reward=0.0, finish=m.Finish.STOP, loss_mask=np.array(mask, np.uint8),
-                         turns=np.array(turns, np.int32).reshape(-1, 3))  # fmt: skip
+    return TrainSample(index=index, token_ids=np.arange(6, dtype=np.int32), logprobs=np.zeros(6, np.float32),
+                       reward=0.0, finish=m.Finish.STOP, loss_mask=np.array(mask, np.uint8),
+                       turns=np.array(turns, np.int32).reshape(-1, 3))  # fmt: skip
 
 
 def test_an_episodes_turns_are_checked_one_by_one():

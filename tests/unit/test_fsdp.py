@@ -15,26 +15,26 @@ from dora.config.models import LoraSection
 from dora.ids import Finish
 from dora.learner.loss import LossConfig
 from dora.learner.trainers.torch_trainer import TorchTrainer, TrainerConfig
+from dora.samples import Batch, TrainGroup, TrainSample
 from dora.store import WeightStore
-from dora.wire import messages as m
 from tests.ranks import run_ranks
 
 pytestmark = pytest.mark.timeout(180)
 
 
-def batch() -> m.Batch:
+def batch() -> Batch:
     rng = np.random.default_rng(0)
     groups = []
     for g in range(3):
         samples = []
         for i in range(4):
             n = int(rng.integers(3, 9))
-            samples.append(m.TrainSample(index=i, token_ids=rng.integers(5, 900, n).astype(np.int32),
-                                         logprobs=(-7 + rng.normal(0, 0.1, n)).astype(np.float32),
-                                         reward=float(rng.random()), finish=Finish.STOP))  # fmt: skip
-        groups.append(m.TrainGroup(group_id=g, version=0, prompt_ids=np.array([11, 12, 13 + g], np.int32),
-                                   samples=tuple(samples)))  # fmt: skip
-    return m.Batch(step=0, groups=tuple(groups))
+            samples.append(TrainSample(index=i, token_ids=rng.integers(5, 900, n).astype(np.int32),
+                                       logprobs=(-7 + rng.normal(0, 0.1, n)).astype(np.float32),
+                                       reward=float(rng.random()), finish=Finish.STOP))  # fmt: skip
+        groups.append(TrainGroup(group_id=g, version=0, prompt_ids=np.array([11, 12, 13 + g], np.int32),
+                                 samples=tuple(samples)))  # fmt: skip
+    return Batch(step=0, groups=tuple(groups))
 
 
 CFG = TrainerConfig(lr=1e-2, micro_batch=2)

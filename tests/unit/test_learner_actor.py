@@ -18,6 +18,7 @@ from dora.config.run import RunConfig
 from dora.ids import Finish
 from dora.learner.actor import LearnerActor
 from dora.learner.trainers.sim import SimTrainer
+from dora.samples import Batch, TrainGroup, TrainSample
 from dora.wire import codec, packed
 from dora.wire import messages as m
 
@@ -28,13 +29,13 @@ B, G = 2, 2
 def batch(step: int, first_group: int) -> m.TrainBatch:
     """A batch as the broker sends it: packed."""
 
-    def sample(i: int) -> m.TrainSample:
-        return m.TrainSample(index=i, token_ids=np.arange(3, dtype=np.int32), logprobs=np.zeros(3, np.float32),
-                             reward=float(i), finish=Finish.STOP)  # fmt: skip
+    def sample(i: int) -> TrainSample:
+        return TrainSample(index=i, token_ids=np.arange(3, dtype=np.int32), logprobs=np.zeros(3, np.float32),
+                           reward=float(i), finish=Finish.STOP)  # fmt: skip
 
-    groups = tuple(m.TrainGroup(group_id=first_group + k, version=step, prompt_ids=np.array([1], np.int32),
-                                samples=(sample(0), sample(1))) for k in range(B))  # fmt: skip
-    return packed.pack_batch(m.Batch(step=step, groups=groups))
+    groups = tuple(TrainGroup(group_id=first_group + k, version=step, prompt_ids=np.array([1], np.int32),
+                              samples=(sample(0), sample(1))) for k in range(B))  # fmt: skip
+    return packed.pack_batch(Batch(step=step, groups=groups))
 
 
 class FakeBroker:

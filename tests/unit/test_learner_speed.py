@@ -18,8 +18,8 @@ from dora.learner.logprobs import head_logprobs, sampled_logprobs
 from dora.learner.loss import LossConfig
 from dora.learner.throughput import flop_params
 from dora.learner.trainers.torch_trainer import TorchTrainer, TrainerConfig
+from dora.samples import Batch, TrainGroup, TrainSample
 from dora.store import WeightStore
-from dora.wire import messages as m
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -135,22 +135,22 @@ def test_neither_chunked_path_makes_a_tensor_of_the_vocabulary_at_every_position
     assert 0 < made.widest(V, torch.float32) <= ROWS * V  # the only [N, V] made is the gradient, in bf16
 
 
-def batch(groups: int = 6, samples: int = 4, longest: int = 24, seed: int = 0) -> m.Batch:
+def batch(groups: int = 6, samples: int = 4, longest: int = 24, seed: int = 0) -> Batch:
     rng = np.random.default_rng(seed)
     out = []
     for g in range(groups):
         drawn = []
         for i in range(samples):
             n = int(rng.integers(2, longest + 1))
-            drawn.append(m.TrainSample(index=i, token_ids=rng.integers(5, 900, n).astype(np.int32),
-                                       logprobs=(-7 + rng.normal(0, 0.1, n)).astype(np.float32),
-                                       reward=float(rng.random()), finish=Finish.STOP))  # fmt: skip
+            drawn.append(TrainSample(index=i, token_ids=rng.integers(5, 900, n).astype(np.int32),
+                                     logprobs=(-7 + rng.normal(0, 0.1, n)).astype(np.float32),
+                                     reward=float(rng.random()), finish=Finish.STOP))  # fmt: skip
         prompt = rng.integers(5, 900, int(rng.integers(2, 9))).astype(np.int32)
-        out.append(m.TrainGroup(group_id=g, version=0, prompt_ids=prompt, samples=tuple(drawn)))
-    return m.Batch(step=0, groups=tuple(out))
+        out.append(TrainGroup(group_id=g, version=0, prompt_ids=prompt, samples=tuple(drawn)))
+    return Batch(step=0, groups=tuple(out))
 
 
-def rows_of(b: m.Batch) -> list:
+def rows_of(b: Batch) -> list:
     return [(g.prompt_ids.tolist(), s, gi) for gi, g in enumerate(b.groups) for s in g.samples]
 
 
@@ -194,7 +194,7 @@ def test_every_zoo_family_scores_from_its_hidden_states_and_other_logits_fall_ba
     assert_scored_as_alone(doubled, b, "doubled")
 
 
-def assert_scored_as_alone(trainer: TorchTrainer, b: m.Batch, name: str) -> None:
+def assert_scored_as_alone(trainer: TorchTrainer, b: Batch, name: str) -> None:
     rows = rows_of(b)
     with torch.no_grad():
         logp = trainer._score(rows)[0].logp

@@ -10,14 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dora.ids import Finish
+from dora.samples import Batch, FinishedSample
 from dora.wire import codec, packed
-from dora.wire import messages as m
 from tests.unit.wire_samples import for_message, same
 
 
-def sample(group: int, index: int, n: int, *, masked: bool = False, version: int = 3) -> m.SampleFinished:
+def sample(group: int, index: int, n: int, *, masked: bool = False, version: int = 3) -> FinishedSample:
     ids = np.arange(100 * group + index, 100 * group + index + n, dtype=np.int32)
-    return m.SampleFinished(
+    return FinishedSample(
         group_id=group, attempt=1, index=index, segments=np.array([[version, n]], np.int32), token_ids=ids,
         logprobs=-np.linspace(0.1, 1.0, n, dtype=np.float32), reward=float(index), finish=Finish.STOP,
         loss_mask=(np.arange(n) % 2).astype(np.uint8) if masked else None,
@@ -31,7 +31,7 @@ def wire(msg):
 
 
 @settings(max_examples=300, deadline=None)
-@given(samples=st.lists(for_message(m.SampleFinished), min_size=1, max_size=5))
+@given(samples=st.lists(for_message(FinishedSample), min_size=1, max_size=5))
 def test_packed_samples_unpack_to_what_was_packed(samples):
     back = packed.unpack_samples(wire(packed.pack_samples(samples)))
     for a, b in zip(samples, back, strict=True):
@@ -44,7 +44,7 @@ def test_packed_samples_unpack_to_what_was_packed(samples):
 
 
 @settings(max_examples=300, deadline=None)
-@given(batch=for_message(m.Batch))
+@given(batch=for_message(Batch))
 def test_a_batch_packed_and_unpacked_is_the_same_batch(batch):
     back = packed.unpack_batch(wire(packed.pack_batch(batch)))
     assert back.step == batch.step and len(back.groups) == len(batch.groups)
@@ -131,10 +131,10 @@ def test_the_learner_refuses_a_batch_whose_payload_was_corrupted_naming_the_grou
 
 def test_token_ids_that_do_not_fit_int32_are_refused_when_packed():
     s = sample(1, 0, 3)
-    big = m.SampleFinished(**{**{f: getattr(s, f) for f in s.__dataclass_fields__},
+    big = FinishedSample(**{**{f: getattr(s, f) for f in s.__dataclass_fields__},
                               "token_ids": np.array([1, 2, 2**40], np.int64)})  # fmt: skip
     with pytest.raises(ValueError, match="token ids do not fit"):
         packed.pack_samples([big])
-    ok = m.SampleFinished(**{**{f: getattr(s, f) for f in s.__dataclass_fields__},
+    ok = FinishedSample(**{**{f: getattr(s, f) for f in s.__dataclass_fields__},
                              "token_ids": np.array([1, 2, 3], np.int64)})  # fmt: skip
     assert packed.pack_samples([ok]).token_ids.dtype == np.int32

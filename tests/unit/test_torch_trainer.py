@@ -12,8 +12,8 @@ from dora.ids import Finish
 from dora.learner.loss import LossConfig
 from dora.learner.trainers.torch_trainer import TorchTrainer, TrainerConfig
 from dora.rollout.engines.torch_engine import TorchEngine
+from dora.samples import Batch, TrainGroup, TrainSample
 from dora.store import WeightStore
-from dora.wire import messages as m
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -21,7 +21,7 @@ PROMPTS = [[5, 6, 7], [40, 41, 42, 43, 44, 45, 46, 47], [300], [9, 8, 7, 6, 5]]
 """Prompts of 1 to 8 tokens: the first predicting position differs from row to row."""
 
 
-def sampled_batch(model_dir, temperature: float = 1.0, top_p: float = 1.0) -> m.Batch:
+def sampled_batch(model_dir, temperature: float = 1.0, top_p: float = 1.0) -> Batch:
     torch.manual_seed(0)
     engine = TorchEngine(model_dir, version=0)
     for g, prompt in enumerate(PROMPTS):
@@ -34,11 +34,11 @@ def sampled_batch(model_dir, temperature: float = 1.0, top_p: float = 1.0) -> m.
     for g, prompt in enumerate(PROMPTS):
         end = {s.key: Finish.LENGTH if s.finish is None else s.finish for s in done}
         mine = sorted((s for s in done if s.group_id == g), key=lambda s: s.index)
-        samples = tuple(m.TrainSample(index=s.index, token_ids=np.array(s.tokens, np.int32),
-                                      logprobs=np.array(s.logprobs, np.float32), reward=float(sum(s.tokens) % 5),
-                                      finish=end[s.key]) for s in mine)  # fmt: skip
-        groups.append(m.TrainGroup(group_id=g, version=0, prompt_ids=np.array(prompt, np.int32), samples=samples))
-    return m.Batch(step=0, groups=tuple(groups))
+        samples = tuple(TrainSample(index=s.index, token_ids=np.array(s.tokens, np.int32),
+                                    logprobs=np.array(s.logprobs, np.float32), reward=float(sum(s.tokens) % 5),
+                                    finish=end[s.key]) for s in mine)  # fmt: skip
+        groups.append(TrainGroup(group_id=g, version=0, prompt_ids=np.array(prompt, np.int32), samples=samples))
+    return Batch(step=0, groups=tuple(groups))
 
 
 @pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 1.0), (1.0, 0.5), (0.8, 0.9)])
@@ -69,7 +69,7 @@ def test_the_learner_scores_the_engines_samples_at_their_behaviour_log_probs(tin
         assert whole["ratio_max"] < 1 - 1e-3 and whole["ratio_min"] >= top_p - 1e-4, whole
 
 
-def lengths_of(batch: m.Batch) -> list[int]:
+def lengths_of(batch: Batch) -> list[int]:
     return [len(s.token_ids) for g in batch.groups for s in g.samples]
 
 
@@ -92,7 +92,7 @@ def test_the_step_is_the_same_whatever_the_micro_batch(tiny_model, tmp_path, mic
     assert moved > 1e-3, "the step must move the weights for the comparison to mean anything"
 
 
-def as_episodes(batch: m.Batch, env_logprob: float) -> m.Batch:
+def as_episodes(batch: Batch, env_logprob: float) -> Batch:
     """The same trajectories read as two-turn episodes: the middle third of each one's tokens is the
     environment's (loss mask 0), carrying ``env_logprob`` as its behaviour log-prob (an engine writes 0)."""
     groups = []
@@ -106,11 +106,11 @@ def as_episodes(batch: m.Batch, env_logprob: float) -> m.Batch:
             logprobs = s.logprobs.copy()
             logprobs[a:b] = env_logprob
             turns = np.array([t for t in ([0, a, g.version], [b, n, g.version]) if t[1] > t[0]], np.int32)
-            samples.append(m.TrainSample(index=s.index, token_ids=s.token_ids, logprobs=logprobs, reward=s.reward,
-                                         finish=s.finish, loss_mask=mask, turns=turns.reshape(-1, 3)))  # fmt: skip
-        groups.append(m.TrainGroup(group_id=g.group_id, version=g.version, prompt_ids=g.prompt_ids,
-                                   samples=tuple(samples)))  # fmt: skip
-    return m.Batch(step=batch.step, groups=tuple(groups))
+            samples.append(TrainSample(index=s.index, token_ids=s.token_ids, logprobs=logprobs, reward=s.reward,
+                                       finish=s.finish, loss_mask=mask, turns=turns.reshape(-1, 3)))  # fmt: skip
+        groups.append(TrainGroup(group_id=g.group_id, version=g.version, prompt_ids=g.prompt_ids,
+                                 samples=tuple(samples)))  # fmt: skip
+    return Batch(step=batch.step, groups=tuple(groups))
 
 
 def test_environment_tokens_are_context_but_never_trained(tiny_model, tmp_path):

@@ -14,6 +14,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dora.samples import FinishedSample
 from dora.wire import codec
 from dora.wire import messages as m
 from tests.unit.wire_samples import any_message, canonical, for_message, i32, same
@@ -244,7 +245,7 @@ def test_message_validation_rejects_nan_rewards_and_mismatched_logprobs():
         m.SampleHeader(group_id=1, attempt=1, index=0, segments=(), reward=float("inf"), finish=m.Finish.STOP,
                        offset=0, tokens=0, checksum=0)  # fmt: skip
     with pytest.raises(ValueError, match="reward"):
-        m.SampleFinished(
+        FinishedSample(
             group_id=1,
             attempt=1,
             index=0,
@@ -255,7 +256,7 @@ def test_message_validation_rejects_nan_rewards_and_mismatched_logprobs():
             finish=m.Finish.STOP,
         )
     with pytest.raises(ValueError, match="differ"):
-        m.SampleFinished(
+        FinishedSample(
             group_id=1,
             attempt=1,
             index=0,

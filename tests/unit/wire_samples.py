@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 import typing
 from typing import Any
 
@@ -11,13 +12,14 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from dora.ids import Finish
+from dora.samples import Batch, FinishedSample, TrainGroup, TrainSample
 from dora.wire import messages as m
 from dora.wire import packed
 from dora.wire.codec import DTYPES
 
 
 def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls, vars(m))
+    return typing.get_type_hints(cls, vars(sys.modules[cls.__module__]))
 
 
 def _unwrap(tp: Any) -> Any:
@@ -43,7 +45,7 @@ def canonical() -> dict[str, Any]:
         rng_state=b"\x01\x02",
         kv=(np.arange(4, dtype=np.float16).reshape(2, 2),),
     )
-    sample = m.TrainSample(
+    sample = TrainSample(
         index=0, token_ids=i32(5, 6, 7), logprobs=f32(-1.0, -2.0, -0.25), reward=1.0, finish=Finish.STOP
     )
     msgs = [
@@ -85,7 +87,7 @@ def canonical() -> dict[str, Any]:
         ),
         packed.pack_samples(
             [
-                m.SampleFinished(
+                FinishedSample(
                     group_id=12,
                     attempt=5,
                     index=0,
@@ -97,7 +99,7 @@ def canonical() -> dict[str, Any]:
                     broker_epoch=77,
                     reward_components={"correct": 1.0, "format": 0.5},
                 ),
-                m.SampleFinished(
+                FinishedSample(
                     group_id=13,
                     attempt=6,
                     index=1,
@@ -148,7 +150,7 @@ def canonical() -> dict[str, Any]:
         m.EvalFinished(version=3, round=2, row=17, rewards=f32(1.0, 0.0), lengths=i32(5, 16), failed=1),
         m.RequestBatch(step=3),
         packed.pack_batch(
-            m.Batch(step=3, groups=(m.TrainGroup(group_id=12, version=3, prompt_ids=i32(1, 2), samples=(sample,)),))
+            Batch(step=3, groups=(TrainGroup(group_id=12, version=3, prompt_ids=i32(1, 2), samples=(sample,)),))
         ),
         m.WeightsPublished(
             version=4,
@@ -234,10 +236,10 @@ def for_message(cls: type) -> st.SearchStrategy[Any]:
     hints = _hints(cls)
     fields = {f.name: for_type(hints[f.name]) for f in dataclasses.fields(cls)}
     if cls is m.SamplesFinished:
-        return st.lists(for_message(m.SampleFinished), min_size=1, max_size=4).map(packed.pack_samples)
+        return st.lists(for_message(FinishedSample), min_size=1, max_size=4).map(packed.pack_samples)
     if cls is m.TrainBatch:
-        return for_message(m.Batch).map(packed.pack_batch)
-    if cls is m.SampleFinished:
+        return for_message(Batch).map(packed.pack_batch)
+    if cls is FinishedSample:
         n = st.integers(0, 6)
         fields["index"] = st.integers(0, 64)
         fields["segments"] = _array("<i4", st.integers(1, 3).map(lambda k: (k, 2)))
@@ -250,7 +252,7 @@ def for_message(cls: type) -> st.SearchStrategy[Any]:
         return st.tuples(st.fixed_dictionaries(fields), pair).map(
             lambda t: cls(**{**t[0], "token_ids": t[1][0], "logprobs": t[1][1], "loss_mask": t[1][2]})
         )
-    if cls is m.TrainSample:
+    if cls is TrainSample:
         fields["index"] = st.integers(0, 64)
         fields["turns"] = st.none() | _turns
         fields["segments"] = st.none() | _array("<i4", st.integers(0, 3).map(lambda k: (k, 2)))
@@ -262,7 +264,7 @@ def for_message(cls: type) -> st.SearchStrategy[Any]:
         return st.tuples(st.fixed_dictionaries(fields), arrays).map(
             lambda t: cls(**{**t[0], "token_ids": t[1][0], "logprobs": t[1][1], "loss_mask": t[1][2]})
         )
-    if cls is m.TrainGroup:
+    if cls is TrainGroup:
         fields["prompt_ids"] = _array("<i4", st.integers(0, 4).map(lambda k: (k,)))
     if cls is m.Heartbeat:
         fields.update(

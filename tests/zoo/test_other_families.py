@@ -31,8 +31,8 @@ from dora.learner.loss import LossConfig
 from dora.learner.trainers.torch_trainer import TorchTrainer, TrainerConfig
 from dora.rollout.engines.base import EngineError
 from dora.rollout.engines.torch_engine import TorchEngine
+from dora.samples import TrainSample
 from dora.store import WeightStore
-from dora.wire import messages as m
 from tests.engines.test_torch_families import drain, full_logprobs
 
 pytestmark = pytest.mark.timeout(120)
@@ -78,8 +78,8 @@ def scored_exactly(folder: pathlib.Path, tmp_path: pathlib.Path, *, whole_rows: 
     for gi, prompt in enumerate(PROMPTS):
         for i, n in enumerate((1 + 4 * gi, 9 - 2 * gi)):
             tokens = torch.randint(0, 1000, (n,), generator=g).numpy().astype(np.int32)
-            sample = m.TrainSample(index=i, token_ids=tokens, logprobs=np.zeros(n, np.float32), reward=0.0,
-                                   finish=Finish.LENGTH)  # fmt: skip
+            sample = TrainSample(index=i, token_ids=tokens, logprobs=np.zeros(n, np.float32), reward=0.0,
+                                 finish=Finish.LENGTH)  # fmt: skip
             rows.append((list(prompt), sample, gi))
     with torch.no_grad():
         logp, _, mask = trainer._score(rows)

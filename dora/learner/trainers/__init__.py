@@ -14,14 +14,14 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from dora.wire import messages as m
+from dora.samples import Batch
 
 
 class Trainer(Protocol):
     keeps_weights: bool
     """True: its weights are the run's (checkpointed, restored after a crash, adopted from the store)."""
 
-    def train(self, batch: m.Batch) -> dict[str, float]:
+    def train(self, batch: Batch) -> dict[str, float]:
         """One step on the batch; the step's metrics (logged by the broker with the step)."""
         ...
 

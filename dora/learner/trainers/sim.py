@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from dora.config.run import RunConfig
-from dora.wire import messages as m
+from dora.samples import Batch
 
 
 class SimTrainer:
@@ -24,7 +24,7 @@ class SimTrainer:
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
 
-    def train(self, batch: m.Batch) -> dict[str, float]:
+    def train(self, batch: Batch) -> dict[str, float]:
         sequences = [len(s.token_ids) for g in batch.groups for s in g.samples]
         train_s = self.cfg.trainer.batch_train_s(sequences, self.cfg.learner.sim_gpus, self.cfg.core.group_size)
         train_s *= self.cfg.run.time_scale

@@ -49,22 +49,21 @@ from dora.hf import lora as adapters
 from dora.hf.folder import companion_files, with_dtype
 from dora.hf.tensors import blocks, padding_gap, publishable, tied_copies, with_copies
 from dora.hostmem import Parking, module_tensors
-from dora.learner.logprobs import CHUNK_BYTES
 from dora.learner.health import Tally, batch_health, mismatch
-from dora.learner.logprobs import Stats
+from dora.learner.logprobs import CHUNK_BYTES, Stats
 from dora.learner.loss import (SUMMED, LossConfig, LossFn, advantages, checked, policy_loss, regularizers, takes_prox,
                                uniform_groups)  # fmt: skip
 from dora.learner.schedule import LrSchedule, mini_batches
 from dora.learner.scoring import Scorer
 from dora.learner.throughput import flop_params, peak_tflops, speed
+from dora.samples import Batch, TrainSample
 from dora.store import WeightStore
-from dora.wire import messages as m
 
 if TYPE_CHECKING:
     from dora.config.models import LoraSection
 
 
-def trained_tokens(s: m.TrainSample) -> int:
+def trained_tokens(s: TrainSample) -> int:
     """The tokens of a trajectory the loss sees: the model's own (an episode's environment tokens are not)."""
     return len(s.token_ids) if s.loss_mask is None else int(s.loss_mask.sum())
 
@@ -317,7 +316,7 @@ class TorchTrainer:
     def steps_per_batch(self) -> int:
         return self.cfg.mini_batches * self.cfg.epochs
 
-    def train(self, batch: m.Batch) -> dict[str, float]:
+    def train(self, batch: Batch) -> dict[str, float]:
         """One train batch: ``mini_batches x epochs`` optimizer steps (``dora.learner.schedule``), the last one's
         weights published after. The step's metrics are the batch's (every optimizer step's, every rank's)."""
         self._onload()
@@ -354,7 +353,7 @@ class TorchTrainer:
         train_s = time.perf_counter() - started
         return self._metrics(batch, tally, rewards, flat, lr, train_s)
 
-    def _metrics(self, batch: m.Batch, tally: Tally, rewards: torch.Tensor, flat: torch.Tensor, lr: float,
+    def _metrics(self, batch: Batch, tally: Tally, rewards: torch.Tensor, flat: torch.Tensor, lr: float,
                  train_s: float) -> dict[str, float]:  # fmt: skip
         steps = max(tally.sums["optimizer_steps"], 1)
         tokens = tally.sums["tokens"]

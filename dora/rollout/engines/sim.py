@@ -11,6 +11,7 @@ import numpy as np
 
 from dora.config.sim import EngineSection
 from dora.ids import Finish
+from dora.samples import FinishedSample
 from dora.sim.engine import Engine, Request
 from dora.sim.workload import Workload
 from dora.tasks.synthetic import completion, reward
@@ -121,9 +122,9 @@ class SimEngine:
             return None
         return (self.debt_s + steps * self.cfg.step_s(len(self.engine.running))) * self.scale
 
-    def result(self, r: Request, broker_epoch: int) -> m.SampleFinished:
+    def result(self, r: Request, broker_epoch: int) -> FinishedSample:
         ids, lps = completion(self.workload, r.group_id, r.index, r.attempt, 0, r.length)
-        return m.SampleFinished(
+        return FinishedSample(
             group_id=r.group_id,
             attempt=r.attempt,
             index=r.index,

@@ -23,6 +23,7 @@ import numpy as np
 
 from dora.ids import Finish
 from dora.rollout.engines.base import ran_under
+from dora.samples import FinishedSample
 from dora.tasks.prompts import TaskRun
 from dora.wire import messages as m
 
@@ -233,11 +234,11 @@ class StepWorkerEngine:
             return 0.0
         return 0.002 if self.busy() else None  # episodes waiting on their environment only: look again soon
 
-    def result(self, s: Any, broker_epoch: int) -> m.SampleFinished:
+    def result(self, s: Any, broker_epoch: int) -> FinishedSample:
         if self.episodes is not None:
             return self.episodes.result(s, broker_epoch)
         scored = self.task.score(s.group_id, s.tokens)
-        return m.SampleFinished(
+        return FinishedSample(
             group_id=s.group_id, attempt=s.attempt, index=s.index,
             segments=np.array([[ran_under(s, self.engine), len(s.tokens)]], dtype=np.int32),
             token_ids=np.array(s.tokens, dtype=np.int32), logprobs=np.array(s.logprobs, dtype=np.float32),
