@@ -25,6 +25,10 @@ import sys
 import sysconfig
 import tempfile
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 CORPUS = ("textwrap.py", "argparse.py", "difflib.py", "json/__init__.py", "string.py", "fractions.py")
 SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -47,7 +51,7 @@ class TinySpec:
     seed: int = 0
 
 
-def build_tokenizer(vocab: int = 1024):  # -> PreTrainedTokenizerFast
+def build_tokenizer(vocab: int = 1024) -> PreTrainedTokenizerFast:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -122,7 +126,7 @@ def cached(cache: pathlib.Path | None = None) -> pathlib.Path:
     return folder
 
 
-def load(path: str | pathlib.Path, *, dtype: str = "float32"):  # -> (model, tokenizer)
+def load(path: str | pathlib.Path, *, dtype: str = "float32") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The model and tokenizer of an HF folder, for inference (eval mode, no grad)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -47,7 +47,10 @@ from __future__ import annotations
 
 import pathlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig, PreTrainedTokenizerFast
 
 _QWEN_TURNS = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                "{% if add_generation_prompt %}<|im_start|>assistant\n")  # fmt: skip
@@ -210,7 +213,7 @@ ZOO: dict[str, Family] = {f.name: f for f in FAMILY_LIST}
 FAMILIES: tuple[str, ...] = tuple(ZOO)
 
 
-def tokenizer(family: Family):  # -> PreTrainedTokenizerFast
+def tokenizer(family: Family) -> PreTrainedTokenizerFast:
     """dora's tokenizer with the family's special tokens, BOS/EOS/pad, BOS post-processor and chat template."""
     from tokenizers import processors
 
@@ -229,12 +232,12 @@ def tokenizer(family: Family):  # -> PreTrainedTokenizerFast
     return tok
 
 
-def _ids(tok, texts: tuple[str, ...]) -> int | list[int]:
+def _ids(tok: PreTrainedTokenizerFast, texts: tuple[str, ...]) -> int | list[int]:
     ids = [tok.convert_tokens_to_ids(t) for t in texts]
     return ids[0] if len(ids) == 1 else ids
 
 
-def config(family: Family, tok) -> Any:  # -> PretrainedConfig
+def config(family: Family, tok: PreTrainedTokenizerFast) -> PreTrainedConfig:
     """The family's config for a tokenizer: vocabulary size, special ids, positions and the family's fields."""
     from transformers import AutoConfig
 
