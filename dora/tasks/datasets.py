@@ -200,7 +200,8 @@ def kept_rows(rows: Sequence[Row], length: Callable[[Row], int], max_tokens: int
     """(kept, filtered) row indices: a row whose rendered prompt is longer than ``max_tokens`` is filtered."""
     if max_tokens is None:
         return [r.index for r in rows], []
-    kept, filtered = [], []
+    kept: list[int] = []
+    filtered: list[int] = []
     for r in rows:
         (kept if length(r) <= max_tokens else filtered).append(r.index)
     return kept, filtered

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from dora.config import ConfigError
-from dora.config.run import TaskSection
+from dora.config.run import RunConfig, TaskSection
 from dora.sim.workload import from_section
 from dora.tasks import datasets, rewards, tasks
 from dora.tasks.templates import Renderer
@@ -53,7 +53,7 @@ class TaskRun:
         self.epochs: datasets.Epochs | None = None
         if task.dataset is None:
             self.task = tasks.get(task.name, task.seed)
-            self.item = functools.lru_cache(maxsize=8192)(self._generated)
+            self.item: Callable[[int], tasks.Item] = functools.lru_cache(maxsize=8192)(self._generated)
             return
         raw, columns = datasets.read_table(task.dataset, task.split)
         self.rows = datasets.check_rows(raw, columns, where=task.dataset, prompt_field=task.prompt_field,
@@ -158,7 +158,7 @@ def stop_ids(task: TaskRun, texts: tuple[str, ...]) -> list[int]:
     return out
 
 
-def prompt_source(cfg) -> tuple[Callable[[int], np.ndarray], dict[str, Any]]:  # cfg: RunConfig
+def prompt_source(cfg: RunConfig) -> tuple[Callable[[int], np.ndarray], dict[str, Any]]:
     """The broker's prompts for a run (the task's, or synthetic token arrays for the sim engine) and what the
     task is (``TaskRun.about``). A group's prompt depends on its id alone, so the latest are kept: a train batch
     asks again for the prompts of the groups it holds."""
@@ -174,7 +174,7 @@ def prompt_source(cfg) -> tuple[Callable[[int], np.ndarray], dict[str, Any]]:  #
     return functools.lru_cache(maxsize=8192)(run.prompt_ids), run.about
 
 
-def eval_task(cfg, tokenizer_dir: str) -> TaskRun:  # cfg: RunConfig
+def eval_task(cfg: RunConfig, tokenizer_dir: str) -> TaskRun:
     """The held-out rows as a task: [eval]'s dataset in [task]'s layout, with [task]'s template and reward (no
     prompt is filtered out)."""
     if cfg.eval.dataset is None:

@@ -84,7 +84,7 @@ class Countdown:
                     meta={"numbers": sorted(numbers), "target": value})  # fmt: skip
 
 
-TASKS = {"arithmetic": Arithmetic, "countdown": Countdown}
+TASKS: dict[str, type[Arithmetic | Countdown]] = {"arithmetic": Arithmetic, "countdown": Countdown}
 
 
 def get(name: str, seed: int = 0) -> Arithmetic | Countdown:

@@ -10,12 +10,11 @@ from __future__ import annotations
 import json
 import pathlib
 import sys
-from typing import Any
 
-from dora.tasks.tasks import Arithmetic
+from dora.tasks.tasks import Arithmetic, Item
 
 
-def trace(item: Any, tool: bool) -> list[dict[str, str]]:
+def trace(item: Item, tool: bool) -> list[dict[str, str]]:
     """A right episode for ``item`` after its opening: with the calculator, or the answer alone."""
     a = {"role": "assistant", "content": f"answer {item.answer}"}
     if not tool:
@@ -32,7 +31,8 @@ def write_rows(folder: str | pathlib.Path, *, train: int = 2000, test: int = 300
     out.mkdir(parents=True, exist_ok=True)
     seen: set[str] = set()
     for name, n, seed in (("train", train, 0), ("test", test, 1)):
-        task, rows, i = Arithmetic(seed=seed), [], 0
+        task, i = Arithmetic(seed=seed), 0
+        rows: list[dict[str, object]] = []
         while len(rows) < n:
             item, i = task.item(i), i + 1
             if item.prompt in seen:
