@@ -82,18 +82,7 @@ def audit_run(journal_path: pathlib.Path, audit_path: pathlib.Path, *, total_ste
                       train_groups=int(shape["train_groups"]), group_size=int(shape["group_size"]))  # fmt: skip
     everything = _read_audit(audit_path)
     rows = [r for r in everything if not r.get("adopted")]
-    held, adopted, in_order, seen = 0, [], True, []
-    for r in everything:  # file order: a committed step is the next one; an adopted one may re-cover held steps
-        step = int(r["step"])
-        if r.get("adopted"):
-            seen.append(f"{step} adopted")
-            in_order &= step <= held
-            if step == held:
-                adopted.append(step)
-        else:
-            seen.append(step)
-            in_order &= step == held
-        held = max(held, step + 1)
+    held, adopted, in_order, seen = _steps(everything)
     report = Report(
         mode=core.mode.value, k=core.staleness, train_groups=core.train_groups, total_steps=total_steps,
         steps_committed=held, steps_adopted=len(adopted), journal_version=journal.newest,
@@ -148,6 +137,25 @@ def audit_run(journal_path: pathlib.Path, audit_path: pathlib.Path, *, total_ste
         notes.append(f"C1 not kept by mode {core.mode.value}, as it says: "
                      f"{report.mixed_version_trajectories} mixed-version trajectories")  # fmt: skip
     return report
+
+
+def _steps(lines: list[dict[str, Any]]) -> tuple[int, list[int], bool, list[int | str]]:
+    """(steps held, steps adopted, whether in order, the steps as seen) of the learner's audit lines in file order:
+    a committed step is the next one; an adopted one may re-cover held steps."""
+    held, adopted, in_order = 0, [], True
+    seen: list[int | str] = []
+    for r in lines:
+        step = int(r["step"])
+        if r.get("adopted"):
+            seen.append(f"{step} adopted")
+            in_order &= step <= held
+            if step == held:
+                adopted.append(step)
+        else:
+            seen.append(step)
+            in_order &= step == held
+        held = max(held, step + 1)
+    return held, adopted, in_order, seen
 
 
 def _read_audit(path: pathlib.Path) -> list[dict[str, Any]]:

@@ -22,9 +22,14 @@ import json
 import pathlib
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dora.config import ConfigError
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.axis import Axis
+    from matplotlib.figure import Figure
 
 METRICS = "metrics.jsonl"
 TIMELINE = "timeline.jsonl"
@@ -125,7 +130,7 @@ def reward(rows: list[dict[str, Any]], path: pathlib.Path, *, title: str) -> pat
         ax.plot([s for s, _ in points], [v for _, v in points], marker=".", lw=1)
     else:
         ax.text(0.5, 0.5, "the learner reported no reward_mean", ha="center", va="center", transform=ax.transAxes)
-    ax.xaxis.get_major_locator().set_params(integer=True)
+    _whole_steps(ax.xaxis)
     ax.set_xlabel("train step")
     ax.set_ylabel("mean reward")
     ax.grid(alpha=0.3)
@@ -146,7 +151,7 @@ def evaluation(rows: list[dict[str, Any]], path: pathlib.Path, *, title: str) ->
     for s, r in zip(steps, rows, strict=True):
         ax.annotate(f"{r['accuracy']:.3f}", (s, r["accuracy"]), textcoords="offset points", xytext=(0, 6),
                     ha="center", fontsize=8)  # fmt: skip
-    ax.xaxis.get_major_locator().set_params(integer=True)
+    _whole_steps(ax.xaxis)
     ax.set_ylim(0, 1)
     ax.set_xlabel("policy version (train step)")
     ax.set_ylabel("held-out")
@@ -178,11 +183,11 @@ def _points(rows: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
     return [(r["step"], r[key]) for r in rows if isinstance(r.get("step"), int) and isinstance(r.get(key), int | float)]
 
 
-def _panel(ax: Any, points: list[tuple[int, float]], label: str, xlabel: str, missing: str) -> None:
+def _panel(ax: Axes, points: list[tuple[int, float]], label: str, xlabel: str, missing: str) -> None:
     """One panel: the points as a line, or, without any, a note saying what is missing."""
     if points:
         ax.plot([s for s, _ in points], [v for _, v in points], marker="." if len(points) < 50 else None, lw=1)
-        ax.xaxis.get_major_locator().set_params(integer=True)
+        _whole_steps(ax.xaxis)
         ax.set_xlabel(xlabel, fontsize=8)
         ax.grid(alpha=0.3)
     else:
@@ -303,7 +308,16 @@ def _short(worker: str, names: list[str]) -> str:
     return short(worker) if [short(n) for n in names].count(short(worker)) == 1 else worker
 
 
-def _save(fig: Any, path: pathlib.Path) -> pathlib.Path:
+def _whole_steps(axis: Axis) -> None:
+    """Ticks only at whole steps: matplotlib's default locator, told that the values are integers."""
+    from matplotlib.ticker import AutoLocator
+
+    locator = AutoLocator()
+    locator.set_params(integer=True)
+    axis.set_major_locator(locator)
+
+
+def _save(fig: Figure, path: pathlib.Path) -> pathlib.Path:
     import matplotlib.pyplot as plt
 
     fig.tight_layout()
