@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import pathlib
@@ -43,6 +44,10 @@ def resolve(args: argparse.Namespace) -> SimConfig:
                 env_prefix="DORA_SIM__", overrides=overrides)  # fmt: skip
 
 
+def _progress(mode: Mode, line: str) -> None:
+    print(f"{mode.value:>10}: {line}", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str]) -> int:
     args = parse(argv)
     try:
@@ -55,8 +60,7 @@ def main(argv: list[str]) -> int:
     for mode in modes:
         t0 = time.perf_counter()
         try:
-            results.append(simulate(cfg, mode, timeline=bool(args.plots), progress=lambda line, m=mode: print(
-                f"{m.value:>10}: {line}", file=sys.stderr, flush=True)))  # fmt: skip
+            results.append(simulate(cfg, mode, timeline=bool(args.plots), progress=functools.partial(_progress, mode)))
         except ConfigError as e:  # a placement the cluster cannot make (e.g. no trainer replica left)
             print(f"dora sim: {mode.value}: {e}", file=sys.stderr)
             return 2

@@ -6,13 +6,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 from dora.config import ConfigError
 from dora.config.sim import SimConfig
 from dora.ids import Mode
 from dora.sim.des import Outcome, Simulation
 from dora.sim.metrics import summarize
+
+Pool = Literal["rollout_gpus", "elastic_gpus"]
+"""The accelerators a split search sizes: the rollout pool (disaggregated) or the elastic workers (elastic)."""
 
 
 @dataclass(slots=True)
@@ -31,7 +34,7 @@ def simulate(cfg: SimConfig, mode: Mode, *, timeline: bool = False, strict: bool
     searched: list[tuple[int, float]] = []
     cl = cfg.cluster
     rollout_gpus, elastic_gpus = cl.rollout_gpus, cl.elastic_gpus
-    key = "rollout_gpus"
+    key: Pool = "rollout_gpus"
     if cl.placement_of(mode) == "disaggregated" and rollout_gpus is None:
         rollout_gpus, searched = best_split(cfg, mode, progress=progress)
     elif cl.placement_of(mode) == "elastic" and elastic_gpus is None:
@@ -45,7 +48,7 @@ def simulate(cfg: SimConfig, mode: Mode, *, timeline: bool = False, strict: bool
 
 
 def best_split(
-    cfg: SimConfig, mode: Mode, key: str = "rollout_gpus", grid: int = 7,
+    cfg: SimConfig, mode: Mode, key: Pool = "rollout_gpus", grid: int = 7,
     progress: Callable[[str], None] | None = None,
 ) -> tuple[int, list[tuple[int, float]]]:  # fmt: skip
     """The rollout pool size (``key = "rollout_gpus"``) or the number of elastic accelerators
@@ -71,7 +74,8 @@ def best_split(
         if workers not in seen:
             t0 = time.perf_counter()
             try:
-                o = Simulation(probe, mode, **{key: workers * g}).run()
+                rollout, elastic = (workers * g, None) if key == "rollout_gpus" else (None, workers * g)
+                o = Simulation(probe, mode, rollout_gpus=rollout, elastic_gpus=elastic).run()
             except ConfigError as e:  # e.g. too few trainer accelerators for one data-parallel replica
                 seen[workers] = 0.0
                 if progress is not None:
