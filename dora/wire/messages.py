@@ -15,7 +15,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
@@ -477,7 +477,13 @@ class StatusReply:
     snapshot: Json
 
 
-MESSAGES: tuple[type, ...] = (
+class Message(Protocol):
+    """A top-level message: the envelope names it by its kind."""
+
+    KIND: ClassVar[str]
+
+
+MESSAGES: tuple[type[Message], ...] = (
     Hello, Reject, Welcome, Heartbeat, Goodbye, Disconnect,
     Generate, SamplesFinished, ResultAcks,
     Assign, WeightsLoaded, Yield, Yielded, Resume, MigrateOut, MigrationExported, MigrateIn,
