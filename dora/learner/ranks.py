@@ -18,6 +18,7 @@ import torch.distributed as dist
 from dora.actor.cluster import ClusterInfo
 from dora.samples import Batch
 from dora.wire import codec, packed
+from dora.wire.messages import TrainBatch
 
 TRAIN, PUBLISH, STOP, CHECKPOINT, ADOPT, RESTORE = 1, 2, 3, 4, 5, 6
 
@@ -139,7 +140,9 @@ def follow(trainer: Any) -> int:
     while True:
         kind, payload = _receive()
         if kind == TRAIN:
-            trainer.train(packed.unpack_batch(codec.decode(unpack(payload))))
+            batch = codec.decode(unpack(payload))
+            assert isinstance(batch, TrainBatch), f"rank 0 announced a train step with a {type(batch).__name__}"
+            trainer.train(packed.unpack_batch(batch))
             steps += 1
         elif kind == PUBLISH:
             trainer.publish(int.from_bytes(payload, "little"))
