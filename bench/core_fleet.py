@@ -75,11 +75,11 @@ def main() -> int:
         started = time.perf_counter()
         actions = core.handle(0.0, event)
         times[type(event).__name__].append(time.perf_counter() - started)
-        if type(event) is ev.WeightsPublished:
-            repinned.append(sum(1 for a in actions if type(a) is ev.Assign))
+        if type(event) is ev.VersionPublished:
+            repinned.append(sum(1 for a in actions if type(a) is ev.Pin))
         for a in actions:
-            if type(a) is ev.Assign:
-                queue.append(ev.WeightsLoaded(worker_id=a.worker_id, version=a.version))
+            if type(a) is ev.Pin:
+                queue.append(ev.VersionLoaded(worker_id=a.worker_id, version=a.version))
             elif type(a) is ev.Lease:
                 answers.append(ev.SamplesFinished(samples=tuple(
                     ev.SampleFinished(worker_id=a.worker_id, group_id=a.group_id, attempt=a.attempt, index=i,
@@ -87,7 +87,7 @@ def main() -> int:
                     for i in range(a.n_samples))))  # fmt: skip
             elif type(a) is ev.DeliverBatch:
                 steps += 1
-                queue.extend([ev.WeightsPublished(version=a.step + 1), ev.BatchRequested(step=a.step + 1)])
+                queue.extend([ev.VersionPublished(version=a.step + 1), ev.BatchRequested(step=a.step + 1)])
     print(
         f"core alone: {args.workers} workers, {steps} steps, GC {'off' if args.no_gc else 'on'}; "
         f"workers re-pinned per publish: mean {sum(repinned) / max(1, len(repinned)):.0f}"

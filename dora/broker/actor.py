@@ -313,14 +313,14 @@ class BrokerActor:
             case m.SamplesFinished() if rollout:
                 self.on_samples(peer, msg)
             case m.WeightsLoaded() if rollout:
-                self.feed(ev.WeightsLoaded(worker_id=w, version=msg.version))
+                self.feed(ev.VersionLoaded(worker_id=w, version=msg.version))
             case m.Yielded() if rollout:
                 log.info("worker_yielded", worker=w)
-                self.feed(ev.Yielded(worker_id=w))
+                self.feed(ev.Lent(worker_id=w))
             case m.MigrationExported() if rollout:
                 peer.migrate_out.pop((msg.group_id, msg.attempt), None)
                 self.feed(
-                    ev.MigrationExported(
+                    ev.GroupExported(
                         worker_id=w,
                         group_id=msg.group_id,
                         attempt=msg.attempt,
@@ -373,7 +373,7 @@ class BrokerActor:
         tokens, rewards = batch_stats(batch.groups)
         self.trained_tokens += tokens
         self.links.send(peer, m.PublishAck(version=msg.version))  # ahead of the run's end, which says goodbye
-        actions = self.feed(ev.WeightsPublished(version=msg.version))
+        actions = self.feed(ev.VersionPublished(version=msg.version))
         if any(isinstance(a, ev.Refused) for a in actions):
             raise InvariantViolation(f"the core refused publish {msg.version} after the broker checked it")
         now = self.clock()
@@ -435,30 +435,30 @@ class BrokerActor:
                               version=a.version)  # fmt: skip
                 self.links.command(a.worker_id, functools.partial(translate.generate, a, self.cfg.run, self.prompts,
                                                                   self.epoch))  # fmt: skip
-            case ev.Assign():
+            case ev.Pin():
                 log.info("worker_assigned", worker=a.worker_id, version=a.version, interrupt=a.interrupt,
                          keep=list(a.keep))  # fmt: skip
                 uri, sha = self.weights.get(a.version, (f"sim://v{a.version}", "0" * 64))
                 self.links.command(a.worker_id, functools.partial(m.Assign, version=a.version, uri=uri, sha256=sha,
                                                                   interrupt=a.interrupt, keep=a.keep))  # fmt: skip
-            case ev.Yield():
+            case ev.Lend():
                 held = len(self.core.scheduler.workers[a.worker_id].groups)
                 log.info("yield_requested", worker=a.worker_id, held_groups=held)
                 self.links.command(a.worker_id, m.Yield())
-            case ev.Resume():
+            case ev.Reclaim():
                 log.info("worker_resumed", worker=a.worker_id, version=a.version)
                 self.links.command(a.worker_id, m.Resume(version=a.version))
-            case ev.MigrateOut():
+            case ev.ExportGroup():
                 self.links.command(
                     a.worker_id,
                     m.MigrateOut(group_id=a.group_id, attempt=a.attempt, version=a.version, target=a.target),
                 )
-            case ev.MigrateIn():
+            case ev.ImportGroup():
                 moved = sum(len(r.token_ids) for r in a.state)
                 log.info("migration", group_id=a.group_id, source=a.source, target=a.worker_id, version=a.version,
                          requests=a.n_requests, tokens_moved=moved)  # fmt: skip
                 self.links.command(a.worker_id, translate.migrate_in(a, self.cfg.run, self.prompts))
-            case ev.Cancel():
+            case ev.Revoke():
                 self.links.command(a.worker_id, m.Cancel(group_id=a.group_id, attempt=a.attempt))
             case ev.DeliverBatch():
                 self.deliver(a)

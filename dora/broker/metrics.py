@@ -138,11 +138,11 @@ class BrokerMetrics:
             case ev.WorkerLost(worker_id=w, reason=reason):
                 self._ready.pop(w, None)
                 self.record("lost", worker=w, reason=reason)
-            case ev.WeightsLoaded(worker_id=w, version=v) if w in sched.workers and sched.workers[w].ready:
+            case ev.VersionLoaded(worker_id=w, version=v) if w in sched.workers and sched.workers[w].ready:
                 if self._ready.get(w) != v:
                     self._ready[w] = v
                     self.record("ready", worker=w, version=v)
-            case ev.WeightsPublished(version=v):
+            case ev.VersionPublished(version=v):
                 self.record("published", version=v)
             case ev.ResultsReported(samples=samples):
                 if any(s.reward_error for s in samples):
@@ -158,7 +158,7 @@ class BrokerMetrics:
                 case ev.Lease():
                     leased += 1
                     self._leased_at[a.group_id] = (a.attempt, now)
-                case ev.Assign():
+                case ev.Pin():
                     self._ready.pop(a.worker_id, None)
                     self.record("assigned", worker=a.worker_id, version=a.version, interrupt=a.interrupt)
         if leased:
@@ -296,7 +296,7 @@ def step_row(core: Core, msg: m.WeightsPublished, step_s: float, rewards: dict[s
     }
 
 
-def batch_stats(groups: Sequence[ev.TrainGroup]) -> tuple[int, dict[str, Any]]:
+def batch_stats(groups: Sequence[ev.ReadyGroup]) -> tuple[int, dict[str, Any]]:
     """A train step's batch in one pass over its samples: its completion tokens, and for the step's row how many
     of its samples' rewards failed and the mean of each reward component over the samples that have it (a reward
     function that returns a dict; a failed one has none)."""

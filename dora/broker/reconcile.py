@@ -64,7 +64,7 @@ def reconcile(
     if w in core.yielding:
         if hb.yielded:  # it yielded, and the Yielded was lost
             counters["yielded taken from a heartbeat"] += 1
-            feed(ev.Yielded(worker_id=w))
+            feed(ev.Lent(worker_id=w))
         elif peer.yield_cmd is not None and peer.yield_cmd.seq <= hb.seen:
             counters["yield sent again"] += 1
             command(w, peer.yield_cmd)
@@ -81,7 +81,7 @@ def reconcile(
         return
     if hb.version == pinned and hb.loading < 0 and not hb.yielded:  # it loaded them; the WeightsLoaded was lost
         counters["weights_loaded taken from a heartbeat"] += 1
-        feed(ev.WeightsLoaded(worker_id=w, version=pinned))
+        feed(ev.VersionLoaded(worker_id=w, version=pinned))
     elif resumed and hb.yielded and peer.resume.seq <= hb.seen:  # type: ignore[union-attr]
         counters["resume sent again"] += 1
         command(w, peer.resume)

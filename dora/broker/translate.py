@@ -78,7 +78,7 @@ def generate(a: ev.Lease, run: LiveRun, prompts: Prompts, epoch: int, seq: int =
     )
 
 
-def migrate_in(a: ev.MigrateIn, run: LiveRun, prompts: Prompts) -> m.MigrateIn:
+def migrate_in(a: ev.ImportGroup, run: LiveRun, prompts: Prompts) -> m.MigrateIn:
     """The target's command: the group's running requests (token prefixes) to continue on the same version."""
     return m.MigrateIn(
         group_id=a.group_id,

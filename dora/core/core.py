@@ -13,15 +13,15 @@ versions, and in strict mode (6) re-checks every invariant from scratch, raising
 
 Elastic workers share their accelerators with the trainer (docs/how-it-works.md#elastic-workers). When a batch is taken, each
 one hands its running groups to standalone workers of the same version that have room (a migration:
-C1 holds because the weights are identical) and is told to ``Yield``: it pauses whatever it still holds.
+C1 holds because the weights are identical) and is told to ``Lend``: it pauses whatever it still holds.
 The batch is delivered once every elastic worker has yielded (the trainer has its accelerators). After
-the step is published each yielded worker comes back: one that holds groups ``Resume``s the version it
+the step is published each yielded worker comes back: one that holds groups ``Reclaim``s the version it
 served, so they go on under the same weights (C1); one that holds none is assigned the newest version.
 Held groups keep their deadlines; the feasibility invariant counts them like any running group, so C2
 and C3 hold as before. All workers elastic is colocated training; none is disaggregated (``dora.core.elastic``).
 
 Multi-version workers (LoRA, docs/how-it-works.md#multi-version-workers) take each new version as soon as they can keep every version their
-groups run under (``Assign.keep``): they are never drained for a publish (``_advance``).
+groups run under (``Pin.keep``): they are never drained for a publish (``_advance``).
 """
 
 from __future__ import annotations
@@ -33,15 +33,17 @@ from dora.core import deadline, elastic, intake, orchestrator
 from dora.core.dispatch import budget_left, dispatch
 from dora.core.events import (
     Action,
-    Assign,
     BatchRequested,
     DeliverBatch,
     Event,
+    GroupExported,
     LearnerLost,
     LeaseLost,
+    Lent,
     LoadReported,
-    MigrationExported,
     Outbox,
+    Pin,
+    ReadyGroup,
     Refused,
     ResultsReported,
     Retire,
@@ -49,12 +51,10 @@ from dora.core.events import (
     SampleFinished,
     SamplesFinished,
     Tick,
-    TrainGroup,
-    WeightsLoaded,
-    WeightsPublished,
+    VersionLoaded,
+    VersionPublished,
     WorkerJoined,
     WorkerLost,
-    Yielded,
 )
 from dora.core.ledger import InvariantViolation, Ledger
 from dora.core.scheduler import Flight, GroupState, Scheduler, Worker
@@ -205,7 +205,7 @@ class Core:
                     return False
                 sched.requeue(found, out, notify=False)  # whole, like a lost worker's (C2)
                 return False
-            case WeightsLoaded(worker_id=w, version=v):
+            case VersionLoaded(worker_id=w, version=v):
                 worker = sched.workers.get(w)
                 if worker is None or self.ledger.version_of(w) != v:
                     out.emit(Refused(reason="stale_load", worker_id=w))
@@ -233,10 +233,10 @@ class Core:
                 for flight in intake.accept_report(sched, w, samples, payloads, out):
                     self._finished(flight)
                 return False
-            case MigrationExported(worker_id=w, group_id=g, attempt=a, n_requests=n, state=state):
+            case GroupExported(worker_id=w, group_id=g, attempt=a, n_requests=n, state=state):
                 sched.exported(w, g, a, n, state, out)
                 return False
-            case Yielded(worker_id=w):
+            case Lent(worker_id=w):
                 if w not in self.yielding:
                     out.emit(Refused(reason="unexpected_yield", worker_id=w))
                     return False
@@ -247,7 +247,7 @@ class Core:
                 return self.cfg.mode is Mode.DORA and w in sched.workers and kv >= self.cfg.kv_rebalance_threshold
             case Tick():
                 return self.cfg.mode is Mode.DORA
-            case WeightsPublished(version=v):
+            case VersionPublished(version=v):
                 if self.publishable(v) is None or not self.transfer.trained(v):
                     out.emit(Refused(reason=f"unexpected_publish v{v}"))
                     return False
@@ -342,7 +342,7 @@ class Core:
         if w.leaving:
             self.scheduler.set_leaving(w, False)
         self.scheduler.offer(w)
-        out.emit(Assign(worker_id=worker, version=newest, interrupt=interrupt, keep=keep))
+        out.emit(Pin(worker_id=worker, version=newest, interrupt=interrupt, keep=keep))
 
     def keeps(self, w: Worker) -> tuple[int, ...] | None:
         """The versions the worker must keep to take the newest one now (those its groups run under, or are
@@ -368,7 +368,7 @@ class Core:
         samples = tuple(flight.done[i] for i in range(self.cfg.group_size))
         rewards = set(flight.rewards.values())
         self.transfer.add(
-            TrainGroup(group_id=flight.group_id, version=flight.version, samples=samples, deadline=flight.deadline),
+            ReadyGroup(group_id=flight.group_id, version=flight.version, samples=samples, deadline=flight.deadline),
             uniform=self.cfg.filter_uniform and len(rewards) == 1 and None not in rewards,
         )
 

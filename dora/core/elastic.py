@@ -1,7 +1,7 @@
 """Elastic workers (docs/how-it-works.md#elastic-workers): what the core does when a batch is taken and when the step is published.
 
 When a batch is taken, each elastic worker hands its running groups to standalone workers of the same version
-that have room (a migration: C1 holds because the weights are identical) and is told to ``Yield``: it pauses
+that have room (a migration: C1 holds because the weights are identical) and is told to ``Lend``: it pauses
 whatever it still holds. The batch is delivered once every elastic worker has yielded (the trainer has its
 accelerators). After the publish each yielded worker comes back (``wake``). Functions of the ``Core``'s state, as
 ``dispatch`` is of the scheduler's.
@@ -13,7 +13,7 @@ from typing import Protocol
 
 from dora.config import CoreConfig
 from dora.core import orchestrator
-from dora.core.events import DeliverBatch, Outbox, Resume, Yield
+from dora.core.events import DeliverBatch, Lend, Outbox, Reclaim
 from dora.core.ledger import Ledger
 from dora.core.scheduler import GroupState, Scheduler, Worker
 from dora.ids import GroupId, WorkerId
@@ -71,7 +71,7 @@ def yield_elastic(core: Core, batch: DeliverBatch, out: Outbox) -> None:
         w.yielded = True
         sched.set_ready(w, False)
         core.yielding.add(w.worker_id)
-        out.emit(Yield(worker_id=w.worker_id))
+        out.emit(Lend(worker_id=w.worker_id))
     core.held = batch
 
 
@@ -123,7 +123,7 @@ def wake(core: Core, worker: Worker, out: Outbox) -> None:
     if version != core.ledger.newest and worker.holds > 1 and not worker.incoming and core.keeps(worker) is not None:
         core.assign(worker.worker_id, out)  # a multi-version worker takes the newest, keeping what it runs
     elif version == core.ledger.newest or (holds and not core.cfg.in_flight_swap):
-        out.emit(Resume(worker_id=worker.worker_id, version=version))
+        out.emit(Reclaim(worker_id=worker.worker_id, version=version))
     elif not core.cfg.in_flight_swap:
         core.assign(worker.worker_id, out)
     # in_flight_swap (partial): the publish swaps every worker, this one included, to the newest weights

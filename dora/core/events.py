@@ -26,7 +26,7 @@ class WorkerJoined:
     slots: int
     """Sequences the worker runs at once (its credit); a group takes group_size of them."""
     elastic: bool = False
-    """It shares its accelerators with the trainer: it yields them for every train step (see ``Yield``)."""
+    """It shares its accelerators with the trainer: it yields them for every train step (see ``Lend``)."""
     holds: int = 1
     """Versions its engine can serve at once: 1 for full weights, more for a LoRA engine's adapter slots."""
 
@@ -48,7 +48,7 @@ class LeaseLost:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class WeightsLoaded:
+class VersionLoaded:
     worker_id: WorkerId
     version: int
 
@@ -87,11 +87,11 @@ class ResultsReported:
     worker_id: WorkerId
     samples: Sequence[Any]
     payloads: Sequence[Any]
-    """Each sample's payload, in the same order: opaque, handed back in its TrainSample."""
+    """Each sample's payload, in the same order: opaque, handed back in its ReadySample."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class MigrationExported:
+class GroupExported:
     """The source worker of a migration stopped the group's running samples and exported them."""
 
     worker_id: WorkerId
@@ -102,7 +102,7 @@ class MigrationExported:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Yielded:
+class Lent:
     """An elastic worker paused the requests it still holds and handed its accelerators to the trainer."""
 
     worker_id: WorkerId
@@ -121,7 +121,7 @@ class Tick:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class WeightsPublished:
+class VersionPublished:
     version: int
 
 
@@ -141,15 +141,15 @@ Event = (
     WorkerJoined
     | WorkerLost
     | LeaseLost
-    | WeightsLoaded
+    | VersionLoaded
     | SampleFinished
     | SamplesFinished
     | ResultsReported
-    | MigrationExported
-    | Yielded
+    | GroupExported
+    | Lent
     | LoadReported
     | Tick
-    | WeightsPublished
+    | VersionPublished
     | BatchRequested
     | LearnerLost
 )
@@ -170,7 +170,7 @@ class Lease:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Assign:
+class Pin:
     """Serve ``version`` from now on. ``interrupt``: swap weights under running requests (partial mode only).
     ``keep``: older versions a multi-version worker goes on serving beside it (groups of them run there)."""
 
@@ -181,17 +181,17 @@ class Assign:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Yield:
+class Lend:
     """Elastic worker: pause every request still held (their state kept, to go on under the same weights) and
-    hand the accelerators to the trainer for one train step; answer with ``Yielded``."""
+    hand the accelerators to the trainer for one train step; answer with ``Lent``."""
 
     worker_id: WorkerId
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Resume:
+class Reclaim:
     """A yielded worker takes its accelerators back, reloads ``version`` (the weights it served) and goes on
-    with the requests it held; answer with ``WeightsLoaded``. (A worker that held nothing gets an ``Assign``
+    with the requests it held; answer with ``VersionLoaded``. (A worker that held nothing gets a ``Pin``
     of the newest version instead.)"""
 
     worker_id: WorkerId
@@ -199,7 +199,7 @@ class Resume:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class MigrateOut:
+class ExportGroup:
     """Stop the group's running samples and export them (token prefix, KV where possible)."""
 
     worker_id: WorkerId
@@ -210,8 +210,8 @@ class MigrateOut:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class MigrateIn:
-    """Resume an exported group on a worker that holds the same version."""
+class ImportGroup:
+    """Continue an exported group on a worker that holds the same version."""
 
     worker_id: WorkerId
     source: WorkerId
@@ -223,7 +223,7 @@ class MigrateIn:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Cancel:
+class Revoke:
     """Abort a group on a worker; its lease is void."""
 
     worker_id: WorkerId
@@ -232,7 +232,7 @@ class Cancel:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class TrainSample:
+class ReadySample:
     index: int
     segments: Segments
     finish: Finish
@@ -240,10 +240,10 @@ class TrainSample:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class TrainGroup:
+class ReadyGroup:
     group_id: GroupId
     version: int
-    samples: tuple[TrainSample, ...]
+    samples: tuple[ReadySample, ...]
     deadline: int
     """The last step allowed to train it: in [version, version + K]."""
 
@@ -253,7 +253,7 @@ class DeliverBatch:
     """Train batch ``step``: exactly train_groups whole groups, earliest deadline first."""
 
     step: int
-    groups: tuple[TrainGroup, ...]
+    groups: tuple[ReadyGroup, ...]
     redelivery: bool = False
 
 
@@ -284,7 +284,7 @@ class RunFinished:
 
 
 Action = (
-    Lease | Assign | Yield | Resume | MigrateOut | MigrateIn | Cancel | DeliverBatch | Retire | Refused | RunFinished
+    Lease | Pin | Lend | Reclaim | ExportGroup | ImportGroup | Revoke | DeliverBatch | Retire | Refused | RunFinished
 )
 
 

@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from dora.config import CoreConfig
-from dora.core.events import Outbox, Refused, SampleFinished, TrainSample
+from dora.core.events import Outbox, ReadySample, Refused, SampleFinished
 from dora.core.scheduler import Flight, Scheduler
 from dora.ids import Finish, WorkerId
 
@@ -43,7 +43,7 @@ def accept(sched: Scheduler, ev: SampleFinished, out: Outbox) -> Flight | None:
         if problem != "duplicate_sample":
             _failed(sched, flight, problem, out)
         return None
-    flight.done[ev.index] = TrainSample(index=ev.index, segments=ev.segments, finish=ev.finish, payload=ev.payload)
+    flight.done[ev.index] = ReadySample(index=ev.index, segments=ev.segments, finish=ev.finish, payload=ev.payload)
     if sched.cfg.filter_uniform:
         flight.rewards[ev.index] = ev.reward
     sched.took(flight, 1)
@@ -90,7 +90,7 @@ def accept_report(
             ):
                 problem = _sample_problem(cfg, flight, s)
             if problem is None:
-                done[index] = TrainSample(index=index, segments=segments, finish=s.finish, payload=payload)
+                done[index] = ReadySample(index=index, segments=segments, finish=s.finish, payload=payload)
                 if filtering:
                     flight.rewards[index] = s.reward
                 taken += 1

@@ -119,7 +119,7 @@ class Ledger:
         self.newest = version
 
     def pin(self, worker: WorkerId, version: int) -> None:
-        """``worker`` serves ``version`` from now on (loading counts: the pin moves when Assign is sent)."""
+        """``worker`` serves ``version`` from now on (loading counts: the pin moves when Pin is sent)."""
         if self.state(version) is VersionState.RETIRED:
             raise InvariantViolation(f"pinning {worker} to retired version {version}")
         self._unpin(worker)

@@ -18,7 +18,7 @@ live version (unfinished samples, plus the planned top-up of the newest version)
    sequence it runs: the paper's proportional split packs a draining version's long tail onto one or two
    workers, where it decodes several times slower than spread out, and the trainer waits for it.
 
-The plan is pure data; the core applies it (MigrateOut now, Assign once the worker is empty).
+The plan is pure data; the core applies it (ExportGroup now, Pin once the worker is empty).
 Triggers: a published version (mandatory), a worker's KV use crossing a threshold, and a timer.
 Between triggers only idle workers of versions without pending work move (they keep the ledger
 within K + 1 live versions).

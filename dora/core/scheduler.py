@@ -28,13 +28,13 @@ from enum import StrEnum
 
 from dora.config import CoreConfig
 from dora.core.events import (
-    Cancel,
+    ExportGroup,
+    ImportGroup,
     Lease,
-    MigrateIn,
-    MigrateOut,
     Outbox,
+    ReadySample,
     Refused,
-    TrainSample,
+    Revoke,
 )
 from dora.core.ledger import InvariantViolation, Ledger
 from dora.core.roster import Roster
@@ -61,7 +61,7 @@ class Flight:
     worker: WorkerId | None = None
     target: WorkerId | None = None
     """Migration target while MIGRATING."""
-    done: dict[int, TrainSample] = field(default_factory=dict)
+    done: dict[int, ReadySample] = field(default_factory=dict)
     rewards: dict[int, float | None] = field(default_factory=dict)
     """The rewards of ``done``'s samples, kept only where uniform groups are filtered (``filter_uniform``)."""
     failures: int = 0
@@ -312,7 +312,7 @@ class Scheduler:
                 holder.used -= self.unfinished(flight)
                 self.offer(holder)
                 if notify and flight.attempt is not None:
-                    out.emit(Cancel(worker_id=holder.worker_id, group_id=flight.group_id, attempt=flight.attempt))
+                    out.emit(Revoke(worker_id=holder.worker_id, group_id=flight.group_id, attempt=flight.attempt))
         if flight.target is not None and flight.target in self.workers:
             self.workers[flight.target].used -= self.unfinished(flight)
             self.workers[flight.target].incoming -= 1
@@ -391,7 +391,7 @@ class Scheduler:
         self._claim(target, flight.version)
         self.offer(target)
         out.emit(
-            MigrateOut(
+            ExportGroup(
                 worker_id=src,
                 target=target.worker_id,
                 group_id=flight.group_id,
@@ -429,7 +429,7 @@ class Scheduler:
         self.stats_migrated_groups += 1
         self.stats_migrated_requests += n_requests
         out.emit(
-            MigrateIn(
+            ImportGroup(
                 worker_id=dst.worker_id,
                 source=worker,
                 group_id=group,

@@ -23,14 +23,14 @@ from collections import Counter
 from dataclasses import dataclass
 
 from dora.core import deadline
-from dora.core.events import DeliverBatch, TrainGroup
+from dora.core.events import DeliverBatch, ReadyGroup
 from dora.core.ledger import InvariantViolation
 from dora.ids import GroupId
 
 
 @dataclass(slots=True, frozen=True)
 class Finished:
-    group: TrainGroup
+    group: ReadyGroup
     seq: int
     """Completion order."""
     uniform: bool = False
@@ -59,7 +59,7 @@ class TransferQueue:
         self.consumed: list[GroupId] = []
         self.drop_stale = drop_stale
         """drop_stale baseline: batches fill in completion order and over-stale groups are discarded."""
-        self.dropped: list[TrainGroup] = []
+        self.dropped: list[ReadyGroup] = []
         self.filtered: list[GroupId] = []
         """Groups consumed as filtered (all rewards equal), never trained."""
         self.filtered_by_step: dict[int, list[GroupId]] = {}
@@ -70,7 +70,7 @@ class TransferQueue:
     def __len__(self) -> int:
         return sum(len(q) for q in self._by_deadline.values())
 
-    def add(self, group: TrainGroup, *, uniform: bool = False) -> None:
+    def add(self, group: ReadyGroup, *, uniform: bool = False) -> None:
         self._seq += 1
         d = group.deadline
         if d < self.step and not self.drop_stale:
@@ -78,10 +78,10 @@ class TransferQueue:
         self._by_deadline.setdefault(d, []).append(Finished(group=group, seq=self._seq, uniform=uniform))
         self._uniform += uniform
 
-    def filter(self, cap: int) -> list[TrainGroup]:
+    def filter(self, cap: int) -> list[ReadyGroup]:
         """Consume finished uniform groups as filtered, earliest deadline (then completion) first, while step ``s``
         has filtered fewer than ``cap``; return them (the caller takes them out of the unconsumed counts)."""
-        gone: list[TrainGroup] = []
+        gone: list[ReadyGroup] = []
         if not self._uniform or len(self.filtered_by_step.get(self.step, ())) >= cap:
             return gone  # (past the cap, on every event until the batch is taken: nothing to look at)
         window = self.filtered_by_step.setdefault(self.step, [])
@@ -116,7 +116,7 @@ class TransferQueue:
         """Groups with deadline ``s`` that are still running (the batch must wait for them)."""
         return counts.get(self.step, 0) - len(self._by_deadline.get(self.step, ()))
 
-    def expire(self) -> list[TrainGroup]:
+    def expire(self) -> list[ReadyGroup]:
         """drop_stale only: discard finished groups that would exceed K at step ``s`` (they are lost)."""
         stale = [f for d, q in self._by_deadline.items() if d < self.step for f in q]
         gone = [f.group for f in stale]

@@ -50,16 +50,16 @@ from dora.config.sim import SimConfig
 from dora.core.core import Core
 from dora.core.events import (
     Action,
-    Assign,
-    Cancel,
     DeliverBatch,
     Event,
+    ExportGroup,
+    ImportGroup,
     Lease,
-    MigrateIn,
-    MigrateOut,
-    Resume,
+    Lend,
+    Pin,
+    Reclaim,
+    Revoke,
     Tick,
-    Yield,
 )
 from dora.ids import Mode, WorkerId
 from dora.sim import lora
@@ -154,7 +154,7 @@ class Outcome:
     yields: int = 0
     """Times an elastic worker yielded its accelerators to the trainer."""
     loads: int = 0
-    """Versions loaded by workers (``Assign``s; resumes after a yield not counted)."""
+    """Versions loaded by workers (``Pin``s; resumes after a yield not counted)."""
     load_s: float = 0.0
     """Seconds of those loads, summed over workers."""
     load_bytes: float = 0.0
@@ -302,9 +302,9 @@ class Simulation:
     def _react(self, actions: list[Action]) -> None:
         for a in actions:
             match a:
-                case Lease() | MigrateIn() | Cancel():
+                case Lease() | ImportGroup() | Revoke():
                     self._touched.add(a.worker_id)
-                case Assign():
+                case Pin():
                     self.moves += 1
                     self.loads += 1
                     self.load_s += self.costs.load_s
@@ -314,18 +314,18 @@ class Simulation:
                     done = self.now + self._woken(a.worker_id) + self.costs.load_s
                     self._at(done, "loaded", (a.worker_id, a.version))
                     self._touched.add(a.worker_id)
-                case Yield():
+                case Lend():
                     self.yields += 1
                     w = self.world.workers[a.worker_id]
                     held = w.engine.kv_used() + w.engine.parked_kv if self.eng.yield_kv == "offload" else 0.0
                     self._offloaded[a.worker_id] = self.eng.weight_bytes + held * self.eng.kv_bytes_per_token
                     self._at(self.now + self._over_link(self._offloaded[a.worker_id]), "yielded", a.worker_id)
                     self._touched.add(a.worker_id)
-                case Resume():
+                case Reclaim():
                     back = self._woken(a.worker_id) + self._over_link(self._offloaded.pop(a.worker_id, 0.0))
                     self._at(self.now + back, "loaded", (a.worker_id, a.version))
                     self._touched.add(a.worker_id)
-                case MigrateOut():
+                case ExportGroup():
                     w = self.world.workers[a.worker_id]
                     reqs = w.exporting.get(a.group_id, (0, []))[1]
                     tokens = sum(r.context for r in reqs if r.has_kv or r.turn == 0)  # no cache, nothing to ship

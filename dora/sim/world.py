@@ -11,12 +11,12 @@ holding its lease (the core still counts it in flight) but no decode slot. ``on_
 driver, which owns the clock, and calls ``tool_returned`` when the result is back; without a driver
 the tool answers at once. A migration takes waiting episodes along (same version only, as always).
 
-Elastic workers (``join(elastic=True)``): on ``Yield`` a worker pauses what it holds (decoding stops;
+Elastic workers (``join(elastic=True)``): on ``Lend`` a worker pauses what it holds (decoding stops;
 its KV is kept for the resume, or dropped with ``yield_kv = "drop"`` and re-prefilled then) until the
-driver reports ``finish_yield``; ``Resume`` (same version) or ``Assign`` (newest) brings it back through a
+driver reports ``finish_yield``; ``Reclaim`` (same version) or ``Pin`` (newest) brings it back through a
 load, which the driver finishes with ``finish_load``.
 
-Multi-version workers (``join(holds=n)``, a LoRA engine with n adapter slots): an ``Assign`` may come while
+Multi-version workers (``join(holds=n)``, a LoRA engine with n adapter slots): a ``Pin`` may come while
 requests run, naming in ``keep`` every version they run under; the worker loads the new version beside them and
 they go on decoding meanwhile. Each request runs under its own version, which must be one the worker holds
 whenever it decodes; the world checks that at every decode step, independently of the core.
@@ -34,27 +34,27 @@ from dataclasses import dataclass, field
 
 from dora.core.events import (
     Action,
-    Assign,
     BatchRequested,
-    Cancel,
     DeliverBatch,
+    ExportGroup,
+    GroupExported,
+    ImportGroup,
     LearnerLost,
     Lease,
     LeaseLost,
-    MigrateIn,
-    MigrateOut,
-    MigrationExported,
+    Lend,
+    Lent,
+    Pin,
+    Reclaim,
     Refused,
-    Resume,
     Retire,
+    Revoke,
     RunFinished,
     SampleFinished,
-    WeightsLoaded,
-    WeightsPublished,
+    VersionLoaded,
+    VersionPublished,
     WorkerJoined,
     WorkerLost,
-    Yield,
-    Yielded,
 )
 from dora.ids import AttemptId, GroupId, WorkerId
 from dora.sim.engine import Engine, Request
@@ -89,7 +89,7 @@ class SimWorker:
     holds: int = 1
     """Versions its engine holds at once (adapter slots); 1: full weights."""
     kept: set[int] = field(default_factory=set)
-    """A multi-version worker: the older versions it holds besides ``loaded`` (from the last ``Assign``)."""
+    """A multi-version worker: the older versions it holds besides ``loaded`` (from the last ``Pin``)."""
 
     @property
     def requests(self) -> list[Request]:
@@ -192,7 +192,7 @@ class World:
                         for r in reqs:
                             r.version = a.version
                     w.prefill_debt += w.engine.submit(reqs)
-                case Assign():
+                case Pin():
                     w = self._live(a.worker_id)
                     if w is None:
                         continue
@@ -208,7 +208,7 @@ class World:
                         raise WorldError(f"{w.worker_id} told to load retired version {a.version}")
                     w.kept = set(a.keep)
                     w.loading = a.version
-                case Yield():
+                case Lend():
                     w = self._live(a.worker_id)
                     if w is None:
                         continue
@@ -217,7 +217,7 @@ class World:
                     w.yielded = w.yield_pending = True
                     if self.yield_kv == "drop":
                         w.resume_debt += w.engine.drop_kv()
-                case Resume():
+                case Reclaim():
                     w = self._live(a.worker_id)
                     if w is None:
                         continue
@@ -225,12 +225,12 @@ class World:
                         raise WorldError(f"{w.worker_id} told to resume {a.version} (serving {w.loaded})")
                     self._wake(w)
                     w.loading = a.version
-                case MigrateOut():
+                case ExportGroup():
                     w = self._live(a.worker_id)
                     if w is not None:
                         w.exporting[a.group_id] = (a.attempt, w.engine.remove(a.group_id, a.attempt))
                         w.prefill_debt += w.engine.admit()  # what waited behind the group runs now
-                case MigrateIn():
+                case ImportGroup():
                     w = self._live(a.worker_id)
                     if w is None:
                         continue
@@ -249,7 +249,7 @@ class World:
                     self.migrated_requests += a.n_requests
                     self.migrated_tokens += round(sum(r.context for r in reqs))
                     w.prefill_debt += w.engine.submit(reqs, front=True)
-                case Cancel():
+                case Revoke():
                     w = self._live(a.worker_id)
                     if w is not None:
                         w.engine.remove(a.group_id, a.attempt)
@@ -351,7 +351,7 @@ class World:
             del w.exporting[group]
         return LeaseLost(worker_id=worker, group_id=group, attempt=attempt)
 
-    def finish_load(self, worker: WorkerId) -> WeightsLoaded:
+    def finish_load(self, worker: WorkerId) -> VersionLoaded:
         w = self.workers[worker]
         if w.loading is None:
             raise WorldError(f"{worker} is not loading")
@@ -367,19 +367,19 @@ class World:
             w.prefill_debt += tokens
         else:
             w.engine.version = w.loaded
-        return WeightsLoaded(worker_id=worker, version=w.loaded)
+        return VersionLoaded(worker_id=worker, version=w.loaded)
 
-    def finish_yield(self, worker: WorkerId) -> Yielded:
+    def finish_yield(self, worker: WorkerId) -> Lent:
         w = self.workers[worker]
         if not w.yield_pending:
             raise WorldError(f"{worker} is not yielding")
         w.yield_pending = False
-        return Yielded(worker_id=worker)
+        return Lent(worker_id=worker)
 
-    def finish_export(self, worker: WorkerId, group: GroupId) -> MigrationExported:
+    def finish_export(self, worker: WorkerId, group: GroupId) -> GroupExported:
         w = self.workers[worker]
         attempt, requests = w.exporting.pop(group)
-        return MigrationExported(worker_id=worker, group_id=group, attempt=attempt,
+        return GroupExported(worker_id=worker, group_id=group, attempt=attempt,
                                  n_requests=len(requests), state=requests)  # fmt: skip
 
     def steps_to_next(self, worker: WorkerId) -> float | None:
@@ -430,7 +430,7 @@ class World:
         self.learner.waiting = True
         return BatchRequested(step=self.learner.version)
 
-    def publish(self) -> WeightsPublished:
+    def publish(self) -> VersionPublished:
         lr = self.learner
         if lr.batch is None:
             raise WorldError("publish without a batch")
@@ -441,7 +441,7 @@ class World:
         lr.batch = None
         lr.version += 1
         lr.steps += 1
-        return WeightsPublished(version=lr.version)
+        return VersionPublished(version=lr.version)
 
     def crash_learner(self) -> LearnerLost:
         """The learner dies mid-step; it restarts from its last published version and asks again."""

@@ -12,17 +12,17 @@ from dora.config import CoreConfig
 from dora.core import elastic
 from dora.core.core import Core
 from dora.core.events import (
-    Assign,
     BatchRequested,
     DeliverBatch,
     Lease,
-    Resume,
+    Lend,
+    Lent,
+    Pin,
+    Reclaim,
     SampleFinished,
-    WeightsLoaded,
-    WeightsPublished,
+    VersionLoaded,
+    VersionPublished,
     WorkerJoined,
-    Yield,
-    Yielded,
 )
 from dora.ids import Mode
 from dora.sim.des import Simulation
@@ -38,13 +38,13 @@ def done(core: Core, lease: Lease, now: float = 0.0) -> list:
 def test_groups_get_the_earliest_admissible_deadline():
     core = Core(CoreConfig(mode=Mode.DORA, max_staleness=3, train_groups=1, group_size=1, deadlines="adaptive"))
     core.handle(0, WorkerJoined(worker_id="w", slots=8))
-    leases = of(core.handle(0, WeightsLoaded(worker_id="w", version=0)), Lease)
+    leases = of(core.handle(0, VersionLoaded(worker_id="w", version=0)), Lease)
     deadlines = [core.scheduler.flights[x.group_id].deadline for x in leases]
     # (d - s + 1) x B groups fit under each deadline d: 2 by step 1, one more by each later step; K = 3 ends it
     assert deadlines == [1, 1, 2, 3]
     fixed = Core(CoreConfig(mode=Mode.DORA, max_staleness=3, train_groups=1, group_size=1))
     fixed.handle(0, WorkerJoined(worker_id="w", slots=8))
-    leases = of(fixed.handle(0, WeightsLoaded(worker_id="w", version=0)), Lease)
+    leases = of(fixed.handle(0, VersionLoaded(worker_id="w", version=0)), Lease)
     assert [fixed.scheduler.flights[x.group_id].deadline for x in leases] == [3, 3, 3, 3], "the same admission room"
 
 
@@ -52,20 +52,20 @@ def test_a_running_due_group_moves_later_only_to_spare_the_trainer_a_wait():
     core = Core(CoreConfig(mode=Mode.DORA, max_staleness=2, train_groups=1, group_size=1, rollout_groups=2,
                            deadlines="adaptive"))  # fmt: skip
     core.handle(0, WorkerJoined(worker_id="w", slots=4))
-    g0, g1 = of(core.handle(0, WeightsLoaded(worker_id="w", version=0)), Lease)
+    g0, g1 = of(core.handle(0, VersionLoaded(worker_id="w", version=0)), Lease)
     assert [core.scheduler.flights[x.group_id].deadline for x in (g0, g1)] == [1, 1]
     core.handle(0, BatchRequested(step=0))
     acts = done(core, g1, now=1.0)  # step 0 takes g1 (the trainer waited); g0 (deadline 1) still runs
     (b0,) = of(acts, DeliverBatch)
     (g2,) = of(acts, Lease)
     assert core.scheduler.flights[g2.group_id].deadline == 2, "step 1's room is g0's: the next deadline"
-    core.handle(1, WeightsPublished(version=1))
+    core.handle(1, VersionPublished(version=1))
     assert not of(core.handle(1, BatchRequested(step=1)), DeliverBatch), "nothing finished: the trainer waits"
     assert core.scheduler.flights[g0.group_id].deadline == 1, "no move that does not help"
     (b1,) = of(done(core, g2, now=2.0), DeliverBatch)  # moving g0 to step 2 lets step 1 take g2 now
     assert [g.group_id for g in b1.groups] == [g2.group_id] and core.extended == 1
     assert core.scheduler.flights[g0.group_id].deadline == 2 == g0.version + 2, "never past v + K"
-    core.handle(2, WeightsPublished(version=2))
+    core.handle(2, VersionPublished(version=2))
     core.handle(2, BatchRequested(step=2))
     assert core.transfer.waiting_on(core.ledger.deadline_counts()) == 1, "now step 2 must wait for g0"
     (b2,) = of(done(core, g0, now=3.0), DeliverBatch)
@@ -81,17 +81,17 @@ def test_no_deadline_moves_where_taking_the_batch_would_pause_a_group_on_a_yield
     core = Core(CoreConfig(mode=Mode.DORA, max_staleness=2, train_groups=1, group_size=1, rollout_groups=2,
                            deadlines="adaptive"))  # fmt: skip
     core.handle(0, WorkerJoined(worker_id="e", slots=2, elastic=elastic))
-    g0, g1 = of(core.handle(0, WeightsLoaded(worker_id="e", version=0)), Lease)
+    g0, g1 = of(core.handle(0, VersionLoaded(worker_id="e", version=0)), Lease)
     core.handle(0, WorkerJoined(worker_id="s", slots=1))
     core.handle(0, BatchRequested(step=0))
     acts = done(core, g1, now=1.0)  # step 0 takes g1; an elastic e yields for it, holding g0 (s has no weights)
     if elastic:
-        assert of(acts, Yield) and not of(acts, DeliverBatch)
-        acts += core.handle(1.0, Yielded(worker_id="e"))
+        assert of(acts, Lend) and not of(acts, DeliverBatch)
+        acts += core.handle(1.0, Lent(worker_id="e"))
     assert [g.group_id for g in of(acts, DeliverBatch)[0].groups] == [g1.group_id]
-    acts += core.handle(1.0, WeightsPublished(version=1))
-    assert [a.worker_id for a in of(acts, Assign)] == ["s"] and len(of(acts, Resume)) == elastic
-    acts += core.handle(1.0, WeightsLoaded(worker_id="s", version=1))
+    acts += core.handle(1.0, VersionPublished(version=1))
+    assert [a.worker_id for a in of(acts, Pin)] == ["s"] and len(of(acts, Reclaim)) == elastic
+    acts += core.handle(1.0, VersionLoaded(worker_id="s", version=1))
     (g2,) = of(acts, Lease)  # e's free slot on v0 while it stays, or s on v1
     assert g2.worker_id == ("s" if elastic else "e")
     core.handle(1.0, BatchRequested(step=1))
@@ -100,11 +100,11 @@ def test_no_deadline_moves_where_taking_the_batch_would_pause_a_group_on_a_yield
         assert [g.group_id for g in of(acts, DeliverBatch)[0].groups] == [g2.group_id] and core.extended == 1
         assert core.scheduler.flights[g0.group_id].deadline == 2
         return
-    assert not of(acts, Yield) and not of(acts, DeliverBatch) and core.extended == 0, "no move that pauses g0"
+    assert not of(acts, Lend) and not of(acts, DeliverBatch) and core.extended == 0, "no move that pauses g0"
     assert core.scheduler.flights[g0.group_id].deadline == 1
     acts = done(core, g0, now=3.0)  # step 1 takes g0 at its deadline, e yields with nothing left to pause
-    assert of(acts, Yield) and not of(acts, DeliverBatch)
-    assert [g.group_id for g in of(core.handle(3.0, Yielded(worker_id="e")), DeliverBatch)[0].groups] == [g0.group_id]
+    assert of(acts, Lend) and not of(acts, DeliverBatch)
+    assert [g.group_id for g in of(core.handle(3.0, Lent(worker_id="e")), DeliverBatch)[0].groups] == [g0.group_id]
 
 
 @pytest.mark.parametrize("mode", [Mode.DORA, Mode.PARTIAL])
@@ -116,9 +116,9 @@ def test_a_group_that_a_peer_of_its_version_has_room_for_pauses_only_where_nothi
     core = Core(CoreConfig(mode=mode, max_staleness=2, train_groups=1, group_size=1, rollout_groups=1,
                            deadlines="adaptive"))  # fmt: skip
     core.handle(0, WorkerJoined(worker_id="e", slots=2, elastic=True))
-    (g0,) = of(core.handle(0, WeightsLoaded(worker_id="e", version=0)), Lease)
+    (g0,) = of(core.handle(0, VersionLoaded(worker_id="e", version=0)), Lease)
     core.handle(0, WorkerJoined(worker_id="s", slots=2))
-    assert not of(core.handle(0, WeightsLoaded(worker_id="s", version=0)), Lease), "one group in flight at most"
+    assert not of(core.handle(0, VersionLoaded(worker_id="s", version=0)), Lease), "one group in flight at most"
     assert elastic.would_pause(core) == (mode is Mode.PARTIAL), g0
 
 

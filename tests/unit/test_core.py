@@ -11,24 +11,24 @@ from hypothesis import strategies as st
 from dora.config import ConfigError, CoreConfig
 from dora.core.core import Core
 from dora.core.events import (
-    Assign,
     BatchRequested,
-    Cancel,
     DeliverBatch,
+    ExportGroup,
+    GroupExported,
+    ImportGroup,
     LearnerLost,
     Lease,
-    MigrateIn,
-    MigrateOut,
-    MigrationExported,
+    Pin,
     Refused,
     ResultsReported,
     Retire,
+    Revoke,
     RunFinished,
     SampleFinished,
     SamplesFinished,
     Tick,
-    WeightsLoaded,
-    WeightsPublished,
+    VersionLoaded,
+    VersionPublished,
     WorkerJoined,
     WorkerLost,
 )
@@ -44,8 +44,8 @@ def of(actions, kind):
 
 def ready(core: Core, worker: str, slots: int = 8) -> list:
     acts = core.handle(0, WorkerJoined(worker_id=worker, slots=slots))
-    (assign,) = of(acts, Assign)
-    return core.handle(0, WeightsLoaded(worker_id=worker, version=assign.version))
+    (assign,) = of(acts, Pin)
+    return core.handle(0, VersionLoaded(worker_id=worker, version=assign.version))
 
 
 def finish(core: Core, lease: Lease, index: int = 0, *, worker=None, attempt=None, version=None, finish=Finish.STOP):
@@ -114,10 +114,10 @@ def test_results_taken_together_decide_as_the_same_results_one_by_one():
             acts = core.handle(0, event)
             log.extend((x.group_id, x.worker_id, x.version) for x in of(acts, Lease))
             refusals.extend((r.group_id, r.index, r.reason) for r in of(acts, Refused))
-            for a in of(acts, Assign):
-                handle(WeightsLoaded(worker_id=a.worker_id, version=a.version))
+            for a in of(acts, Pin):
+                handle(VersionLoaded(worker_id=a.worker_id, version=a.version))
             for batch in of(acts, DeliverBatch):
-                handle(WeightsPublished(version=batch.step + 1))
+                handle(VersionPublished(version=batch.step + 1))
 
         for w in ("a", "b"):
             handle(WorkerJoined(worker_id=w, slots=8))
@@ -211,9 +211,9 @@ def test_a_report_decides_exactly_as_its_samples_one_by_one(data, group_size, k,
             event(f"{type(a).__name__} {a.reason}" if isinstance(a, Refused) else type(a).__name__)
         for a in outcomes[0]:  # the learner trains what it is given, the workers load what they are told
             if isinstance(a, DeliverBatch):
-                one.handle(2.0, WeightsPublished(version=a.step + 1))
-            elif isinstance(a, Assign):
-                one.handle(2.0, WeightsLoaded(worker_id=a.worker_id, version=a.version))
+                one.handle(2.0, VersionPublished(version=a.step + 1))
+            elif isinstance(a, Pin):
+                one.handle(2.0, VersionLoaded(worker_id=a.worker_id, version=a.version))
         one.handle(3.0, BatchRequested(step=one.step))
 
 
@@ -233,8 +233,8 @@ def test_restart_under_the_same_id_voids_the_old_leases_and_fences_their_results
     core = Core(cfg(group_size=1))
     (old,) = of(ready(core, "a"), Lease)
     acts = core.handle(0, WorkerJoined(worker_id="a", slots=8))  # the process restarted before it expired
-    assert of(acts, Assign)
-    acts = core.handle(0, WeightsLoaded(worker_id="a", version=0))
+    assert of(acts, Pin)
+    acts = core.handle(0, VersionLoaded(worker_id="a", version=0))
     (new,) = of(acts, Lease)
     assert new.group_id == old.group_id and new.attempt != old.attempt
     assert [r.reason for r in of(finish(core, old), Refused)] == ["stale_attempt"], "same worker, old attempt"
@@ -246,7 +246,7 @@ def test_c1_violating_sample_is_refused_and_the_group_rerun_then_the_run_stops_a
     (lease,) = of(ready(core, "a"), Lease)
     acts = finish(core, lease, version=lease.version + 1)
     assert [r.reason for r in of(acts, Refused)] == ["c1_violation"]
-    assert of(acts, Cancel) == [Cancel(worker_id="a", group_id=lease.group_id, attempt=lease.attempt)]
+    assert of(acts, Revoke) == [Revoke(worker_id="a", group_id=lease.group_id, attempt=lease.attempt)]
     (rerun,) = of(acts, Lease)
     with pytest.raises(GroupFailed, match="neither trained nor dropped"):
         finish(core, rerun, finish=Finish.ERROR)
@@ -267,8 +267,8 @@ def test_batches_are_exact_and_a_lost_learner_gets_the_same_batch_again():
     (again,) = of(core.handle(0, BatchRequested(step=0)), DeliverBatch)
     assert again.redelivery and again.groups == batch.groups
     assert of(core.handle(0, BatchRequested(step=5)), Refused)
-    assert of(core.handle(0, WeightsPublished(version=3)), Refused), "publish out of order"
-    acts = core.handle(0, WeightsPublished(version=1))
+    assert of(core.handle(0, VersionPublished(version=3)), Refused), "publish out of order"
+    acts = core.handle(0, VersionPublished(version=1))
     assert not of(acts, Refused)
 
 
@@ -278,10 +278,10 @@ def test_run_ends_after_total_steps_and_never_dispatches_past_the_budget():
     assert len(leases) == 2, "budget = total_steps x train_groups groups"
     core.handle(0, BatchRequested(step=0))
     finish(core, leases[0])
-    core.handle(0, WeightsPublished(version=1))
+    core.handle(0, VersionPublished(version=1))
     core.handle(0, BatchRequested(step=1))
     finish(core, leases[1])
-    acts = core.handle(0, WeightsPublished(version=2))
+    acts = core.handle(0, VersionPublished(version=2))
     assert of(acts, RunFinished) == [RunFinished(steps=2)]
 
 
@@ -298,15 +298,15 @@ def test_dora_moves_workers_to_the_new_version_and_migrates_residual_groups_with
     # Admission (K=1: 2B groups due by step 1) left one v0 group on each worker. v1 brings two fresh
     # groups, so each version gets one worker: one worker hands its v0 group to the other and leaves.
     assert len(batch.groups) == 2
-    acts = core.handle(0, WeightsPublished(version=1))
-    (out,) = of(acts, MigrateOut)
+    acts = core.handle(0, VersionPublished(version=1))
+    (out,) = of(acts, ExportGroup)
     assert out.version == 0 and core.ledger.version_of(out.target) == 0, "same version only"
-    assert not of(acts, Assign), "the leaving worker keeps its version until its groups are handed over"
-    acts = core.handle(0, MigrationExported(worker_id=out.worker_id, group_id=out.group_id, attempt=out.attempt,
+    assert not of(acts, Pin), "the leaving worker keeps its version until its groups are handed over"
+    acts = core.handle(0, GroupExported(worker_id=out.worker_id, group_id=out.group_id, attempt=out.attempt,
                                             n_requests=1, state="kv"))  # fmt: skip
-    (mig,) = of(acts, MigrateIn)
+    (mig,) = of(acts, ImportGroup)
     assert (mig.worker_id, mig.source, mig.version, mig.state) == (out.target, out.worker_id, 0, "kv")
-    assert of(acts, Assign) == [Assign(worker_id=out.worker_id, version=1)]
+    assert of(acts, Pin) == [Pin(worker_id=out.worker_id, version=1)]
     assert core.ledger.workers_of(0) == [out.target]
 
 
@@ -316,14 +316,14 @@ def test_export_after_the_target_died_reruns_the_group():
     core.handle(0, BatchRequested(step=0))
     finish(core, next(x for x in leases if x.worker_id == "a"))
     finish(core, next(x for x in leases if x.worker_id == "b"))
-    (out,) = of(core.handle(0, WeightsPublished(version=1)), MigrateOut)
+    (out,) = of(core.handle(0, VersionPublished(version=1)), ExportGroup)
     core.handle(0, WorkerLost(worker_id=out.target))
-    acts = core.handle(0, MigrationExported(worker_id=out.worker_id, group_id=out.group_id, attempt=out.attempt,
+    acts = core.handle(0, GroupExported(worker_id=out.worker_id, group_id=out.group_id, attempt=out.attempt,
                                             n_requests=1))  # fmt: skip
-    assert not of(acts, MigrateIn)
+    assert not of(acts, ImportGroup)
     assert out.group_id in core.scheduler.queue, "the group is owed again, whole (next to the dead target's own)"
-    assert of(acts, Assign) == [Assign(worker_id=out.worker_id, version=1)], "the source, now empty, moves on"
-    acts = core.handle(0, WeightsLoaded(worker_id=out.worker_id, version=1))
+    assert of(acts, Pin) == [Pin(worker_id=out.worker_id, version=1)], "the source, now empty, moves on"
+    acts = core.handle(0, VersionLoaded(worker_id=out.worker_id, version=1))
     (rerun,) = [x for x in of(acts, Lease) if x.group_id == out.group_id]
     assert rerun.version == 1 and rerun.attempt != out.attempt
 
@@ -334,13 +334,13 @@ def test_retire_is_emitted_once_the_last_group_is_consumed_and_no_worker_serves_
     core.handle(0, BatchRequested(step=0))
     finish(core, l0)
     finish(core, l1)
-    acts = core.handle(0, WeightsPublished(version=1))
-    assert of(acts, Assign) == [Assign(worker_id="a", version=1)], "the idle worker moves on at once"
+    acts = core.handle(0, VersionPublished(version=1))
+    assert of(acts, Pin) == [Pin(worker_id="a", version=1)], "the idle worker moves on at once"
     assert not of(acts, Retire), "but v0 still owes a finished group to step 1"
     acts = core.handle(0, BatchRequested(step=1))
     assert of(acts, DeliverBatch) and of(acts, Retire) == [Retire(version=0)], "last v0 group consumed"
-    acts = core.handle(0, WeightsPublished(version=2))
-    assert of(acts, Retire) == [Retire(version=1)] and of(acts, Assign) == [Assign(worker_id="a", version=2)]
+    acts = core.handle(0, VersionPublished(version=2))
+    assert of(acts, Retire) == [Retire(version=1)] and of(acts, Pin) == [Pin(worker_id="a", version=2)]
 
 
 def test_partial_mode_swaps_weights_under_running_requests_and_counts_c1_violations():
@@ -348,9 +348,9 @@ def test_partial_mode_swaps_weights_under_running_requests_and_counts_c1_violati
     l0, l1 = of(ready(core, "a"), Lease)
     core.handle(0, BatchRequested(step=0))
     finish(core, l0)
-    acts = core.handle(0, WeightsPublished(version=1))
-    assert of(acts, Assign) == [Assign(worker_id="a", version=1, interrupt=True)]
-    core.handle(0, WeightsLoaded(worker_id="a", version=1))
+    acts = core.handle(0, VersionPublished(version=1))
+    assert of(acts, Pin) == [Pin(worker_id="a", version=1, interrupt=True)]
+    core.handle(0, VersionLoaded(worker_id="a", version=1))
     core.handle(0, BatchRequested(step=1))
     mixed = SampleFinished(worker_id="a", group_id=l1.group_id, attempt=l1.attempt, index=0,
                            segments=((0, 3), (1, 4)))  # fmt: skip
@@ -417,7 +417,7 @@ def test_drop_stale_discards_over_stale_groups_and_counts_them():
     assert len(leases) == 3, "no deadline admission: the worker is filled to its credit"
     core.handle(0, BatchRequested(step=0))
     (b0,) = of(finish(core, leases[0]), DeliverBatch)
-    core.handle(0, WeightsPublished(version=1))
+    core.handle(0, VersionPublished(version=1))
     finish(core, leases[1])  # version 0, now over-stale for step 1 (K = 0)
     core.handle(0, BatchRequested(step=1))
     assert [g.group_id for g in core.transfer.dropped] == [leases[1].group_id]
@@ -429,7 +429,7 @@ def test_nothing_is_leased_until_min_workers_have_joined():
     core = Core(cfg(min_workers=2, rollout_groups=None))
     assert not of(ready(core, "a"), Lease) and not core.fleet_ready
     acts = core.handle(0, WorkerJoined(worker_id="b", slots=8))
-    acts += core.handle(0, WeightsLoaded(worker_id="b", version=of(acts, Assign)[0].version))
+    acts += core.handle(0, VersionLoaded(worker_id="b", version=of(acts, Pin)[0].version))
     assert of(acts, Lease) and core.fleet_ready  # leasing starts once the second worker is in
 
 
@@ -438,9 +438,9 @@ def test_the_first_leases_wait_until_min_workers_have_loaded_and_are_shared_amon
     that loaded first would take every group the watermark allows."""
     core = Core(cfg(min_workers=2, rollout_groups=None))
     ready(core, "a", slots=64)
-    (assign,) = of(core.handle(0, WorkerJoined(worker_id="b", slots=64)), Assign)
+    (assign,) = of(core.handle(0, WorkerJoined(worker_id="b", slots=64)), Pin)
     assert not core.fleet_ready and not core.scheduler.flights, "b joined but has not loaded: nothing leased"
-    leases = of(core.handle(0, WeightsLoaded(worker_id="b", version=assign.version)), Lease)
+    leases = of(core.handle(0, VersionLoaded(worker_id="b", version=assign.version)), Lease)
     assert core.fleet_ready and {x.worker_id for x in leases} == {"a", "b"}, leases
 
 
@@ -448,9 +448,9 @@ def test_a_worker_lost_before_the_fleet_is_ready_no_longer_holds_it_back():
     """min_workers = 2 and b dies while it loads: a alone starts the run once it has loaded, instead of waiting
     for b forever."""
     core = Core(cfg(min_workers=2, rollout_groups=None))
-    (assign,) = of(core.handle(0, WorkerJoined(worker_id="a", slots=64)), Assign)
+    (assign,) = of(core.handle(0, WorkerJoined(worker_id="a", slots=64)), Pin)
     core.handle(0, WorkerJoined(worker_id="b", slots=64))
     core.handle(0, WorkerLost(worker_id="b"))
     assert not core.fleet_ready and not core.scheduler.flights, "a has not loaded yet"
-    leases = of(core.handle(0, WeightsLoaded(worker_id="a", version=assign.version)), Lease)
+    leases = of(core.handle(0, VersionLoaded(worker_id="a", version=assign.version)), Lease)
     assert core.fleet_ready and leases and {x.worker_id for x in leases} == {"a"}, leases

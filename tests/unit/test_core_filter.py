@@ -12,15 +12,15 @@ import pytest
 from dora.config import ConfigError, CoreConfig
 from dora.core.core import Core
 from dora.core.events import (
-    Assign,
     BatchRequested,
     DeliverBatch,
     Lease,
+    Pin,
     ResultsReported,
     RunFinished,
     SampleFinished,
-    WeightsLoaded,
-    WeightsPublished,
+    VersionLoaded,
+    VersionPublished,
     WorkerJoined,
 )
 from dora.ids import Mode
@@ -47,8 +47,8 @@ class Run:
             self.batches.append(b)
             self.filtered[b.step] = self.core.filtered_with(b.step)
         self.finished |= bool(of(acts, RunFinished))
-        for a in of(acts, Assign):
-            self.handle(WeightsLoaded(worker_id=a.worker_id, version=a.version))
+        for a in of(acts, Pin):
+            self.handle(VersionLoaded(worker_id=a.worker_id, version=a.version))
         return acts
 
     def finish(self, lease: Lease) -> list:
@@ -68,7 +68,7 @@ class Run:
             if self.finished:
                 return
             if self.core.transfer.in_training is not None:
-                self.handle(WeightsPublished(version=self.core.transfer.in_training.step + 1))
+                self.handle(VersionPublished(version=self.core.transfer.in_training.step + 1))
             elif not self.core.learner_waiting:
                 self.handle(BatchRequested(step=self.core.step))
             else:
@@ -188,7 +188,7 @@ def test_a_restarted_core_counts_the_groups_filtered_before_it_in_its_budget():
     assert core.restore([3, 5, 6, 7], filtered=2) == 2  # ids >= 2 x 2 + 2: past the budget as it stands
     assert list(core.scheduler.owed) == [3, 5, 6, 7]
     acts = core.handle(0, WorkerJoined(worker_id="a", slots=8))
-    core.handle(0, WeightsLoaded(worker_id="a", version=of(acts, Assign)[0].version))
+    core.handle(0, VersionLoaded(worker_id="a", version=of(acts, Pin)[0].version))
     assert sorted(g for g in core.scheduler.flights) == [3, 5], "ids below 2 x 2 + 2 only"
     plain = Core(CoreConfig(train_groups=2, group_size=1, total_steps=2), start_cursor=8, initial_version=1)
     assert plain.restore([3, 5, 6, 7]) == 3 and list(plain.scheduler.owed) == [3]

@@ -10,13 +10,13 @@ from __future__ import annotations
 from dora.core import orchestrator
 from dora.core.core import Core
 from dora.core.events import (
-    Assign,
     BatchRequested,
     Lease,
+    Pin,
     Retire,
     Tick,
-    WeightsLoaded,
-    WeightsPublished,
+    VersionLoaded,
+    VersionPublished,
     WorkerJoined,
 )
 from dora.core.ledger import VersionState
@@ -25,8 +25,8 @@ from tests.unit.test_core import cfg, finish, of
 
 
 def join(core: Core, worker: str, *, slots: int = 4, holds: int = 1) -> list:
-    (assign,) = of(core.handle(0, WorkerJoined(worker_id=worker, slots=slots, holds=holds)), Assign)
-    return core.handle(0, WeightsLoaded(worker_id=worker, version=assign.version))
+    (assign,) = of(core.handle(0, WorkerJoined(worker_id=worker, slots=slots, holds=holds)), Pin)
+    return core.handle(0, VersionLoaded(worker_id=worker, version=assign.version))
 
 
 def train_one(core: Core, lease: Lease) -> list:
@@ -34,7 +34,7 @@ def train_one(core: Core, lease: Lease) -> list:
     finish(core, lease)
     step = core.step
     core.handle(0, BatchRequested(step=step))
-    return core.handle(0, WeightsPublished(version=step + 1))
+    return core.handle(0, VersionPublished(version=step + 1))
 
 
 def test_a_multi_version_worker_takes_the_new_version_beside_a_running_group_and_serves_both():
@@ -45,10 +45,10 @@ def test_a_multi_version_worker_takes_the_new_version_beside_a_running_group_and
     assert not of(core.handle(0, Tick()), Lease)  # the refill came with the finish: two v0 groups run
     assert sorted(core.scheduler.workers["a"].groups) == [second.group_id, second.group_id + 1]
     core.handle(0, BatchRequested(step=0))
-    (assign,) = of(core.handle(0, WeightsPublished(version=1)), Assign)  # v0 groups still run on "a"
+    (assign,) = of(core.handle(0, VersionPublished(version=1)), Pin)  # v0 groups still run on "a"
     assert (assign.worker_id, assign.version, assign.keep) == ("a", 1, (0,))
     assert core.ledger.holds("a", 0) and core.ledger.holds("a", 1)
-    core.handle(0, WeightsLoaded(worker_id="a", version=1))
+    core.handle(0, VersionLoaded(worker_id="a", version=1))
     acts = finish(core, second)
     (lease,) = of(acts, Lease)
     assert (lease.worker_id, lease.version) == ("a", 1)  # new work on v1 beside the v0 group still running
@@ -59,7 +59,7 @@ def test_a_multi_version_worker_takes_the_new_version_beside_a_running_group_and
     assert not core.ledger.holds("a", 0)  # version 0 left the worker with its last group
     retired = []
     for step in (1, 2):  # both v0 groups are trained (one per batch); then no group or worker holds version 0
-        acts = core.handle(0, BatchRequested(step=step)) + core.handle(0, WeightsPublished(version=step + 1))
+        acts = core.handle(0, BatchRequested(step=step)) + core.handle(0, VersionPublished(version=step + 1))
         retired += [r.version for r in of(acts, Retire)]
     assert 0 in retired
 
@@ -68,7 +68,7 @@ def test_a_full_weight_worker_with_a_running_group_is_not_told_to_change_version
     core = Core(cfg(max_staleness=2, rollout_groups=2))
     first, _ = of(join(core, "a", holds=1), Lease)
     acts = train_one(core, first)
-    assert not of(acts, Assign)  # it drains its v0 groups first
+    assert not of(acts, Pin)  # it drains its v0 groups first
     assert core.ledger.version_of("a") == 0 and not core.ledger.kept_by("a")
 
 
@@ -76,7 +76,7 @@ def test_a_kept_version_is_alive_until_its_last_group_leaves_the_worker():
     core = Core(cfg(max_staleness=1, rollout_groups=2))
     first, _ = of(join(core, "a", holds=2), Lease)
     train_one(core, first)
-    core.handle(0, WeightsLoaded(worker_id="a", version=1))
+    core.handle(0, VersionLoaded(worker_id="a", version=1))
     assert core.ledger.state(0) is not VersionState.RETIRED
     assert set(core.ledger.keepers(0)) == {"a"}
 
@@ -85,18 +85,18 @@ def test_a_worker_with_too_few_adapter_slots_waits_for_its_groups_before_it_move
     core = Core(cfg(max_staleness=2, rollout_groups=2))
     first, _ = of(join(core, "a", slots=6, holds=2), Lease)
     acts = train_one(core, first)  # v1 comes while two v0 groups run: "a" keeps v0
-    assert of(acts, Assign)[0].keep == (0,)
-    core.handle(0, WeightsLoaded(worker_id="a", version=1))
+    assert of(acts, Pin)[0].keep == (0,)
+    core.handle(0, VersionLoaded(worker_id="a", version=1))
     v0 = [core.scheduler.flights[g] for g in sorted(core.scheduler.workers["a"].groups)]
     finish(core, Lease(worker_id="a", group_id=v0[0].group_id, attempt=v0[0].attempt, version=0, n_samples=1))
     v1 = [f for f in core.scheduler.flights.values() if f.version == 1]
     assert v1 and all(f.worker == "a" for f in v1)
     core.handle(0, BatchRequested(step=1))
-    acts = core.handle(0, WeightsPublished(version=2))  # v2 while v0 and v1 both run there: it holds two
-    assert not of(acts, Assign) and core.ledger.version_of("a") == 1
+    acts = core.handle(0, VersionPublished(version=2))  # v2 while v0 and v1 both run there: it holds two
+    assert not of(acts, Pin) and core.ledger.version_of("a") == 1
     last = v0[1]
     acts = finish(core, Lease(worker_id="a", group_id=last.group_id, attempt=last.attempt, version=0, n_samples=1))
-    (assign,) = of(acts, Assign)  # v0's last group ended: now it can keep v1 and take v2
+    (assign,) = of(acts, Pin)  # v0's last group ended: now it can keep v1 and take v2
     assert (assign.version, assign.keep) == (2, (1,))
 
 

@@ -173,7 +173,7 @@ class CoreMachine(RuleBasedStateMachine):
 
     @rule(pick=st.integers(0, 10**6), replay=st.booleans())
     def lose_lease(self, pick, replay):
-        """A Generate, MigrateIn or export answer is lost on the way: the worker's heartbeat says it holds
+        """A Generate, ImportGroup or export answer is lost on the way: the worker's heartbeat says it holds
         nothing of that lease (``replay``: the same report again, once the group was re-queued)."""
         held = [(w.worker_id, r.group_id, r.attempt) for w in self.h.world.alive_workers() for r in w.requests]
         held += [(w.worker_id, g, a) for w in self.h.world.alive_workers() for g, (a, _) in w.exporting.items()]

@@ -21,6 +21,7 @@ import hashlib
 import json
 import pathlib
 import random
+import re
 import sys
 
 from dora.config import CoreConfig
@@ -34,6 +35,21 @@ SEEDS = range(400)
 MOVES = 300
 
 
+DIGESTED_AS = {
+    "Pin": "Assign",
+    "Lend": "Yield",
+    "Reclaim": "Resume",
+    "ExportGroup": "MigrateOut",
+    "ImportGroup": "MigrateIn",
+    "Revoke": "Cancel",
+    "ReadyGroup": "TrainGroup",
+    "ReadySample": "TrainSample",
+}
+"""The core's action types (and the batch's group and sample types inside them) by the names they had when the
+digests were made: a digest folds in each type's name, so a renamed type is folded in under its old one."""
+_RENAMED = re.compile(r"\b(" + "|".join(DIGESTED_AS) + r")\(")
+
+
 def canonical(action: Action) -> str:
     """An action's kind and fields. Left out: a migration's exported state (the world's objects, not a decision)
     and fields added since the digests were made while they hold their default (a worker keeping no version)."""
@@ -43,7 +59,9 @@ def canonical(action: Action) -> str:
         if name == "state" or (name == "keep" and value == ()):
             continue
         fields[name] = value
-    return f"{type(action).__name__}{sorted(fields.items())!r}"
+    kind = type(action).__name__
+    text = f"{DIGESTED_AS.get(kind, kind)}{sorted(fields.items())!r}"
+    return _RENAMED.sub(lambda m: DIGESTED_AS[m[1]] + "(", text)
 
 
 class Recorder(Harness):

@@ -15,8 +15,8 @@ from dora.core.events import (
     DeliverBatch,
     Lease,
     SampleFinished,
-    WeightsLoaded,
-    WeightsPublished,
+    VersionLoaded,
+    VersionPublished,
     WorkerJoined,
 )
 from dora.ids import Mode
@@ -109,7 +109,7 @@ def test_design_counter_example_k2_b2():
     """
     core = Core(CoreConfig(mode=Mode.DORA, max_staleness=2, train_groups=2, group_size=1, rollout_groups=8))
     core.handle(0, WorkerJoined(worker_id="a", slots=8))
-    acts = core.handle(0, WeightsLoaded(worker_id="a", version=0))
+    acts = core.handle(0, VersionLoaded(worker_id="a", version=0))
     v0 = [a for a in acts if isinstance(a, Lease)]
     assert len(v0) == 6 and {a.version for a in v0} == {0}, "admission allows exactly (K+1)*B groups on v0"
 
@@ -118,9 +118,9 @@ def test_design_counter_example_k2_b2():
     (b0,) = _batches(_finish(core, v0[1]))
     assert {g.group_id for g in b0.groups} == {v0[0].group_id, v0[1].group_id}
 
-    acts = core.handle(0, WeightsPublished(version=1))
+    acts = core.handle(0, VersionPublished(version=1))
     acts += core.handle(0, WorkerJoined(worker_id="b", slots=8))
-    acts += core.handle(0, WeightsLoaded(worker_id="b", version=1))
+    acts += core.handle(0, VersionLoaded(worker_id="b", version=1))
     v1 = [a for a in acts if isinstance(a, Lease) and a.version == 1]
     assert len(v1) == 2, "deadline 3 has room for exactly two v1 groups next to four owed v0 groups"
     _finish(core, v1[0])
@@ -135,14 +135,14 @@ def test_design_counter_example_k2_b2():
     (b1,) = _batches(_finish(core, v0[3]))
     assert {g.version for g in b1.groups} == {0}, "step 1 takes the oldest groups"
 
-    core.handle(0, WeightsPublished(version=2))
+    core.handle(0, VersionPublished(version=2))
     assert not _batches(core.handle(0, BatchRequested(step=2))), "groups with deadline 2 must come first"
     _finish(core, v0[4])
     (b2,) = _batches(_finish(core, v0[5]))
     assert {g.group_id for g in b2.groups} == {v0[4].group_id, v0[5].group_id}
     assert max(b2.step - g.version for g in b2.groups) == 2  # exactly K, never more
 
-    core.handle(0, WeightsPublished(version=3))
+    core.handle(0, VersionPublished(version=3))
     (b3,) = _batches(core.handle(0, BatchRequested(step=3)))
     assert {g.group_id for g in b3.groups} == {v1[0].group_id, v1[1].group_id}
     trained = [g.group_id for b in (b0, b1, b2, b3) for g in b.groups]

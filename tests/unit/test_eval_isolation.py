@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from dora.broker.evaluation import BrokerEval, EvalRounds
 from dora.config import CoreConfig
-from dora.core.events import WeightsPublished
+from dora.core.events import VersionPublished
 from dora.ids import Mode, WorkerId
 from dora.sim.workload import Workload
 from dora.wire import messages as m
@@ -50,7 +50,7 @@ def drive(cfg: CoreConfig, seed: int, slots: int, workers: int, evaluate: bool, 
         actions = feed(event)
         log.append(f"{event!r} -> {actions!r}")
         if evaluate:
-            if isinstance(event, WeightsPublished):
+            if isinstance(event, VersionPublished):
                 evals.published(event.version, h.now)
             evals.tick(h.now)
             while sent and rng.random() < 0.7:  # answers come back in any order, some late

@@ -69,7 +69,7 @@ def test_a_rebuilt_core_hands_out_what_it_owes_first_then_fresh_groups():
     core.restore([4, 7, 9])
     w = WorkerId("w")
     out = core.handle(0.0, ev.WorkerJoined(worker_id=w, slots=64))
-    out += core.handle(0.1, ev.WeightsLoaded(worker_id=w, version=3))
+    out += core.handle(0.1, ev.VersionLoaded(worker_id=w, version=3))
     leased = [a for a in out if isinstance(a, ev.Lease)]
     # the owed groups first, on the newest version; fresh ids (from the cursor on) only after them
     assert [(a.group_id, a.version) for a in leased][:3] == [(4, 3), (7, 3), (9, 3)]
@@ -80,7 +80,7 @@ def test_a_rebuilt_core_hands_out_what_it_owes_first_then_fresh_groups():
                                                segments=((3, 3),), finish=Finish.STOP))  # fmt: skip
     [batch] = [a for a in core.handle(2.0, ev.BatchRequested(step=3)) if isinstance(a, ev.DeliverBatch)]
     assert batch.step == 3 and len(batch.groups) == 2
-    out = core.handle(3.0, ev.WeightsPublished(version=4))
+    out = core.handle(3.0, ev.VersionPublished(version=4))
     assert core.ledger.newest == 4 and not any(isinstance(a, ev.Refused) for a in out)
 
 
@@ -95,24 +95,24 @@ def test_a_rebuilt_core_owes_no_reserved_id_past_its_budget_and_trains_exactly_t
     assert core.restore([0, 2, *range(4, 10)]) == 4
     w = WorkerId("w")
     out = core.handle(0.0, ev.WorkerJoined(worker_id=w, slots=64))
-    out += core.handle(0.1, ev.WeightsLoaded(worker_id=w, version=1))
+    out += core.handle(0.1, ev.VersionLoaded(worker_id=w, version=1))
     trained, leased = [], []
     for now in range(1, 20):
         if any(isinstance(a, ev.RunFinished) for a in out):
             break
         leased += [a.group_id for a in out if isinstance(a, ev.Lease)]
         todo = sorted((a for a in out if isinstance(a, ev.Lease)), key=lambda a: -a.group_id)
-        loads = [a for a in out if isinstance(a, ev.Assign)]
+        loads = [a for a in out if isinstance(a, ev.Pin)]
         out = []
         for a in loads:
-            out += core.handle(now, ev.WeightsLoaded(worker_id=w, version=a.version))
+            out += core.handle(now, ev.VersionLoaded(worker_id=w, version=a.version))
         for a in todo:
             out += core.handle(now, ev.SampleFinished(worker_id=w, group_id=a.group_id, attempt=a.attempt, index=0,
                                                       segments=((a.version, 3),), finish=Finish.STOP))  # fmt: skip
         out += core.handle(now, ev.BatchRequested(step=core.step))
         for batch in [a for a in out if isinstance(a, ev.DeliverBatch)]:
             trained += [g.group_id for g in batch.groups]
-            out += core.handle(now, ev.WeightsPublished(version=batch.step + 1))
+            out += core.handle(now, ev.VersionPublished(version=batch.step + 1))
     leased += [a.group_id for a in out if isinstance(a, ev.Lease)]
     assert max(leased) < 6, f"a group past the budget was handed out: {leased}"
     assert sorted(trained) == [0, 2, 4, 5] and not core.scheduler.flights
@@ -191,16 +191,16 @@ def test_a_broker_that_filters_resumes_with_its_budget_and_consumes_exactly_the_
     assert core.scheduler.filtered == 1 and list(core.scheduler.owed)[:3] == [2, 4, 5]
     w = WorkerId("w")
     out = core.handle(0.0, ev.WorkerJoined(worker_id=w, slots=64))
-    out += core.handle(0.1, ev.WeightsLoaded(worker_id=w, version=1))
+    out += core.handle(0.1, ev.VersionLoaded(worker_id=w, version=1))
     trained = []
     for now in range(1, 30):
         if any(isinstance(a, ev.RunFinished) for a in out):
             break
         todo = [a for a in out if isinstance(a, ev.Lease)]
-        loads = [a for a in out if isinstance(a, ev.Assign)]
+        loads = [a for a in out if isinstance(a, ev.Pin)]
         out = []
         for a in loads:
-            out += core.handle(now, ev.WeightsLoaded(worker_id=w, version=a.version))
+            out += core.handle(now, ev.VersionLoaded(worker_id=w, version=a.version))
         for a in todo:  # ids 2, 4 and 6 come with a reward (one sample: uniform), the others with none (never)
             out += core.handle(now, ev.SampleFinished(worker_id=w, group_id=a.group_id, attempt=a.attempt, index=0,
                                                       segments=((a.version, 3),),
@@ -208,7 +208,7 @@ def test_a_broker_that_filters_resumes_with_its_budget_and_consumes_exactly_the_
         out += core.handle(now, ev.BatchRequested(step=core.step))
         for batch in [a for a in out if isinstance(a, ev.DeliverBatch)]:
             trained += [g.group_id for g in batch.groups]
-            out += core.handle(now, ev.WeightsPublished(version=batch.step + 1))
+            out += core.handle(now, ev.VersionPublished(version=batch.step + 1))
     filtered = [0, *core.transfer.filtered]
     assert sorted([*trained, 1, 3, *filtered]) == list(range(3 * 2 + len(filtered)))
     assert core.transfer.filtered == [2, 4, 6] and not core.scheduler.flights
