@@ -29,7 +29,7 @@ import msgspec
 import numpy as np
 
 from dora.wire import messages
-from dora.wire.messages import MESSAGES, WIRE_VERSION
+from dora.wire.messages import MESSAGES, WIRE_VERSION, Message
 
 MAGIC = b"dora"
 ARRAY_EXT = 1
@@ -39,7 +39,7 @@ MAX_ARRAY_FRAMES = 1 << 17
 MAX_BODY_BYTES = 32 << 20
 """The msgpack map of fields; arrays travel beside it. The socket's MAXMSGSIZE caps the whole message."""
 DTYPES = frozenset({"|b1", "|u1", "|i1", "<i2", "<u2", "<i4", "<u4", "<i8", "<u8", "<f2", "<f4", "<f8"})
-KINDS: dict[str, type] = {cls.KIND: cls for cls in MESSAGES}
+KINDS: dict[str, type[Message]] = {cls.KIND: cls for cls in MESSAGES}
 _DTYPE_OBJECTS = {d: np.dtype(d) for d in DTYPES}
 
 Buffer = bytes | bytearray | memoryview | Any
@@ -64,7 +64,7 @@ class EncodeError(TypeError):
 
 
 class _ArrayRef(typing.NamedTuple):
-    index: int
+    frame: int
     dtype: str
     shape: tuple[int, ...]
 
@@ -102,10 +102,10 @@ _ref_encoder = msgspec.msgpack.Encoder()
 _encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
 
 
-def encode(msg: Any) -> list[Buffer]:
+def encode(msg: Message) -> list[Buffer]:
     """Frames for one message. Array frames are the arrays' own memory (no copy when contiguous)."""
     cls = type(msg)
-    if KINDS.get(getattr(cls, "KIND", None)) is not cls:
+    if cls not in _KIND_FRAMES:
         raise EncodeError(f"{cls.__name__} is not a wire message")
     arrays: list[np.ndarray] = []
     _frames.arrays = arrays
@@ -120,7 +120,7 @@ def encode(msg: Any) -> list[Buffer]:
     return [MAGIC, _VERSION_FRAME, _KIND_FRAMES[cls], body, *(_source(a) for a in arrays)]
 
 
-def encode_plain(cls: type, fields: dict[str, Any]) -> list[Buffer]:
+def encode_plain(cls: type[Message], fields: dict[str, Any]) -> list[Buffer]:
     """Frames for a message of kind ``cls`` given as plain data: ``fields`` holds every field, in declaration
     order, nested message parts as such maps too, and no array. The same bytes as ``encode(cls(**fields))``
     without building the dataclasses, for the broker's commonest answer; nothing is checked, so a caller
@@ -137,11 +137,11 @@ def _source(arr: np.ndarray) -> Buffer:
     base = arr.base
     if type(base) is memoryview and base.nbytes == arr.nbytes and not isinstance(base.obj, np.ndarray | None):
         return base.obj
-    return memoryview(arr)
+    return arr.data
 
 
 _VERSION_FRAME = struct.pack(">H", WIRE_VERSION)
-_KIND_FRAMES = {cls: cls.KIND.encode("ascii") for cls in MESSAGES}
+_KIND_FRAMES: dict[type[Message], bytes] = {cls: cls.KIND.encode("ascii") for cls in MESSAGES}
 
 
 # ---------------------------------------------------------------- decode
@@ -151,12 +151,12 @@ def _ext_hook(code: int, data: memoryview) -> _ArrayRef:
     if code != ARRAY_EXT:
         raise DecodeError(f"unknown ext type {code}")
     try:
-        index, dtype, shape = _ref_decoder.decode(data)
+        frame, dtype, shape = _ref_decoder.decode(data)
     except msgspec.MsgspecError:
         raise DecodeError("malformed array reference") from None
     if len(shape) > MAX_ARRAY_DIMS or min(shape, default=0) < 0:
         raise DecodeError(f"bad array shape {list(shape)!r}")
-    return _ArrayRef(index, dtype, shape)
+    return _ArrayRef(frame, dtype, shape)
 
 
 _ref_decoder = msgspec.msgpack.Decoder(tuple[int, str, tuple[int, ...]])
@@ -185,7 +185,7 @@ def _plain_fields(cls: type) -> tuple[str, ...]:
 _PATH = re.compile(r"`\$")
 
 
-def decode(frames: Sequence[Buffer]) -> Any:
+def decode(frames: Sequence[Buffer]) -> Message:
     """Decode one message; raise ``DecodeError`` (or its ``WireVersionMismatch``) for anything invalid."""
     try:
         return _decode(frames)
@@ -197,7 +197,7 @@ def decode(frames: Sequence[Buffer]) -> Any:
         _frames.blobs, _frames.used = [], set()
 
 
-def _decode(frames: Sequence[Buffer]) -> Any:
+def _decode(frames: Sequence[Buffer]) -> Message:
     if not 4 <= len(frames) <= 4 + MAX_ARRAY_FRAMES:
         raise DecodeError(f"{len(frames)} frames, a message has 4 to {4 + MAX_ARRAY_FRAMES}")
     if bytes(frames[0]) != MAGIC:
@@ -249,11 +249,11 @@ def _check_json(value: Any, where: str, error: type[Exception]) -> None:
 def _array(ref: _ArrayRef, blobs: list[memoryview], used: set[int]) -> np.ndarray:
     if ref.dtype not in DTYPES:
         raise ValueError(f"dtype {ref.dtype!r} not accepted")
-    if not 0 <= ref.index < len(blobs) or ref.index in used:
-        raise ValueError(f"array frame {ref.index} missing or used twice")
-    used.add(ref.index)
+    if not 0 <= ref.frame < len(blobs) or ref.frame in used:
+        raise ValueError(f"array frame {ref.frame} missing or used twice")
+    used.add(ref.frame)
     dtype = _DTYPE_OBJECTS[ref.dtype]
-    blob = blobs[ref.index]
+    blob = blobs[ref.frame]
     count = 1
     for d in ref.shape:
         count *= d
