@@ -25,25 +25,23 @@ import json
 import os
 import socket
 import time
-import uuid
 from collections.abc import Callable
 from statistics import fmean
 from typing import Any, TextIO
 
 import structlog
-import zmq
 import zmq.asyncio
 
 from dora.actor.cluster import ClusterInfo
 from dora.actor.lag import watching_lag
 from dora.actor.security import HINT, Keys
-from dora.actor.signals import GOODBYE_LINGER_MS
+from dora.actor.session import PeerSession
 from dora.config import ConfigError
 from dora.config.run import RunConfig
 from dora.learner.checks import InvariantBroken, check_batch
 from dora.learner.trainers import Trainer
 from dora.samples import Batch
-from dora.wire import codec, packed
+from dora.wire import packed
 from dora.wire import messages as m
 
 log = structlog.get_logger()
@@ -87,16 +85,26 @@ class LearnerActor:
         """Set: leave at the next step boundary (after checkpointing). ``run`` may be handed its own."""
         self.unacked: tuple[int, Batch, dict[str, Any]] | None = None
         """The step published and not yet acknowledged: (version, batch, facts)."""
+        self.link: PeerSession | None = None
+        """The session with the broker, while the learner serves."""
+        self.welcomed = False
+        """The broker has welcomed this learner once."""
+        self.joining = True
+        """A Hello is out and its Welcome not in: the learner (re)joins the run at the broker's newest version."""
         self.awaiting: tuple[float, Any] | None = None
         """The request whose answer is awaited (Hello, RequestBatch or WeightsPublished) and when it was sent:
         sent again every two heartbeat intervals until answered, since either message may be lost."""
 
-    async def _beat(self, sock: zmq.asyncio.Socket, msg: Any = None) -> None:
-        """A heartbeat (or a hello), skipped if it cannot leave now: with no connection up (a broker gone, a
-        refused handshake) a send would wait, and the loop must keep its deadlines. Both are sent again."""
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self.cfg.broker.heartbeat_interval_s):
-                await sock.send_multipart(codec.encode(m.Heartbeat() if msg is None else msg))
+    async def _request(self, msg: Any) -> None:
+        """Send a request that expects an answer, and keep it for sending again."""
+        self.awaiting = (self.clock(), msg)
+        await self._offer(msg)
+
+    async def _offer(self, msg: Any) -> None:
+        """Send ``msg``, skipped if it cannot leave within a heartbeat interval: with no connection up (a broker gone,
+        a refused handshake) a send would wait, and the loop must keep its deadlines. Each is sent again."""
+        assert self.link is not None
+        await self.link.send_within(msg, self.cfg.broker.heartbeat_interval_s)
 
     def _rediscover(self) -> str:
         if self.discover is None:
@@ -106,21 +114,9 @@ class LearnerActor:
         except ConfigError:  # the discovery file is being replaced by a starting broker: try again later
             return self.endpoint
 
-    async def _request(self, sock: zmq.asyncio.Socket, msg: Any) -> None:
-        """Send a request that expects an answer, and keep it for sending again."""
-        self.awaiting = (self.clock(), msg)
-        await self._beat(sock, msg)
-
     def _hello(self) -> m.Hello:
-        return m.Hello(
-            wire_version=m.WIRE_VERSION,
-            role=m.Role.LEARNER,
-            peer_id="learner-0",
-            pid=os.getpid(),
-            host=self.cluster.host,
-            slurm_job_id=self.cluster.job_id,
-            learner_version=self.committed if self.trainer.keeps_weights else None,
-        )
+        assert self.link is not None
+        return self.link.hello("learner-0", learner_version=self.committed if self.trainer.keeps_weights else None)
 
     async def run(self, stop: asyncio.Event, drain: asyncio.Event | None = None) -> int:
         """Serve until the run ends, ``stop`` is set (leave now) or ``drain`` is (leave at the next step boundary)."""
@@ -129,83 +125,41 @@ class LearnerActor:
             return await self.serve(stop)
 
     async def serve(self, stop: asyncio.Event) -> int:
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, f"learner/{self.cluster.host}/{uuid.uuid4().hex[:8]}".encode())
-        sock.setsockopt(zmq.LINGER, 0)
-        keys = Keys.load(self.cfg.security.keys) if self.cfg.security.keys else None
-        if keys is not None:
-            keys.connect_as(sock, "learner")
-        sock.connect(self.endpoint)
+        """The learner's one session with the broker, greeted anew whenever it falls silent; the exit code."""
         b = self.cfg.broker
-        started, welcomed = self.clock(), False
+        keys = Keys.load(self.cfg.security.keys) if self.cfg.security.keys else None
+        self.link = link = PeerSession(self.ctx, m.Role.LEARNER, self.cluster.host, cluster=self.cluster, keys=keys,
+                                       interval_s=b.heartbeat_interval_s, liveness=b.liveness, clock=self.clock)  # fmt: skip
+        link.connect(self.endpoint)
+        started, self.welcomed = self.clock(), False
         try:
             try:  # a send waits until a connection is up, which a refused CURVE handshake never lets happen
                 async with asyncio.timeout(self.cfg.security.auth_timeout_s):
-                    await self._request(sock, self._hello())
+                    await self._request(self._hello())
             except TimeoutError:
                 log.error("broker_never_answered", endpoint=self.endpoint, hint=HINT if keys else "")
                 return 1
-            joining = True
-            next_beat = heard = self.clock()
+            self.joining = True
+            link.heard()
             while not stop.is_set():
-                if self.drain.is_set() and self.unacked is None and welcomed:  # no step in flight: leave now
-                    await self.leave(sock, stop, "drained")
+                if self.drain.is_set() and self.unacked is None and self.welcomed:  # no step in flight: leave now
+                    await self.leave(stop, "drained")
                     return 0
-                if not welcomed and self.clock() - started > self.cfg.security.auth_timeout_s:
+                if not self.welcomed and self.clock() - started > self.cfg.security.auth_timeout_s:
                     log.error("broker_never_answered", endpoint=self.endpoint, hint=HINT if keys else "")
                     return 1
-                quiet = not await sock.poll(max(1, int(1000 * (next_beat - self.clock()))), zmq.POLLIN)
-                if quiet and self.clock() - heard > b.heartbeat_interval_s * b.liveness:  # gone: find it again
-                    heard = self.clock()
-                    endpoint = self._rediscover()
-                    if endpoint != self.endpoint:
-                        sock.disconnect(self.endpoint)
-                        sock.connect(endpoint)
-                    log.warning("broker_silent", endpoint=endpoint, version=self.version, committed=self.committed)
-                    self.endpoint, joining = endpoint, True
-                    await self._request(sock, self._hello())
-                if not quiet:  # judged silent only once what came is read: a learner held a while is not deaf
-                    msg = codec.decode(await sock.recv_multipart(copy=False))
-                    heard = self.clock()
-                    match msg:
-                        case m.Welcome() if joining:  # joining a run in progress: pick it up at the newest version
-                            joining, welcomed, self.awaiting = False, True, None
-                            if not await self.catch_up(sock, msg.newest_version, stop):
-                                return 1
-                            log.info("registered", broker_epoch=msg.broker_epoch, version=self.version)
-                            if await self.after_commit(sock, stop):
-                                return 0
-                        case m.TrainBatch() if self.unacked is None and not joining:
-                            if msg.step < self.version:  # a copy of a batch already trained (re-sent on a rejoin)
-                                log.warning("stale_batch_ignored", step=msg.step, version=self.version)
-                                continue
-                            self.awaiting = None
-                            await self.train(sock, packed.unpack_batch(msg), stop)
-                            heard = self.clock()  # what came meanwhile is still queued: read it before judging
-                        case m.PublishAck() if self.unacked is not None and msg.version == self.version:
-                            await self.commit(sock, stop)
-                            if await self.after_commit(sock, stop):
-                                return 0
-                        case m.Goodbye():
-                            if self.unacked is not None and self.unacked[0] == self.cfg.core.total_steps:
-                                await self.commit(sock, stop)  # the run ends only once the last publish is in
-                            return 0
-                        case m.Reject():
-                            log.error("learner_turned_away", reason=msg.reason)
-                            return 1
-                        case m.Disconnect() if not joining:  # e.g. a restarted broker that does not know us yet
-                            log.warning("rejoining", reason=msg.reason, version=self.version, committed=self.committed)
-                            joining = True
-                            await self._request(sock, self._hello())
-                        case _:  # heartbeats, and anything that came for a step or a session already left
-                            pass
-                if self.clock() >= next_beat:
-                    next_beat = self.clock() + b.heartbeat_interval_s
-                    await self._beat(sock)
-                    if self.awaiting is not None and self.clock() - self.awaiting[0] >= 2 * b.heartbeat_interval_s:
-                        await self._request(sock, self.awaiting[1])  # no answer yet: the request or it was lost
+                messages = await link.receive(link.due_in(self.clock()))
+                if not messages and link.silent(self.clock()):  # judged silent only once what came is read
+                    await self.find_broker_again()
+                for msg in messages:
+                    if (code := await self.on_message(msg, stop)) is not None:
+                        return code
+                if link.beat_due(self.clock()):
+                    await self._offer(m.Heartbeat())
+                    if self.awaiting is not None and self.clock() - self.awaiting[0] >= link.resend_s:
+                        await self._request(self.awaiting[1])  # no answer yet: the request or it was lost
             # stopped (SIGTERM): tell the broker, which holds the batch for the next learner
-            await self.leave(sock, stop, "stopping")
+            await self.leave(stop, "stopping")
             return 0
         except InvariantBroken as e:
             log.error("invariant_broken", error=str(e))
@@ -214,50 +168,98 @@ class LearnerActor:
             log.error("batch_corrupt", step=e.step, group_id=e.group_id, index=e.index, error=str(e))
             return 3
         finally:
-            sock.close()  # with no linger, unless a Goodbye was just sent
+            link.close()  # with no linger, unless a Goodbye was just sent
+            self.link = None
 
-    async def after_commit(self, sock: zmq.asyncio.Socket, stop: asyncio.Event) -> bool:
+    async def find_broker_again(self) -> None:
+        """The broker fell silent: look for it where its discovery file says it is now, and greet it anew."""
+        assert self.link is not None
+        self.link.heard()
+        endpoint = self._rediscover()
+        self.link.connect(endpoint)
+        log.warning("broker_silent", endpoint=endpoint, version=self.version, committed=self.committed)
+        self.endpoint, self.joining = endpoint, True
+        await self._request(self._hello())
+
+    async def on_message(self, msg: Any, stop: asyncio.Event) -> int | None:
+        """Act on one message of the broker's; the exit code when the learner leaves on it."""
+        assert self.link is not None
+        match msg:
+            case m.Welcome() if self.joining:  # joining a run in progress: pick it up at the newest version
+                self.joining, self.welcomed, self.awaiting = False, True, None
+                if not await self.catch_up(msg.newest_version, stop):
+                    return 1
+                log.info("registered", broker_epoch=msg.broker_epoch, version=self.version)
+                if await self.after_commit(stop):
+                    return 0
+            case m.TrainBatch() if self.unacked is None and not self.joining:
+                if msg.step < self.version:  # a copy of a batch already trained (re-sent on a rejoin)
+                    log.warning("stale_batch_ignored", step=msg.step, version=self.version)
+                    return None
+                self.awaiting = None
+                await self.train(packed.unpack_batch(msg), stop)
+                self.link.heard()  # what came meanwhile is still queued: read it before judging
+            case m.PublishAck() if self.unacked is not None and msg.version == self.version:
+                await self.commit(stop)
+                if await self.after_commit(stop):
+                    return 0
+            case m.Goodbye():
+                if self.unacked is not None and self.unacked[0] == self.cfg.core.total_steps:
+                    await self.commit(stop)  # the run ends only once the last publish is in
+                return 0
+            case m.Reject():
+                log.error("learner_turned_away", reason=msg.reason)
+                return 1
+            case m.Disconnect() if not self.joining:  # e.g. a restarted broker that does not know us yet
+                log.warning("rejoining", reason=msg.reason, version=self.version, committed=self.committed)
+                self.joining = True
+                await self._request(self._hello())
+            case _:  # heartbeats, and anything that came for a step or a session already left
+                pass
+        return None
+
+    async def after_commit(self, stop: asyncio.Event) -> bool:
         """Ask for the next batch; True when the learner leaves: the run's steps are all trained, or a drain
         was asked for (this is the step boundary it waits for)."""
         total = self.cfg.core.total_steps
         if total is not None and self.committed >= total:
             log.info("learner_done", version=self.version)
-            await sock.send_multipart(codec.encode(m.Goodbye(reason="done")))
-            await asyncio.sleep(0.05)
+            assert self.link is not None
+            await self.link.goodbye("done")
             return True
         if self.drain.is_set():
-            await self.leave(sock, stop, "drained")
+            await self.leave(stop, "drained")
             return True
-        await self._request(sock, m.RequestBatch(step=self.version))
+        await self._request(m.RequestBatch(step=self.version))
         return False
 
-    async def leave(self, sock: zmq.asyncio.Socket, stop: asyncio.Event, reason: str) -> None:
+    async def leave(self, stop: asyncio.Event, reason: str) -> None:
         """Checkpoint the newest committed version if it is not yet (and the weights are still it), then
         say goodbye: the broker holds any batch for the next learner."""
         lc = self.cfg.learner
         clean = not self.weights_ahead and self.unacked is None and self.committed == self.version
         wanted = reason == "drained" or lc.checkpoint_on_stop
         if self.trainer.keeps_weights and lc.checkpoint_dir and wanted and clean and self.committed > self.checkpointed:
-            await self.save_checkpoint(sock, stop, reason)
-        await sock.send_multipart(codec.encode(m.Goodbye(reason=reason)))
-        sock.setsockopt(zmq.LINGER, GOODBYE_LINGER_MS)  # it leaves before the process does
+            await self.save_checkpoint(stop, reason)
+        assert self.link is not None
+        await self.link.goodbye(reason)
         log.info("learner_stopped", reason=reason, version=self.version, checkpointed=self.checkpointed)
 
-    async def save_checkpoint(self, sock: zmq.asyncio.Socket, stop: asyncio.Event, reason: str) -> None:
+    async def save_checkpoint(self, stop: asyncio.Event, reason: str) -> None:
         """Checkpoint the committed version (weights, optimizer, RNG, trained groups), heartbeating meanwhile."""
         started = self.clock()
-        await self._busy(sock, stop, self.trainer.checkpoint, self.committed, sorted(self.trained))
+        await self._busy(stop, self.trainer.checkpoint, self.committed, sorted(self.trained))
         self.checkpointed = self.committed
         log.info("checkpoint_saved", version=self.committed, reason=reason, groups=len(self.trained),
                  seconds=round(self.clock() - started, 3))  # fmt: skip
 
-    async def catch_up(self, sock: zmq.asyncio.Socket, newest: int, stop: asyncio.Event) -> bool:
+    async def catch_up(self, newest: int, stop: asyncio.Event) -> bool:
         """Bring the learner to the broker's newest version; False if that cannot be done."""
         if self.unacked is not None:
             if newest == self.version:  # the broker took the publish before its ack was lost
-                await self.commit(sock, stop)
+                await self.commit(stop)
             elif newest == self.version - 1:  # the publish never reached the broker's journal: undo the step
-                await self.roll_back(sock, stop)
+                await self.roll_back(stop)
         if not self.trainer.keeps_weights or newest == self.version:
             self.version = self.committed = newest
             return True
@@ -266,7 +268,7 @@ class LearnerActor:
             return False
         # Versions the learner published after its last checkpoint (or all of them, for a fresh learner):
         # the store holds the newest one whole; the optimizer moments stay those of the checkpoint.
-        await self._busy(sock, stop, self.trainer.adopt, newest)
+        await self._busy(stop, self.trainer.adopt, newest)
         log.warning("weights_from_store", version=newest, optimizer_state_version=self.version)
         if self.audit is not None:  # steps this learner holds without having trained them here (see dora audit)
             self.audit.writelines(json.dumps({"step": s, "adopted": True, "version": s + 1}) + "\n"
@@ -275,13 +277,13 @@ class LearnerActor:
         self.version = self.committed = newest
         return True
 
-    async def roll_back(self, sock: zmq.asyncio.Socket, stop: asyncio.Event) -> None:
+    async def roll_back(self, stop: asyncio.Event) -> None:
         """Forget the step whose publish the broker never recorded: its groups will be trained again."""
         _, batch, _ = self.unacked
         self.unacked = None
         self.version -= 1
         if self.trainer.keeps_weights:  # the weights and optimizer of the newest checkpoint, then the store's
-            resumed = await self._busy(sock, stop, self.trainer.restore)
+            resumed = await self._busy(stop, self.trainer.restore)
             self.version = resumed["version"] if resumed else 0
         log.warning("step_rolled_back", step=batch.step, version=self.version)
 
@@ -291,16 +293,16 @@ class LearnerActor:
         uri, sha, publish_s = self.trainer.publish(self.version + 1)
         return uri, sha, publish_s, metrics
 
-    async def _busy(self, sock: zmq.asyncio.Socket, stop: asyncio.Event, fn: Any, *args: Any) -> Any:
+    async def _busy(self, stop: asyncio.Event, fn: Any, *args: Any) -> Any:
         """Run blocking work in a thread while this loop keeps heartbeating; None if stopped meanwhile."""
         task = asyncio.ensure_future(asyncio.to_thread(fn, *args))
         while not task.done():
             await asyncio.wait([task], timeout=self.cfg.broker.heartbeat_interval_s)
-            await self._beat(sock)
+            await self._offer(m.Heartbeat())
         result = task.result()
         return None if stop.is_set() else result
 
-    async def train(self, sock: zmq.asyncio.Socket, batch: Batch, stop: asyncio.Event) -> None:
+    async def train(self, batch: Batch, stop: asyncio.Event) -> None:
         core = self.cfg.core
         facts = check_batch(
             batch,
@@ -312,7 +314,7 @@ class LearnerActor:
             trained=self.trained,
         )
         started = self.clock()
-        published = await self._busy(sock, stop, self._step, batch)
+        published = await self._busy(stop, self._step, batch)
         if published is None:  # a step cut short is not published: the broker re-delivers the batch to the next learner
             self.weights_ahead = self.trainer.keeps_weights
             return
@@ -323,10 +325,10 @@ class LearnerActor:
         metrics["learner_step_s"] = self.clock() - started
         self.unacked = (self.version, batch, facts)
         await self._request(
-            sock, m.WeightsPublished(version=self.version, uri=uri, sha256=sha, publish_s=publish_s, metrics=metrics)
+            m.WeightsPublished(version=self.version, uri=uri, sha256=sha, publish_s=publish_s, metrics=metrics)
         )
 
-    async def commit(self, sock: zmq.asyncio.Socket, stop: asyncio.Event) -> None:
+    async def commit(self, stop: asyncio.Event) -> None:
         """The broker recorded the publish: the step is final. Audit it, then checkpoint (when due).
 
         The audit line is on disk before the checkpoint starts: a learner killed between the two resumes from an
@@ -343,7 +345,7 @@ class LearnerActor:
             and lc.checkpoint_dir
             and (version % lc.checkpoint_every == 0 or version == core.total_steps)
         ):
-            await self.save_checkpoint(sock, stop, "final" if version == core.total_steps else "periodic")
+            await self.save_checkpoint(stop, "final" if version == core.total_steps else "periodic")
 
     def _audit_step(self, batch: Batch, facts: dict[str, Any]) -> None:
         if self.audit is not None:

@@ -19,10 +19,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import os
 import socket
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -34,7 +32,7 @@ import zmq.asyncio
 from dora.actor.cluster import ClusterInfo
 from dora.actor.lag import watching_lag
 from dora.actor.security import HINT, Keys
-from dora.actor.signals import GOODBYE_LINGER_MS
+from dora.actor.session import PeerSession, SessionLost
 from dora.config import ConfigError
 from dora.config.run import RunConfig
 from dora.rollout.engines.base import EngineError, WorkerEngine
@@ -45,10 +43,6 @@ from dora.wire import codec, packed
 from dora.wire import messages as m
 
 log = structlog.get_logger()
-
-
-class Reconnect(Exception):
-    """The session with the broker is over; start a new one."""
 
 
 class RolloutActor:
@@ -77,14 +71,13 @@ class RolloutActor:
         self.slots = cfg.rollout.slots or cfg.engine.credit
         self.epoch = 0
         self.interval = cfg.broker.heartbeat_interval_s
-        self.silence_s = cfg.broker.heartbeat_interval_s * cfg.broker.liveness
-        self.sock: zmq.Socket | None = None
+        self.link: PeerSession | None = None
+        """The session with the broker, while one is open."""
         self.loading: tuple[int, float, str, str] | None = None
         self.sent = 0
         self.keys = Keys.load(cfg.security.keys) if cfg.security.keys else None
         self.welcomed = False
         self.session_welcomed = False
-        self.resend_s = 2 * cfg.broker.heartbeat_interval_s
         self.version = -1
         """The version whose weights the engine holds (-1: none yet)."""
         self.seen = 0
@@ -125,7 +118,7 @@ class RolloutActor:
             try:
                 await self.session(stop)
                 return 0
-            except Reconnect as e:
+            except SessionLost as e:
                 if self.welcomed and self.run_finished is not None and self.run_finished(self.epoch):
                     log.info("broker_finished", reason="its discovery file says the run is over", lost=str(e))
                     return 0
@@ -145,97 +138,67 @@ class RolloutActor:
         return 0
 
     async def session(self, stop: asyncio.Event) -> None:
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, f"rollout/{self.name}/{uuid.uuid4().hex[:8]}".encode())
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IMMEDIATE, 1)
+        """One session with the broker, on a new socket: hello, then turns until ``stop``, the run's end, or its loss
+        (``SessionLost``)."""
+        b = self.cfg.broker
+        link = PeerSession(self.ctx, m.Role.ROLLOUT, self.name, cluster=self.cluster, keys=self.keys,
+                           interval_s=b.heartbeat_interval_s, liveness=b.liveness, clock=self.clock, immediate=True)  # fmt: skip
         self.session_welcomed = False
         self.seen = 0
         self.behind = None
-        if self.keys is not None:
-            self.keys.connect_as(sock, "rollout")
         try:  # a discovery file is read again on every session: a restarted broker may listen elsewhere
-            endpoint = self.endpoint() if callable(self.endpoint) else self.endpoint
-            sock.connect(endpoint)
+            link.connect(self.endpoint() if callable(self.endpoint) else self.endpoint)
         except (ConfigError, zmq.ZMQError) as e:
-            sock.close(linger=0)
-            raise Reconnect(f"no broker: {e}") from None
-        self.sock = zmq.Socket.shadow(sock.underlying)  # non-blocking I/O; ``sock`` is awaited for readiness
+            link.close()
+            raise SessionLost(f"no broker: {e}") from None
+        self.link = link
         self.finished = False
         try:
-            if not await self.connected(sock, stop):
+            if not await link.connected(stop):
                 if stop.is_set():  # stopped while waiting for a connection: no session to leave
                     return
-                raise Reconnect(f"broker unreachable at {endpoint} (no connection in {self.silence_s:g} s)")
-            self.send(
-                m.Hello(
-                    wire_version=m.WIRE_VERSION,
-                    role=m.Role.ROLLOUT,
-                    peer_id=self.name,
-                    pid=os.getpid(),
-                    host=self.cluster.host,
-                    slurm_job_id=self.cluster.job_id,
-                    slots=self.slots,
-                    engine=self.engine.name,
-                    elastic=self.cfg.rollout.elastic,
-                    holds=self.holds,
-                )
-            )
-            heard = self.clock()
-            next_beat = self.clock()
+                raise SessionLost(f"broker unreachable at {link.endpoint} (no connection in {link.silence_s:g} s)")
+            self.send(link.hello(self.name, slots=self.slots, engine=self.engine.name,
+                                 elastic=self.cfg.rollout.elastic, holds=self.holds))  # fmt: skip
+            link.heard()
             while not stop.is_set() and not self.finished:
-                now = self.clock()
-                waits = [next_beat - now, heard + self.silence_s - now]
-                if not self.yielded and (nxt := self.engine.next_event_s()) is not None:
-                    waits.append(nxt)
-                if self.loading is not None:
-                    waits.append(self.loading[1] - now)
-                if await sock.poll(max(0, int(1000 * min(waits))) + 1, zmq.POLLIN):
-                    while True:
-                        try:
-                            frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        heard = self.clock()
-                        self.on_frames(frames)
-                if self.finished:  # the run is over and the broker is leaving: nothing more to load or send
-                    break
-                now = self.clock()
-                if now - heard > self.silence_s:
-                    raise Reconnect("broker silent")
-                if self.loading is not None and now >= self.loading[1]:
-                    version, _, uri, sha = self.loading
-                    self.loading = None
-                    await self.load(version, uri, sha)  # the broker's messages meanwhile are read next turn
-                if not self.yielded:  # a yielded worker's accelerators are the learner's, whatever its engine
-                    await self.advance(now)
-                self.report_finished()
-                if self.deferred is not None and not self.evaluating():
-                    deferred, self.deferred = self.deferred, None
-                    self.on_assign(deferred, now)
-                if now >= next_beat:
-                    next_beat = now + self.interval
-                    self.give_up_on_missing_commands(now)
-                    self.resend_unacked(now)
-                    self.send(self.heartbeat())
+                await self.turn(link)
             if not self.finished:
-                self.send(m.Goodbye(reason="stopping"))
-                sock.setsockopt(zmq.LINGER, GOODBYE_LINGER_MS)  # it leaves before the process does
+                await link.goodbye("stopping")
         finally:
-            sock.close()
-            self.sock = None
+            link.close()
+            self.link = None
 
-    async def connected(self, sock: zmq.asyncio.Socket, stop: asyncio.Event) -> bool:
-        """Whether ``sock`` has a connection to the broker within the silence window; False as soon as ``stop`` is
-        set (a SIGTERM to a worker waiting for a broker that has gone ends it within a heartbeat interval)."""
-        deadline = self.clock() + self.silence_s
-        while not stop.is_set():
-            left = deadline - self.clock()
-            if left <= 0:
-                return False
-            if await sock.poll(int(1000 * min(left, self.interval)) + 1, zmq.POLLOUT):
-                return True
-        return False
+    async def turn(self, link: PeerSession) -> None:
+        """One turn of the session: what the broker sent, a weights load that is due, a turn of the engine, what
+        finished, and a heartbeat when one is due."""
+        now = self.clock()
+        waits = [link.due_in(now)]
+        if not self.yielded and (nxt := self.engine.next_event_s()) is not None:
+            waits.append(nxt)
+        if self.loading is not None:
+            waits.append(self.loading[1] - now)
+        for msg in await link.receive(min(waits)):
+            self.on_message(msg)
+        if self.finished:  # the run is over and the broker is leaving: nothing more to load or send
+            return
+        now = self.clock()
+        if link.silent(now):
+            raise SessionLost("broker silent")
+        if self.loading is not None and now >= self.loading[1]:
+            version, _, uri, sha = self.loading
+            self.loading = None
+            await self.load(version, uri, sha)  # the broker's messages meanwhile are read next turn
+        if not self.yielded:  # a yielded worker's accelerators are the learner's, whatever its engine
+            await self.advance(now)
+        self.report_finished()
+        if self.deferred is not None and not self.evaluating():
+            deferred, self.deferred = self.deferred, None
+            self.on_assign(deferred, now)
+        if link.beat_due(now):
+            self.give_up_on_missing_commands(now, link.resend_s)
+            self.resend_unacked(now, link.resend_s)
+            self.send(self.heartbeat())
 
     async def advance(self, now: float) -> None:
         """One turn of the engine. An engine that offers its step apart (``begin_step``: torch, vLLM) steps on the
@@ -272,15 +235,10 @@ class RolloutActor:
                 log.warning("weights_superseded", version=version, newer=newer.name, error=str(e))
                 return
             log.error("weights_refused", version=version, error=str(e))  # bad weights: let the broker re-plan
-            raise Reconnect(f"could not load v{version}") from None
+            raise SessionLost(f"could not load v{version}") from None
         self.send(m.WeightsLoaded(version=version, load_s=self.engine.load_seconds()))
 
-    def on_frames(self, frames: list[Any]) -> None:
-        try:
-            msg = codec.decode(frames)
-        except codec.DecodeError as e:
-            log.warning("bad_frame_from_broker", error=str(e)[:200])
-            return
+    def on_message(self, msg: Any) -> None:
         now = self.clock()
         seq = getattr(msg, "seq", 0)
         if seq:
@@ -342,9 +300,9 @@ class RolloutActor:
                     del self.unacked[key]
             case m.Reject():
                 log.error("rejected_by_broker", reason=msg.reason)
-                raise Reconnect(f"rejected: {msg.reason}")
+                raise SessionLost(f"rejected: {msg.reason}")
             case m.Disconnect():
-                raise Reconnect(f"disconnected: {msg.reason}")
+                raise SessionLost(f"disconnected: {msg.reason}")
             case m.Goodbye():
                 log.info("broker_finished", reason=msg.reason)
                 self.finished = True
@@ -397,7 +355,7 @@ class RolloutActor:
             return False
         return (msg.group_id, msg.attempt) not in self.leases
 
-    def give_up_on_missing_commands(self, now: float) -> None:
+    def give_up_on_missing_commands(self, now: float, resend_s: float) -> None:
         """The broker sent commands that have not come within ``resend_s``: count them as lost, so the next
         heartbeat says so and the broker mends what they carried (a late copy is then dropped unapplied)."""
         if self.behind is None:
@@ -405,7 +363,7 @@ class RolloutActor:
         last, since = self.behind
         if self.seen >= last:
             self.behind = None
-        elif now - since >= self.resend_s:
+        elif now - since >= resend_s:
             log.warning("commands_lost", seen=self.seen, broker_sent=last)
             self.seen, self.behind = last, None
 
@@ -445,9 +403,9 @@ class RolloutActor:
             results.append(result)
         self.send_results(results)
 
-    def resend_unacked(self, now: float) -> None:
+    def resend_unacked(self, now: float, resend_s: float) -> None:
         """Results whose acknowledgement has not come within ``resend_s``: one of the two was lost."""
-        due = [key for key, (_, at) in self.unacked.items() if now - at >= self.resend_s][:256]
+        due = [key for key, (_, at) in self.unacked.items() if now - at >= resend_s][:256]
         for key in due:
             self.unacked[key] = (self.unacked[key][0], now)
         self.send_results([self.unacked[key][0] for key in due])
@@ -457,9 +415,7 @@ class RolloutActor:
             self.send(packed.pack_samples(results))
 
     def send(self, msg: Any) -> None:
-        assert self.sock is not None
-        try:
-            self.sock.send_multipart(codec.encode(msg), flags=zmq.NOBLOCK, copy=False)
-            self.sent += 1
-        except zmq.Again as e:  # the broker is not connected: the session must restart
-            raise Reconnect("broker unreachable") from e
+        """Send on the session now; with no connection to take it, the session is lost (``SessionLost``)."""
+        assert self.link is not None
+        self.link.send(msg)
+        self.sent += 1

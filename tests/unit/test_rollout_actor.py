@@ -98,7 +98,7 @@ async def test_commands_in_order_or_not_at_all_and_results_until_acknowledged():
         await broker.send(m.Heartbeat(seen=9))
         started = loop.time()
         hb = await beat_until(broker, lambda hb: hb.seen == 9)
-        assert loop.time() - started >= worker.resend_s
+        assert loop.time() - started >= worker.link.resend_s
         await broker.send(generate(8, 9, seq=8))  # a late copy of one of them: dropped unapplied
         hb = await beat_until(broker, lambda hb: True)
         assert not hb.held() and worker.dropped_commands == 2
