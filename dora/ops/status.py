@@ -55,6 +55,7 @@ def health(learner: dict[str, float], held_out: dict[str, float]) -> list[str]:
         return None if v is None else f"{label} {100 * v:.1f}%"
 
     low, high = learner.get("clip_low_fraction"), learner.get("clip_high_fraction")
+    clip: str | None
     if low is not None and high is not None:
         clip = f"clipped low/high {100 * low:.1f}%/{100 * high:.1f}%"
     else:
