@@ -39,6 +39,7 @@ from dora.config.models import LoraSection, SftSection
 from dora.config.run import RunConfig
 from dora.hf import lora as adapters
 from dora.learner import sft_ranks
+from dora.learner.setup import adapt, load_model, optimizer, trainable
 from dora.learner.sft_ranks import ONE_CPU, Placement
 from dora.tasks.prompts import TaskRun
 
@@ -80,17 +81,6 @@ def start_folder(cfg: RunConfig) -> pathlib.Path:
     folder = model_folder(name, key=key)
     check_model(folder, key=key, chat_template=cfg.task.chat_template)
     return folder
-
-
-def load_model(folder: pathlib.Path) -> torch.nn.Module:
-    """The start folder's causal LM in float32; a folder that does not load is a ConfigError naming it."""
-    from transformers import AutoModelForCausalLM
-
-    try:
-        return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
-    except (OSError, ValueError, KeyError, TypeError) as e:  # transformers' ways of saying "not a model"
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"sft.model: {folder} does not load as a causal LM: {first}") from None
 
 
 def answer_end(folder: pathlib.Path, chat_template: bool) -> int:
@@ -239,8 +229,8 @@ def train(model: torch.nn.Module, examples: Sequence[Example], sft: SftSection, 
     calls this with the same examples and takes every world-th row of each batch; the step is one rank's."""
     torch.manual_seed(sft.seed)
     model.train()
-    params = [p for p in model.parameters() if p.requires_grad]  # with adapters (sft.lora): those alone
-    opt = torch.optim.AdamW(params, lr=sft.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    params = trainable(model)  # with adapters (sft.lora): those alone
+    opt = optimizer(params, lr=sft.lr)
     per_epoch = math.ceil(len(examples) / sft.batch_size)
     lr_at = schedule(sft.lr, per_epoch * sft.epochs)
     step, reports = 0, []
@@ -366,8 +356,6 @@ def plan(cfg: RunConfig) -> Plan:
 def run(cfg: RunConfig, cluster: ClusterInfo) -> pathlib.Path | None:
     """`dora sft` on this rank: load, train and write; bad input is a ConfigError (or ValueError) before any
     training. Rank 0 writes sft.out and returns it; the other ranks return None."""
-    from dora.hf.tensors import tied_copies
-
     sft, job = cfg.sft, plan(cfg)
     where = sft_ranks.place(sft, cluster)
     try:
@@ -389,10 +377,8 @@ def run(cfg: RunConfig, cluster: ClusterInfo) -> pathlib.Path | None:
                 print(f"dora sft: epoch {r.epoch + 1}/{sft.epochs}  loss {r.loss:.4f}  "
                       f"{r.tokens / r.seconds:,.0f} tok/s  {r.seconds:.1f} s", file=sys.stderr)  # fmt: skip
 
-        copies = tied_copies(model)  # named before sharding, as the learner's trainer does
         spec = (cfg.learner.lora or LoraSection()) if sft.lora else None
-        if spec is not None:
-            adapters.inject(model, spec)
+        copies = adapt(model, spec).copies  # named before sharding, as the learner's trainer does
         model = sft_ranks.shard(model, where)
         train(model, data.items, sft, pad_id=0, report=progress, where=where)  # padding is out of the loss: any id
         state = sft_ranks.full_state(model, copies, where)

@@ -29,6 +29,7 @@ import torch
 from dora.actor.cluster import ClusterInfo
 from dora.config import ConfigError
 from dora.config.models import SftSection
+from dora.learner import setup
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -120,17 +121,7 @@ def shard(model: torch.nn.Module, where: Placement) -> torch.nn.Module:
     """The model on its device; over several ranks, sharded with FSDP2 as the learner's (each decoder block, then
     the root; bf16: MixedPrecisionPolicy with float32 reduction)."""
     model.to(where.device)
-    if where.world > 1:
-        import torch.distributed as dist
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        from dora.hf.tensors import blocks
-
-        mesh = dist.device_mesh.init_device_mesh(where.device.type, (where.world,))
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if where.bf16 else None, reduce_dtype=torch.float32)
-        for block in blocks(model):
-            fully_shard(block, mesh=mesh, mp_policy=mp)
-        fully_shard(model, mesh=mesh, mp_policy=mp)
+    setup.shard([model], device=where.device, world=where.world, bf16=where.bf16)
     return model
 
 

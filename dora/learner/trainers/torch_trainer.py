@@ -47,7 +47,7 @@ import torch
 from dora.balance import plan
 from dora.hf import lora as adapters
 from dora.hf.folder import companion_files, with_dtype
-from dora.hf.tensors import blocks, padding_gap, publishable, tied_copies, with_copies
+from dora.hf.tensors import padding_gap, publishable, with_copies
 from dora.hostmem import Parking, module_tensors
 from dora.learner.health import Tally, batch_health, mismatch
 from dora.learner.logprobs import CHUNK_BYTES, Stats
@@ -55,6 +55,7 @@ from dora.learner.loss import (SUMMED, LossConfig, LossFn, advantages, checked, 
                                uniform_groups)  # fmt: skip
 from dora.learner.schedule import LrSchedule, mini_batches
 from dora.learner.scoring import Scorer
+from dora.learner.setup import adapt, load_model, optimizer, shard, trainable
 from dora.learner.throughput import flop_params, peak_tflops, speed
 from dora.samples import Batch, TrainSample
 from dora.store import WeightStore
@@ -114,6 +115,18 @@ class TrainerConfig:
     """Train LoRA adapters on the frozen model (``dora.hf.lora``); a version is an adapter folder."""
 
 
+def _takes_prox(loss: LossConfig, loss_fn: LossFn) -> bool:
+    """Whether ``loss_fn`` is given the proximal log-probs; a loss that cannot take them while ``loss`` asks for the
+    correction is a ConfigError."""
+    takes = takes_prox(loss_fn)
+    if loss.decoupled and not takes:
+        from dora.config import ConfigError
+
+        raise ConfigError(f"learner.is_cap / learner.is_mask: the loss {loss_fn.__module__}:{loss_fn.__qualname__} "
+                          "takes no logp_prox keyword, so it cannot apply the correction")  # fmt: skip
+    return takes
+
+
 class TorchTrainer:
     keeps_weights = True
 
@@ -124,15 +137,17 @@ class TorchTrainer:
         ``publish`` with the same batch, each working on its share of the trajectories. ``loss_fn`` is
         called as ``policy_loss`` is, per micro-batch (the contract is in ``dora.learner.loss``)."""
         import torch.distributed as dist
-        from transformers import AutoModelForCausalLM
 
         torch.manual_seed(cfg.seed)
+        self.cfg = cfg
         self.device = torch.device(device)
         self.model_dir = str(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).to(self.device)
-        self.copies = tied_copies(self.model)
-        """Tied parameters' second names: published once, under the first (as ``save_pretrained`` does)."""
-        self.lora = adapters.inject(self.model, cfg.lora) if cfg.lora is not None else None
+        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        self.bf16 = cfg.dtype == "bfloat16"
+        self.model = load_model(self.model_dir).to(self.device)
+        adapted = adapt(self.model, cfg.lora)
+        self.copies = adapted.copies
+        self.lora = adapted.lora
         """The PEFT config of the adapters trained on the frozen model (a LoRA run), or None (full weights)."""
         self.initial_adapters = {n: p.detach().clone() for n, p in self.model.named_parameters()
                                  if self.lora is not None and p.requires_grad}  # fmt: skip
@@ -150,77 +165,74 @@ class TorchTrainer:
         self.fed_tokens = 0
         """Tokens the model's forward has run this step (prompts and completions, this rank)."""
         self.publish_dtype = getattr(torch, cfg.publish_dtype)
-        self.beside = companion_files(self.model_dir)
-        """What a version holds besides its weights: the start folder's config (naming the dtype written),
-        generation config and tokenizer files, so every version is a model folder."""
-        if "config.json" in self.beside:
-            self.beside["config.json"] = with_dtype(self.beside["config.json"], cfg.publish_dtype)
+        self.beside = self._beside()
         self.trained_steps = 0
         """Steps taken since the weights were last loaded (from the model folder or a checkpoint)."""
-        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        if self.lora is not None:  # an adapter folder: its config names the base model, BASE_FILE its digest
-            self.beside = {adapters.ADAPTER_CONFIG: adapters.config_file(self.lora, base=self.model_dir)}
-            if self.rank == 0:  # the rank that publishes
-                self.beside[adapters.BASE_FILE] = adapters.base_record(self.model_dir)
-        self.bf16 = cfg.dtype == "bfloat16"
         self.reference = self._reference_model(loss)
         """KL's reference, the start model (with a KL term only): with LoRA the model itself with its adapters
         off (``None`` here); with full weights a frozen copy, on the learner's device (sharded as the model is)."""
-        if cfg.activation_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if self.world > 1:
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        self._wrap()
+        self.reference_scorer = None if self.reference is None else Scorer(
+            self.reference, temperature=cfg.temperature, chunk_bytes=cfg.logprob_chunk_bytes)  # fmt: skip
+        self.opt = optimizer(trainable(self.model), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.schedule = LrSchedule(lr=cfg.lr, kind=cfg.lr_schedule, warmup_steps=cfg.warmup_steps,
+                                   min_lr_ratio=cfg.min_lr_ratio,
+                                   total_steps=None if cfg.total_steps is None else
+                                   cfg.total_steps * self.steps_per_batch)  # fmt: skip
+        self.store = store
+        self.loss_cfg = loss
+        self.loss_fn = loss_fn
+        self.takes_prox = _takes_prox(loss, loss_fn)
+        """Whether the loss is given the proximal log-probs (``logp_prox=``): the built-in one, or one that asks."""
+        self.offloads = cfg.offload_between_steps and self.device.type == "cuda"
+        """Between steps the weights and optimizer state wait in host memory (elastic workers use the GPU)."""
+        self.offloaded = False
+        self.parking = self._parking()
+        """Host memory of the offloaded state (one pinned buffer, reused by every offload)."""
 
-            mesh = dist.device_mesh.init_device_mesh(self.device.type, (self.world,))
-            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if self.bf16 else None, reduce_dtype=torch.float32)
-            for module in (self.model, self.reference):
-                if module is None:
-                    continue
-                for block in blocks(module):
-                    fully_shard(block, mesh=mesh, mp_policy=mp)
-                fully_shard(module, mesh=mesh, mp_policy=mp)
-        self.model.eval()  # scored as the engines sample: no dropout (GPT-2's configs set 0.1); gradients still flow
-        if cfg.lora is not None and cfg.lora.dropout > 0:  # asked for: the adapters' own dropout, in the step only
+    def _parking(self) -> Parking:
+        """Offloading on one rank: the pinned buffer, reserved in the background for the model's tensors and
+        AdamW's two moments per trained parameter."""
+        parking = Parking()
+        if self.offloads and self.world == 1:
+            trained = trainable(self.model)
+            parking.reserve([*module_tensors(self.model)[0], *trained, *trained])
+        return parking
+
+    def _beside(self) -> dict[str, bytes]:
+        """What a version holds besides its weights, so that every version is a model folder: the start folder's
+        config (naming the dtype written), generation config and tokenizer files; with LoRA an adapter folder's
+        config naming the base model, and on the rank that publishes ``BASE_FILE``, its digest."""
+        if self.lora is not None:
+            beside = {adapters.ADAPTER_CONFIG: adapters.config_file(self.lora, base=self.model_dir)}
+            if self.rank == 0:
+                beside[adapters.BASE_FILE] = adapters.base_record(self.model_dir)
+            return beside
+        beside = companion_files(self.model_dir)
+        if "config.json" in beside:
+            beside["config.json"] = with_dtype(beside["config.json"], self.cfg.publish_dtype)
+        return beside
+
+    def _wrap(self) -> None:
+        """The model (and a KL reference copy) made ready to train: gradient checkpointing (the reference is
+        copied before, and never checkpoints), FSDP2 over several ranks, and each module's mode: scored as the
+        engines sample, so no dropout (GPT-2's configs set 0.1; gradients still flow), but LoRA's own dropout where
+        asked for, and checkpointed blocks in training mode (a block checkpoints only then; its dropout stays off)."""
+        if self.cfg.activation_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        modules = [self.model] if self.reference is None else [self.model, self.reference]
+        shard(modules, device=self.device, world=self.world, bf16=self.bf16)
+        self.model.eval()
+        if self.cfg.lora is not None and self.cfg.lora.dropout > 0:
             for name, module in self.model.named_modules():
                 if name.endswith(f"lora_dropout.{adapters.NAME}"):
                     module.train()
-        if cfg.activation_checkpointing:  # a block checkpoints only in training mode: set on it alone, not its dropout
+        if self.cfg.activation_checkpointing:
             from transformers.modeling_layers import GradientCheckpointingLayer
 
             for module in self.model.modules():
                 if isinstance(module, GradientCheckpointingLayer) and module.gradient_checkpointing:
                     module.training = True
-        self.reference_scorer = None if self.reference is None else Scorer(
-            self.reference, temperature=cfg.temperature, chunk_bytes=cfg.logprob_chunk_bytes)  # fmt: skip
-        trainable = [p for p in self.model.parameters() if p.requires_grad]  # every parameter, or the adapters
-        groups: Any = trainable
-        if cfg.weight_decay:  # on matrices; biases and norms' gains keep their size
-            groups = [{"params": [p for p in trainable if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-                      {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
-        self.opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
-        self.schedule = LrSchedule(lr=cfg.lr, kind=cfg.lr_schedule, warmup_steps=cfg.warmup_steps,
-                                   min_lr_ratio=cfg.min_lr_ratio,
-                                   total_steps=None if cfg.total_steps is None else
-                                   cfg.total_steps * cfg.mini_batches * cfg.epochs)  # fmt: skip
-        self.store = store
-        self.loss_cfg = loss
-        self.loss_fn = loss_fn
-        self.takes_prox = takes_prox(loss_fn)
-        """Whether the loss is given the proximal log-probs (``logp_prox=``): the built-in one, or one that asks."""
-        if loss.decoupled and not self.takes_prox:
-            from dora.config import ConfigError
-
-            raise ConfigError(f"learner.is_cap / learner.is_mask: the loss {loss_fn.__module__}:{loss_fn.__qualname__} "
-                              "takes no logp_prox keyword, so it cannot apply the correction")  # fmt: skip
-        self.cfg = cfg
-        self.offloads = cfg.offload_between_steps and self.device.type == "cuda"
-        """Between steps the weights and optimizer state wait in host memory (elastic workers use the GPU)."""
-        self.offloaded = False
-        self.parking = Parking()
-        """Host memory of the offloaded state (one pinned buffer, reused by every offload)."""
-        if self.offloads and self.world == 1:  # the model's tensors, then AdamW's two moments per parameter
-            trained = [p for p in self.model.parameters() if p.requires_grad]
-            self.parking.reserve([*module_tensors(self.model)[0], *trained, *trained])
 
     # ------------------------------------------------------------------ offload between steps
 
@@ -624,12 +636,9 @@ class TorchTrainer:
                                    frozen=self.lora is None)  # fmt: skip
         if self.trained_steps:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-            from transformers import AutoModelForCausalLM
 
-            if self.lora is not None:  # the frozen model is the folder's still: the adapters as made
-                initial = self.initial_adapters
-            else:
-                initial = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).state_dict()
+            # with LoRA the frozen model is the folder's still: the adapters as made
+            initial = self.initial_adapters if self.lora is not None else load_model(self.model_dir).state_dict()
             options = StateDictOptions(full_state_dict=True, strict=self.lora is None)
             set_model_state_dict(self.model, initial, options=options)
             self.opt.state.clear()
