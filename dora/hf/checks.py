@@ -3,10 +3,11 @@ exit 2), never a worker's traceback.
 
 - a folder with no ``config.json`` or no ``tokenizer.json``; a model that is not a causal LM;
 - a tokenizer with more tokens than the model's embedding has rows;
-- an architecture the chosen engine cannot run (vLLM: not among the architectures it registers, or a mixture of
-  experts, whose weights dora cannot reload into vLLM correctly; torch: layers that keep a state instead of one key
-  and value per token, which the engine cannot cut per sequence nor pad into a batch: linear attention, convolutions
-  and state-space layers, as Qwen3.5, Qwen3-Next, LFM2, Mamba, Jamba and Nemotron-H have);
+- an architecture the chosen engine cannot run (vLLM: one its registry does not resolve, neither to its own
+  implementation nor through its Transformers backend, or a mixture of experts, whose weights dora cannot reload
+  into vLLM correctly; torch: layers that keep a state instead of one key and value per token, which the engine
+  cannot cut per sequence nor pad into a batch: linear attention, convolutions and state-space layers, as Qwen3.5,
+  Qwen3-Next, LFM2, Mamba, Jamba and Nemotron-H have);
 - a length that does not fit: ``rollout.max_model_len`` above the model's own limit, or the longest prompt
   (``task.max_prompt_tokens``, else the dataset's longest) plus ``run.max_tokens`` (an episode:
   ``task.max_episode_tokens``) above the limit the engines run with.
@@ -15,10 +16,10 @@ exit 2), never a worker's traceback.
 
 from __future__ import annotations
 
-import ast
 import functools
 import importlib.util
 import pathlib
+from typing import Any
 
 from dora.config import ConfigError
 from dora.hf.folder import ModelFacts, facts, load_tokenizer
@@ -50,25 +51,47 @@ def torch_engine_gap(found: ModelFacts) -> str | None:
 
 
 @functools.cache
-def vllm_architectures() -> frozenset[str] | None:
-    """The architectures vLLM registers for text generation, read from its registry's source (importing vLLM
-    takes 15-25 s on a CPU; this takes milliseconds); None when vLLM is not installed or the source is not
-    readable this way (the engine then says itself)."""
-    spec = importlib.util.find_spec("vllm")
-    if spec is None or spec.origin is None:
+def vllm_registered() -> frozenset[str] | None:
+    """The architectures vLLM's registry names (``ModelRegistry.get_supported_archs()``): its own implementations and
+    those it runs through its Transformers backend (GPT-NeoX, OLMo 2, StarCoder2, ...); None when vLLM is not
+    installed. Importing the registry imports vLLM: seconds past the transformers models the other checks load."""
+    if importlib.util.find_spec("vllm") is None:
         return None
-    source = pathlib.Path(spec.origin).parent / "model_executor" / "models" / "registry.py"
-    try:
-        tree = ast.parse(source.read_text())
-    except (OSError, SyntaxError):
+    from vllm import ModelRegistry
+
+    return frozenset(ModelRegistry.get_supported_archs())
+
+
+def transformers_model(name: str) -> Any:
+    """transformers' model class ``name`` (a ``PreTrainedModel``), or None."""
+    import transformers
+
+    cls = getattr(transformers, name, None)
+    return cls if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel) else None
+
+
+def vllm_gap(found: ModelFacts) -> str | None:
+    """Why vLLM cannot run the model ``found`` describes, or None (also when vLLM is not installed, or the config
+    names no architectures: the engine then says itself). The architectures resolve as vLLM's registry resolves
+    them: one it names runs; else the first runs through vLLM's Transformers backend when transformers has that class
+    and it dispatches attention through transformers' attention interface. That backend gives attention layers their
+    keys and values and nothing else, so a model whose layers keep a state does not run through it."""
+    registered = vllm_registered()
+    if registered is None or not found.architectures or any(a in registered for a in found.architectures):
         return None
-    names: set[str] = set()
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict):
-            target = node.targets[0]
-            if isinstance(target, ast.Name) and target.id in ("_TEXT_GENERATION_MODELS", "_MULTIMODAL_MODELS"):
-                names |= {k.value for k in node.value.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)}
-    return frozenset(names) or None
+    first = found.architectures[0]
+    cls = transformers_model(first)
+    if cls is None:
+        return (f"its registry names no such architecture, and transformers has no {first} class to run through "
+                "vLLM's Transformers backend")  # fmt: skip
+    if not (cls.is_backend_compatible() or cls._can_set_attn_implementation()):
+        return (f"its registry names no {first}, and transformers' {first} does not dispatch attention through "
+                "transformers' attention interface, which vLLM's Transformers backend needs")  # fmt: skip
+    why = torch_engine_gap(found)
+    if why:
+        return (f"it would run {first} through its Transformers backend, which keeps attention's keys and values and "
+                f"no other state: {why}")  # fmt: skip
+    return None
 
 
 def check_model(folder: str | pathlib.Path, *, key: str, engine: str | None = None,
@@ -101,12 +124,10 @@ def check_model(folder: str | pathlib.Path, *, key: str, engine: str | None = No
         raise ConfigError(f"{key}: the torch engine cannot run {folder} ({found.model_type}): {why}: layers that "
                           "keep a state instead of one key and value per token, which the engine cuts per sequence "
                           "and pads into batches; use run.engine = 'vllm'")  # fmt: skip
-    if engine == "vllm":
-        known = vllm_architectures()
-        missing = [a for a in found.architectures if known is not None and a not in known]
-        if missing:
-            raise ConfigError(f"{key}: vLLM has no implementation of {', '.join(missing)} ({folder}); "
-                              "use run.engine = 'torch'")  # fmt: skip
+    why = vllm_gap(found) if engine == "vllm" else None
+    if why:
+        fix = "use run.engine = 'torch'" if torch_engine_gap(found) is None else "neither engine runs it"
+        raise ConfigError(f"{key}: vLLM cannot run {folder} ({', '.join(found.architectures)}): {why}; {fix}")
     return found
 
 

@@ -66,7 +66,7 @@ MISTAKES = [
     (not_causal, [], "is a vit (ViTModel), not a causal LM"),
     (small_embedding, [], "has 1024 tokens but the model's embedding 100 rows"),
     (no_template, [], "has no chat template"),
-    (unknown_to_vllm, ["run.engine=vllm"], "vLLM has no implementation of NoSuchLMForCausalLM"),
+    (unknown_to_vllm, ["run.engine=vllm"], "(NoSuchLMForCausalLM): its registry names no such architecture"),
     (None, ["rollout.max_model_len=10000"], "rollout.max_model_len = 10000 is above what"),
     (None, ["task.max_prompt_tokens=200", "run.max_tokens=4000"],
      "run.max_tokens = 4000 after prompts of up to 200 tokens (task.max_prompt_tokens) needs 4200 positions; the "
