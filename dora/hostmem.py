@@ -2,15 +2,16 @@
 
 An elastic worker's torch engine sleeps through each train step (``rollout.sleep_on_yield``) and the learner's
 weights and AdamW moments wait in host memory between steps (``learner.offload_between_steps``). A plain
-``module.to("cpu")`` allocates pageable host memory tensor by tensor and waits for each copy: on an H100 that moved
-2.0 GB/s out and 6.2 GB/s back, where the host link moves 50 GB/s into pinned memory (``bench/role_switch.py``).
+``module.to("cpu")`` allocates pageable host memory tensor by tensor and waits for each copy, a fraction of what the
+host link moves into pinned memory (``bench/role_switch.py``; the figures are in docs/benchmarks.md, "Measurements
+the code is built on").
 
 ``Parking`` copies every tensor into one pinned host buffer instead, made at the first park and reused by every later
 one, with all copies issued at once and waited for once; coming back, each copy leaves pinned memory
 asynchronously. The buffer stays allocated between parks (host memory the size of what was parked, held for the
 life of the engine or trainer), as a pageable offload would hold it while parked.
 
-Pinning host memory is itself slow (10 GB took 16 s on the H100 machine measured), so an owner that will park
+Pinning host memory is itself slow (over a second per GB), so an owner that will park
 ``reserve``s the buffer at startup, in a background thread. Where there is no CUDA (CPU tests) the buffer is plain
 host memory and the same code runs.
 """
@@ -43,7 +44,7 @@ class Parking:
         self.buffer: torch.Tensor | None = None
         self._reserving: threading.Thread | None = None
         self.reserve_s: float | None = None
-        """How long the reservation took (pinning host memory runs at about 0.6 GB/s on the H100 machine measured)."""
+        """How long the reservation took (pinning host memory takes over a second per GB)."""
 
     def reserve(self, tensors: Sequence[torch.Tensor]) -> None:
         """Make the buffer for tensors of these sizes now, in a background thread, so that the first park does not

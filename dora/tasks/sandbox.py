@@ -16,8 +16,8 @@ Without unprivileged namespaces, ``Outcome.isolation`` says "rlimits" and the ne
 rules are not enforced: use a machine or container that allows them for code from a policy. Run as
 root, the rlimit on processes does not bind (the kernel exempts root); where this process may make a pids
 cgroup (root with cgroup v1's pids hierarchy, or a cgroup v2 subtree with the pids controller), each run gets
-one whose ``pids.max`` binds root too, and the first fork it refuses ends the run at once: a fork bomb run as
-root made some 2,500 processes in its 3 s and left every other process on a 2-core machine unrun for 3.7 s.
+one whose ``pids.max`` binds root too, and the first fork it refuses ends the run at once (a fork bomb run as root
+without one starves every other process of the machine: docs/fault-tolerance.md).
 Elsewhere as root, the PID namespace and the wall-clock limit end a fork bomb. As root without namespaces,
 nothing is run at all (the reason says so).
 """
