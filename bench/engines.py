@@ -27,7 +27,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dora.hf.tiny import TinySpec, build_model  # noqa: E402
-from dora.rollout.engines.torch_engine import TorchEngine  # noqa: E402
+from dora.rollout.engines.torch.engine import TorchEngine  # noqa: E402
 
 
 def torch_engine_rate(model: pathlib.Path, batch: int, tokens: int) -> float:

@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from dora.config.run import TaskSection  # noqa: E402
 from dora.hf.tiny import build_model  # noqa: E402
-from dora.rollout.engines.torch_engine import TorchEngine  # noqa: E402
+from dora.rollout.engines.torch.engine import TorchEngine  # noqa: E402
 from dora.rollout.episodes import Episodes  # noqa: E402
 from dora.tasks.prompts import TaskRun  # noqa: E402
 from dora.wire import messages as m  # noqa: E402

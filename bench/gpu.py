@@ -213,7 +213,7 @@ def part_engine(model_dir: pathlib.Path, device: torch.device, sz: Sizes) -> dic
     cache: plain) at each batch size; HF with a static cache is ``part_static``'s."""
     from transformers import AutoModelForCausalLM
 
-    from dora.rollout.engines.torch_engine import TorchEngine
+    from dora.rollout.engines.torch.engine import TorchEngine
 
     out: dict[str, Any] = {"prompt": sz.prompt, "group": sz.group, "new_tokens": sz.new_tokens, "dtype": "bfloat16"}
     modes = {"dora": None, "dora_eager": False} if device.type == "cuda" else {"dora": None}
@@ -394,7 +394,7 @@ def part_learner(model_dir: pathlib.Path, device: torch.device, sz: Sizes, peak_
 def part_weights(model_dir: pathlib.Path, device: torch.device, scratch: pathlib.Path) -> dict[str, Any]:
     from dora.learner.loss import LossConfig
     from dora.learner.trainers.torch_trainer import TorchTrainer, TrainerConfig
-    from dora.rollout.engines.torch_engine import TorchEngine
+    from dora.rollout.engines.torch.engine import TorchEngine
     from dora.store import WeightStore
 
     free(device)

@@ -45,7 +45,7 @@ import torch  # noqa: E402
 from bench.weights import build_model  # noqa: E402
 from dora.learner.loss import LossConfig  # noqa: E402
 from dora.learner.trainers.torch_trainer import TorchTrainer, TrainerConfig  # noqa: E402
-from dora.rollout.engines.torch_engine import TorchEngine  # noqa: E402
+from dora.rollout.engines.torch.engine import TorchEngine  # noqa: E402
 from dora.store import WeightStore  # noqa: E402
 
 ASSUMED = 2.5e10

@@ -56,7 +56,7 @@ import torch  # noqa: E402
 
 from dora.hf.folder import companion_files, with_dtype  # noqa: E402
 from dora.hf.tensors import publishable, tied_copies  # noqa: E402
-from dora.rollout.engines.torch_engine import TorchEngine  # noqa: E402
+from dora.rollout.engines.torch.engine import TorchEngine  # noqa: E402
 from dora.store import WeightStore, sha256_file  # noqa: E402
 from dora.store.digest import digest_file  # noqa: E402
 

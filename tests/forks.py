@@ -33,7 +33,7 @@ PRELOAD = (
     "transformers.models.gpt2.modeling_gpt2",
     "dora.cli",
     "dora.learner.trainers.torch_trainer",
-    "dora.rollout.engines.torch_engine",
+    "dora.rollout.engines.torch.engine",
 )
 
 

@@ -11,7 +11,7 @@ A published version holds the adapters alone, as PEFT saves them (what ``PeftMod
 version also records it by digest (``BASE_FILE``), and an engine loads only versions trained on the model it holds.
 
 A torch engine of a LoRA run injects the same adapters into its model when it starts, and keeps each version it
-holds beside them (``dora.rollout.engines.adapters``: version 0, all zeros, is the start model); loading a version
+holds beside them (``dora.rollout.engines.torch.adapters``: version 0, all zeros, is the start model); loading a version
 checks its tensors against the injected adapters (``check_adapters``) and copies them in.
 """
 

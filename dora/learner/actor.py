@@ -20,7 +20,6 @@ Stopping (the torch trainer checkpoints on the way out; correctness never depend
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import socket
@@ -41,8 +40,8 @@ from dora.config.run import RunConfig
 from dora.learner.checks import InvariantBroken, check_batch
 from dora.learner.trainers import Trainer
 from dora.samples import Batch
-from dora.wire import packed
 from dora.wire import messages as m
+from dora.wire import packed
 
 log = structlog.get_logger()
 
@@ -128,8 +127,9 @@ class LearnerActor:
         """The learner's one session with the broker, greeted anew whenever it falls silent; the exit code."""
         b = self.cfg.broker
         keys = Keys.load(self.cfg.security.keys) if self.cfg.security.keys else None
-        self.link = link = PeerSession(self.ctx, m.Role.LEARNER, self.cluster.host, cluster=self.cluster, keys=keys,
-                                       interval_s=b.heartbeat_interval_s, liveness=b.liveness, clock=self.clock)  # fmt: skip
+        link = PeerSession(self.ctx, m.Role.LEARNER, self.cluster.host, cluster=self.cluster, keys=keys,
+                           interval_s=b.heartbeat_interval_s, liveness=b.liveness, clock=self.clock)  # fmt: skip
+        self.link = link
         link.connect(self.endpoint)
         started, self.welcomed = self.clock(), False
         try:

@@ -46,7 +46,7 @@ def evaluate_model(cfg: RunConfig, model: str, store: str | None = None, version
 
 def eval_engine(cfg: RunConfig, model: str) -> Any:  # -> TorchEngine
     """The engine evaluations run on: a torch engine on ``model``'s folder, sized and placed as [rollout] says."""
-    from dora.rollout.engines.torch_engine import TorchEngine
+    from dora.rollout.engines.torch.engine import TorchEngine
 
     r = cfg.rollout
     return TorchEngine(model, max_slots=r.slots or cfg.engine.max_slots, device=r.device,

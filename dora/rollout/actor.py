@@ -39,8 +39,8 @@ from dora.rollout.engines.base import EngineError, WorkerEngine
 from dora.rollout.offloop import EngineThread, beating
 from dora.samples import FinishedSample
 from dora.store.dirs import superseded
-from dora.wire import codec, packed
 from dora.wire import messages as m
+from dora.wire import packed
 
 log = structlog.get_logger()
 
@@ -141,8 +141,8 @@ class RolloutActor:
         """One session with the broker, on a new socket: hello, then turns until ``stop``, the run's end, or its loss
         (``SessionLost``)."""
         b = self.cfg.broker
-        link = PeerSession(self.ctx, m.Role.ROLLOUT, self.name, cluster=self.cluster, keys=self.keys,
-                           interval_s=b.heartbeat_interval_s, liveness=b.liveness, clock=self.clock, immediate=True)  # fmt: skip
+        link = PeerSession(self.ctx, m.Role.ROLLOUT, self.name, cluster=self.cluster, keys=self.keys, immediate=True,
+                           interval_s=b.heartbeat_interval_s, liveness=b.liveness, clock=self.clock)  # fmt: skip
         self.session_welcomed = False
         self.seen = 0
         self.behind = None

@@ -28,7 +28,7 @@ from dora.logging import configure_logging
 from dora.rollout.actor import RolloutActor
 from dora.rollout.engines.base import WorkerEngine
 from dora.rollout.engines.sim import SimEngine
-from dora.sim.workload import from_section
+from dora.sim.workload import Workload
 
 
 def main(argv: list[str]) -> int:
@@ -138,7 +138,7 @@ def make_engine(cfg: RunConfig, kind: str, now: float, task: Any = None) -> Work
         task, held_out = task or load_task(cfg)
         slots = r.slots or cfg.engine.max_slots
         if kind == "torch":
-            from dora.rollout.engines.torch_engine import TorchEngine
+            from dora.rollout.engines.torch.engine import TorchEngine
 
             sleeps = r.elastic and r.sleep_on_yield
             versions = 1 if cfg.learner.lora is None else cfg.core.max_staleness + 1  # as vLLM's max_loras
@@ -155,7 +155,7 @@ def make_engine(cfg: RunConfig, kind: str, now: float, task: Any = None) -> Work
                             tensor_parallel_size=r.tensor_parallel_size, lora=cfg.learner.lora,
                             max_loras=cfg.core.max_staleness + 1)  # fmt: skip
         return StepWorkerEngine(engine, task, held_out)
-    return SimEngine(cfg.engine, from_section(cfg.workload, cfg.run.seed), time_scale=cfg.run.time_scale, now=now)
+    return SimEngine(cfg.engine, Workload(cfg.workload, cfg.run.seed), time_scale=cfg.run.time_scale, now=now)
 
 
 async def serve(cfg: RunConfig, endpoint: Callable[[], str], name: str, kind: str = "sim",

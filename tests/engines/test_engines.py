@@ -15,7 +15,7 @@ import torch
 
 from dora.ids import Finish
 from dora.rollout.engines.base import EngineError
-from dora.rollout.engines.torch_engine import TorchEngine
+from dora.rollout.engines.torch.engine import TorchEngine
 from dora.samples import TrainSample
 from dora.store import sha256_file
 

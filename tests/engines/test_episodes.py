@@ -16,7 +16,7 @@ from dora.config import ConfigError
 from dora.config.run import TaskSection
 from dora.ids import Finish
 from dora.rollout.engines.stepped import StepWorkerEngine
-from dora.rollout.engines.torch_engine import TorchEngine
+from dora.rollout.engines.torch.engine import TorchEngine
 from dora.samples import FinishedSample
 from dora.tasks.prompts import TaskRun
 from dora.wire import messages as m

@@ -10,7 +10,7 @@ import torch
 
 from dora.ids import Finish
 from dora.rollout.engines.base import EngineError
-from dora.rollout.engines.torch_engine import TorchEngine
+from dora.rollout.engines.torch.engine import TorchEngine
 from dora.store import sha256_file
 from tests.engines.test_engines import PROMPT, run
 
@@ -236,7 +236,7 @@ def test_a_version_checked_as_it_is_copied_loads_what_the_whole_file_check_loads
     """Once an engine holds a version loaded from a file, the next one is checked chunk by chunk as it is copied
     in (pieces that cross tensors and chunks here): the weights are those a fresh engine loads after checking the
     whole file. A plain sha256 digest has no chunks to check one by one: it loads the whole-file way."""
-    import dora.rollout.engines.torch_engine as te
+    import dora.rollout.engines.torch.engine as te
     import dora.store.load
     from dora.store import WeightStore
 

@@ -9,7 +9,7 @@ import torch
 
 from dora.ids import Finish
 from dora.rollout.engines.base import EngineError
-from dora.rollout.engines.torch_engine import TorchEngine
+from dora.rollout.engines.torch.engine import TorchEngine
 from tests.engines.test_engines import PROMPT
 
 pytestmark = pytest.mark.timeout(120)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dora.hf import zoo
-from dora.rollout.engines.torch_engine import TorchEngine
+from dora.rollout.engines.torch.engine import TorchEngine
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dora.rollout.engines.graphs import DecodeGraphs
-from dora.rollout.engines.torch_engine import TorchEngine
+from dora.rollout.engines.torch.engine import TorchEngine
+from dora.rollout.engines.torch.graphs import DecodeGraphs
 from tests.engines.test_engines import PROMPT, logprobs_of, run
 
 pytestmark = pytest.mark.timeout(300)

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from dora.rollout.engines.base import EngineError
-from dora.rollout.engines.sampling import sample, seed_halves, uniform, uniform_host, uniform_tensor
-from dora.rollout.engines.slots import SlotCache
-from dora.rollout.engines.torch_engine import TorchEngine, hash_seed
+from dora.rollout.engines.torch.engine import TorchEngine, hash_seed
+from dora.rollout.engines.torch.sampling import sample, seed_halves, uniform, uniform_host, uniform_tensor
+from dora.rollout.engines.torch.slots import SlotCache
 from tests.engines.test_engines import PROMPT, logprobs_of, run
 
 pytestmark = pytest.mark.timeout(180)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from dora.config import load
 from dora.config.run import RunConfig
-from dora.rollout.engines.torch_engine import TorchEngine
+from dora.rollout.engines.torch.engine import TorchEngine
 from dora.rollout.evaluate import evaluate
 from dora.tasks.heldout import pass_at_k, summarize
 from dora.tasks.prompts import eval_task

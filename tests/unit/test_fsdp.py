@@ -116,7 +116,7 @@ def test_two_rank_fsdp_step_equals_one_process_and_published_weights_serve(shard
     for k in ("loss", "reward_mean", "grad_norm", "tokens", "clip_fraction"):
         assert out["metrics"][k] == pytest.approx(want[k], rel=1e-4, abs=1e-6), k
 
-    from dora.rollout.engines.torch_engine import TorchEngine
+    from dora.rollout.engines.torch.engine import TorchEngine
 
     engine = TorchEngine(tiny_model, version=0)
     engine.load_weights(1, out["uri"].removeprefix("file://"), None)

@@ -78,7 +78,7 @@ def test_a_sleeping_vllm_engine_gives_the_gpu_memory_back_and_wakes_on_the_same_
 
 
 def test_a_sleeping_torch_engine_gives_the_gpu_memory_back_and_each_sample_goes_on_exactly(tiny_model):
-    from dora.rollout.engines.torch_engine import TorchEngine
+    from dora.rollout.engines.torch.engine import TorchEngine
     from tests.engines.test_engines import PROMPT, run
 
     ref = TorchEngine(tiny_model, device="cuda", version=0)

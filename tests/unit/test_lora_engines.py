@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dora.rollout.engines.base import EngineError
-from dora.rollout.engines.torch_engine import TorchEngine
+from dora.rollout.engines.torch.engine import TorchEngine
 from dora.tasks.rewards import Scored
 from dora.wire import messages as m
 from tests.unit.test_fsdp import batch

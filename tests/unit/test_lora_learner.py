@@ -132,7 +132,7 @@ def test_a_torch_engine_of_a_lora_run_loads_an_adapter_version_into_the_trainers
     """The engine starts as the start model (its adapters' B zero: version 0) and a published version's adapters,
     copied in after their digest is checked, give the trainer's logits. Adapters of another rank are refused."""
     from dora.rollout.engines.base import EngineError
-    from dora.rollout.engines.torch_engine import TorchEngine
+    from dora.rollout.engines.torch.engine import TorchEngine
 
     t = trainer(tiny_model, tmp_path)
     ids = torch.tensor([[11, 12, 13, 400, 401, 402]])
@@ -162,7 +162,7 @@ def test_an_engine_refuses_an_adapter_version_trained_on_another_base_model_by_i
     from dora.hf.lora import BASE_FILE
     from dora.hf.tiny import TinySpec, build_model
     from dora.rollout.engines.base import EngineError
-    from dora.rollout.engines.torch_engine import TorchEngine
+    from dora.rollout.engines.torch.engine import TorchEngine
     from dora.store import model_digest
 
     t = trainer(tiny_model, tmp_path)
@@ -211,7 +211,7 @@ def test_a_vllm_engine_holds_adapter_versions_side_by_side_and_samples_each_requ
     through the torch engine), not the other's. A third version while both run is refused (max_loras 2)."""
     pytest.importorskip("vllm")
     from dora.rollout.engines.base import EngineError
-    from dora.rollout.engines.torch_engine import TorchEngine
+    from dora.rollout.engines.torch.engine import TorchEngine
     from dora.rollout.engines.vllm_engine import VllmEngine
 
     t = trainer(tiny_model, tmp_path)

@@ -11,7 +11,7 @@ import torch
 from dora.ids import Finish
 from dora.learner.loss import LossConfig
 from dora.learner.trainers.torch_trainer import TorchTrainer, TrainerConfig
-from dora.rollout.engines.torch_engine import TorchEngine
+from dora.rollout.engines.torch.engine import TorchEngine
 from dora.samples import Batch, TrainGroup, TrainSample
 from dora.store import WeightStore
 

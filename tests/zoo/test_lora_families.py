@@ -24,7 +24,7 @@ LORA = TrainerConfig(lr=1e-2, micro_batch=2, lora=LoraSection(rank=4, alpha=8.0)
 
 @pytest.mark.parametrize("family", zoo.FAMILIES)
 def test_a_family_trains_adapters_and_a_two_version_worker_samples_each_row_under_its_own(zoo_model, tmp_path, family):
-    from dora.rollout.engines.torch_engine import TorchEngine
+    from dora.rollout.engines.torch.engine import TorchEngine
 
     model = zoo_model(family)
     t = TorchTrainer(str(model), WeightStore(tmp_path / "store"), LossConfig(), LORA)

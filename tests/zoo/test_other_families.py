@@ -30,7 +30,7 @@ from dora.ids import Finish
 from dora.learner.loss import LossConfig
 from dora.learner.trainers.torch_trainer import TorchTrainer, TrainerConfig
 from dora.rollout.engines.base import EngineError
-from dora.rollout.engines.torch_engine import TorchEngine
+from dora.rollout.engines.torch.engine import TorchEngine
 from dora.samples import TrainSample
 from dora.store import WeightStore
 from tests.engines.test_torch_families import drain, full_logprobs

@@ -43,7 +43,7 @@ def config(tmp_path: pathlib.Path, family: str, start: pathlib.Path) -> RunConfi
 def test_sft_trains_the_templates_end_of_turn_and_the_engine_stops_there(zoo_model, tmp_path, family):
     from dora.learner import sft
     from dora.ops.evaluate import evaluate_model
-    from dora.rollout.engines.torch_engine import TorchEngine
+    from dora.rollout.engines.torch.engine import TorchEngine
     from dora.tasks.prompts import TaskRun
 
     fam = zoo.ZOO[family]

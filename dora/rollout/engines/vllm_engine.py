@@ -63,7 +63,7 @@ from dora.hf.folder import facts
 from dora.hf.lora import VLLM_RANKS, check_base
 from dora.ids import Finish
 from dora.rollout.engines.base import EngineError, Sample
-from dora.rollout.engines.torch_engine import hash_seed, read_weights
+from dora.rollout.engines.torch.engine import hash_seed, read_weights
 from dora.store import model_digest
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """How a batch of cache slots attends: per-row masks, and a decode attention that reads each slot in place.
 
-**Masks.** In a slot cache (``dora.rollout.engines.slots``), row ``b``'s token at position ``p`` has its key at
+**Masks.** In a slot cache (``slots``), row ``b``'s token at position ``p`` has its key at
 column ``p``. A query at position ``q`` of that row attends the columns ``j <= q`` (and ``j > q - window`` in a
 sliding-window layer); the columns past the row's length are someone else's old keys or zeros and stay hidden.
 transformers builds masks from one offset shared by every row, so ``Masks`` builds them wherever rows start at

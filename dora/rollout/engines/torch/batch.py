@@ -1,6 +1,6 @@
 """The torch engine's running batch: sequences in cache slots, filled, decoded and sampled on the device.
 
-- **Slots.** Running sequence ``i`` owns slot ``i`` of the ``SlotCache`` (``dora.rollout.engines.slots``) and row
+- **Slots.** Running sequence ``i`` owns slot ``i`` of the ``SlotCache`` (``slots``) and row
   ``i`` of the per-slot state kept on the device: the token to feed next, its position, the index of the next draw,
   the sampler's seed (two 32-bit words), the token limit, temperature, top-p and the stop ids. A sequence joins at
   the end; one leaving from the middle is replaced by the last (its cache and state rows move), so the batch is
@@ -10,10 +10,10 @@
   its own positions. Fresh samples of one prompt share one row: the prompt is prefilled once and copied into its
   siblings' slots. Each fresh sample then draws its first token from that row's last logits, with its own seed.
 - **A decode step** feeds every running sequence's newest token at its own position, reading the columns up to the
-  longest one's (CPU) or the whole capacity (inside a CUDA graph, ``dora.rollout.engines.graphs``), and samples the
-  next tokens on the device (``dora.rollout.engines.sampling``). One small transfer per step brings back the tokens,
+  longest one's (CPU) or the whole capacity (inside a CUDA graph, ``graphs``), and samples the
+  next tokens on the device (``sampling``). One small transfer per step brings back the tokens,
   their log-probs and each row's outcome (runs on, stop id, limit): the only host round trip.
-- **Adapter versions** (a LoRA run, ``dora.rollout.engines.adapters``): each slot's state also names the lane of
+- **Adapter versions** (a LoRA run, ``adapters``): each slot's state also names the lane of
   its sequence's version, and every forward tells the adapters the lanes of its rows, so a batch runs rows of
   several versions at once, each under its own. Fresh samples share a prefill only within one version.
 - **Leaving.** A sequence that ended, was cancelled or exported leaves its slot; one whose cache is still wanted (an
@@ -31,11 +31,11 @@ from typing import Any
 import torch
 
 from dora.ids import Finish
-from dora.rollout.engines.adapters import Adapters
-from dora.rollout.engines.attention import Masks
-from dora.rollout.engines.graphs import DecodeGraphs
-from dora.rollout.engines.sampling import STOPPED, outcome, sample, seed_halves, uniform_host
-from dora.rollout.engines.slots import SlotCache
+from dora.rollout.engines.torch.adapters import Adapters
+from dora.rollout.engines.torch.attention import Masks
+from dora.rollout.engines.torch.graphs import DecodeGraphs
+from dora.rollout.engines.torch.sampling import STOPPED, outcome, sample, seed_halves, uniform_host
+from dora.rollout.engines.torch.slots import SlotCache
 
 TOK, POS, DRAW, LO, HI, LAST, LANE = range(7)
 """Columns of the per-slot integer state."""

@@ -1,12 +1,12 @@
 """The `torch` engine: a transformers causal LM with its own continuous batching.
 
 - **Continuous batching in cache slots.** Each running sequence owns one slot of a preallocated KV cache
-  (``dora.rollout.engines.slots``), its token at position ``p`` keyed at column ``p``: sequences join and leave at
+  (``slots``), its token at position ``p`` keyed at column ``p``: sequences join and leave at
   step boundaries without rebuilding anyone else's cache. Joining sequences are prefilled together in one forward
   pass, a group's samples sharing one row (one prompt, n samples); each decode step runs every running sequence once
-  at its own position, under a mask that hides what is not its own (``dora.rollout.engines.attention``), so a sequence
+  at its own position, under a mask that hides what is not its own (``attention``), so a sequence
   computes what it would compute alone (to float rounding). The batch, its fills and its steps:
-  ``dora.rollout.engines.batch``; on CUDA a decode step replays a CUDA graph (``dora.rollout.engines.graphs``).
+  ``batch``; on CUDA a decode step replays a CUDA graph (``graphs``).
 - **Migration.** ``export`` hands over the token prefix, the behaviour log-probs, the sampler's seed and the KV
   columns of the sequence's slot; ``import_`` copies them into a slot of its own and resumes without a re-prefill. A
   request exported without KV is re-prefilled from prompt + prefix on import. Keys and values may differ in width
@@ -14,7 +14,7 @@
   positions move with padding, is refused at start (``dora.hf.tensors.padding_gap``).
 - **Sampling on the device.** Temperature and top-p, by inverse CDF with one uniform per token that is a pure
   function of the sequence's seed (from the request's seed and the sample index) and the token's index in the
-  sequence (``dora.rollout.engines.sampling``): a sample's tokens do not depend on what else runs, where it ran
+  sequence (``sampling``): a sample's tokens do not depend on what else runs, where it ran
   before a migration, or whether it was re-prefilled. A sequence's sampler state is its seed (``rng_state``: 8 bytes,
   little-endian). One small transfer per step brings the tokens back to the host.
 - **Behaviour log-prob** of each sampled token: its log-probability under the distribution it was
@@ -40,7 +40,7 @@ does not match puts the kept version's bytes back. The first load, one in anothe
 checks every file before it touches the model (``dora.store.load_verified``).
 
 LoRA (``lora``): a version is an adapter folder, and the engine holds up to ``max_versions`` of them at once
-(``dora.rollout.engines.adapters``), each request sampled under its own version's adapters, rows of several versions
+(``adapters``), each request sampled under its own version's adapters, rows of several versions
 in one batch (in one CUDA graph too). A load is taken while requests run: the new version goes into a lane no
 running request reads; the versions requests still name stay, the others leave; a load that would need more than
 ``max_versions`` is refused before anything changes. A group's samples share their prompt's prefill only within
@@ -69,10 +69,10 @@ from dora.hf.lora import check_adapters, check_base, inject
 from dora.hf.tensors import padding_gap, tied_copies
 from dora.hostmem import Parking, module_tensors
 from dora.ids import Finish
-from dora.rollout.engines.adapters import Adapters
-from dora.rollout.engines.attention import install
 from dora.rollout.engines.base import EngineError, Sample
-from dora.rollout.engines.batch import Running
+from dora.rollout.engines.torch.adapters import Adapters
+from dora.rollout.engines.torch.attention import install
+from dora.rollout.engines.torch.batch import Running
 from dora.store import InPlaceUnfit, load_into, load_verified, model_digest
 
 log = structlog.get_logger()

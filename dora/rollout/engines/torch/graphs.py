@@ -7,7 +7,7 @@ running count (or all slots): rows past the running ones hold the state a sequen
 one), so they compute finite numbers nobody reads, and write keys only into their own free slots.
 
 Everything a graph reads and writes lives in tensors that outlive it: the model's weights (a load copies into
-them in place), the slot cache's buffers, the per-slot state and the output rows (``dora.rollout.engines.batch``).
+them in place), the slot cache's buffers, the per-slot state and the output rows (``batch``).
 Whatever replaces one of them makes the graphs be captured anew (``clear``): the cache growing or being freed (a
 sleep, which also moves the weights), the stop table widening. The forward only reads the state (the step's token,
 position and draw index) and writes keys at each row's own position, so running it twice changes nothing: that is

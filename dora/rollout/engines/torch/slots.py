@@ -11,7 +11,7 @@ What a forward sees (``SlotCache`` is a transformers ``Cache``): before each for
 slots are the batch's rows (a slice), the column each new key of each row goes to, and how many columns the
 attention reads (``width``). ``update`` scatters the layer's new keys and values to their columns and returns the
 rows' first ``width`` columns. Columns past a row's length hold zeros or stale keys of that slot; the attention mask
-(``dora.rollout.engines.attention``) hides them. The buffers start zeroed: a masked column never holds a NaN that a zero
+(``attention``) hides them. The buffers start zeroed: a masked column never holds a NaN that a zero
 attention weight could turn into a NaN output.
 
 Capacity grows to the next power of two when a sequence needs more columns (each layer copied once); ``free``
