@@ -260,10 +260,15 @@ class ComponentSection:
     sigma: float = 1.18
     """Lognormal sigma of output lengths (larger: a longer tail)."""
 
+    def __post_init__(self) -> None:
+        if self.weight <= 0 or self.median <= 0 or self.sigma < 0:
+            raise ConfigError(f"workload.components: weight > 0, median > 0 and sigma >= 0; got {self}")
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WorkloadSection:
-    """Synthetic prompts and output lengths: the sim engine's and `dora sim`'s workload."""
+    """Synthetic prompts and output lengths: the sim engine's and `dora sim`'s workload. ``dora.sim.workload``
+    draws each sample's lengths, turns and reward from it."""
 
     distribution: Literal["lognormal", "mixture"] = "lognormal"
     """Output lengths: one lognormal (median, sigma), or a mixture of components."""
@@ -304,6 +309,11 @@ class WorkloadSection:
     filtered and replaced, and `dora sim` reports what that costs in throughput; without it they are trained."""
 
     def __post_init__(self) -> None:
+        if self.median <= 0 or self.sigma < 0:
+            raise ConfigError(f"workload: median > 0 and sigma >= 0; got {self.median} and {self.sigma}")
+        if self.cap < 1 or self.prompt_tokens < 1:
+            raise ConfigError(f"workload.cap and workload.prompt_tokens must be >= 1; got {self.cap} and "
+                              f"{self.prompt_tokens}")  # fmt: skip
         if not 0.0 <= self.uniform_share <= 1.0:
             raise ConfigError(f"workload.uniform_share must be in [0, 1]; got {self.uniform_share}")
         if self.max_turns < 1 or not 1 <= self.turns <= self.max_turns:

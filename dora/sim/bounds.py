@@ -35,7 +35,7 @@ from statistics import fmean
 from typing import Literal
 
 from dora.config.sim import EngineSection, SimConfig, TrainerSection
-from dora.sim.workload import from_section
+from dora.sim.workload import Workload
 
 Order = Literal["completion", "dispatch"]
 
@@ -93,7 +93,7 @@ def step_work(cfg: SimConfig, batches: int = 16) -> StepWork:
     (they only add context, so Q stays a lower bound), and its tool calls take no accelerator time."""
     if batches < 1:
         raise ValueError("batches must be >= 1")
-    wl = from_section(cfg.workload, cfg.run.seed)
+    wl = Workload(cfg.workload, cfg.run.seed)
     b, g = cfg.core.train_groups, cfg.core.group_size
     tokens = kv = 0.0
     seqs: list[tuple[int, ...]] = []

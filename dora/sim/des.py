@@ -65,7 +65,7 @@ from dora.ids import Mode, WorkerId
 from dora.sim import lora
 from dora.sim.bounds import kv_token_steps
 from dora.sim.engine import Request
-from dora.sim.workload import from_section
+from dora.sim.workload import Workload
 from dora.sim.world import World
 
 
@@ -214,7 +214,7 @@ class Simulation:
         self.core = Core(self.cfg.core, strict=strict)
         self.world = World(
             group_size=self.cfg.core.group_size, train_groups=self.cfg.core.train_groups,
-            max_staleness=self.cfg.core.staleness, workload=from_section(cfg.workload, cfg.run.seed),
+            max_staleness=self.cfg.core.staleness, workload=Workload(cfg.workload, cfg.run.seed),
             mixed_versions_allowed=self.cfg.core.in_flight_swap, max_running=self.eng.max_slots,
             kv_budget_tokens=self.eng.kv_budget_tokens, kv_transfer=self.eng.kv_transfer, keep_kv=self.eng.keep_kv,
             yield_kv=self.eng.yield_kv,

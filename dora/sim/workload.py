@@ -27,17 +27,10 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
-from dora.config import ConfigError
-from dora.config.sim import WorkloadSection
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Component:
-    weight: float = 1.0
-    median: float = 1200.0
-    sigma: float = 1.18
+from dora.config.sim import ComponentSection, WorkloadSection
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,53 +49,32 @@ class Episode:
         return sum(self.turns)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
 class Workload:
-    """``lognormal``: one component; ``mixture``: several (e.g. bimodal agentic workloads)."""
+    """The lengths, turns and rewards a ``[workload]`` section (``spec``, the one declaration of its keys and their
+    checks) describes, drawn from ``seed``: ``lognormal``, one component; ``mixture``, several (e.g. bimodal agentic
+    workloads)."""
 
-    components: tuple[Component, ...] = field(default_factory=lambda: (Component(),))
-    difficulty_sigma: float = 0.5
-    """Spread of the per-prompt factor shared by a group's samples (0 = independent samples)."""
-    cap: int = 30_720
-    prompt_tokens: float = 150.0
-    """Median prompt length."""
-    prompt_sigma: float = 0.3
-    seed: int = 0
-    turns: float = 1.0
-    """Median assistant turns per episode (scaled by the prompt's difficulty)."""
-    turns_sigma: float = 0.0
-    max_turns: int = 1
-    """1: single-turn samples (the default); more: agentic episodes."""
-    tool_s: float = 0.0
-    """Median seconds of one tool call."""
-    tool_sigma: float = 0.0
-    observation_tokens: float = 0.0
-    """Median tokens of one tool result."""
-    observation_sigma: float = 0.0
-    uniform_share: float = 0.0
-    """Probability that a group's samples all get the same reward (a prompt solved, or failed, by every sample)."""
+    __slots__ = ("components", "seed", "spec")
 
-    def __post_init__(self) -> None:
-        if not self.components or any(c.weight <= 0 or c.median <= 0 or c.sigma < 0 for c in self.components):
-            raise ValueError("workload components need weight > 0, median > 0 and sigma >= 0")
-        if self.cap < 1 or self.prompt_tokens < 1:
-            raise ValueError("workload cap and prompt_tokens must be >= 1")
-        if self.max_turns < 1 or not 1 <= self.turns <= self.max_turns:
-            raise ValueError("workload turns must be in [1, max_turns]")
-        if min(self.turns_sigma, self.tool_s, self.tool_sigma, self.observation_tokens, self.observation_sigma) < 0:
-            raise ValueError("workload tool and observation medians and every sigma must be >= 0")
-        if not 0.0 <= self.uniform_share <= 1.0:
-            raise ValueError(f"workload uniform_share must be in [0, 1]; got {self.uniform_share}")
+    def __init__(self, spec: WorkloadSection, seed: int = 0) -> None:
+        self.spec = spec
+        self.seed = seed
+        self.components: tuple[ComponentSection, ...] = (
+            spec.components
+            if spec.distribution == "mixture"
+            else (ComponentSection(median=spec.median, sigma=spec.sigma),)
+        )
+
+    @classmethod
+    def lognormal(cls, *, seed: int = 0, **keys: Any) -> Workload:
+        """A workload of these ``[workload]`` keys (one lognormal component unless they say otherwise), seeded."""
+        return cls(WorkloadSection(**keys), seed)
 
     @property
     def multi_turn(self) -> bool:
-        return self.max_turns > 1
+        return self.spec.max_turns > 1
 
-    @classmethod
-    def lognormal(cls, median: float = 1200.0, sigma: float = 1.18, **kw: object) -> Workload:
-        return cls(components=(Component(median=median, sigma=sigma),), **kw)  # type: ignore[arg-type]
-
-    def _prompt(self, group: int) -> tuple[Component, float]:
+    def _prompt(self, group: int) -> tuple[ComponentSection, float]:
         rng = random.Random(f"{self.seed}:{group}")
         pick = rng.random() * sum(c.weight for c in self.components)
         comp = self.components[-1]
@@ -111,7 +83,7 @@ class Workload:
             if pick < 0:
                 comp = c
                 break
-        return comp, rng.lognormvariate(0.0, self.difficulty_sigma)
+        return comp, rng.lognormvariate(0.0, self.spec.difficulty_sigma)
 
     def length(self, group: int, index: int, attempt: int) -> int:
         """Output tokens of a sample (of an episode: all its turns)."""
@@ -120,7 +92,7 @@ class Workload:
         comp, difficulty = self._prompt(group)
         rng = random.Random(f"{self.seed}:{group}:{index}:{attempt}")
         raw = rng.lognormvariate(math.log(comp.median * difficulty), comp.sigma)
-        return max(1, min(self.cap, round(raw)))
+        return max(1, min(self.spec.cap, round(raw)))
 
     def episode(self, group: int, index: int, attempt: int) -> Episode:
         """The sample's turns, tool calls and observations (one turn of ``length`` when single-turn)."""
@@ -128,27 +100,28 @@ class Workload:
             return Episode(turns=(self.length(group, index, attempt),))
         comp, difficulty = self._prompt(group)
         rng = random.Random(f"{self.seed}:episode:{group}:{index}:{attempt}")
-        n = max(1, min(self.max_turns, round(_lognormal(rng, self.turns * difficulty, self.turns_sigma))))
+        spec = self.spec
+        n = max(1, min(spec.max_turns, round(_lognormal(rng, spec.turns * difficulty, spec.turns_sigma))))
         turns: list[int] = []
         total = 0
         for _ in range(n):
-            tokens = max(1, min(self.cap - total, round(_lognormal(rng, comp.median * difficulty, comp.sigma))))
+            tokens = max(1, min(spec.cap - total, round(_lognormal(rng, comp.median * difficulty, comp.sigma))))
             turns.append(tokens)
             total += tokens
-            if total >= self.cap:  # cut by length: the episode ends here
+            if total >= spec.cap:  # cut by length: the episode ends here
                 break
         tools = random.Random(f"{self.seed}:tools:{group}:{index}:{attempt}")
         observations, tools_s = [], []
         for _ in range(len(turns) - 1):
-            observations.append(round(_lognormal(tools, self.observation_tokens, self.observation_sigma)))
-            tools_s.append(_lognormal(tools, self.tool_s, self.tool_sigma))
+            observations.append(round(_lognormal(tools, spec.observation_tokens, spec.observation_sigma)))
+            tools_s.append(_lognormal(tools, spec.tool_s, spec.tool_sigma))
         return Episode(turns=tuple(turns), observations=tuple(observations), tools_s=tuple(tools_s))
 
     def uniform(self, group: int, attempt: int) -> bool:
         """Whether this attempt of the group gives every sample the same reward."""
-        if self.uniform_share <= 0.0:
+        if self.spec.uniform_share <= 0.0:
             return False
-        return random.Random(f"{self.seed}:uniform:{group}:{attempt}").random() < self.uniform_share
+        return random.Random(f"{self.seed}:uniform:{group}:{attempt}").random() < self.spec.uniform_share
 
     def reward(self, group: int, index: int, attempt: int) -> float:
         """A sample's reward: 1 for every sample of a uniform group, else 0 and 1 alternately (a group of one
@@ -157,28 +130,9 @@ class Workload:
 
     def prompt_len(self, group: int) -> int:
         rng = random.Random(f"{self.seed}:prompt:{group}")
-        return max(1, round(rng.lognormvariate(math.log(self.prompt_tokens), self.prompt_sigma)))
+        return max(1, round(rng.lognormvariate(math.log(self.spec.prompt_tokens), self.spec.prompt_sigma)))
 
 
 def _lognormal(rng: random.Random, median: float, sigma: float) -> float:
     """``median * exp(sigma * z)``; draws ``z`` even when the median is 0, so later draws do not shift."""
     return median * math.exp(sigma * rng.normalvariate(0.0, 1.0))
-
-
-def from_section(section: WorkloadSection, seed: int) -> Workload:
-    """The workload a ``[workload]`` config section describes, seeded."""
-    comps = (
-        tuple(Component(weight=c.weight, median=c.median, sigma=c.sigma) for c in section.components)
-        if section.distribution == "mixture"
-        else (Component(median=section.median, sigma=section.sigma),)
-    )
-    try:
-        return Workload(components=comps, difficulty_sigma=section.difficulty_sigma, cap=section.cap,
-                        prompt_tokens=section.prompt_tokens, prompt_sigma=section.prompt_sigma, seed=seed,
-                        turns=section.turns, turns_sigma=section.turns_sigma, max_turns=section.max_turns,
-                        tool_s=section.tool_s, tool_sigma=section.tool_sigma,
-                        observation_tokens=section.observation_tokens,
-                        observation_sigma=section.observation_sigma,
-                        uniform_share=section.uniform_share)  # fmt: skip
-    except ValueError as e:
-        raise ConfigError(f"workload: {e}") from None

@@ -20,7 +20,7 @@ import numpy as np
 
 from dora.config import ConfigError
 from dora.config.run import RunConfig, TaskSection
-from dora.sim.workload import from_section
+from dora.sim.workload import Workload
 from dora.tasks import datasets, rewards, tasks
 from dora.tasks.templates import Renderer
 
@@ -165,7 +165,7 @@ def prompt_source(cfg: RunConfig) -> tuple[Callable[[int], np.ndarray], dict[str
     if cfg.task.name == "synthetic":
         from dora.tasks.synthetic import prompt_ids
 
-        workload = from_section(cfg.workload, cfg.run.seed)
+        workload = Workload(cfg.workload, cfg.run.seed)
         return functools.lru_cache(maxsize=8192)(lambda g: prompt_ids(workload, g)), {"task": "synthetic"}
     t = cfg.task
     if not t.tokenizer:

@@ -8,7 +8,7 @@ from dora.config import ConfigError, CoreConfig, load
 from dora.config.run import RunConfig
 from dora.config.sim import SimConfig
 from dora.ids import Mode
-from dora.sim.workload import from_section
+from dora.sim.workload import Workload
 
 
 @pytest.fixture
@@ -83,7 +83,7 @@ def test_mixture_workload_from_toml(tmp_path):
         "[[workload.components]]\nweight = 3\nmedian = 100\nsigma = 0.3\n"
         "[[workload.components]]\nweight = 1\nmedian = 3000\nsigma = 0.3\n"
     )
-    wl = from_section(load(SimConfig, path=str(path)).workload, seed=1)
+    wl = Workload(load(SimConfig, path=str(path)).workload, seed=1)
     lengths = [wl.length(g, 0, 1) for g in range(2000)]
     short = sum(n < 600 for n in lengths) / len(lengths)
     assert 0.65 < short < 0.85, "a bimodal mixture: about three quarters short answers"

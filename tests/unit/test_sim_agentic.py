@@ -23,7 +23,7 @@ from dora.sim.des import Simulation
 from dora.sim.engine import Engine, Request
 from dora.sim.metrics import summarize
 from dora.sim.runner import simulate
-from dora.sim.workload import Episode, Workload, from_section
+from dora.sim.workload import Episode, Workload
 from tests.unit.simcfg import small
 from tests.unit.test_sim_properties import check_run
 
@@ -83,7 +83,7 @@ def test_single_turn_runs_ignore_every_agentic_setting(mode):
 
 def test_single_turn_workload_draws_the_lengths_it_always_drew():
     plain = Workload.lognormal(median=300.0, sigma=1.2, seed=3)
-    knobs = replace(plain, tool_s=2.0, tool_sigma=0.8, observation_tokens=50.0, turns_sigma=0.7)
+    knobs = Workload(replace(plain.spec, tool_s=2.0, tool_sigma=0.8, observation_tokens=50.0, turns_sigma=0.7), 3)
     for g, i, a in [(0, 0, 0), (5, 3, 1), (77, 15, 2)]:
         assert knobs.length(g, i, a) == plain.length(g, i, a)
         assert knobs.episode(g, i, a) == Episode(turns=(plain.length(g, i, a),))
@@ -132,7 +132,7 @@ def test_episodes_have_their_shape_and_a_latency_sweep_keeps_their_tokens(
     assert len(ep.observations) == len(ep.tools_s) == len(ep.turns) - 1
     assert all(n >= 0 for n in ep.observations) and all(t >= 0 for t in ep.tools_s)
     assert ep == wl.episode(group, index, 0), "a pure function of (seed, group, sample, attempt)"
-    other = replace(wl, tool_s=tool_s * scale).episode(group, index, 0)
+    other = Workload(replace(wl.spec, tool_s=tool_s * scale), wl.seed).episode(group, index, 0)
     assert (other.turns, other.observations) == (ep.turns, ep.observations)
     assert other.tools_s == pytest.approx([t * scale for t in ep.tools_s])
 
@@ -142,8 +142,8 @@ def test_workload_settings_are_checked():
         WorkloadSection(turns=4.0)
     with pytest.raises(ConfigError, match=">= 0"):
         WorkloadSection(max_turns=4, tool_s=-1.0)
-    wl = from_section(load(SimConfig, path="examples/sim/agentic.toml").workload, seed=0)
-    assert wl.multi_turn and wl.max_turns == 16
+    wl = Workload(load(SimConfig, path="examples/sim/agentic.toml").workload, seed=0)
+    assert wl.multi_turn and wl.spec.max_turns == 16
 
 
 # ---------------------------------------------------------------- engine

@@ -22,7 +22,7 @@ from dora.sim.bounds import (
     train_step_s,
 )
 from dora.sim.des import Simulation
-from dora.sim.workload import from_section
+from dora.sim.workload import Workload
 from tests.unit.simcfg import small
 
 EXAMPLES = int(os.environ.get("DORA_SIM_EXAMPLES", "300")) // 3
@@ -172,7 +172,7 @@ def test_one_elastic_worker_in_sync_with_nothing_else_to_pay_runs_exactly_at_the
 def test_an_episode_counts_as_one_sample_of_all_its_turns_and_the_trainer_also_trains_its_tool_results():
     cfg = small(train_groups=2, group_size=2, median=30.0, sigma=0.5)
     cfg = replace(cfg, workload=replace(cfg.workload, max_turns=4, turns=2.0, observation_tokens=7.0, tool_s=1.0))
-    wl = from_section(cfg.workload, cfg.run.seed)
+    wl = Workload(cfg.workload, cfg.run.seed)
     episodes = [(wl.prompt_len(g), wl.episode(g, i, 1)) for g in range(2) for i in range(2)]
     assert any(len(ep.turns) > 1 and sum(ep.observations) > 0 for _, ep in episodes)
     work = step_work(cfg, batches=1)
