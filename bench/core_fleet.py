@@ -81,9 +81,8 @@ def main() -> int:
             if type(a) is ev.Pin:
                 queue.append(ev.VersionLoaded(worker_id=a.worker_id, version=a.version))
             elif type(a) is ev.Lease:
-                answers.append(ev.SamplesFinished(samples=tuple(
-                    ev.SampleFinished(worker_id=a.worker_id, group_id=a.group_id, attempt=a.attempt, index=i,
-                                      segments=((a.version, 32),))
+                answers.append(ev.ResultsReported(worker_id=a.worker_id, payloads=(None,) * a.n_samples, samples=tuple(
+                    ev.SampleResult(group_id=a.group_id, attempt=a.attempt, index=i, segments=((a.version, 32),))
                     for i in range(a.n_samples))))  # fmt: skip
             elif type(a) is ev.DeliverBatch:
                 steps += 1

@@ -48,8 +48,6 @@ from dora.core.events import (
     ResultsReported,
     Retire,
     RunFinished,
-    SampleFinished,
-    SamplesFinished,
     Tick,
     VersionLoaded,
     VersionPublished,
@@ -218,19 +216,8 @@ class Core:
                 sched.set_ready(worker, True)
                 self.ledger.mark_loaded(v)
                 return False
-            case SampleFinished():
-                flight = intake.accept(sched, event, out)
-                if flight is not None:
-                    self._finished(flight)
-                return False
-            case SamplesFinished(samples=samples):
-                for sample in samples:
-                    flight = intake.accept(sched, sample, out)
-                    if flight is not None:
-                        self._finished(flight)
-                return False
-            case ResultsReported(worker_id=w, samples=samples, payloads=payloads):
-                for flight in intake.accept_report(sched, w, samples, payloads, out):
+            case ResultsReported():
+                for flight in intake.accept(sched, event, out):
                     self._finished(flight)
                 return False
             case GroupExported(worker_id=w, group_id=g, attempt=a, n_requests=n, state=state):

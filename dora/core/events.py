@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from dora.ids import AttemptId, Finish, GroupId, WorkerId
 
@@ -53,39 +53,46 @@ class VersionLoaded:
     version: int
 
 
+class Result(Protocol):
+    """What the core reads of one finished sample: the wire's sample header is one, and so is a ``SampleResult``."""
+
+    @property
+    def group_id(self) -> GroupId: ...
+    @property
+    def attempt(self) -> AttemptId: ...
+    @property
+    def index(self) -> int:
+        """Sample index within the group, 0 <= index < group_size."""
+    @property
+    def segments(self) -> Segments: ...
+    @property
+    def finish(self) -> Finish: ...
+    @property
+    def reward(self) -> float | None:
+        """The sample's reward: with ``filter_uniform`` the core finds a group whose rewards are all equal when it
+        finishes, and consumes it as filtered (None: unknown, never equal to anything). Read for nothing else."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
-class SampleFinished:
-    worker_id: WorkerId
+class SampleResult:
+    """A finished sample as the simulator reports it (a ``Result``)."""
+
     group_id: GroupId
     attempt: AttemptId
     index: int
-    """Sample index within the group, 0 <= index < group_size."""
     segments: Segments
     finish: Finish = Finish.STOP
-    payload: Any = None
     reward: float | None = None
-    """The sample's reward: with ``filter_uniform`` the core finds a group whose rewards are all equal when it
-    finishes, and consumes it as filtered (None: unknown, never equal to anything). Read for nothing else."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SamplesFinished:
-    """Several results that arrived together: each is taken exactly as a lone SampleFinished would
-    be, in order; the decisions that follow (leases, orchestration, batches) are made once after."""
-
-    samples: tuple[SampleFinished, ...]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ResultsReported:
-    """A worker's report of finished samples as it came (one wire message): taken exactly as a SamplesFinished of
-    ``SampleFinished(worker_id=worker_id, ..., payload=payloads[i])`` for each sample would be, without an event
-    per sample. A sample is anything with ``group_id``, ``attempt``, ``index``, ``segments`` and ``finish`` (the
-    wire's sample headers), and ``reward`` where groups are filtered (``filter_uniform``); the core reads nothing
-    else of it."""
+    """A worker's report of finished samples, as it came (one wire message, or one sample of the simulator's). Each
+    sample is taken in order, exactly as if it came alone; the decisions that follow (leases, orchestration,
+    batches) are made once after."""
 
     worker_id: WorkerId
-    samples: Sequence[Any]
+    samples: Sequence[Result]
     payloads: Sequence[Any]
     """Each sample's payload, in the same order: opaque, handed back in its ReadySample."""
 
@@ -142,8 +149,6 @@ Event = (
     | WorkerLost
     | LeaseLost
     | VersionLoaded
-    | SampleFinished
-    | SamplesFinished
     | ResultsReported
     | GroupExported
     | Lent

@@ -15,52 +15,25 @@ The fence and the slot bookkeeping belong to the ``scheduler``, and what is leas
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Iterator
 
 from dora.config import CoreConfig
-from dora.core.events import Outbox, ReadySample, Refused, SampleFinished
+from dora.core.events import Outbox, ReadySample, Refused, Result, ResultsReported
 from dora.core.scheduler import Flight, Scheduler
-from dora.ids import Finish, WorkerId
+from dora.ids import Finish
 
 
 class GroupFailed(RuntimeError):
     """A group errored max_group_failures times: it can be neither trained nor dropped."""
 
 
-def accept(sched: Scheduler, ev: SampleFinished, out: Outbox) -> Flight | None:
-    """Record one finished sample. Returns the flight when it completes the group."""
-    found = sched.check_result(ev.worker_id, ev.group_id, ev.attempt)
-    if isinstance(found, str):
-        out.emit(Refused(reason=found, worker_id=ev.worker_id, group_id=ev.group_id, attempt=ev.attempt,
-                         index=ev.index))  # fmt: skip
-        return None
-    flight = found
-    problem = _sample_problem(sched.cfg, flight, ev)
-    if problem is not None:
-        out.emit(Refused(reason=problem, worker_id=ev.worker_id, group_id=ev.group_id, attempt=ev.attempt,
-                         index=ev.index))  # fmt: skip
-        if problem != "duplicate_sample":
-            _failed(sched, flight, problem, out)
-        return None
-    flight.done[ev.index] = ReadySample(index=ev.index, segments=ev.segments, finish=ev.finish, payload=ev.payload)
-    if sched.cfg.filter_uniform:
-        flight.rewards[ev.index] = ev.reward
-    sched.took(flight, 1)
-    if len(flight.done) < sched.cfg.group_size:
-        return None
-    sched.release(flight)
-    return flight
-
-
-def accept_report(
-    sched: Scheduler, worker: WorkerId, samples: Sequence[Any], payloads: Sequence[Any], out: Outbox
-) -> Iterator[Flight]:
-    """Record a worker's report of finished samples (see ``ResultsReported``), in order, exactly as ``accept``
-    of each would: the same refusals and the same state, the lease checked once per run of samples of one
-    lease and slots, pending counts and the roster updated once per run. Yields each flight as the sample
-    that completes its group is taken (the caller hands it on before the next sample is looked at)."""
+def accept(sched: Scheduler, report: ResultsReported, out: Outbox) -> Iterator[Flight]:
+    """Record a worker's report of finished samples, in order, each exactly as if it came alone: the same refusals
+    and the same state, the lease checked once per run of samples of one lease and slots, pending counts and the
+    roster updated once per run. Yields each flight as the sample that completes its group is taken (the caller
+    hands it on before the next sample is looked at)."""
     cfg = sched.cfg
+    worker, samples, payloads = report.worker_id, report.samples, report.payloads
     G, swap, filtering = cfg.group_size, cfg.in_flight_swap, cfg.filter_uniform
     i, n = 0, len(samples)
     while i < n:
@@ -120,7 +93,7 @@ def _failed(sched: Scheduler, flight: Flight, problem: str, out: Outbox) -> None
     sched.requeue(flight, out)
 
 
-def _sample_problem(cfg: CoreConfig, flight: Flight, ev: SampleFinished) -> str | None:
+def _sample_problem(cfg: CoreConfig, flight: Flight, ev: Result) -> str | None:
     """Why a finished sample of the flight's current lease cannot be taken; None if it can."""
     if not 0 <= ev.index < cfg.group_size:
         return "bad_sample_index"

@@ -47,10 +47,11 @@ from dora.core.events import (
     Pin,
     Reclaim,
     Refused,
+    ResultsReported,
     Retire,
     Revoke,
     RunFinished,
-    SampleFinished,
+    SampleResult,
     VersionLoaded,
     VersionPublished,
     WorkerJoined,
@@ -158,7 +159,7 @@ class World:
         self.workers: dict[WorkerId, SimWorker] = {}
         self.learner = Learner()
         self.retired: set[int] = set()
-        self.sent: list[SampleFinished] = []
+        self.sent: list[ResultsReported] = []
         """Every result ever sent, for replaying late or duplicated messages."""
         self.attempts: dict[GroupId, AttemptId] = {}
         """Each group's latest lease: the attempt whose samples it finished with (or runs now)."""
@@ -386,8 +387,9 @@ class World:
         w = self.workers[worker]
         return w.engine.steps_to_next() if w.decoding else None
 
-    def decode(self, worker: WorkerId, steps: float) -> list[SampleFinished]:
-        """The worker's running requests advance ``steps`` decode steps together (continuous batching)."""
+    def decode(self, worker: WorkerId, steps: float) -> list[ResultsReported]:
+        """The worker's running requests advance ``steps`` decode steps together (continuous batching); each sample
+        that finishes is reported on its own."""
         w = self.workers[worker]
         if not w.decoding:
             return []
@@ -406,9 +408,9 @@ class World:
             for r in finished:
                 self.episodes[(r.group_id, r.attempt, r.index)] = (len(r.ends) or 1, sum(r.observations))
         done = [
-            SampleFinished(worker_id=worker, group_id=GroupId(r.group_id), attempt=r.attempt, index=r.index,
-                           segments=r.segments(), payload=r.attempt,
-                           reward=self.workload.reward(r.group_id, r.index, r.attempt))
+            ResultsReported(worker_id=worker, payloads=(r.attempt,), samples=(SampleResult(
+                group_id=GroupId(r.group_id), attempt=r.attempt, index=r.index, segments=r.segments(),
+                reward=self.workload.reward(r.group_id, r.index, r.attempt)),))
             for r in finished
         ]  # fmt: skip
         self.sent.extend(done)

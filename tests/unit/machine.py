@@ -9,9 +9,36 @@ from dataclasses import dataclass, field
 
 from dora.config import CoreConfig
 from dora.core.core import Core
-from dora.core.events import Action, DeliverBatch, Event, Retire, SampleFinished, Tick
+from dora.core.events import Action, DeliverBatch, Event, ResultsReported, Retire, SampleResult, Segments, Tick
+from dora.ids import AttemptId, Finish, GroupId, WorkerId
 from dora.sim.workload import Workload
 from dora.sim.world import World
+
+
+def finished(
+    *,
+    worker_id: str,
+    group_id: int,
+    attempt: int,
+    index: int,
+    segments: Segments,
+    finish: Finish = Finish.STOP,
+    reward: float | None = None,
+    payload: object = None,
+) -> ResultsReported:
+    """One finished sample, reported alone."""
+    sample = SampleResult(group_id=GroupId(group_id), attempt=AttemptId(attempt), index=index, segments=segments,
+                          finish=finish, reward=reward)  # fmt: skip
+    return ResultsReported(worker_id=WorkerId(worker_id), samples=(sample,), payloads=(payload,))
+
+
+def together(reports: list[ResultsReported]) -> ResultsReported:
+    """Reports of one worker as one report of all their samples, in order (the form a worker's message takes)."""
+    return ResultsReported(
+        worker_id=reports[0].worker_id,
+        samples=tuple(s for r in reports for s in r.samples),
+        payloads=tuple(x for r in reports for x in r.payloads),
+    )
 
 
 @dataclass
@@ -71,7 +98,7 @@ class Harness:
             f"batch {batch.step} trains uniform groups {flat} with {len(filtered)} filtered, cap {self.cfg.filter_cap}"
         )
 
-    def feed_all(self, events: list[SampleFinished]) -> None:
+    def feed_all(self, events: list[ResultsReported]) -> None:
         for ev in events:
             self.feed(ev)
 

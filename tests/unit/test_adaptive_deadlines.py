@@ -19,19 +19,19 @@ from dora.core.events import (
     Lent,
     Pin,
     Reclaim,
-    SampleFinished,
     VersionLoaded,
     VersionPublished,
     WorkerJoined,
 )
 from dora.ids import Mode
 from dora.sim.des import Simulation
+from tests.unit.machine import finished
 from tests.unit.simcfg import small
 from tests.unit.test_core import of
 
 
 def done(core: Core, lease: Lease, now: float = 0.0) -> list:
-    return core.handle(now, SampleFinished(worker_id=lease.worker_id, group_id=lease.group_id, attempt=lease.attempt,
+    return core.handle(now, finished(worker_id=lease.worker_id, group_id=lease.group_id, attempt=lease.attempt,
                                          index=0, segments=((lease.version, 4),)))  # fmt: skip
 
 

@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from dora.config import ConfigError, CoreConfig
+from dora.core import intake
 from dora.core.core import Core
 from dora.core.events import (
     BatchRequested,
@@ -18,14 +19,13 @@ from dora.core.events import (
     ImportGroup,
     LearnerLost,
     Lease,
+    Outbox,
     Pin,
     Refused,
     ResultsReported,
     Retire,
     Revoke,
     RunFinished,
-    SampleFinished,
-    SamplesFinished,
     Tick,
     VersionLoaded,
     VersionPublished,
@@ -35,6 +35,8 @@ from dora.core.events import (
 from dora.core.intake import GroupFailed
 from dora.ids import Finish, Mode
 from dora.sim.des import Simulation
+from tests.unit import machine
+from tests.unit.machine import finished
 from tests.unit.simcfg import small
 
 
@@ -51,7 +53,7 @@ def ready(core: Core, worker: str, slots: int = 8) -> list:
 def finish(core: Core, lease: Lease, index: int = 0, *, worker=None, attempt=None, version=None, finish=Finish.STOP):
     return core.handle(
         0,
-        SampleFinished(
+        finished(
             worker_id=worker or lease.worker_id, group_id=lease.group_id,
             attempt=lease.attempt if attempt is None else attempt, index=index,
             segments=((lease.version if version is None else version, 5),), finish=finish,
@@ -102,7 +104,7 @@ def test_duplicate_sample_is_refused_and_changes_nothing():
 
 
 def test_results_taken_together_decide_as_the_same_results_one_by_one():
-    """SamplesFinished (what a worker reports in one message) = the same SampleFinished events in order."""
+    """A report of several samples (what a worker sends in one message) = the same samples reported one by one."""
 
     def drive(together: bool) -> tuple[list, list, int, int]:
         core = Core(cfg(group_size=4, train_groups=2, max_staleness=1, rollout_groups=None), strict=True)
@@ -124,14 +126,14 @@ def test_results_taken_together_decide_as_the_same_results_one_by_one():
         for _ in range(4):  # rounds: every held group finishes, the learner trains, new groups are leased
             held = sorted(core.scheduler.flights.values(), key=lambda f: f.group_id)
             for worker in ("a", "b"):
-                results = [SampleFinished(worker_id=worker, group_id=f.group_id, attempt=f.attempt, index=i,
-                                          segments=((f.version, 5),)) for f in held if f.worker == worker
+                results = [finished(worker_id=worker, group_id=f.group_id, attempt=f.attempt, index=i,
+                                    segments=((f.version, 5),)) for f in held if f.worker == worker
                            for i in range(4)]  # fmt: skip
                 if not results:
                     continue
                 reports += 1
                 results.append(results[0])  # a duplicate in the same report
-                for e in [SamplesFinished(samples=tuple(results))] if together else results:
+                for e in [machine.together(results)] if together else results:
                     handle(e)
             handle(BatchRequested(step=core.step))
         return sorted(log), refusals, core.step, reports
@@ -153,6 +155,19 @@ def _twin_state(core: Core) -> tuple:
             core.transfer.step, core.transfer.in_training, core.refusals, core.learner_waiting)  # fmt: skip
 
 
+def _intake(core: Core, reports: list[ResultsReported]) -> tuple[list, str | None]:
+    """The reports taken in (what the core does with them before it decides anything): the actions, and the
+    failure if a group failed too often."""
+    out = Outbox()
+    try:
+        for report in reports:
+            for flight in intake.accept(core.scheduler, report, out):
+                core._finished(flight)
+    except GroupFailed as e:
+        return out.actions, str(e)
+    return out.actions, None
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     data=st.data(),
@@ -161,11 +176,11 @@ def _twin_state(core: Core) -> tuple:
     mode=st.sampled_from([Mode.DORA, Mode.PARTIAL, Mode.SYNC]),
     failures=st.integers(1, 4),
 )
-def test_a_report_decides_exactly_as_its_samples_one_by_one(data, group_size, k, mode, failures):
-    """ResultsReported (the broker's form of a worker's message: the headers as they came, no event per sample)
-    = a SamplesFinished of the same samples: the same actions, the same state, the same GroupFailed, whatever
-    the report holds (duplicates, foreign and stale leases, bad indices, errors, C1 violations, several groups
-    interleaved)."""
+def test_a_report_is_taken_exactly_as_its_samples_one_by_one(data, group_size, k, mode, failures):
+    """A report (the broker's form of a worker's message: the headers as they came, no event per sample) is taken
+    exactly as its samples reported one at a time are: the same refusals, the same state, the same GroupFailed,
+    whatever the report holds (duplicates, foreign and stale leases, bad indices, errors, C1 violations, several
+    groups interleaved). (The decisions that follow are made once after a report.)"""
     one = Core(cfg(mode=mode, group_size=group_size, max_staleness=k, train_groups=2, rollout_groups=6,
                    max_group_failures=failures), strict=True)  # fmt: skip
     for w in ("a", "b"):
@@ -186,30 +201,24 @@ def test_a_report_decides_exactly_as_its_samples_one_by_one(data, group_size, k,
                 segments = {"newer": ((version + 1, 5),), "negative": ((version, -1),), "empty": (),
                             "two runs": ((version, 2), (version, 3)),
                             "mixed": ((version, 2), (version + 1, 3))}.get(bad, ((version, 5),))  # fmt: skip
-                sample = SampleFinished(
+                sample = finished(
                     worker_id=worker, group_id=group, attempt=attempt + (bad == "attempt"),
                     index=-1 if bad == "index" else index, segments=segments,
                     finish=Finish.ERROR if bad == "error" else Finish.STOP, payload=("p", len(samples)),
                 )  # fmt: skip
                 samples.extend([sample, sample] if bad == "again" else [sample])
-        two = copy.deepcopy(one)
-        outcomes = []
-        for core, report in (
-            (one, ResultsReported(worker_id=worker, samples=tuple(samples), payloads=[s.payload for s in samples])),
-            (two, SamplesFinished(samples=tuple(samples))),
-        ):
-            try:
-                outcomes.append(core.handle(1.0, report))
-            except GroupFailed as e:
-                outcomes.append(str(e))
-        assert outcomes[0] == outcomes[1]
-        assert _twin_state(one) == _twin_state(two)
-        if isinstance(outcomes[0], str):
+        report = machine.together(samples)
+        whole, alone = copy.deepcopy(one), copy.deepcopy(one)
+        assert _intake(whole, [report]) == _intake(alone, samples)
+        assert _twin_state(whole) == _twin_state(alone)
+        try:
+            outcome = one.handle(1.0, report)
+        except GroupFailed:
             event("group failed")
             return
-        for a in outcomes[0]:
+        for a in outcome:
             event(f"{type(a).__name__} {a.reason}" if isinstance(a, Refused) else type(a).__name__)
-        for a in outcomes[0]:  # the learner trains what it is given, the workers load what they are told
+        for a in outcome:  # the learner trains what it is given, the workers load what they are told
             if isinstance(a, DeliverBatch):
                 one.handle(2.0, VersionPublished(version=a.step + 1))
             elif isinstance(a, Pin):
@@ -352,7 +361,7 @@ def test_partial_mode_swaps_weights_under_running_requests_and_counts_c1_violati
     assert of(acts, Pin) == [Pin(worker_id="a", version=1, interrupt=True)]
     core.handle(0, VersionLoaded(worker_id="a", version=1))
     core.handle(0, BatchRequested(step=1))
-    mixed = SampleFinished(worker_id="a", group_id=l1.group_id, attempt=l1.attempt, index=0,
+    mixed = finished(worker_id="a", group_id=l1.group_id, attempt=l1.attempt, index=0,
                            segments=((0, 3), (1, 4)))  # fmt: skip
     (batch,) = of(core.handle(0, mixed), DeliverBatch)
     assert batch.groups[0].version == 0 and core.transfer.c1_violations == 1

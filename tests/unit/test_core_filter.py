@@ -16,14 +16,13 @@ from dora.core.events import (
     DeliverBatch,
     Lease,
     Pin,
-    ResultsReported,
     RunFinished,
-    SampleFinished,
     VersionLoaded,
     VersionPublished,
     WorkerJoined,
 )
 from dora.ids import Mode
+from tests.unit.machine import finished, together
 from tests.unit.test_core import of
 
 
@@ -54,13 +53,11 @@ class Run:
     def finish(self, lease: Lease) -> list:
         self.leases.remove(lease)
         rewards = [1.0] * lease.n_samples if self.flat(lease.group_id, lease.attempt) else [0.0, 1.0] * lease.n_samples
-        return self.handle(ResultsReported(
-            worker_id=lease.worker_id,
-            samples=[SampleFinished(worker_id=lease.worker_id, group_id=lease.group_id, attempt=lease.attempt,
-                                    index=i, segments=((lease.version, 3),), reward=rewards[i])
-                     for i in range(lease.n_samples)],
-            payloads=[None] * lease.n_samples,
-        ))  # fmt: skip
+        return self.handle(together([
+            finished(worker_id=lease.worker_id, group_id=lease.group_id, attempt=lease.attempt, index=i,
+                     segments=((lease.version, 3),), reward=rewards[i])
+            for i in range(lease.n_samples)
+        ]))  # fmt: skip
 
     def to_end(self, limit: int = 1000) -> None:
         """Learner: ask, train, publish; workers: finish the oldest lease whenever the learner waits."""
@@ -159,14 +156,14 @@ def test_a_group_re_run_after_a_bad_sample_is_judged_on_its_new_samples_alone():
     """Rewards are kept per lease: a re-run's samples decide, not the ones its failed attempt left."""
     run = start(lambda g, a: True, total_steps=1, group_size=2)
     lease = run.leases[0]
-    run.handle(SampleFinished(worker_id="a", group_id=lease.group_id, attempt=lease.attempt, index=0,
+    run.handle(finished(worker_id="a", group_id=lease.group_id, attempt=lease.attempt, index=0,
                               segments=((0, 3),), reward=1.0))  # fmt: skip
     # the second sample holds a token of another version: the group re-runs whole
-    run.handle(SampleFinished(worker_id="a", group_id=lease.group_id, attempt=lease.attempt, index=1,
+    run.handle(finished(worker_id="a", group_id=lease.group_id, attempt=lease.attempt, index=1,
                               segments=((5, 3),), reward=1.0))  # fmt: skip
     (again,) = [x for x in run.leases if x.group_id == lease.group_id and x.attempt != lease.attempt]
     for i, reward in enumerate((1.0, 0.0)):
-        run.handle(SampleFinished(worker_id="a", group_id=again.group_id, attempt=again.attempt, index=i,
+        run.handle(finished(worker_id="a", group_id=again.group_id, attempt=again.attempt, index=i,
                                   segments=((0, 3),), reward=reward))  # fmt: skip
     assert lease.group_id not in run.core.transfer.filtered
     assert [f.group.group_id for q in run.core.transfer._by_deadline.values() for f in q] == [lease.group_id]
@@ -176,7 +173,7 @@ def test_a_sample_without_a_reward_never_makes_its_group_uniform():
     run = start(lambda g, a: True, total_steps=1)
     lease = run.leases[0]
     for i in range(2):
-        run.handle(SampleFinished(worker_id="a", group_id=lease.group_id, attempt=lease.attempt, index=i,
+        run.handle(finished(worker_id="a", group_id=lease.group_id, attempt=lease.attempt, index=i,
                                   segments=((0, 3),)))  # fmt: skip
     assert run.core.transfer.filtered == [] and len(run.core.transfer) == 1
 

@@ -26,19 +26,13 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from dora.config import CoreConfig
-from dora.core.events import LoadReported, ResultsReported, SampleFinished, Tick, WorkerJoined
+from dora.core.events import LoadReported, Tick, WorkerJoined
 from dora.core.scheduler import GroupState
 from dora.ids import Mode
 from dora.sim.workload import Workload
-from tests.unit.machine import Harness
+from tests.unit.machine import Harness, together
 
 EXAMPLES = int(os.environ.get("DORA_PROPERTY_EXAMPLES", "500"))
-
-
-def report(results: list[SampleFinished]) -> ResultsReported:
-    """One worker's results as one report, the form the broker feeds the core."""
-    payloads = [r.payload for r in results]
-    return ResultsReported(worker_id=results[0].worker_id, samples=tuple(results), payloads=payloads)
 
 
 class CoreMachine(RuleBasedStateMachine):
@@ -110,7 +104,7 @@ class CoreMachine(RuleBasedStateMachine):
         if live:
             done = self.h.world.decode(live[pick % len(live)].worker_id, tokens)
             if done:
-                self.h.feed(report(done))
+                self.h.feed(together(done))
 
     @rule(pick=st.integers(0, 10**6))
     def finish_load(self, pick):
@@ -169,7 +163,7 @@ class CoreMachine(RuleBasedStateMachine):
         sent = self.h.world.sent
         worker = sent[picks[0] % len(sent)].worker_id
         mine = [r for r in sent if r.worker_id == worker]
-        self.h.feed(report([mine[p % len(mine)] for p in picks]))
+        self.h.feed(together([mine[p % len(mine)] for p in picks]))
 
     @rule(pick=st.integers(0, 10**6), replay=st.booleans())
     def lose_lease(self, pick, replay):

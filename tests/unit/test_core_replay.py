@@ -25,10 +25,10 @@ import re
 import sys
 
 from dora.config import CoreConfig
-from dora.core.events import Action, LoadReported, ResultsReported, Tick, WorkerJoined
+from dora.core.events import Action, LoadReported, Tick, WorkerJoined
 from dora.ids import Mode
 from dora.sim.workload import Workload
-from tests.unit.machine import Harness
+from tests.unit.machine import Harness, together
 
 GOLDEN = pathlib.Path(__file__).with_name("core_replay.json")
 SEEDS = range(400)
@@ -123,8 +123,7 @@ def _move(h: Recorder, rng: random.Random) -> None:
             if move == "decode":
                 h.feed_all(done)
             elif done:
-                h.feed(ResultsReported(worker_id=done[0].worker_id, samples=tuple(done),
-                                       payloads=[r.payload for r in done]))  # fmt: skip
+                h.feed(together(done))
     elif move == "load" and (loading := [w for w in alive if w.loading is not None]):
         h.feed(world.finish_load(rng.choice(loading).worker_id))
     elif move == "export" and (exporting := [w for w in alive if w.exporting]):

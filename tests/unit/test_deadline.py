@@ -14,12 +14,12 @@ from dora.core.events import (
     BatchRequested,
     DeliverBatch,
     Lease,
-    SampleFinished,
     VersionLoaded,
     VersionPublished,
     WorkerJoined,
 )
 from dora.ids import Mode
+from tests.unit.machine import finished
 
 
 @pytest.mark.parametrize(
@@ -89,7 +89,7 @@ def _finish(core: Core, lease: Lease) -> list:
     for i in range(lease.n_samples):
         out += core.handle(
             0.0,
-            SampleFinished(
+            finished(
                 worker_id=lease.worker_id, group_id=lease.group_id, attempt=lease.attempt, index=i,
                 segments=((lease.version, 3),),
             ),

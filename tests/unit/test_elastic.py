@@ -17,13 +17,13 @@ from dora.core.events import (
     Pin,
     Reclaim,
     Refused,
-    SampleFinished,
     VersionLoaded,
     VersionPublished,
     WorkerJoined,
     WorkerLost,
 )
 from dora.ids import Mode
+from tests.unit.machine import finished
 from tests.unit.test_core import of
 
 
@@ -39,7 +39,7 @@ def fleet(standalone_slots: int = 2, elastic_slots: int = 4) -> tuple[Core, list
 
 
 def finish(core: Core, lease: Lease, index: int) -> list:
-    return core.handle(0, SampleFinished(worker_id=lease.worker_id, group_id=lease.group_id, attempt=lease.attempt,
+    return core.handle(0, finished(worker_id=lease.worker_id, group_id=lease.group_id, attempt=lease.attempt,
                                          index=index, segments=((lease.version, 3),)))  # fmt: skip
 
 

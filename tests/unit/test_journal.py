@@ -9,6 +9,7 @@ from dora.config import CoreConfig
 from dora.core import events as ev
 from dora.core.core import Core
 from dora.ids import Finish, WorkerId
+from tests.unit.machine import finished
 
 STEP1 = '{"kind":"step","version":1,"uri":"u","sha256":"s","groups":[1]}'
 SHAPE = {"mode": "dora", "max_staleness": 1, "train_groups": 2, "group_size": 2}
@@ -76,7 +77,7 @@ def test_a_rebuilt_core_hands_out_what_it_owes_first_then_fresh_groups():
     assert [a.group_id for a in leased[3:]] == list(range(10, 10 + len(leased) - 3))
     for a in leased:
         for i in range(2):
-            core.handle(1.0, ev.SampleFinished(worker_id=w, group_id=a.group_id, attempt=a.attempt, index=i,
+            core.handle(1.0, finished(worker_id=w, group_id=a.group_id, attempt=a.attempt, index=i,
                                                segments=((3, 3),), finish=Finish.STOP))  # fmt: skip
     [batch] = [a for a in core.handle(2.0, ev.BatchRequested(step=3)) if isinstance(a, ev.DeliverBatch)]
     assert batch.step == 3 and len(batch.groups) == 2
@@ -107,7 +108,7 @@ def test_a_rebuilt_core_owes_no_reserved_id_past_its_budget_and_trains_exactly_t
         for a in loads:
             out += core.handle(now, ev.VersionLoaded(worker_id=w, version=a.version))
         for a in todo:
-            out += core.handle(now, ev.SampleFinished(worker_id=w, group_id=a.group_id, attempt=a.attempt, index=0,
+            out += core.handle(now, finished(worker_id=w, group_id=a.group_id, attempt=a.attempt, index=0,
                                                       segments=((a.version, 3),), finish=Finish.STOP))  # fmt: skip
         out += core.handle(now, ev.BatchRequested(step=core.step))
         for batch in [a for a in out if isinstance(a, ev.DeliverBatch)]:
@@ -202,7 +203,7 @@ def test_a_broker_that_filters_resumes_with_its_budget_and_consumes_exactly_the_
         for a in loads:
             out += core.handle(now, ev.VersionLoaded(worker_id=w, version=a.version))
         for a in todo:  # ids 2, 4 and 6 come with a reward (one sample: uniform), the others with none (never)
-            out += core.handle(now, ev.SampleFinished(worker_id=w, group_id=a.group_id, attempt=a.attempt, index=0,
+            out += core.handle(now, finished(worker_id=w, group_id=a.group_id, attempt=a.attempt, index=0,
                                                       segments=((a.version, 3),),
                                                       reward=1.0 if a.group_id in (2, 4, 6) else None))  # fmt: skip
         out += core.handle(now, ev.BatchRequested(step=core.step))
