@@ -132,7 +132,7 @@ class SimEngine:
             token_ids=ids,
             logprobs=lps,
             reward=reward(self.workload, r.group_id, r.index, r.attempt),
-            finish=Finish.LENGTH if r.length >= self.workload.cap else Finish.STOP,
+            finish=Finish.LENGTH if r.length >= self.workload.spec.cap else Finish.STOP,
             broker_epoch=broker_epoch,
         )
 
