@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from dora.balance import assign, rank_loads
 from dora.config import ConfigError, CoreConfig
 from dora.ids import Mode
 
@@ -175,7 +174,8 @@ class EngineSection:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TrainerSection:
-    """The sim trainer's timing model. ``data_parallel = "fluid"``: a train step takes step_fixed_s + tokens x
+    """The numbers of the sim trainer's timing model (``dora.sim.trainer``): `dora sim`'s trainer and a live run's
+    ``sim`` trainer (run.trainer). ``data_parallel = "fluid"``: a train step takes step_fixed_s + tokens x
     gpu_s_per_token / trainer GPUs, then publish_s. Otherwise the batch's sequences are trained in
     ``updates_per_step`` optimizer updates, each split over the data-parallel replicas (``model_parallel_gpus``
     accelerators each) and ended by a barrier, so every update lasts as long as its busiest replica."""
@@ -211,42 +211,6 @@ class TrainerSection:
         if self.data_parallel not in ("fluid", "count", "stride", "tokens"):
             raise ConfigError(f"trainer.data_parallel must be fluid, count, stride or tokens; "
                               f"got {self.data_parallel!r}")  # fmt: skip
-
-    def train_s(self, tokens: int, gpus: int) -> float:
-        """The fluid step: ``tokens`` spread perfectly over ``gpus``."""
-        return self.step_fixed_s + tokens * self.gpu_s_per_token / gpus
-
-    def replicas(self, gpus: int) -> int:
-        """Data-parallel replicas of a trainer of ``gpus`` accelerators (0: too few for one)."""
-        return gpus if self.data_parallel == "fluid" else gpus // self.model_parallel_gpus
-
-    def batch_train_s(self, sequences: list[int], gpus: int, group_size: int = 1) -> float:
-        """A step on a batch of sequences of these token counts (in the batch's order, each ``group_size``
-        consecutive ones a group) on ``gpus``."""
-        if self.data_parallel == "fluid":
-            return self.train_s(sum(sequences), gpus)
-        dp = self.replicas(gpus)
-        if dp < 1:
-            raise ConfigError(f"the trainer has {gpus} accelerators, fewer than one data-parallel replica "
-                              f"(trainer.model_parallel_gpus = {self.model_parallel_gpus})")  # fmt: skip
-        n, u = len(sequences), min(self.updates_per_step, max(1, len(sequences)))
-        busiest = 0
-        for i in range(u):
-            update = range(i * n // u, (i + 1) * n // u)
-            groups = [j // group_size for j in update]
-            busiest += max(replica_loads([sequences[j] for j in update], dp, self.data_parallel, groups), default=0)
-        return self.step_fixed_s + busiest * self.gpu_s_per_token / self.model_parallel_gpus
-
-
-def replica_loads(sequences: list[int], replicas: int, split: str, groups: list[int] | None = None) -> list[int]:
-    """Tokens each data-parallel replica trains of one update's ``sequences``: ``count``, consecutive equal
-    shares (sizes differ by at most one); ``stride`` and ``tokens``, the learner's assignment
-    (``dora.balance.assign``) with ``groups[i]`` sequence i's group (None: each its own)."""
-    if split == "count":
-        n = len(sequences)
-        return [sum(sequences[r * n // replicas : (r + 1) * n // replicas]) for r in range(replicas)]
-    groups = list(range(len(sequences))) if groups is None else groups
-    return rank_loads(sequences, assign(sequences, groups, replicas, split))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

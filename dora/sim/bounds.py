@@ -35,6 +35,7 @@ from statistics import fmean
 from typing import Literal
 
 from dora.config.sim import EngineSection, SimConfig, TrainerSection
+from dora.sim.trainer import batch_train_s, replicas
 from dora.sim.workload import Workload
 
 Order = Literal["completion", "dispatch"]
@@ -131,7 +132,7 @@ def completion_order(groups: list[tuple[int, list[int]]]) -> tuple[int, ...]:
 
 def train_step_s(trainer: TrainerSection, work: StepWork, gpus: int, order: Order = "completion") -> float:
     """The mean train step (and its publish) over the sampled batches, in ``order``, on ``gpus`` accelerators."""
-    steps = [trainer.batch_train_s(list(s), gpus, work.group_size) for s in work.ordered(order)]
+    steps = [batch_train_s(trainer, list(s), gpus, work.group_size) for s in work.ordered(order)]
     return fmean(steps) + trainer.publish_s
 
 
@@ -148,7 +149,7 @@ def splits(cfg: SimConfig) -> Iterable[tuple[str, int, int]]:
     for w in range(1, most + 1):
         for e in range(0, w + 1):
             gpus = cl.total_gpus - (w - e) * g
-            if gpus < 1 or t.replicas(gpus) < 1:
+            if gpus < 1 or replicas(t, gpus) < 1:
                 continue
             placement = "disaggregated" if e == 0 else "colocated" if e == w == most else "elastic"
             yield placement, w, e

@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dora.balance import assign, cut, imbalance, learner_order, plan, rank_loads
-from dora.config.sim import TrainerSection, replica_loads
+from dora.config.sim import TrainerSection
+from dora.sim.trainer import batch_train_s, replica_loads
 
 batches = st.lists(st.tuples(st.integers(1, 8), st.lists(st.integers(1, 3000), min_size=1, max_size=8)),
                    min_size=1, max_size=12)  # fmt: skip
@@ -112,7 +113,7 @@ def test_the_simulated_trainer_prices_the_learners_own_assignment():
         want = rank_loads(sizes, assign(sizes, groups, 3, split))
         assert replica_loads(sizes, 3, split, groups) == want
         t = TrainerSection(gpu_s_per_token=1.0, step_fixed_s=0.0, publish_s=0.0, data_parallel=split)
-        assert t.batch_train_s(sizes, 3, group_size=4) == max(want)
+        assert batch_train_s(t, sizes, 3, group_size=4) == max(want)
     stride = TrainerSection(gpu_s_per_token=1.0, step_fixed_s=0.0, publish_s=0.0, data_parallel="stride")
     tokens = TrainerSection(gpu_s_per_token=1.0, step_fixed_s=0.0, publish_s=0.0, data_parallel="tokens")
-    assert tokens.batch_train_s(sizes, 2, group_size=4) < stride.batch_train_s(sizes, 2, group_size=4)
+    assert batch_train_s(tokens, sizes, 2, group_size=4) < batch_train_s(stride, sizes, 2, group_size=4)

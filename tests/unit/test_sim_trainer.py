@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dora.config import ConfigError
-from dora.config.sim import TrainerSection, replica_loads
+from dora.config.sim import TrainerSection
+from dora.sim.trainer import batch_train_s, replica_loads
 from dora.ids import Mode
 from dora.sim.des import Simulation
 from dora.sim.metrics import summarize
@@ -27,10 +28,10 @@ def test_a_count_split_hands_out_consecutive_equal_shares_and_a_token_split_bala
     assert sorted(replica_loads([10, 1, 1, 1], 2, "tokens")) == [3, 10]
     assert replica_loads([5, 4, 3], 4, "count") == [0, 5, 4, 3]  # more replicas than sequences: some idle
     # one update on 2 replicas: the busiest holds 11 of 13 tokens; two updates ([10, 1] then [1, 1]): 10 + 1
-    assert trainer("count").batch_train_s([10, 1, 1, 1], 2) == 11.0
-    assert trainer("count", updates=2).batch_train_s([10, 1, 1, 1], 2) == 11.0
-    assert trainer("tokens", updates=2).batch_train_s([1, 1, 10, 1], 2) == 11.0  # [1, 1] then [10, 1]: 1 + 10
-    assert trainer("fluid").batch_train_s([10, 1, 1, 1], 2) == 6.5
+    assert batch_train_s(trainer("count"), [10, 1, 1, 1], 2) == 11.0
+    assert batch_train_s(trainer("count", updates=2), [10, 1, 1, 1], 2) == 11.0
+    assert batch_train_s(trainer("tokens", updates=2), [1, 1, 10, 1], 2) == 11.0  # [1, 1] then [10, 1]: 1 + 10
+    assert batch_train_s(trainer("fluid"), [10, 1, 1, 1], 2) == 6.5
 
 
 @settings(max_examples=300, deadline=None)
@@ -41,11 +42,11 @@ def test_a_barrier_never_beats_the_fluid_step_and_one_replica_is_the_fluid_step(
     t = trainer(split, updates, mp)
     if gpus < mp:
         with pytest.raises(ConfigError, match="data-parallel replica"):
-            t.batch_train_s(seqs, gpus, group)
+            batch_train_s(t, seqs, gpus, group)
         return
     dp = gpus // mp
-    fluid = trainer("fluid").batch_train_s(seqs, dp * mp)
-    step = t.batch_train_s(seqs, gpus, group)
+    fluid = batch_train_s(trainer("fluid"), seqs, dp * mp)
+    step = batch_train_s(t, seqs, gpus, group)
     assert step >= fluid - 1e-9 * fluid  # the replicas' work can only wait
     assert step <= sum(seqs) / mp + 1e-9  # never worse than one replica doing it all
     if dp == 1:

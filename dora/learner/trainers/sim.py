@@ -16,6 +16,7 @@ from typing import Any
 
 from dora.config.run import RunConfig
 from dora.samples import Batch
+from dora.sim.trainer import batch_train_s
 
 
 class SimTrainer:
@@ -26,7 +27,7 @@ class SimTrainer:
 
     def train(self, batch: Batch) -> dict[str, float]:
         sequences = [len(s.token_ids) for g in batch.groups for s in g.samples]
-        train_s = self.cfg.trainer.batch_train_s(sequences, self.cfg.learner.sim_gpus, self.cfg.core.group_size)
+        train_s = batch_train_s(self.cfg.trainer, sequences, self.cfg.learner.sim_gpus, self.cfg.core.group_size)
         train_s *= self.cfg.run.time_scale
         time.sleep(train_s)
         return {"train_s": train_s}
