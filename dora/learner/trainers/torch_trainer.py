@@ -11,25 +11,27 @@ Per batch:
    and each rank cuts its share into micro-batches, a group's samples together, groups by length:
    ``micro_batch`` trajectories each, or as many as fit ``micro_batch_tokens`` (``dora.balance``).
 4. The model scores the sampled tokens under the distribution the engines sampled from (temperature and top-p
-   nucleus), each distinct prompt run once per micro-batch (``_score``), a chunk of positions at a time: no float32
-   tensor of the whole vocabulary at every position is ever made (``dora.learner.scoring``). The same pass gives
-   each position's entropy and the whole-vocabulary log-prob, for the entropy bonus and the KL term (the
-   reference scored likewise: a frozen copy, or the LoRA model with its adapters off). The clipped surrogate plus
-   the regularisers is back-propagated, and micro-batches are weighted so the accumulated gradient equals the
-   mini-batch's.
+   nucleus), each distinct prompt run once per micro-batch (``dora.learner.trainers.forward``), a chunk of
+   positions at a time: no float32 tensor of the whole vocabulary at every position is ever made
+   (``dora.learner.scoring``). The same pass gives each position's entropy and the whole-vocabulary log-prob, for
+   the entropy bonus and the KL term (the reference scored likewise: a frozen copy, or the LoRA model with its
+   adapters off). The clipped surrogate plus the regularisers is back-propagated, and micro-batches are weighted
+   so the accumulated gradient equals the mini-batch's.
 5. One AdamW step per mini-batch at the schedule's learning rate. After the last, ``publish`` writes the new version
    to the weight store: a model folder (the start folder's config, generation config and tokenizer beside the
-   weights) in ``publish_dtype``, each tied tensor once (``dora.hf.tensors``).
+   weights) in ``publish_dtype``, each tied tensor once (``dora.hf.tensors``). Between steps the weights are
+   offloaded, checkpointed, restored or adopted (``dora.learner.trainers.weights``).
 
 With one mini-batch, one epoch and no correction the step is the one this trainer took before mini-batches
 existed, bit for bit. The step's metrics include its health (``dora.learner.health``).
 
-Single process, or sharded with FSDP2 when a process group of several ranks is initialised (each decoder block
-the model declares in ``_no_split_modules`` is a shard unit, then the root; gradients are reduced by FSDP,
-metrics by an all-reduce). With ``activation_checkpointing`` each decoder block's activations are recomputed in
-the backward (transformers' gradient checkpointing, non-reentrant), and samples are scored as whole rows: a
-block replayed on a shared prompt's cache would write it twice. A step's metrics include its speed
-(``dora.learner.throughput``: tokens per second, MFU) and how evenly the ranks' tokens were spread.
+The model is built as `dora sft` builds its own (``dora.learner.setup``). Single process, or sharded with FSDP2 when
+a process group of several ranks is initialised (each decoder block the model declares in ``_no_split_modules`` is a
+shard unit, then the root; gradients are reduced by FSDP, metrics by an all-reduce). With
+``activation_checkpointing`` each decoder block's activations are recomputed in the backward (transformers' gradient
+checkpointing, non-reentrant), and samples are scored as whole rows: a block replayed on a shared prompt's cache
+would write it twice. A step's metrics include its speed (``dora.learner.throughput``: tokens per second, MFU) and
+how evenly the ranks' tokens were spread.
 """
 
 from __future__ import annotations
@@ -39,80 +41,31 @@ import itertools
 import pathlib
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from dora.balance import plan
 from dora.hf import lora as adapters
-from dora.hf.folder import companion_files, with_dtype
-from dora.hf.tensors import padding_gap, publishable, with_copies
-from dora.hostmem import Parking, module_tensors
+from dora.hf.tensors import padding_gap
 from dora.learner.health import Tally, batch_health, mismatch
-from dora.learner.logprobs import CHUNK_BYTES, Stats
+from dora.learner.logprobs import Stats
 from dora.learner.loss import (SUMMED, LossConfig, LossFn, advantages, checked, policy_loss, regularizers, takes_prox,
                                uniform_groups)  # fmt: skip
 from dora.learner.schedule import LrSchedule, mini_batches
 from dora.learner.scoring import Scorer
 from dora.learner.setup import adapt, load_model, optimizer, shard, trainable
 from dora.learner.throughput import flop_params, peak_tflops, speed
+from dora.learner.trainers.forward import Row, score
+from dora.learner.trainers.torch_config import TrainerConfig
+from dora.learner.trainers.weights import Weights
 from dora.samples import Batch, TrainSample
 from dora.store import WeightStore
-
-if TYPE_CHECKING:
-    from dora.config.models import LoraSection
 
 
 def trained_tokens(s: TrainSample) -> int:
     """The tokens of a trajectory the loss sees: the model's own (an episode's environment tokens are not)."""
     return len(s.token_ids) if s.loss_mask is None else int(s.loss_mask.sum())
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TrainerConfig:
-    lr: float = 1e-4
-    micro_batch: int = 16
-    """Trajectories per forward/backward (gradient accumulation over a batch)."""
-    micro_batch_tokens: int | None = None
-    """A token budget per forward/backward instead: trajectories in order while rows x the longest prompt +
-    completion stays within it (one longer than it alone). None or 0: ``micro_batch`` trajectories each."""
-    balance: str = "tokens"
-    """How trajectories go to ranks (``dora.balance``): ``tokens`` (greedy, longest first, a group whole where
-    its rank stays within an even share) or ``stride`` (every world-th, in length order)."""
-    activation_checkpointing: bool = False
-    """Recompute each decoder block's activations in the backward instead of keeping them."""
-    peak_tflops: float | None = None
-    """The accelerator's peak (TFLOP/s) an MFU is reckoned against; None: by CUDA device name, none on a CPU."""
-    logprob_chunk_bytes: int = CHUNK_BYTES
-    """Float32 logits made at once when scoring (``dora.learner.logprobs``)."""
-    temperature: float = 1.0
-    """The rollout temperature: the behaviour log-probs were taken at it, so the learner scores at it too."""
-    top_p: float = 1.0
-    """The rollout nucleus: the engines sampled from it, so the learner scores over the same nucleus."""
-    mini_batches: int = 1
-    """Optimizer steps per pass over a train batch (``dora.learner.schedule``: whole groups in each)."""
-    epochs: int = 1
-    """Passes over each train batch."""
-    weight_decay: float = 0.0
-    """AdamW's decoupled weight decay, on matrices (parameters of two or more dimensions) only."""
-    lr_schedule: str = "constant"
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.0
-    total_steps: int | None = None
-    """Train batches in the run (``core.total_steps``): the length a decay of the learning rate spans."""
-    max_grad_norm: float = 1.0
-    seed: int = 0
-    dtype: str = "float32"
-    """``bfloat16``: compute in bf16 (FSDP2 MixedPrecisionPolicy, or autocast on one rank); fp32 master weights."""
-    checkpoint_dir: str | None = None
-    keep_checkpoints: int = 2
-    offload_between_steps: bool = False
-    """On a GPU: weights and optimizer state to host memory after each publish, back for the next use."""
-    publish_dtype: str = "float32"
-    """The dtype of the published versions' floating-point weights (the engines')."""
-    lora: LoraSection | None = None
-    """Train LoRA adapters on the frozen model (``dora.hf.lora``); a version is an adapter folder."""
 
 
 def _takes_prox(loss: LossConfig, loss_fn: LossFn) -> bool:
@@ -127,7 +80,7 @@ def _takes_prox(loss: LossConfig, loss_fn: LossFn) -> bool:
     return takes
 
 
-class TorchTrainer:
+class TorchTrainer(Weights):
     keeps_weights = True
 
     def __init__(self, model_dir: str | pathlib.Path, store: WeightStore, loss: LossConfig, cfg: TrainerConfig,
@@ -148,14 +101,12 @@ class TorchTrainer:
         adapted = adapt(self.model, cfg.lora)
         self.copies = adapted.copies
         self.lora = adapted.lora
-        """The PEFT config of the adapters trained on the frozen model (a LoRA run), or None (full weights)."""
         self.initial_adapters = {n: p.detach().clone() for n, p in self.model.named_parameters()
                                  if self.lora is not None and p.requires_grad}  # fmt: skip
-        """A LoRA run's adapters as made (B zero: the start model's policy), for going back to version 0."""
         self.whole_rows = padding_gap(self.model) is not None or cfg.activation_checkpointing
         """Its sequences cannot be batched by left padding (layers that keep a state, or positions padding moves),
         or its blocks are checkpointed (a replay would write a shared prompt's cache twice): each sample is scored
-        as one whole row, its prompt included (``_row_inputs``)."""
+        as one whole row, its prompt included (``dora.learner.trainers.forward``)."""
         self.scorer = Scorer(self.model, temperature=cfg.temperature, top_p=cfg.top_p,
                              chunk_bytes=cfg.logprob_chunk_bytes)  # fmt: skip
         """Log-probs from the last hidden states through the output embedding, or from the logits when the model's
@@ -167,7 +118,6 @@ class TorchTrainer:
         self.publish_dtype = getattr(torch, cfg.publish_dtype)
         self.beside = self._beside()
         self.trained_steps = 0
-        """Steps taken since the weights were last loaded (from the model folder or a checkpoint)."""
         self.reference = self._reference_model(loss)
         """KL's reference, the start model (with a KL term only): with LoRA the model itself with its adapters
         off (``None`` here); with full weights a frozen copy, on the learner's device (sharded as the model is)."""
@@ -185,33 +135,8 @@ class TorchTrainer:
         self.takes_prox = _takes_prox(loss, loss_fn)
         """Whether the loss is given the proximal log-probs (``logp_prox=``): the built-in one, or one that asks."""
         self.offloads = cfg.offload_between_steps and self.device.type == "cuda"
-        """Between steps the weights and optimizer state wait in host memory (elastic workers use the GPU)."""
         self.offloaded = False
         self.parking = self._parking()
-        """Host memory of the offloaded state (one pinned buffer, reused by every offload)."""
-
-    def _parking(self) -> Parking:
-        """Offloading on one rank: the pinned buffer, reserved in the background for the model's tensors and
-        AdamW's two moments per trained parameter."""
-        parking = Parking()
-        if self.offloads and self.world == 1:
-            trained = trainable(self.model)
-            parking.reserve([*module_tensors(self.model)[0], *trained, *trained])
-        return parking
-
-    def _beside(self) -> dict[str, bytes]:
-        """What a version holds besides its weights, so that every version is a model folder: the start folder's
-        config (naming the dtype written), generation config and tokenizer files; with LoRA an adapter folder's
-        config naming the base model, and on the rank that publishes ``BASE_FILE``, its digest."""
-        if self.lora is not None:
-            beside = {adapters.ADAPTER_CONFIG: adapters.config_file(self.lora, base=self.model_dir)}
-            if self.rank == 0:
-                beside[adapters.BASE_FILE] = adapters.base_record(self.model_dir)
-            return beside
-        beside = companion_files(self.model_dir)
-        if "config.json" in beside:
-            beside["config.json"] = with_dtype(beside["config.json"], self.cfg.publish_dtype)
-        return beside
 
     def _wrap(self) -> None:
         """The model (and a KL reference copy) made ready to train: gradient checkpointing (the reference is
@@ -233,54 +158,6 @@ class TorchTrainer:
             for module in self.model.modules():
                 if isinstance(module, GradientCheckpointingLayer) and module.gradient_checkpointing:
                     module.training = True
-
-    # ------------------------------------------------------------------ offload between steps
-
-    def _move(self, device: torch.device) -> None:
-        """Weights and optimizer state to ``device``. One rank parks them in one pinned host buffer
-        (``dora.hostmem``); FSDP2 ranks use the module's ``to``, on which FSDP2 re-registers its shards. The KL
-        reference, if there is one, goes with its ``to``."""
-        if self.reference is not None:
-            self.reference.to(device)
-        # AdamW keeps its step count on the CPU
-        slots = [(state, key) for state in self.opt.state.values() for key, value in state.items()
-                 if torch.is_tensor(value) and key != "step"]  # fmt: skip
-        if self.world > 1:
-            self.model.to(device)
-            for state, key in slots:
-                state[key] = state[key].to(device)
-            return
-        tensors, put = module_tensors(self.model)
-        every = [*tensors, *(state[key] for state, key in slots)]
-        moved = self.parking.park(every) if device.type == "cpu" else self.parking.unpark(every, device)
-        put(moved[: len(tensors)])
-        for (state, key), t in zip(slots, moved[len(tensors) :], strict=True):
-            state[key] = t
-
-    def offload(self) -> None:
-        """The step is published: weights and optimizer state wait in host memory (with offload_between_steps)."""
-        if self.offloads and not self.offloaded:
-            self._move(torch.device("cpu"))
-            torch.cuda.empty_cache()
-            self.offloaded = True
-
-    def _onload(self) -> bool:
-        """Bring offloaded state back to the device; True if it was offloaded."""
-        if not self.offloaded:
-            return False
-        self._move(self.device)
-        self.offloaded = False
-        return True
-
-    @contextlib.contextmanager
-    def _on_device(self) -> Iterator[None]:
-        """Checkpoint, adopt, restore: on the device meanwhile, and back in host memory after if it was there."""
-        was = self._onload()
-        try:
-            yield
-        finally:
-            if was:
-                self.offload()
 
     # ------------------------------------------------------------------ steps
 
@@ -308,7 +185,7 @@ class TorchTrainer:
             for layer in layers:
                 layer.enable_adapters(True)
 
-    def _reference_logp(self, rows: list[tuple[list[int], Any, int]]) -> torch.Tensor | None:
+    def _reference_logp(self, rows: list[Row]) -> torch.Tensor | None:
         """The reference's log-probs of the rows' sampled tokens over the tempered vocabulary ([B, T], no gradient),
         when the loss has a KL term."""
         if self.loss_cfg.kl_coef <= 0:
@@ -403,7 +280,7 @@ class TorchTrainer:
                        mismatch_tokens=tally.sums["mismatch_tokens"])  # fmt: skip
         return out
 
-    def _plan(self, index: list[int], sizes: list[int], rows: list[tuple[list[int], Any, int]]) -> Any:
+    def _plan(self, index: list[int], sizes: list[int], rows: list[Row]) -> Any:
         """This rank's micro-batches of the rows ``index`` (as indices into ``rows``), a group's samples together,
         groups in order of their longest sample: little padding. The accumulated gradient depends on neither the
         share nor the order."""
@@ -412,7 +289,7 @@ class TorchTrainer:
                     micro_batch_tokens=self.cfg.micro_batch_tokens)  # fmt: skip
         return step, [[index[j] for j in part] for part in step.micro_batches]
 
-    def _proximal(self, rows: list[tuple[list[int], Any, int]], sizes: list[int], fresh: torch.Tensor,
+    def _proximal(self, rows: list[Row], sizes: list[int], fresh: torch.Tensor,
                   tally: Tally) -> dict[int, torch.Tensor]:  # fmt: skip
         """Every row's log-probs at the weights the batch starts with (per row, its sampled positions; no
         gradient), and the engine-learner gap of its staleness-0 rows into ``tally``. Sharded, each rank scores its
@@ -438,7 +315,7 @@ class TorchTrainer:
             dist.all_reduce(flat)  # each position is one rank's, zero on the others
         return {i: flat[starts[i] : starts[i + 1]] for i in range(len(rows))}
 
-    def _optimizer_step(self, rows: list[tuple[list[int], Any, int]], index: list[int], sizes: list[int],
+    def _optimizer_step(self, rows: list[Row], index: list[int], sizes: list[int],
                         adv: torch.Tensor, keep: torch.Tensor, fresh: torch.Tensor,
                         prox: dict[int, torch.Tensor] | None, tally: Tally, lr: float) -> None:  # fmt: skip
         """One mini-batch (the rows ``index``): its micro-batches' gradients accumulated, clipped, one AdamW step
@@ -464,7 +341,7 @@ class TorchTrainer:
         tally.add("micro_batches", len(step.micro_batches))
         tally.high("rank_imbalance", step.imbalance)
 
-    def _micro_step(self, part_rows: list[tuple[list[int], Any, int]], part: list[int], adv: torch.Tensor,
+    def _micro_step(self, part_rows: list[Row], part: list[int], adv: torch.Tensor,
                     keep: torch.Tensor, fresh: torch.Tensor, prox: dict[int, torch.Tensor] | None, tally: Tally, *,
                     kept_rows: int, kept_tokens: int) -> None:  # fmt: skip
         """One micro-batch's forward and backward, weighted by its share of its mini-batch."""
@@ -501,7 +378,7 @@ class TorchTrainer:
             tally.high("ratio_min_neg", -met["ratio_min"])
             tally.high("is_weight_max", met.get("is_weight_max", 1.0))
 
-    def _idle_pass(self, row: tuple[list[int], Any, int]) -> None:
+    def _idle_pass(self, row: Row) -> None:
         """A forward and backward that changes no gradient (its loss is zero), for a rank whose share has no
         micro-batch left while another's has: FSDP's all-gathers and reduce-scatters happen in every pass (the
         reference's too). Its tokens are not counted as work done."""
@@ -511,177 +388,14 @@ class TorchTrainer:
         (stats.logp.sum() * 0.0).backward()
         self.fed_tokens = fed
 
-    def _score(self, rows: list[tuple[list[int], Any, int]], model: torch.nn.Module | None = None,
+    def _score(self, rows: list[Row], model: torch.nn.Module | None = None,
                scorer: Scorer | None = None) -> tuple[Stats, torch.Tensor, torch.Tensor]:  # fmt: skip
         """The ``Stats`` of the sampled tokens under ``model``'s weights (the trained model's by default), the
-        behaviour log-probs, and the mask: [B, T] each.
-
-        A group's samples share their prompt, so each distinct prompt is run once, and every sample continues
-        from its prompt's keys and values (gradients flow back through them to the shared prompt pass):
-        1. The distinct prompts, left-padded (position ids counted from each one's first token): their caches, and
-           the last position, which predicts every sample's first token. Left, so each prompt's keys sit next to
-           its samples' in the cache: a sliding window (Gemma 2, Mistral) counts cache slots.
-        2. Every sample's tokens but the last, on its prompt's cache: the positions predicting the rest. The
-           attention mask leaves out the prompt's padding; position ids continue from the prompt's length.
-        Causal attention keeps every real position from seeing padding after it, so each sample computes what
-        it would alone (to float rounding). Only positions predicting a trained token (mask 1) are scored, a
-        chunk at a time (``self.scorer``); the rest are 0. A model that cannot be batched so (``whole_rows``) is
-        scored one whole row per sample instead."""
-        from transformers import DynamicCache
-
-        distinct: dict[tuple[int, ...], int] = {}
-        which = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p, _, _ in rows])
-        plen = torch.tensor([len(p) for p in distinct])
-        width = int(plen.max())
-        lengths = [len(s.token_ids) for _, s, _ in rows]
-        longest = max(lengths)
-        pids = torch.zeros((len(distinct), width), dtype=torch.long)
-        pattn = torch.zeros((len(distinct), width), dtype=torch.long)
-        for u, p in enumerate(distinct):
-            pids[u, width - len(p) :] = torch.tensor(p)
-            pattn[u, width - len(p) :] = 1
-        tokens = torch.zeros((len(rows), longest), dtype=torch.long)
-        beh = torch.zeros((len(rows), longest), dtype=torch.float32)
-        real = torch.zeros((len(rows), longest), dtype=torch.long)  # attended to: every token, the env's too
-        mask = torch.zeros((len(rows), longest), dtype=torch.float32)  # trained on: the model's tokens only
-        for b, ((_, s, _), n) in enumerate(zip(rows, lengths, strict=True)):
-            tokens[b, :n] = torch.from_numpy(s.token_ids.astype("int64"))
-            beh[b, :n] = torch.from_numpy(s.logprobs.astype("float32"))
-            real[b, :n] = 1
-            mask[b, :n] = 1 if s.loss_mask is None else torch.from_numpy(s.loss_mask.astype("float32"))
-        dev = self.device
-        model = self.model if model is None else model
-        scorer = self.scorer if scorer is None else scorer
-        at, pos = (mask > 0).nonzero(as_tuple=True)  # the trained positions: (sample, token)
-        autocast = self.bf16 and self.world == 1  # sharded: the FSDP2 policy casts instead
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
-            if self.whole_rows:
-                ids, attn, starts = self._row_inputs([p for p, _, _ in rows], tokens, lengths)
-                scored, _ = scorer(model, {"input_ids": ids.to(dev), "attention_mask": attn.to(dev), "use_cache": False},
-                                   at.to(dev), (starts[at] + pos).to(dev), tokens[at, pos].to(dev))  # fmt: skip
-                self.fed_tokens += int(attn.sum())
-            else:
-                first = pos == 0
-                at, pos = torch.cat([at[first], at[~first]]), torch.cat([pos[first], pos[~first]])
-                n_first = int(first.sum())
-                # a cache of every position (a model's own would keep only a sliding window's last ones)
-                inputs = {"input_ids": pids.to(dev), "attention_mask": pattn.to(dev), "use_cache": True,
-                          "past_key_values": DynamicCache(),
-                          "position_ids": (pattn.cumsum(1) - 1).clamp(min=0).to(dev)}  # fmt: skip
-                b = at[:n_first]
-                firsts, out = scorer(model, inputs, which[b].to(dev), torch.full_like(b, width - 1).to(dev),
-                                     tokens[b, 0].to(dev))  # fmt: skip
-                self.fed_tokens += int(pattn.sum())
-                scored = [firsts]
-                # sharded, every rank runs both passes, even on completions of one token (then on that token)
-                fed = max(longest - 1, 1 if self.world > 1 else 0)
-                if fed:
-                    index = which.to(dev)
-                    cache = DynamicCache(ddp_cache_data=[(layer.keys[index], layer.values[index])
-                                                         for layer in out.past_key_values.layers])  # fmt: skip
-                    attn = torch.cat([pattn[which], real[:, :fed]], 1)
-                    inputs = {"input_ids": tokens[:, :fed].to(dev), "attention_mask": attn.to(dev),
-                              "position_ids": (plen[which][:, None] + torch.arange(fed)[None]).to(dev),
-                              "past_key_values": cache, "use_cache": True}  # fmt: skip
-                    b, t = at[n_first:], pos[n_first:]
-                    rest, _ = scorer(model, inputs, b.to(dev), (t - 1).to(dev), tokens[b, t].to(dev))
-                    self.fed_tokens += int(real[:, : longest - 1].sum())
-                    scored.append(rest)
-                scored = Stats(*(torch.cat(parts) for parts in zip(*scored, strict=True)))
-        where, mask = (at.to(dev), pos.to(dev)), mask.to(dev)
-        stats = Stats(*(torch.zeros((len(rows), longest), dtype=torch.float32, device=dev).index_put(where, x) * mask
-                        for x in scored))  # fmt: skip
-        return stats, beh.to(dev), mask
-
-    def _row_inputs(self, prompts: list[list[int]], tokens: torch.Tensor,
-                    lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-        """One right-padded row per sample: its prompt, then its tokens but the last (the prompt runs once per
-        sample); the attention mask; and per sample the position predicting its first token (token t is predicted
-        t positions after it). Each position sees only what precedes it, through attention or a recurrent state
-        alike, so the padding after it changes nothing."""
-        plen = torch.tensor([len(p) for p in prompts])
-        ids = torch.zeros((len(prompts), int(plen.max()) + tokens.shape[1] - 1), dtype=torch.long)
-        attn = torch.zeros_like(ids)
-        for b, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
-            fed = [*p, *tokens[b, : max(n - 1, 0)].tolist()]
-            ids[b, : len(fed)] = torch.tensor(fed)
-            attn[b, : len(fed)] = 1
-        return ids, attn, plen - 1
-
-    def checkpoint(self, version: int, trained_groups: list[int]) -> float:
-        """Save a checkpoint (a collective when sharded; rank 0 writes); returns the seconds it took."""
-        from dora.learner import checkpoint
-
-        started = time.perf_counter()
-        assert self.cfg.checkpoint_dir is not None
-        with self._on_device():
-            checkpoint.save(self.model, self.opt, self.cfg.checkpoint_dir, version=version,
-                            copies=self.copies if self.lora is None else {}, trained_groups=trained_groups,
-                            keep=self.cfg.keep_checkpoints, frozen=self.lora is None)  # fmt: skip
-        return time.perf_counter() - started
-
-    def restore(self) -> dict[str, Any] | None:
-        """Load the newest checkpoint, if there is one (every rank reads it); its meta, else None. With none,
-        steps taken are undone by going back to the model folder's weights and a fresh optimizer."""
-        from dora.learner import checkpoint
-
-        with self._on_device():
-            return self._restore(checkpoint)
-
-    def _restore(self, checkpoint: Any) -> dict[str, Any] | None:
-        found = checkpoint.checkpoints(self.cfg.checkpoint_dir) if self.cfg.checkpoint_dir else []
-        if found:
-            self.trained_steps = 0
-            return checkpoint.load(self.model, self.opt, found[-1], copies=self.copies if self.lora is None else {},
-                                   frozen=self.lora is None)  # fmt: skip
-        if self.trained_steps:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-            # with LoRA the frozen model is the folder's still: the adapters as made
-            initial = self.initial_adapters if self.lora is not None else load_model(self.model_dir).state_dict()
-            options = StateDictOptions(full_state_dict=True, strict=self.lora is None)
-            set_model_state_dict(self.model, initial, options=options)
-            self.opt.state.clear()
-            self.trained_steps = 0
-        return None
-
-    def adopt(self, version: int) -> None:
-        """Take a published version's weights from the store (the optimizer state stays as it is)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        with self._on_device():
-            state = self.store.load(version)  # in the published dtype: made float32
-            if self.lora is not None:  # an adapter folder: into the adapters, the frozen model as it is
-                state = {adapters.model_key(k): v for k, v in state.items()}
-            else:
-                state = with_copies(state, self.copies)
-            state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
-            options = StateDictOptions(full_state_dict=True, strict=self.lora is None)
-            set_model_state_dict(self.model, state, options=options)
-
-    def publish(self, version: int) -> tuple[str, str, float] | None:
-        """Write the version to the store. Sharded: a collective; rank 0 writes and returns, others None. Then,
-        with offload_between_steps, the weights and optimizer state go to host memory until the next step."""
-        self._onload()
-        try:
-            if self.world == 1:
-                # offloading: park first, and write the version from the parked copies (the weights cross the
-                # host link once, through the pinned buffer, instead of once more tensor by tensor)
-                self.offload()
-                return self._publish(version, self.model.state_dict())
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-            options = StateDictOptions(
-                full_state_dict=True, cpu_offload=True, ignore_frozen_params=self.lora is not None
-            )
-            state = get_model_state_dict(self.model, options=options)
-            return self._publish(version, state) if self.rank == 0 else None
-        finally:
-            self.offload()
-
-    def _publish(self, version: int, state: dict[str, torch.Tensor]) -> tuple[str, str, float]:
-        if self.lora is not None:
-            return self.store.publish(version, adapters.adapter_state(state), beside=self.beside,
-                                      dtype=self.publish_dtype, file=adapters.ADAPTER_FILE)  # fmt: skip
-        return self.store.publish(version, publishable(state, self.copies), beside=self.beside,
-                                  dtype=self.publish_dtype)  # fmt: skip
+        behaviour log-probs, and the mask: [B, T] each (``dora.learner.trainers.forward``). The tokens the forward
+        ran are counted in ``fed_tokens``."""
+        stats, beh, mask, fed = score(rows, self.model if model is None else model,
+                                      self.scorer if scorer is None else scorer, device=self.device,
+                                      whole_rows=self.whole_rows, autocast=self.bf16 and self.world == 1,
+                                      sharded=self.world > 1)  # fmt: skip
+        self.fed_tokens += fed
+        return stats, beh, mask
