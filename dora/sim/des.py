@@ -65,7 +65,6 @@ from dora.ids import Mode, WorkerId
 from dora.sim import lora
 from dora.sim.bounds import kv_token_steps
 from dora.sim.engine import Request
-from dora.sim.trainer import batch_train_s, replicas
 from dora.sim.workload import Workload
 from dora.sim.world import World
 
@@ -202,7 +201,7 @@ class Simulation:
         if self.trainer_gpus < 1 or self.n_workers < 1:
             raise ConfigError(f"no accelerator left to train or to roll out: {self.n_workers} workers of {g} GPUs, "
                              f"{self.n_elastic} elastic, of {cl.total_gpus}")  # fmt: skip
-        if replicas(cfg.trainer, self.trainer_gpus) < 1:
+        if cfg.trainer.replicas(self.trainer_gpus) < 1:
             raise ConfigError(f"the trainer's {self.trainer_gpus} accelerators make no data-parallel replica of "
                               f"trainer.model_parallel_gpus = {cfg.trainer.model_parallel_gpus}")  # fmt: skip
         link = cl.host_link_bytes_per_s
@@ -293,7 +292,7 @@ class Simulation:
                     self.decision_s += time.perf_counter() - started
                     self.world.apply(actions)
                     self._react(actions)
-                    self.max_alive = max(self.max_alive, len(self.core.ledger.alive()))
+                    self.max_alive = max(self.max_alive, len(self.core.view.alive()))
                 touched, self._touched = self._touched, set()
                 for w in sorted(touched):
                     self._reschedule(w)
@@ -371,8 +370,7 @@ class Simulation:
         rec = StepRecord(step=batch.step, delivered_s=self.now, tokens=sum(sequences),
                          response_tokens=sum(lengths), episodes=len(lengths), turns=turns,
                          bubble=(longest - sum(lengths) / len(lengths)) / longest if longest else 0.0,
-                         train_s=batch_train_s(self.cfg.trainer, sequences, self.trainer_gpus,
-                                               self.cfg.core.group_size),
+                         train_s=self.cfg.trainer.batch_train_s(sequences, self.trainer_gpus, self.cfg.core.group_size),
                          kv_token_steps=kv)  # fmt: skip
         self.steps.append(rec)
         for delay, victim in self._faults_at_step.get(batch.step, ()):
@@ -496,7 +494,8 @@ class Simulation:
 
     def _outcome(self) -> Outcome:
         lr = self.world.learner
-        tq = self.core.transfer
+        view = self.core.view
+        totals, filtered = view.totals(), view.filtered()
         trained_lengths = [sum(n for _, n in s.segments) for b in self._trained_samples for s in b]
         return Outcome(
             mode=self.mode, staleness_bound=self.cfg.core.staleness, placement=self.placement,
@@ -504,14 +503,13 @@ class Simulation:
             wall_s=self.now, steps=self.steps,
             totals_at_step=self.totals_at_step, staleness=lr.staleness, c1_violations=lr.c1_violations,
             mixed_version_trajectories=lr.mixed_version_trajectories, trained=list(lr.trained),
-            dropped_lengths=[sum(n for _, n in s.segments) for g in tq.dropped for s in g.samples],
-            trained_lengths=trained_lengths, groups_dispatched=self.core.scheduler.cursor,
-            groups_in_flight=len(self.core.scheduler.flights) + len(tq), groups_filtered=len(tq.filtered),
-            filtered_tokens=sum(self.world.workload.length(g, i, self.world.attempts[g]) for g in tq.filtered
+            dropped_lengths=[sum(n for _, n in s.segments) for g in view.dropped() for s in g.samples],
+            trained_lengths=trained_lengths, groups_dispatched=totals.dispatched,
+            groups_in_flight=totals.in_flight + totals.finished_waiting, groups_filtered=len(filtered),
+            filtered_tokens=sum(self.world.workload.length(g, i, self.world.attempts[g]) for g in filtered
                                 for i in range(self.cfg.core.group_size)),
-            migrated_groups=self.core.scheduler.stats_migrated_groups,
-            migrated_requests=self.core.scheduler.stats_migrated_requests,
-            reprefill_tokens=self.world.reprefill_tokens, requeued=self.core.scheduler.stats_requeued,
+            migrated_groups=totals.migrated_groups, migrated_requests=totals.migrated_requests,
+            reprefill_tokens=self.world.reprefill_tokens, requeued=totals.requeued,
             rebalances=self.core.rebalances, worker_moves=self.moves,
             preemptions=sum(w.engine.preemptions for w in self.world.workers.values()),
             max_live_versions=self.max_alive, timeline=self.timeline,
