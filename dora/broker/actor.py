@@ -249,7 +249,7 @@ class BrokerActor:
             log.error("peer_rejected", peer=hello.peer_id, reason=reject.reason)
             self.links.send_raw(identity, reject)
             return
-        newest = self.core.ledger.newest
+        newest = self.core.view.newest
         if hello.role is m.Role.LEARNER and hello.learner_version is not None and hello.learner_version > newest:
             # Its checkpoint holds steps this broker never saw published: training on would fork the run.
             reason = (
@@ -293,7 +293,7 @@ class BrokerActor:
     def welcome(self) -> m.Welcome:
         b = self.cfg.broker
         return m.Welcome(broker_epoch=self.epoch, heartbeat_interval_s=b.heartbeat_interval_s, liveness=b.liveness,
-                         newest_version=self.core.ledger.newest)  # fmt: skip
+                         newest_version=self.core.view.newest)  # fmt: skip
 
     def on_message(self, peer: Peer, msg: Any) -> None:
         w = peer.worker
@@ -358,13 +358,13 @@ class BrokerActor:
             self.links.send(peer, m.ResultAcks(acks=translate.result_acks(headers, epoch, actions)))
 
     def on_published(self, peer: Peer, msg: m.WeightsPublished) -> None:
-        if msg.version == self.core.ledger.newest and msg.version in self.weights:
+        if msg.version == self.core.view.newest and msg.version in self.weights:
             self.links.send(peer, m.PublishAck(version=msg.version))  # a repeat (the ack was lost): idempotent
             return
         batch = self.core.publishable(msg.version)
         if batch is None:
             self.counters["refused publish"] += 1
-            log.warning("publish_refused", version=msg.version, newest=self.core.ledger.newest)
+            log.warning("publish_refused", version=msg.version, newest=self.core.view.newest)
             return
         filtered = self.core.filtered_with(batch.step)  # consumed beside the batch, never trained
         if self.journal is not None:  # durable before it takes effect, and before the learner may checkpoint it
@@ -400,9 +400,9 @@ class BrokerActor:
         finally:
             self.decision_s[type(event).__name__] += time.perf_counter() - started
         if self.core.fleet_ready and not ready:  # min_workers have joined and loaded: leasing starts
-            log.info("fleet_ready", workers=len(self.core.scheduler.workers))
+            log.info("fleet_ready", workers=self.core.view.worker_count())
         if self.journal is not None:  # every group id about to leave is reserved on disk first
-            self.journal.reserve_through(self.core.scheduler.cursor)
+            self.journal.reserve_through(self.core.view.dispatched)
         self.metrics.fed(now, event, actions)
         if actions:
             self.acts.extend(actions)
@@ -442,8 +442,8 @@ class BrokerActor:
                 self.links.command(a.worker_id, functools.partial(m.Assign, version=a.version, uri=uri, sha256=sha,
                                                                   interrupt=a.interrupt, keep=a.keep))  # fmt: skip
             case ev.Lend():
-                held = len(self.core.scheduler.workers[a.worker_id].groups)
-                log.info("yield_requested", worker=a.worker_id, held_groups=held)
+                lender = self.core.view.worker(a.worker_id)
+                log.info("yield_requested", worker=a.worker_id, held_groups=len(lender.leases) if lender else 0)
                 self.links.command(a.worker_id, m.Yield())
             case ev.Reclaim():
                 log.info("worker_resumed", worker=a.worker_id, version=a.version)
@@ -473,7 +473,7 @@ class BrokerActor:
             case ev.RunFinished():
                 log.info("run_finished", steps=a.steps, elapsed_s=round(self.clock() - self.started, 3),
                          decision_s={k: round(v, 4) for k, v in self.decision_s.most_common()},
-                         migrated_groups=self.core.scheduler.stats_migrated_groups)  # fmt: skip
+                         migrated_groups=self.core.view.totals().migrated_groups)  # fmt: skip
                 if self.cfg.broker.exit_when_done:
                     if self.evals.open(self.clock()):  # the rounds the run asked for are reported, not lost at the end
                         self.closing_until = self.clock() + self.evals.drain_s
@@ -537,9 +537,9 @@ class BrokerActor:
                 return
 
     def peer_lost(self, peer: Peer, reason: str) -> None:
-        held = self.core.scheduler.workers.get(WorkerId(peer.identity.decode()))
+        held = self.core.view.worker(WorkerId(peer.identity.decode()))
         log.warning("peer_lost", peer=peer.name, role=peer.role.value, reason=reason,
-                    groups=sorted(held.groups) if held is not None else [])  # fmt: skip
+                    groups=[g for g, _ in held.leases] if held is not None else [])  # fmt: skip
         self.lost.append({"peer": peer.name, "role": peer.role.value, "reason": reason,
                           "uptime_s": round(self.clock() - self.started, 3)})  # fmt: skip
         self.peers.pop(peer.identity, None)
@@ -549,7 +549,7 @@ class BrokerActor:
             self.declared_dead[(peer.name, *peer.process)] = (reason, self.clock())
         self.metrics.peer_lost(peer.role.value, reason)
         self.evals.worker_lost(WorkerId(peer.identity.decode()))
-        if peer.role is m.Role.ROLLOUT and WorkerId(peer.identity.decode()) in self.core.scheduler.workers:
+        if peer.role is m.Role.ROLLOUT and self.core.view.has_worker(WorkerId(peer.identity.decode())):
             self.feed(ev.WorkerLost(worker_id=WorkerId(peer.identity.decode()), reason=reason))
         elif peer.role is m.Role.LEARNER and self.learner == peer.identity:
             self.learner = None

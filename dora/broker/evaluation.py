@@ -186,8 +186,8 @@ class BrokerEval:
         self.next_plan = now + PLAN_EVERY_S
         if not self.started:  # the version the run starts from (0, or a resumed one)
             self.started = True
-            self.rounds.published(self.core.ledger.newest, now)
-        for version in self.rounds.drop_retired(lambda v: v in self.core.ledger.alive(), now):
+            self.rounds.published(self.core.view.newest, now)
+        for version in self.rounds.drop_retired(lambda v: v in self.core.view.alive(), now):
             self.report({"version": version, "dropped": True})
         for worker, msg in self.rounds.plan(now, serving(self.core, self.rounds.rounds)):
             self.send(worker, msg)
@@ -221,13 +221,8 @@ class BrokerEval:
 
 def serving(core: Core, versions: Iterable[int]) -> dict[int, list[WorkerId]]:
     """The ready workers of each version (pinned to it, loaded, not leaving), read off the core."""
-    out: dict[int, list[WorkerId]] = {}
-    for v in versions:
-        if v in core.ledger.alive():
-            workers = core.scheduler.workers
-            out[v] = sorted(w for w in core.ledger.workers_of(v)
-                            if w in workers and workers[w].ready and not workers[w].leaving)  # fmt: skip
-    return out
+    alive = core.view.alive()
+    return {v: core.view.serving(v) for v in versions if v in alive}
 
 
 def eval_rounds(cfg: RunConfig) -> EvalRounds | None:

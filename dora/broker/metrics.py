@@ -115,7 +115,7 @@ class BrokerMetrics:
         core = actor.core
         self.record("started", mode=core.cfg.mode.value, max_staleness=core.cfg.staleness,
                     train_groups=core.cfg.train_groups, group_size=core.cfg.group_size,
-                    newest_version=core.ledger.newest, broker_epoch=actor.epoch)  # fmt: skip
+                    newest_version=core.view.newest, broker_epoch=actor.epoch)  # fmt: skip
 
     def close(self) -> None:
         for f in (self.steps, self.timeline, self.evals):
@@ -131,14 +131,14 @@ class BrokerMetrics:
 
     def fed(self, now: float, event: ev.Event, actions: list[ev.Action]) -> None:
         """One core event and the actions it gave: count leases, time finished groups, record worker events."""
-        sched = self.actor.core.scheduler
+        view = self.actor.core.view
         match event:
-            case ev.WorkerJoined(worker_id=w) if w in sched.workers:
-                self.record("joined", worker=w, slots=sched.workers[w].slots)
+            case ev.WorkerJoined(worker_id=w) if (joined := view.worker(w)) is not None:
+                self.record("joined", worker=w, slots=joined.slots)
             case ev.WorkerLost(worker_id=w, reason=reason):
                 self._ready.pop(w, None)
                 self.record("lost", worker=w, reason=reason)
-            case ev.VersionLoaded(worker_id=w, version=v) if w in sched.workers and sched.workers[w].ready:
+            case ev.VersionLoaded(worker_id=w, version=v) if (loaded := view.worker(w)) is not None and loaded.ready:
                 if self._ready.get(w) != v:
                     self._ready[w] = v
                     self.record("ready", worker=w, version=v)
@@ -149,7 +149,7 @@ class BrokerMetrics:
                     self.actor.counters.update(reward_failures(samples, actions))
                 for group, attempt in {(s.group_id, s.attempt) for s in samples}:
                     leased = self._leased_at.get(group)
-                    if leased is not None and leased[0] == attempt and group not in sched.flights:
+                    if leased is not None and leased[0] == attempt and not view.owes(group):
                         del self._leased_at[group]  # its last sample was taken: the group is finished
                         self.lease_latency.observe(now - leased[1])
         leased = 0
@@ -202,8 +202,9 @@ class BrokerMetrics:
 
     def collect(self) -> Iterator[Metric]:
         a = self.actor
-        core, sched = a.core, a.core.scheduler
+        core, view = a.core, a.core.view
         rows = per_version(core)
+        totals = view.totals()
         for key, name, doc in (
             ("workers", "dora_version_workers", "Rollout workers pinned to the version (loading or serving it)"),
             ("running", "dora_version_running_groups", "Groups of the version running on a worker"),
@@ -211,28 +212,28 @@ class BrokerMetrics:
         ):
             yield _by(GaugeMetricFamily, name, doc, "version", {str(v): r[key] for v, r in rows.items()})
         states = collections.Counter[str]({"loading": 0, "serving": 0, "leaving": 0})
-        for w in sched.workers.values():
+        for w in view.workers():
             states["leaving" if w.leaving else "serving" if w.ready else "loading"] += 1
         yield _by(GaugeMetricFamily, "dora_workers", "Rollout workers by state", "state", states)
-        yield _gauge("dora_newest_version", "Newest published policy version", core.ledger.newest)
-        yield _gauge("dora_live_versions", "Versions alive (served or draining)", len(core.ledger.alive()))
-        yield _gauge("dora_finished_groups_waiting", "Finished groups waiting for a train batch", len(core.transfer))
+        yield _gauge("dora_newest_version", "Newest published policy version", view.newest)
+        yield _gauge("dora_live_versions", "Versions alive (served or draining)", len(view.alive()))
+        yield _gauge("dora_finished_groups_waiting", "Finished groups waiting for a train batch",
+                     totals.finished_waiting)  # fmt: skip
         yield _gauge("dora_uptime_seconds", "Seconds since the broker started", a.clock() - a.started)
-        hist = core.transfer.staleness
+        hist = totals.staleness
         yield _staleness(hist, core.cfg.staleness)
-        training = core.transfer.in_training
-        consumed = len(core.transfer.consumed)
+        training, consumed = totals.in_training, totals.consumed
         yield _gauge("dora_batch_in_training", "1 while a delivered batch awaits its publish", training is not None)
         yield _counter("dora_consumed_groups", "Groups taken into train batches (the one in training too)", consumed)
         yield _counter("dora_consumed_samples", "Trajectories taken into train batches", sum(hist.values()))
-        trained = consumed - (len(training.groups) if training is not None else 0)
+        trained = consumed - (training or 0)
         yield _counter("dora_trained_groups", "Groups of published train steps", trained)
         yield _counter("dora_trained_tokens", "Completion tokens of published train steps", a.trained_tokens)
-        yield _counter("dora_migrated_groups", "Groups handed to a same-version worker", sched.stats_migrated_groups)
-        yield _counter("dora_migrated_requests", "Running samples handed over", sched.stats_migrated_requests)
-        yield _counter("dora_requeued_groups", "Voided leases whose group runs again, whole", sched.stats_requeued)
+        yield _counter("dora_migrated_groups", "Groups handed to a same-version worker", totals.migrated_groups)
+        yield _counter("dora_migrated_requests", "Running samples handed over", totals.migrated_requests)
+        yield _counter("dora_requeued_groups", "Voided leases whose group runs again, whole", totals.requeued)
         yield _counter("dora_filtered_groups", "Groups consumed as filtered, all rewards equal (this broker's and "
-                       "those its journal recorded)", sched.filtered)  # fmt: skip
+                       "those its journal recorded)", totals.filtered)  # fmt: skip
         yield _by(CounterMetricFamily, "dora_malformed_frames", "Messages dropped as malformed", "reason", a.malformed)
         for prefix, name, doc in (
             ("handshake failed (", "dora_handshakes_failed", "CURVE handshakes refused"),
@@ -289,9 +290,9 @@ def step_row(core: Core, msg: m.WeightsPublished, step_s: float, rewards: dict[s
         "version": msg.version,
         "step_s": round(step_s, 3),
         "publish_s": msg.publish_s,
-        "staleness": {str(k): n for k, n in sorted(core.transfer.staleness.items())},
-        "live_versions": core.ledger.alive(),
-        "workers": len(core.scheduler.workers),
+        "staleness": {str(k): n for k, n in sorted(core.view.totals().staleness.items())},
+        "live_versions": core.view.alive(),
+        "workers": core.view.worker_count(),
         **rewards,
     }
 

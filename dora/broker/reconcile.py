@@ -21,7 +21,7 @@ import structlog
 from dora.broker.links import Peer
 from dora.core import events as ev
 from dora.core.core import Core
-from dora.ids import WorkerId
+from dora.ids import AttemptId, GroupId, WorkerId
 from dora.wire import messages as m
 
 log = structlog.get_logger()
@@ -39,29 +39,30 @@ def reconcile(
     """Compare what a worker (``peer``) says it holds with the core's view, and
     mend what a lost message broke: core events go to ``feed``, commands sent again to ``command``."""
     w = WorkerId(peer.identity.decode())
-    worker = core.scheduler.workers.get(w)
+    worker = core.view.worker(w)
     if worker is None:
         return
-    flights, held = core.scheduler.flights, hb.held()
-    current = {(g, int(flights[g].attempt)) for g in worker.groups}
+    held = hb.held()
+    current = {(g, int(a)) for g, a in worker.leases}
     for key in sorted(current - held):  # it saw the command go by, and holds nothing of it
         if peer.lease_seq.get(key, hb.seen + 1) <= hb.seen:
             counters["lease lost on the way"] += 1
             log.warning("lease_lost", group_id=key[0], attempt=key[1], seen=hb.seen)
             feed(ev.LeaseLost(worker_id=w, group_id=key[0], attempt=key[1]))
-    current = {(g, int(flights[g].attempt)) for g in worker.groups}
+    worker = core.view.worker(w)
+    assert worker is not None  # a lost lease re-queues its group; the worker stays
+    current = {(g, int(a)) for g, a in worker.leases}
     peer.lease_seq = {k: v for k, v in peer.lease_seq.items() if k in current}
     for group, attempt in sorted(held - current):  # void leases it still works on: its Cancel was lost
         counters["cancel sent again"] += 1
         command(w, m.Cancel(group_id=group, attempt=attempt))
     for key, out in list(peer.migrate_out.items()):
-        f = flights.get(key[0])
-        if f is None or f.worker != w or f.target is None or f.attempt != key[1]:
+        if not core.view.exporting(w, GroupId(key[0]), AttemptId(key[1])):
             del peer.migrate_out[key]  # answered (or the group moved on) in some other way
         elif key in held and out.seq <= hb.seen:
             counters["migrate_out sent again"] += 1
             command(w, out)
-    if w in core.yielding:
+    if worker.lending:
         if hb.yielded:  # it yielded, and the Yielded was lost
             counters["yielded taken from a heartbeat"] += 1
             feed(ev.Lent(worker_id=w))
@@ -71,7 +72,7 @@ def reconcile(
         return
     if worker.yielded:
         return
-    pinned = core.ledger.version_of(w)
+    pinned = worker.version
     resumed = (
         peer.resume is not None
         and peer.resume.version == pinned

@@ -6,6 +6,7 @@ request, a metrics scrape).
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -42,14 +43,7 @@ class BrokerView(Protocol):
 def per_version(core: Core) -> dict[int, dict[str, Any]]:
     """Workers, running and queued groups and ledger state of every live version (and of retired versions
     that still own a queued re-run)."""
-    led = core.ledger
-    rows: dict[int, dict[str, Any]] = {}
-    for v in led.alive():
-        rows[v] = {"workers": len(led.workers_of(v)), "running": 0, "queued": 0, "state": led.state(v).value}
-    for f in core.scheduler.flights.values():
-        row = rows.setdefault(f.version, {"workers": 0, "running": 0, "queued": 0, "state": "retired"})
-        row["queued" if f.worker is None else "running"] += 1
-    return dict(sorted(rows.items()))
+    return {v: dataclasses.asdict(row) for v, row in core.view.versions().items()}
 
 
 def lag_ms(lags: deque[float]) -> dict[str, float]:
@@ -65,32 +59,33 @@ def lag_ms(lags: deque[float]) -> dict[str, float]:
 
 
 def snapshot(actor: BrokerView) -> dict[str, Any]:
-    core, sched, led = actor.core, actor.core.scheduler, actor.core.ledger
+    core, view = actor.core, actor.core.view
+    totals = view.totals()
     elapsed = max(actor.clock() - actor.started, 1e-9)
     return {
         "mode": core.cfg.mode.value,
         "step": core.step,
-        "newest_version": led.newest,
+        "newest_version": view.newest,
         "broker_epoch": actor.epoch,
         "versions": {str(v): row for v, row in per_version(core).items()},
         "workers": {
-            w: {
-                "version": led.version_of(w),
+            s.worker_id: {
+                "version": s.version,
                 "ready": s.ready,
                 "leaving": s.leaving,
                 "used": s.used,
                 "slots": s.slots,
-                "groups": len(s.groups),
+                "groups": len(s.leases),
             }
-            for w, s in sched.workers.items()
+            for s in view.workers()
         },
-        "finished_waiting": len(core.transfer),
+        "finished_waiting": totals.finished_waiting,
         "fleet_ready": core.fleet_ready,
-        "staleness": {str(k): n for k, n in sorted(core.transfer.staleness.items())},
+        "staleness": {str(k): n for k, n in sorted(totals.staleness.items())},
         "trained_tokens": actor.trained_tokens,
         "tokens_per_s": actor.trained_tokens / elapsed,
-        "migrated_groups": sched.stats_migrated_groups,
-        "requeued_groups": sched.stats_requeued,
+        "migrated_groups": totals.migrated_groups,
+        "requeued_groups": totals.requeued,
         "counters": dict(actor.counters),
         "decision_s": dict(actor.decision_s),
         "lost_peers": list(actor.lost),

@@ -1,27 +1,28 @@
 """The pure decision core (dora.core), driven by the broker actor live and by the simulator on a virtual clock:
 one event in, a list of actions out.
 
-``Core.handle(now, event)`` is the only entry point. The broker actor calls it for every decoded
-message and timer; the simulator calls it for every virtual-time event. Every decision (admission,
-placement, batching, re-partitioning, migration, retirement) is made here, so the simulator and the
-live system cannot disagree.
+``Core.handle(now, event)`` is the only entry point, and ``Core.view`` (``dora.core.view``) the only window on the
+state. The broker actor calls ``handle`` for every decoded message and timer; the simulator calls it for every
+virtual-time event. Every decision (admission, placement, batching, re-partitioning, migration, retirement) is made
+here, so the simulator and the live system cannot disagree.
 
 After each event the core (1) applies the event, (2) hands a batch to a waiting learner if the
 deadline rule allows, (3) lets the orchestrator move workers, (4) dispatches work, (5) retires
 versions, and in strict mode (6) re-checks every invariant from scratch, raising
 ``InvariantViolation`` on a bug.
 
-Elastic workers share their accelerators with the trainer (docs/how-it-works.md#elastic-workers). When a batch is taken, each
-one hands its running groups to standalone workers of the same version that have room (a migration:
-C1 holds because the weights are identical) and is told to ``Lend``: it pauses whatever it still holds.
-The batch is delivered once every elastic worker has yielded (the trainer has its accelerators). After
-the step is published each yielded worker comes back: one that holds groups ``Reclaim``s the version it
-served, so they go on under the same weights (C1); one that holds none is assigned the newest version.
+Elastic workers share their accelerators with the trainer (docs/how-it-works.md#elastic-workers). When a batch is
+taken, each one hands its running groups to standalone workers of the same version that have room (a migration:
+C1 holds because the weights are identical) and is told to ``Lend`` them: it pauses whatever it still holds.
+The batch is delivered once every elastic worker has lent its accelerators (the trainer has them). After
+the step is published each such worker comes back: one that holds groups ``Reclaim``s the version it
+served, so they go on under the same weights (C1); one that holds none is pinned to the newest version.
 Held groups keep their deadlines; the feasibility invariant counts them like any running group, so C2
 and C3 hold as before. All workers elastic is colocated training; none is disaggregated (``dora.core.elastic``).
 
-Multi-version workers (LoRA, docs/how-it-works.md#multi-version-workers) take each new version as soon as they can keep every version their
-groups run under (``Pin.keep``): they are never drained for a publish (``_advance``).
+Multi-version workers (LoRA, docs/how-it-works.md#multi-version-workers) take each new version as soon as they
+can keep every version their groups run under (``Pin.keep``): they are never drained for a publish
+(``_advance``).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from dora.core.events import (
 from dora.core.ledger import InvariantViolation, Ledger
 from dora.core.scheduler import Flight, GroupState, Scheduler, Worker
 from dora.core.transfer import TransferQueue
+from dora.core.view import CoreView
 from dora.ids import GroupId, Mode, WorkerId
 
 
@@ -110,6 +112,8 @@ class Core:
         """The multi-version workers that may be pinned to an older version than the newest."""
         self.filtered_before = 0
         """Groups a restarted broker's run had filtered before it (``restore``)."""
+        self.view = CoreView(self.scheduler, self.ledger, self.transfer, self.yielding)
+        """The only way to look at the core's state from outside it."""
 
     # ------------------------------------------------------------------ entry point
 

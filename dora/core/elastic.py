@@ -1,4 +1,5 @@
-"""Elastic workers (docs/how-it-works.md#elastic-workers): what the core does when a batch is taken and when the step is published.
+"""Elastic workers (docs/how-it-works.md#elastic-workers): what the core does when a batch is taken and when the
+step is published.
 
 When a batch is taken, each elastic worker hands its running groups to standalone workers of the same version
 that have room (a migration: C1 holds because the weights are identical) and is told to ``Lend``: it pauses

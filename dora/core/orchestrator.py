@@ -1,7 +1,7 @@
 """Orchestrator: re-partitions workers across live versions and plans same-version migrations.
 
-DORA's Algorithm 1 as dora implements it (docs/how-it-works.md#the-orchestrator). Given the pending requests ``R_v`` of each
-live version (unfinished samples, plus the planned top-up of the newest version):
+DORA's Algorithm 1 as dora implements it (docs/how-it-works.md#the-orchestrator). Given the pending requests
+``R_v`` of each live version (unfinished samples, plus the planned top-up of the newest version):
 
 1. each version gets ``round(W * R_v / sum R)`` workers, at least one if ``R_v > 0``; rounding is
    repaired by largest remainder so the targets add up to ``W``; if there are fewer workers than

@@ -10,6 +10,8 @@ imports inside functions included, is an edge of the import graph; the layer rul
 - dora.sim drives dora.core and imports nothing of the broker, rollout or learner.
 - No import circle between packages (a top-level module such as dora.store is a package of its own), nor
   between modules.
+- No module outside dora.core reaches the core's parts (``.scheduler``, ``.ledger``, ``.transfer``): what the
+  core holds is read through ``Core.view``.
 
 Imports under ``if TYPE_CHECKING:`` never run: they count for circles (a circle of names is a circle of
 meaning), not for what a process loads.
@@ -223,7 +225,32 @@ def test_no_import_circle_between_modules():
     assert package_cycles(graph) == []
 
 
+CORE_PARTS = frozenset({"scheduler", "ledger", "transfer"})
+"""The core's parts: only dora.core reaches them; every other module reads ``Core.view``."""
+
+
+def reaches_core_parts(source: str) -> list[int]:
+    """The lines of a module's source that reach an attribute named like one of the core's parts."""
+    nodes = ast.walk(ast.parse(source))
+    return sorted(n.lineno for n in nodes if isinstance(n, ast.Attribute) and n.attr in CORE_PARTS)
+
+
+def test_nothing_outside_the_core_reaches_its_parts():
+    found = [
+        f"{path.relative_to(ROOT)}:{line}"
+        for path in sorted((ROOT / "dora").rglob("*.py"))
+        if not path.is_relative_to(ROOT / "dora" / "core")
+        for line in reaches_core_parts(path.read_text())
+    ]
+    assert found == [], "read the core through Core.view"
+
+
 # The checks themselves, on graphs with known faults: a rule that cannot fail proves nothing.
+
+
+def test_a_reach_into_the_core_is_found():
+    src = "def f(core):\n    n = core.view.newest\n    return core.scheduler.flights, n\n"
+    assert reaches_core_parts(src) == [3]
 
 
 def test_a_circle_through_three_packages_is_found():
