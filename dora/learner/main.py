@@ -10,7 +10,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import structlog
 import uvloop
@@ -29,10 +29,41 @@ from dora.learner.trainers import Trainer
 from dora.learner.trainers.sim import SimTrainer
 from dora.logging import configure_logging
 
+if TYPE_CHECKING:
+    from dora.learner.loss import LossFn
+
 log = structlog.get_logger()
 
 
 def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        cfg, cluster, endpoint, loss_fn = _prepare(args)
+    except (ConfigError, ValueError) as e:
+        print(f"dora learner: {e}", file=sys.stderr)
+        return 2
+    rank, world, device = 0, 1, "cpu"
+    if args.trainer == "torch":
+        from dora.learner.ranks import init_from_env, learner_device
+
+        placed = learner_device(cfg.learner.device, cluster)
+        rank, world = init_from_env(cluster, placed)
+        device = str(placed)
+    configure_logging(cfg.log, process="learner", rank=rank, **cluster.log_fields())
+    if rank > 0:  # the other ranks train in step with rank 0, which alone talks to the broker
+        _follow(cfg, loss_fn, device)
+    discover = lambda: resolve_endpoint(args.broker, cluster)  # noqa: E731
+    try:
+        return uvloop.run(serve(cfg, endpoint, args.trainer, world, discover=discover, cluster=cluster,
+                                device=device, loss_fn=loss_fn))  # fmt: skip
+    finally:
+        if world > 1:
+            from dora.learner.ranks import leave
+
+            leave()
+
+
+def _parser() -> argparse.ArgumentParser:
     about = "The learner: GRPO/DAPO with FSDP2 over torchrun/srun ranks (torch), or a timing stand-in (sim)."
     p = argparse.ArgumentParser(prog="dora learner", description=about)
     p.add_argument("--broker", required=True, help="tcp://host:port, ipc://path, or a broker.json discovery file")
@@ -46,70 +77,59 @@ def main(argv: list[str]) -> int:
     p.add_argument("--model", help=about)
     p.add_argument("--config", metavar="FILE.toml")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    args = p.parse_args(argv)
-    try:
-        overrides = [*args.set, *([f"learner.model={args.model}"] if args.model else [])]
-        cfg = load(RunConfig, path=args.config, env=os.environ, env_prefix="DORA_", overrides=overrides)
-        cluster = ClusterInfo.from_env(os.environ)
-        if args.trainer == "torch":
-            if not cfg.learner.model:
-                raise ConfigError("--trainer torch needs --model (learner.model: a model folder, hub id or dora:tiny)")
-            folder = model_folder(cfg.learner.model, key="learner.model")
-            check_model(folder, key="learner.model", chat_template=False)
-            cfg = dataclasses.replace(cfg, learner=dataclasses.replace(cfg.learner, model=str(folder)))
-        check_keys(cfg, "learner")
-        endpoint = wait_for_endpoint(args.broker, cfg.broker.discovery_wait_s, cluster)
-        loss_fn = None
-        if args.trainer == "torch":
-            from dora.learner.loss import resolve_loss
+    return p
 
-            loss_fn = resolve_loss(cfg.learner.loss)  # once, before any rank starts: a bad spec is one line
-            if cfg.learner.checkpoint_dir:
-                from dora.learner.checkpoint import check_resumable
 
-                check_resumable(cfg.learner.checkpoint_dir, adapters_only=cfg.learner.lora is not None)
-    except (ConfigError, ValueError) as e:
-        print(f"dora learner: {e}", file=sys.stderr)
-        return 2
-    rank, world, device = 0, 1, "cpu"
+def _prepare(args: argparse.Namespace) -> tuple[RunConfig, ClusterInfo, str, LossFn | None]:
+    """The config (the torch trainer's model folder resolved and checked), the cluster, the broker's endpoint and
+    the resolved ``learner.loss``; a mistake is a ConfigError or ValueError, one line before any rank starts."""
+    overrides = [*args.set, *([f"learner.model={args.model}"] if args.model else [])]
+    cfg = load(RunConfig, path=args.config, env=os.environ, env_prefix="DORA_", overrides=overrides)
+    cluster = ClusterInfo.from_env(os.environ)
     if args.trainer == "torch":
-        from dora.learner.ranks import init_from_env, learner_device
+        if not cfg.learner.model:
+            raise ConfigError("--trainer torch needs --model (learner.model: a model folder, hub id or dora:tiny)")
+        folder = model_folder(cfg.learner.model, key="learner.model")
+        check_model(folder, key="learner.model", chat_template=False)
+        cfg = dataclasses.replace(cfg, learner=dataclasses.replace(cfg.learner, model=str(folder)))
+    check_keys(cfg, "learner")
+    endpoint = wait_for_endpoint(args.broker, cfg.broker.discovery_wait_s, cluster)
+    loss_fn = None
+    if args.trainer == "torch":
+        from dora.learner.loss import resolve_loss
 
-        device = learner_device(cfg.learner.device, cluster)
-        rank, world = init_from_env(cluster, device)
-    configure_logging(cfg.log, process="learner", rank=rank, **cluster.log_fields())
-    if rank > 0:  # the other ranks train in step with rank 0, which alone talks to the broker
-        from dora.learner.ranks import follow, leave
+        loss_fn = resolve_loss(cfg.learner.loss)  # once, before any rank starts: a bad spec is one line
+        if cfg.learner.checkpoint_dir:
+            from dora.learner.checkpoint import check_resumable
 
-        for sig in (signal.SIGTERM, signal.SIGUSR1):  # rank 0 decides when to stop, and tells them
-            signal.signal(sig, signal.SIG_IGN)
-        trainer, _ = make_trainer(cfg, loss_fn, str(device))
-        code = 1
-        try:
-            code = follow(trainer)
-        except BaseException:  # reported here: the exit below skips the interpreter's own report
-            import traceback
+            check_resumable(cfg.learner.checkpoint_dir, adapters_only=cfg.learner.lora is not None)
+    return cfg, cluster, endpoint, loss_fn
 
-            traceback.print_exc()
-        finally:
-            leave()
-            # a follower holds nothing to save (rank 0 checkpoints): leave now, before exit-time destructors,
-            # where gloo's threads can still abort a clean rank ("terminate called without an active exception")
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-    discover = lambda: resolve_endpoint(args.broker, cluster)  # noqa: E731
+
+def _follow(cfg: RunConfig, loss_fn: LossFn | None, device: str) -> NoReturn:
+    """A rank after the first: train in step with rank 0 until it says stop, then leave the process at once."""
+    from dora.learner.ranks import follow, leave
+
+    for sig in (signal.SIGTERM, signal.SIGUSR1):  # rank 0 decides when to stop, and tells them
+        signal.signal(sig, signal.SIG_IGN)
+    trainer, _ = make_trainer(cfg, loss_fn, device)
+    code = 1
     try:
-        return uvloop.run(serve(cfg, endpoint, args.trainer, world, discover=discover, cluster=cluster,
-                                device=str(device), loss_fn=loss_fn))  # fmt: skip
+        code = follow(trainer)
+    except BaseException:  # reported here: the exit below skips the interpreter's own report
+        import traceback
+
+        traceback.print_exc()
     finally:
-        if world > 1:
-            from dora.learner.ranks import leave
+        leave()
+        # a follower holds nothing to save (rank 0 checkpoints): leave now, before exit-time destructors,
+        # where gloo's threads can still abort a clean rank ("terminate called without an active exception")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
-            leave()
 
-
-def make_trainer(cfg: RunConfig, loss_fn: Callable[..., Any] | None = None,
+def make_trainer(cfg: RunConfig, loss_fn: LossFn | None = None,
                  device: str = "cpu") -> tuple[Any, dict[str, Any] | None]:  # fmt: skip
     """The torch trainer, restored from the newest checkpoint if there is one (on every rank), and its meta.
     ``loss_fn``: the resolved ``learner.loss`` (resolved here when not given)."""
@@ -118,6 +138,7 @@ def make_trainer(cfg: RunConfig, loss_fn: Callable[..., Any] | None = None,
     from dora.store import WeightStore
 
     lc = cfg.learner
+    assert lc.model, "learner.model is a resolved model folder here (main checks it)"
     loss = LossConfig(clip_low=lc.clip_low, clip_high=lc.clip_high, token_level=lc.token_level,
                       advantage=lc.advantage, filter_uniform_groups=bool(lc.filter_uniform_groups), ratio=lc.ratio,
                       is_cap=lc.is_cap or None, is_mask=lc.is_mask or None, is_level=lc.is_level,
@@ -154,12 +175,17 @@ def publish_dtype(cfg: RunConfig, device: str) -> str:
 
 async def serve(cfg: RunConfig, endpoint: str, kind: str = "sim", world: int = 1,
                 discover: Callable[[], str] | None = None, cluster: ClusterInfo | None = None,
-                device: str = "cpu", loss_fn: Callable[..., Any] | None = None) -> int:  # fmt: skip
+                device: str = "cpu", loss_fn: LossFn | None = None) -> int:  # fmt: skip
     stop, drain = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGUSR1, lambda: (log.warning("drain_requested", signal="SIGUSR1"), drain.set()))
+
+    def drain_requested() -> None:
+        log.warning("drain_requested", signal="SIGUSR1")
+        drain.set()
+
+    loop.add_signal_handler(signal.SIGUSR1, drain_requested)
     ctx = zmq.asyncio.Context()
     with contextlib.ExitStack() as stack:
         audit = stack.enter_context(open(cfg.learner.audit_file, "a")) if cfg.learner.audit_file else None
