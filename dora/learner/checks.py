@@ -61,6 +61,7 @@ def check_turns(s: TrainSample, g: TrainGroup, *, mixed_ok: bool) -> bool:
     """C1 per turn of an episode: its turns are ordered spans of the trajectory, every model token (loss mask 1)
     lies in one and nothing else does, and each turn was sampled by the group's version. Returns whether some
     turn was not (allowed only where ``mixed_ok``); raises InvariantBroken on any other failure."""
+    assert s.turns is not None, "an episode's sample"
     where = f"group {g.group_id} sample {s.index}"
     model = np.ones(len(s.token_ids), bool) if s.loss_mask is None else s.loss_mask.astype(bool)
     inside = np.zeros(len(s.token_ids), bool)

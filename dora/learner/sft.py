@@ -133,7 +133,7 @@ def encode_episodes(run: TaskRun, field: str, max_answer_tokens: int) -> Example
     from dora.tasks.prompts import stop_ids
     from dora.tasks.templates import observation_text
 
-    assert run.env is not None and run.epochs is not None
+    assert run.env is not None and run.epochs is not None and run.section.dataset is not None
     stop = stop_ids(run, run.section.turn_end)
     if not stop:
         raise ConfigError("sft.trace_field needs task.turn_end: the token that ends an assistant turn")
@@ -149,7 +149,7 @@ def encode_episodes(run: TaskRun, field: str, max_answer_tokens: int) -> Example
         ):
             raise ConfigError(f"{run.section.dataset} row {i}: {field!r} must be a list of {{role, content}} turns")
         chat = list(run.row_item(i).meta["messages"])
-        ids, trained = list(run.encode(run.texts[i])), []
+        ids, trained = list(run.encode(run.texts[i])), list[bool]()
         prompt_len = len(ids)
         for k, turn in enumerate(trace):
             if turn.get("role") != "assistant":
