@@ -62,7 +62,7 @@ def family_row(family: str, scratch: pathlib.Path, steps: int) -> dict:
             f"task.chat_template={str(fam.template is not None).lower()}"]  # fmt: skip
     common = [*task, f"eval.dataset={DATA / 'test.jsonl'}", "eval.limit=32", "eval.every_steps=0",
               "run.max_tokens=24", f"core.total_steps={steps}", "core.train_groups=4", "core.group_size=4",
-              "run.workers=2", "engine.max_slots=16", "engine.credit_slots=16", "broker.liveness=40",
+              "run.workers=2", "rollout.max_slots=16", "rollout.credit_slots=16", "broker.liveness=40",
               f"run.dir={scratch / 'runs'}"]  # fmt: skip
     out: dict = {"family": family, "tied": fam.tied, "model_type": fam.model_type}
     sets = lambda xs: [a for x in xs for a in ("--set", x)]  # noqa: E731

@@ -185,6 +185,12 @@ def _at_least(name: str, value: object, low: int) -> None:
 MOVED = {
     "learner.scale_by_std": "set learner.advantage = 'grpo' (what true meant) or 'dr_grpo' (false)",
     "broker.shutdown_s": "nothing read it; the broker stops at once on SIGTERM, after telling its peers",
+    "rollout.slots": "set rollout.max_slots (sequences decoded at once) and rollout.credit_slots (sequences leased "
+    "at once) to it",
+    "engine.max_slots": "a live worker's decoded sequences are rollout.max_slots ([engine] is the sim engine's "
+    "timing model; `dora sim` keeps engine.max_slots)",
+    "engine.credit_slots": "a live worker's credit is rollout.credit_slots ([engine] is the sim engine's timing "
+    "model; `dora sim` keeps engine.credit_slots)",
 }
 """Keys a configuration file may still hold from an earlier dora: each is refused with where its meaning went."""
 

@@ -14,11 +14,15 @@ from dora.config import ConfigError
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RolloutSection:
-    """A rollout worker (`dora rollout`) and its engine."""
+    """A rollout worker (`dora rollout`) and its engine, whichever run.engine names (sim, torch or vllm): the
+    worker's slots and, for torch and vllm, the model it serves. The sim engine's timing model is [engine]."""
 
-    slots: int = 0
-    """Sequences this worker accepts at once (its credit), and for torch and vllm also the most decoded at
-    once; 0 = engine.credit_slots (or 2 x engine.max_slots) accepted, engine.max_slots decoded."""
+    max_slots: int = 256
+    """Sequences the worker's engine decodes at once: the rows of the torch engine's slot cache, vLLM's
+    max_num_seqs, the sim engine's batch."""
+    credit_slots: int = 0
+    """Sequences leased to the worker at once, its credit (the slots the broker counts for it); 0 = 2 x max_slots,
+    so a queue waits in the engine. At least core.group_size: a group is leased to one worker whole."""
     reconnect_max_s: float = 32.0
     """Cap of the reconnect backoff (1 s, doubling) after the broker is lost; it starts over after a welcome."""
     model: str | None = None
@@ -61,6 +65,9 @@ class RolloutSection:
     Off: a yield only stops decoding."""
 
     def __post_init__(self) -> None:
+        if self.max_slots < 1 or self.credit_slots < 0:
+            raise ConfigError(f"rollout.max_slots must be >= 1 and rollout.credit_slots >= 0; got {self.max_slots} "
+                              f"and {self.credit_slots}")  # fmt: skip
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"rollout.dtype must be auto, float32, bfloat16 or float16; got {self.dtype!r}")
         if self.kv_cache_mib is not None and self.kv_cache_mib < 1:
@@ -76,6 +83,11 @@ class RolloutSection:
             raise ConfigError(f"rollout.tensor_parallel_size = {self.tensor_parallel_size} does not divide "
                               f"rollout.gpus_per_worker = {self.gpus_per_worker}: an engine shards over "
                               f"tensor_parallel_size of its worker's GPUs")  # fmt: skip
+
+    @property
+    def credit(self) -> int:
+        """The worker's credit: credit_slots, or 2 x max_slots when it is 0."""
+        return self.credit_slots or 2 * self.max_slots
 
     @property
     def gpus_each(self) -> int:

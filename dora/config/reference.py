@@ -43,7 +43,16 @@ class Key:
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """The docstring under each field of dataclass ``cls``, read from its module's source."""
+    """The docstring under each field of dataclass ``cls`` (its own and those it inherits), read from the source."""
+    docs: dict[str, str] = {}
+    for base in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(base):
+            docs.update(own_field_docs(base))
+    return docs
+
+
+def own_field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field declared in the body of dataclass ``cls``, read from its module's source."""
     tree = ast.parse(inspect.getsource(sys.modules[cls.__module__]))
     node = next((n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls.__name__), None)
     if node is None:

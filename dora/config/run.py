@@ -1,8 +1,12 @@
 """One run's configuration, shared by `dora broker`, `dora rollout` and `dora learner`.
 
 Every process reads the same TOML file and uses the sections it needs, so a run is described once.
-The ``[engine]``, ``[trainer]`` and ``[workload]`` sections are the simulator's: a live run with the
-``sim`` engine and trainer follows the same timing and length models as `dora sim`, scaled in real
+
+``run.engine`` names the rollout workers' engine (sim, torch or vllm) and ``[rollout]`` sets up the worker and that
+engine, whichever it is (its slots among them); ``run.trainer`` names the learner's trainer (sim or torch) and
+``[learner]`` sets up the learner and that trainer. The ``[engine]``, ``[trainer]`` and ``[workload]`` sections are
+the simulator's numbers only, for the ``sim`` engine and trainer: a live run with them follows the same timing and
+length models as `dora sim` (``dora.sim.engine``, ``dora.sim.trainer``, ``dora.sim.workload``), scaled in real
 time by ``run.time_scale``.
 """
 
@@ -368,10 +372,10 @@ class RunConfig:
         if self.learner.lr_schedule != "constant" and self.core.total_steps is None:
             raise ConfigError(f"learner.lr_schedule = {self.learner.lr_schedule!r} decays over the run, which needs "
                               "its length: set core.total_steps")  # fmt: skip
-        credit = self.rollout.slots or self.engine.credit
+        credit = self.rollout.credit
         if credit < self.core.group_size:
             raise ConfigError(
-                f"a rollout worker accepts {credit} sequences at once (rollout.slots, else engine.credit_slots, else "
-                f"2 x engine.max_slots), fewer than one group of core.group_size = {self.core.group_size}: a group "
+                f"a rollout worker accepts {credit} sequences at once (rollout.credit_slots, else 2 x "
+                f"rollout.max_slots), fewer than one group of core.group_size = {self.core.group_size}: a group "
                 f"goes to one worker whole, so none could ever be leased"
             )

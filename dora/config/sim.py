@@ -108,9 +108,9 @@ class ClusterSection:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EngineSection:
-    """One inference-engine replica, as the sim engine and `dora sim` model it: a decode step takes
-    tpot_scale x (tpot_base_s + tpot_per_seq_s x running sequences). max_slots and credit_slots also size
-    torch and vllm workers unless rollout.slots is set."""
+    """The numbers of the sim engine's timing model (``dora.sim.engine``): one inference-engine replica as a live
+    run's ``sim`` engine (run.engine) and `dora sim` model it. A decode step takes tpot_scale x (tpot_base_s +
+    tpot_per_seq_s x running sequences). A live worker's slots, whatever its engine, are [rollout]'s."""
 
     tpot_base_s: float = 0.02
     """Seconds per decode step, fixed part."""
@@ -118,9 +118,6 @@ class EngineSection:
     """Seconds per decode step added by each running sequence."""
     tpot_scale: float = 1.0
     """Multiplies both decode terms: hardware-derived terms, one fitted scale."""
-    max_slots: int = 256
-    """Sequences decoded at once (vLLM max_num_seqs); also the batch of torch and vllm workers when
-    rollout.slots is 0."""
     kv_budget_tokens: int = 1 << 40
     """KV cache capacity in tokens (prompt + generated of every running sequence)."""
     prefill_s_per_token: float = 0.0
@@ -133,9 +130,6 @@ class EngineSection:
     """Migration ships the KV cache; False = the target re-prefills prompt + generated prefix."""
     load_s: float = 1.0
     """Time for a replica to receive and load a new version's weights."""
-    credit_slots: int = 0
-    """Sequences leased to a replica at once (its credit; every engine's, unless rollout.slots is set); 0 =
-    2 x max_slots, so a queue waits in the engine."""
     keep_kv: bool = True
     """`dora sim`, multi-turn episodes: one waiting on a tool call keeps its KV cache (prefix caching; running
     sequences evict it, oldest first, when they need the room); False = it re-prefills its whole context
@@ -150,25 +144,33 @@ class EngineSection:
     host memory and back, or drop it and re-prefill them when it resumes."""
 
     def __post_init__(self) -> None:
-        if (
-            self.tpot_base_s <= 0
-            or self.tpot_per_seq_s < 0
-            or self.tpot_scale <= 0
-            or self.max_slots < 1
-            or self.kv_budget_tokens < 1
-        ):
-            raise ConfigError("engine: tpot_base_s > 0, tpot_per_seq_s >= 0, max_slots >= 1, kv_budget_tokens >= 1")
-        if min(self.prefill_s_per_token, self.kv_bytes_per_token, self.load_s, self.credit_slots,
-               self.weight_bytes, self.wake_s) < 0:  # fmt: skip
+        if self.tpot_base_s <= 0 or self.tpot_per_seq_s < 0 or self.tpot_scale <= 0 or self.kv_budget_tokens < 1:
+            raise ConfigError("engine: tpot_base_s > 0, tpot_per_seq_s >= 0, tpot_scale > 0, kv_budget_tokens >= 1")
+        if min(self.prefill_s_per_token, self.kv_bytes_per_token, self.load_s, self.weight_bytes, self.wake_s) < 0:
             raise ConfigError("engine: costs must be >= 0")
         if self.transfer_bytes_per_s <= 0:
             raise ConfigError("engine.transfer_bytes_per_s must be > 0")
 
-    def step_s(self, running: int) -> float:
-        return self.tpot_scale * (self.tpot_base_s + self.tpot_per_seq_s * running)
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SimEngineSection(EngineSection):
+    """`dora sim`'s ``[engine]``: the sim engine's timing model, and how many sequences each simulated replica
+    decodes and is leased at once (a live run sets those for its workers in [rollout])."""
+
+    max_slots: int = 256
+    """Sequences a replica decodes at once (vLLM's max_num_seqs)."""
+    credit_slots: int = 0
+    """Sequences leased to a replica at once (its credit); 0 = 2 x max_slots, so a queue waits in the engine."""
+
+    def __post_init__(self) -> None:
+        EngineSection.__post_init__(self)
+        if self.max_slots < 1 or self.credit_slots < 0:
+            raise ConfigError(f"engine.max_slots must be >= 1 and engine.credit_slots >= 0; got {self.max_slots} "
+                              f"and {self.credit_slots}")  # fmt: skip
 
     @property
     def credit(self) -> int:
+        """The replica's credit: credit_slots, or 2 x max_slots when it is 0."""
         return self.credit_slots or 2 * self.max_slots
 
 
@@ -368,7 +370,7 @@ class SimConfig:
     run: RunSection = field(default_factory=RunSection)
     core: CoreConfig = field(default_factory=CoreConfig)
     cluster: ClusterSection = field(default_factory=ClusterSection)
-    engine: EngineSection = field(default_factory=EngineSection)
+    engine: SimEngineSection = field(default_factory=SimEngineSection)
     trainer: TrainerSection = field(default_factory=TrainerSection)
     workload: WorkloadSection = field(default_factory=WorkloadSection)
     model: ModelSection = field(default_factory=ModelSection)

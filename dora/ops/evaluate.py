@@ -49,7 +49,7 @@ def eval_engine(cfg: RunConfig, model: str) -> Any:  # -> TorchEngine
     from dora.rollout.engines.torch.engine import TorchEngine
 
     r = cfg.rollout
-    return TorchEngine(model, max_slots=r.slots or cfg.engine.max_slots, device=r.device,
+    return TorchEngine(model, max_slots=r.max_slots, device=r.device,
                        dtype=r.engine_dtype(r.device == "cuda" or r.device.startswith("cuda:")), version=0,
                        lora=cfg.learner.lora)  # fmt: skip
 

@@ -68,7 +68,7 @@ class RolloutActor:
         self.name = name
         self.engine = engine
         self.clock = clock
-        self.slots = cfg.rollout.slots or cfg.engine.credit
+        self.slots = cfg.rollout.credit
         self.epoch = 0
         self.interval = cfg.broker.heartbeat_interval_s
         self.link: PeerSession | None = None

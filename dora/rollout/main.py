@@ -136,26 +136,28 @@ def make_engine(cfg: RunConfig, kind: str, now: float, task: Any = None) -> Work
 
         r = cfg.rollout
         task, held_out = task or load_task(cfg)
-        slots = r.slots or cfg.engine.max_slots
         if kind == "torch":
             from dora.rollout.engines.torch.engine import TorchEngine
 
             sleeps = r.elastic and r.sleep_on_yield
             versions = 1 if cfg.learner.lora is None else cfg.core.max_staleness + 1  # as vLLM's max_loras
-            engine = TorchEngine(r.model, max_slots=slots, device=r.device, dtype=r.engine_dtype(on_cuda(r.device)),
-                                 max_model_len=r.max_model_len, sleep_on_yield=sleeps, lora=cfg.learner.lora,
+            engine = TorchEngine(r.model, max_slots=r.max_slots, device=r.device,
+                                 dtype=r.engine_dtype(on_cuda(r.device)), max_model_len=r.max_model_len,
+                                 sleep_on_yield=sleeps, lora=cfg.learner.lora,
                                  max_versions=versions)  # fmt: skip
             return StepWorkerEngine(engine, task, held_out)
         from dora.rollout.engines.vllm_engine import VllmEngine
 
         kv = r.kv_cache_mib << 20 if r.kv_cache_mib is not None else None
-        engine = VllmEngine(r.model, max_slots=slots, kv_cache_bytes=kv, dtype=r.dtype, max_model_len=r.max_model_len,
+        engine = VllmEngine(r.model, max_slots=r.max_slots, kv_cache_bytes=kv, dtype=r.dtype,
+                            max_model_len=r.max_model_len,
                             seed=cfg.run.seed, sleep_level=1 if r.elastic and r.sleep_on_yield else None,
                             gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=r.enforce_eager,
                             tensor_parallel_size=r.tensor_parallel_size, lora=cfg.learner.lora,
                             max_loras=cfg.core.max_staleness + 1)  # fmt: skip
         return StepWorkerEngine(engine, task, held_out)
-    return SimEngine(cfg.engine, Workload(cfg.workload, cfg.run.seed), time_scale=cfg.run.time_scale, now=now)
+    return SimEngine(cfg.engine, Workload(cfg.workload, cfg.run.seed), max_slots=cfg.rollout.max_slots,
+                     time_scale=cfg.run.time_scale, now=now)  # fmt: skip
 
 
 async def serve(cfg: RunConfig, endpoint: Callable[[], str], name: str, kind: str = "sim",

@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 from statistics import fmean
 from typing import Literal
 
-from dora.config.sim import EngineSection, SimConfig, TrainerSection
+from dora.config.sim import SimConfig, SimEngineSection, TrainerSection
 from dora.sim.trainer import batch_train_s, replicas
 from dora.sim.workload import Workload
 
@@ -82,7 +82,7 @@ def kv_token_steps(length: int, prompt: int, budget: float = float("inf")) -> fl
     return fits * prompt + fits * (fits - 1) / 2 + (length - fits) * budget
 
 
-def decode_replica_s(engine: EngineSection, tokens: float, kv_steps: float) -> float:
+def decode_replica_s(engine: SimEngineSection, tokens: float, kv_steps: float) -> float:
     """D: replica-seconds that decoding ``tokens`` tokens with ``kv_steps`` KV token-steps takes at the least."""
     steps = max(tokens / engine.max_slots, kv_steps / engine.kv_budget_tokens)
     return engine.tpot_scale * (engine.tpot_base_s * steps + engine.tpot_per_seq_s * tokens)

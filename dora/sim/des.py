@@ -64,7 +64,7 @@ from dora.core.events import (
 from dora.ids import Mode, WorkerId
 from dora.sim import lora
 from dora.sim.bounds import kv_token_steps
-from dora.sim.engine import Request
+from dora.sim.engine import Request, decode_step_s
 from dora.sim.workload import Workload
 from dora.sim.world import World
 
@@ -414,7 +414,7 @@ class Simulation:
         self._debt_s[worker] = debt - pay if debt - pay > 1e-9 else 0.0
         if self._debt_s[worker]:
             return
-        steps = (dt - pay) / self.eng.step_s(len(w.engine.running))
+        steps = (dt - pay) / decode_step_s(self.eng, len(w.engine.running))
         if w.loading is not None:
             self.tokens_while_loading += steps * len(w.engine.running)
         done = self.world.decode(worker, steps + 1e-9)  # the epsilon also settles a request due right now
@@ -433,7 +433,7 @@ class Simulation:
         steps = w.engine.steps_to_next()
         if steps is None:
             return
-        t = self.now + self._debt_s.get(worker, 0.0) + steps * self.eng.step_s(len(w.engine.running))
+        t = self.now + self._debt_s.get(worker, 0.0) + steps * decode_step_s(self.eng, len(w.engine.running))
         self._at(t, "decode", (worker, self._epoch[worker]))
 
     def _refresh(self, worker: WorkerId) -> None:

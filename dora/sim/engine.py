@@ -1,7 +1,8 @@
 """Timing model of one inference-engine replica (one rollout worker, i.e. one DP group).
 
 Continuous batching in lockstep: every *running* request gains one token per decode step, and one
-step takes ``tpot_base_s + tpot_per_seq_s * running`` seconds (see ``dora.config.sim.EngineTiming``).
+step takes ``tpot_scale * (tpot_base_s + tpot_per_seq_s * running)`` seconds (``decode_step_s``; ``[engine]``,
+``dora.config.sim.EngineSection``, holds the numbers).
 Memory-bound decode is nearly flat in batch size, which is what makes a lone straggler expensive.
 
 - At most ``max_slots`` requests run at once, and their KV cache (prompt + generated tokens of every
@@ -35,7 +36,14 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
+from dora.config.sim import EngineSection
+
 EPS = 1e-6
+
+
+def decode_step_s(engine: EngineSection, running: int) -> float:
+    """Seconds of one decode step of a replica running ``running`` sequences."""
+    return engine.tpot_scale * (engine.tpot_base_s + engine.tpot_per_seq_s * running)
 
 
 @dataclass(slots=True, eq=False)

@@ -74,8 +74,8 @@ def migrated_run(tmp_path: pathlib.Path, tiny_model: pathlib.Path) -> bool:
     task = {"name": "dataset", "dataset": str(GUESS), "prompt_field": "question", "chat_template": True,
             "env": f"{__name__}:SlowGuess", "max_turns": 4, "max_episode_tokens": 96, "reward": None}  # fmt: skip
     overrides = torch_run(tmp_path, tiny_model, steps, min_workers=2, max_tokens=6, task=task,
-                          rollout={"kv_cache_mib": 64, "max_model_len": 1024},
-                          engine={"max_slots": 32, "credit_slots": 64})  # fmt: skip
+                          rollout={"kv_cache_mib": 64, "max_model_len": 1024, "max_slots": 32,
+                                   "credit_slots": 64})  # fmt: skip
     # 12 groups (48 episodes) in flight: both workers hold open ones at a publish. A worker moves only if what it
     # holds fits in the credit left on the one that stays; with 64 each, the two together never hold more than one
     # can take, so a publish that moves a worker holding episodes migrates them.

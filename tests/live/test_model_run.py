@@ -33,7 +33,7 @@ def torch_run(tmp_path: pathlib.Path, tiny_model: pathlib.Path, steps: int, *, m
         "run": {"max_tokens": max_tokens},
         "task": {"name": "arithmetic", "tokenizer": str(tiny_model), "reward": "dora.tasks.rewards:digits_shaped"},
         "broker": {"heartbeat_interval_s": 0.5, "liveness": 20},
-        "engine": {"max_slots": 16, "credit_slots": 16},
+        "rollout": {"max_slots": 16, "credit_slots": 16},
         "learner": {"model": str(tiny_model), "store": str(tmp_path / "store"), "lr": 1e-3},
     }  # fmt: skip
     for section, values in sections.items():
@@ -86,8 +86,7 @@ def test_vllm_workers_serve_a_multi_version_run_with_real_tokens_and_rewards(tmp
         "run": {"time_scale": 0.001, "max_tokens": 24},
         "task": {"name": "arithmetic", "tokenizer": str(tiny_model)},
         "broker": {"heartbeat_interval_s": 0.5, "liveness": 20},
-        "engine": {"max_slots": 8, "credit_slots": 8},
-        "rollout": {"kv_cache_mib": 64, "max_model_len": 1024},
+        "rollout": {"max_slots": 8, "credit_slots": 8, "kv_cache_mib": 64, "max_model_len": 1024},
     }
     with cluster(tmp_path, overrides) as c:
         c.start_broker()

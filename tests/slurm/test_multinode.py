@@ -71,7 +71,7 @@ def test_a_job_over_three_nodes_trains_across_them_with_curve_and_its_invariants
     assert 8 - asked_before <= len(yielded) <= 8, (asked_before, yielded)
 
 
-SLOW_ROLLOUT = ("engine.max_slots=2", "engine.credit_slots=4", "run.max_tokens=32")
+SLOW_ROLLOUT = ("rollout.max_slots=2", "rollout.credit_slots=4", "run.max_tokens=32")
 """Workers slower than the learner, so that a worker holds groups most of the time (the losses below hit some)."""
 
 

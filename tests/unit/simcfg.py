@@ -5,9 +5,9 @@ from __future__ import annotations
 from dora.config import CoreConfig
 from dora.config.sim import (
     ClusterSection,
-    EngineSection,
     RunSection,
     SimConfig,
+    SimEngineSection,
     TrainerSection,
     WorkloadSection,
 )
@@ -50,7 +50,7 @@ def small(
                         legacy_fill=legacy_fill),
         cluster=ClusterSection(total_gpus=workers + 1, gpus_per_worker=1, rollout_gpus=workers,
                                placement=placement or ALL_DISAGGREGATED),
-        engine=EngineSection(tpot_base_s=0.02, tpot_per_seq_s=0.0001, max_slots=max_running or credit,
+        engine=SimEngineSection(tpot_base_s=0.02, tpot_per_seq_s=0.0001, max_slots=max_running or credit,
                              credit_slots=credit, kv_budget_tokens=kv_budget_tokens,
                              prefill_s_per_token=prefill_s_per_token, load_s=load_s),
         trainer=TrainerSection(gpu_s_per_token=0.0, step_fixed_s=train_s, publish_s=0.0),

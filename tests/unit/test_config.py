@@ -51,13 +51,25 @@ def test_bad_values_are_one_clear_error(overrides, fragment):
 
 @pytest.mark.parametrize(
     ("overrides", "accepts"),
-    [(["engine.max_slots=1", "core.group_size=4"], 2), (["engine.credit_slots=3", "core.group_size=4"], 3),
-     (["rollout.slots=2", "engine.credit_slots=64"], 2)],
+    [(["rollout.max_slots=1", "core.group_size=4"], 2), (["rollout.credit_slots=3", "core.group_size=4"], 3),
+     (["rollout.max_slots=64", "rollout.credit_slots=2"], 2)],
 )  # fmt: skip
 def test_a_live_run_whose_workers_cannot_hold_one_group_is_refused(overrides, accepts):
     with pytest.raises(ConfigError, match=f"accepts {accepts} sequences at once.*core.group_size = "):
         load(RunConfig, overrides=overrides)
     load(RunConfig, overrides=[*overrides, f"core.group_size={accepts}"])  # one group fits: accepted
+
+
+@pytest.mark.parametrize(
+    ("key", "place"),
+    [("engine.max_slots", "rollout.max_slots"), ("engine.credit_slots", "rollout.credit_slots"),
+     ("rollout.slots", "rollout.max_slots")],
+)  # fmt: skip
+def test_a_live_run_sizes_its_workers_in_rollout_and_an_old_key_names_the_new_place(key, place):
+    with pytest.raises(ConfigError, match=rf"^{key} is gone: .*{place}"):
+        load(RunConfig, overrides=[f"{key}=64"])
+    sim = load(SimConfig, overrides=["engine.max_slots=64", "engine.credit_slots=96"]).engine
+    assert (sim.max_slots, sim.credit) == (64, 96), "`dora sim`'s replicas keep their slots in [engine]"
 
 
 @pytest.mark.parametrize("elastic", [-1, 4])

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from dora.ids import Mode
 from dora.sim.des import Simulation
-from dora.sim.engine import Engine, Request
+from dora.sim.engine import Engine, Request, decode_step_s
 from dora.sim.metrics import summarize
 from dora.sim.runner import simulate
 from tests.unit.simcfg import small
@@ -123,7 +123,7 @@ def test_one_request_takes_prefill_plus_length_decode_steps():
     (step,) = o.steps
     prompt = step.tokens - step.response_tokens
     assert step.response_tokens == 50
-    assert step.delivered_s == pytest.approx(1.0 + prompt * 0.01 + 50 * cfg.engine.step_s(1))
+    assert step.delivered_s == pytest.approx(1.0 + prompt * 0.01 + 50 * decode_step_s(cfg.engine, 1))
     assert o.wall_s == pytest.approx(step.delivered_s + 2.0)
 
 

@@ -20,7 +20,7 @@ from dora.config import ConfigError, load
 from dora.config.sim import SimConfig, WorkloadSection
 from dora.ids import Mode
 from dora.sim.des import Simulation
-from dora.sim.engine import Engine, Request
+from dora.sim.engine import Engine, Request, decode_step_s
 from dora.sim.metrics import summarize
 from dora.sim.runner import simulate
 from dora.sim.workload import Episode, Workload
@@ -101,7 +101,7 @@ def test_an_episode_with_instant_tools_costs_what_one_sample_of_its_length_costs
     (step,) = o.steps
     prompt = step.tokens - step.response_tokens
     assert step.turns == turns
-    expect = 1.0 + prompt * prefill + step.response_tokens * cfg.engine.step_s(1)
+    expect = 1.0 + prompt * prefill + step.response_tokens * decode_step_s(cfg.engine, 1)
     assert step.delivered_s == pytest.approx(expect, rel=1e-9, abs=1e-6)
 
 
@@ -347,7 +347,7 @@ def test_a_waiting_episode_holds_no_slot_in_a_run():
     o = Simulation(cfg, Mode.SYNC, strict=True).run()
     (step,) = o.steps
     assert step.turns == 8
-    decode = step.response_tokens * cfg.engine.step_s(1)
+    decode = step.response_tokens * decode_step_s(cfg.engine, 1)
     assert 1000.0 < step.delivered_s <= 1000.0 + decode + cfg.engine.load_s + 1e-6
     m = summarize(o, cfg)
     assert m["mean_waiting_on_tools"] > 3.0 and m["turns_per_episode"] == 2.0

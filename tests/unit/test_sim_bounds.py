@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dora.config.sim import EngineSection, TrainerSection
+from dora.config.sim import SimEngineSection, TrainerSection
 from dora.ids import Mode
 from dora.sim.bounds import (
     StepWork,
@@ -28,7 +28,7 @@ from tests.unit.simcfg import small
 EXAMPLES = int(os.environ.get("DORA_SIM_EXAMPLES", "300")) // 3
 
 
-def run_decode_bound(engine: EngineSection, lengths: list[int], prompt: int) -> float:
+def run_decode_bound(engine: SimEngineSection, lengths: list[int], prompt: int) -> float:
     """D for samples of these response ``lengths`` after prompts of ``prompt`` tokens each."""
     budget = engine.kv_budget_tokens
     return decode_replica_s(engine, float(sum(lengths)), sum(kv_token_steps(n, prompt, budget) for n in lengths))
@@ -40,7 +40,7 @@ def test_decode_is_bound_by_the_slots_or_by_the_kv_cache_whichever_needs_more_st
     # a cache of 10 tokens: contexts 5..10 count as they are (45), the four steps past it count 10 each (alone)
     assert kv_token_steps(10, 5, 10) == 85
     assert kv_token_steps(10, 12, 10) == 100
-    slots_bound = EngineSection(tpot_base_s=0.01, tpot_per_seq_s=0.001, max_slots=4, kv_budget_tokens=100)
+    slots_bound = SimEngineSection(tpot_base_s=0.01, tpot_per_seq_s=0.001, max_slots=4, kv_budget_tokens=100)
     # max(20 / 4, 190 / 100) = 5 decode steps of 0.01 s, plus 20 tokens x 0.001 s
     assert decode_replica_s(slots_bound, 20, 190) == pytest.approx(0.07)
     kv_bound = replace(slots_bound, kv_budget_tokens=20)

@@ -12,7 +12,7 @@ import numpy as np
 from dora.config.sim import EngineSection
 from dora.ids import Finish
 from dora.samples import FinishedSample
-from dora.sim.engine import Engine, Request
+from dora.sim.engine import Engine, Request, decode_step_s
 from dora.sim.workload import Workload
 from dora.tasks.synthetic import completion, reward
 from dora.wire import messages as m
@@ -23,11 +23,12 @@ class SimEngine:
     max_versions = 1
     """It holds one version, the one it took last (``held_versions``)."""
 
-    def __init__(self, cfg: EngineSection, workload: Workload, *, time_scale: float, now: float) -> None:
+    def __init__(self, cfg: EngineSection, workload: Workload, *, max_slots: int, time_scale: float,
+                 now: float) -> None:
         self.cfg = cfg
         self.workload = workload
         self.scale = time_scale
-        self.engine = Engine(cfg.max_slots, cfg.kv_budget_tokens)
+        self.engine = Engine(max_slots, cfg.kv_budget_tokens)
         self.last = now
         self.debt_s = 0.0
         self.tokens_generated = 0
@@ -106,7 +107,7 @@ class SimEngine:
         if dt <= 0 or not self.engine.running:
             return
         before = self.engine.counter
-        done, prefill = self.engine.run_for(dt / self.cfg.step_s(len(self.engine.running)))
+        done, prefill = self.engine.run_for(dt / decode_step_s(self.cfg, len(self.engine.running)))
         self.tokens_generated += round((self.engine.counter - before) * max(len(self.engine.running), 1))
         self.debt_s += self.cfg.prefill_s_per_token * prefill
         self.finished.extend(done)
@@ -120,7 +121,7 @@ class SimEngine:
         steps = self.engine.steps_to_next()
         if steps is None or self.engine.version is None or self.paused:
             return None
-        return (self.debt_s + steps * self.cfg.step_s(len(self.engine.running))) * self.scale
+        return (self.debt_s + steps * decode_step_s(self.cfg, len(self.engine.running))) * self.scale
 
     def result(self, r: Request, broker_epoch: int) -> FinishedSample:
         ids, lps = completion(self.workload, r.group_id, r.index, r.attempt, 0, r.length)
