@@ -65,6 +65,7 @@ from dora.ids import Mode, WorkerId
 from dora.sim import lora
 from dora.sim.bounds import kv_token_steps
 from dora.sim.engine import Request, decode_step_s
+from dora.sim.trainer import batch_train_s, replicas
 from dora.sim.workload import Workload
 from dora.sim.world import World
 
@@ -201,7 +202,7 @@ class Simulation:
         if self.trainer_gpus < 1 or self.n_workers < 1:
             raise ConfigError(f"no accelerator left to train or to roll out: {self.n_workers} workers of {g} GPUs, "
                              f"{self.n_elastic} elastic, of {cl.total_gpus}")  # fmt: skip
-        if cfg.trainer.replicas(self.trainer_gpus) < 1:
+        if replicas(cfg.trainer, self.trainer_gpus) < 1:
             raise ConfigError(f"the trainer's {self.trainer_gpus} accelerators make no data-parallel replica of "
                               f"trainer.model_parallel_gpus = {cfg.trainer.model_parallel_gpus}")  # fmt: skip
         link = cl.host_link_bytes_per_s
@@ -370,7 +371,8 @@ class Simulation:
         rec = StepRecord(step=batch.step, delivered_s=self.now, tokens=sum(sequences),
                          response_tokens=sum(lengths), episodes=len(lengths), turns=turns,
                          bubble=(longest - sum(lengths) / len(lengths)) / longest if longest else 0.0,
-                         train_s=self.cfg.trainer.batch_train_s(sequences, self.trainer_gpus, self.cfg.core.group_size),
+                         train_s=batch_train_s(self.cfg.trainer, sequences, self.trainer_gpus,
+                                               self.cfg.core.group_size),
                          kv_token_steps=kv)  # fmt: skip
         self.steps.append(rec)
         for delay, victim in self._faults_at_step.get(batch.step, ()):
