@@ -3,11 +3,12 @@ exit 2), never a worker's traceback.
 
 - a folder with no ``config.json`` or no ``tokenizer.json``; a model that is not a causal LM;
 - a tokenizer with more tokens than the model's embedding has rows;
-- an architecture the chosen engine cannot run (vLLM: one its registry does not resolve, neither to its own
-  implementation nor through its Transformers backend, or a mixture of experts, whose weights dora cannot reload
-  into vLLM correctly; torch: layers that keep a state instead of one key and value per token, which the engine
-  cannot cut per sequence nor pad into a batch: linear attention, convolutions and state-space layers, as Qwen3.5,
-  Qwen3-Next, LFM2, Mamba, Jamba and Nemotron-H have);
+- an architecture the chosen engine cannot run (vLLM: one its registry resolves neither to its own implementation
+  nor through its Transformers backend, one it runs as a pooling model, layers that keep a state through that
+  backend, or a mixture of experts, whose weights dora cannot reload into vLLM correctly; torch: layers that keep a
+  state instead of one key and value per token, which the engine cannot cut per sequence nor pad into a batch:
+  linear attention, convolutions and state-space layers, as Qwen3.5, Qwen3-Next, LFM2, Mamba, Jamba and Nemotron-H
+  have);
 - a length that does not fit: ``rollout.max_model_len`` above the model's own limit, or the longest prompt
   (``task.max_prompt_tokens``, else the dataset's longest) plus ``run.max_tokens`` (an episode:
   ``task.max_episode_tokens``) above the limit the engines run with.
@@ -71,26 +72,37 @@ def transformers_model(name: str) -> Any:
 
 
 def vllm_gap(found: ModelFacts) -> str | None:
-    """Why vLLM cannot run the model ``found`` describes, or None (also when vLLM is not installed, or the config
-    names no architectures: the engine then says itself). The architectures resolve as vLLM's registry resolves
-    them: one it names runs; else the first runs through vLLM's Transformers backend when transformers has that class
-    and it dispatches attention through transformers' attention interface. That backend gives attention layers their
-    keys and values and nothing else, so a model whose layers keep a state does not run through it."""
+    """Why vLLM cannot run the model ``found`` describes, and what to do; or None (also when vLLM is not installed,
+    or the config names no architectures: the engine then says itself). Architectures whose names vLLM runs as
+    pooling models (``...Model``, ``...ForSequenceClassification``, ``...RewardModel``: its runner's defaults)
+    generate nothing. The others resolve as vLLM's registry resolves them: one it names runs; else the first runs
+    through vLLM's Transformers backend when transformers has that class and it dispatches attention through
+    transformers' attention interface. That backend gives attention layers their keys and values and nothing else,
+    so a model whose layers keep a state does not run through it."""
     registered = vllm_registered()
-    if registered is None or not found.architectures or any(a in registered for a in found.architectures):
+    if registered is None or not found.architectures:
+        return None
+    from vllm.config.model import try_match_architecture_defaults
+
+    pooled = [a for a in found.architectures if (m := try_match_architecture_defaults(a)) and m[1][0] == "pooling"]
+    if len(pooled) == len(found.architectures):
+        return (f"it runs {', '.join(pooled)} as a pooling model (embeddings or scores, as the name's ending says), "
+                "not as a generator (a reward or embedding model's folder, not a causal LM's)")  # fmt: skip
+    if any(a in registered for a in found.architectures):
         return None
     first = found.architectures[0]
     cls = transformers_model(first)
     if cls is None:
         return (f"its registry names no such architecture, and transformers has no {first} class to run through "
-                "vLLM's Transformers backend")  # fmt: skip
+                "vLLM's Transformers backend; use run.engine = 'torch'")  # fmt: skip
     if not (cls.is_backend_compatible() or cls._can_set_attn_implementation()):
         return (f"its registry names no {first}, and transformers' {first} does not dispatch attention through "
-                "transformers' attention interface, which vLLM's Transformers backend needs")  # fmt: skip
+                "transformers' attention interface, which vLLM's Transformers backend needs; "
+                "use run.engine = 'torch'")  # fmt: skip
     why = torch_engine_gap(found)
     if why:
         return (f"it would run {first} through its Transformers backend, which keeps attention's keys and values and "
-                f"no other state: {why}")  # fmt: skip
+                f"no other state: {why}; the torch engine cannot run it either")  # fmt: skip
     return None
 
 
@@ -126,8 +138,7 @@ def check_model(folder: str | pathlib.Path, *, key: str, engine: str | None = No
                           "and pads into batches; use run.engine = 'vllm'")  # fmt: skip
     why = vllm_gap(found) if engine == "vllm" else None
     if why:
-        fix = "use run.engine = 'torch'" if torch_engine_gap(found) is None else "neither engine runs it"
-        raise ConfigError(f"{key}: vLLM cannot run {folder} ({', '.join(found.architectures)}): {why}; {fix}")
+        raise ConfigError(f"{key}: vLLM cannot run {folder} ({', '.join(found.architectures)}): {why}")
     return found
 
 

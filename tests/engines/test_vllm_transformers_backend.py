@@ -2,7 +2,7 @@
 (GPT-NeoX, OLMo 2, StarCoder2, ...) and any other transformers class that dispatches attention through transformers'
 attention interface (Helium). They pass the model check for vLLM workers, sample with their weights' log-probs and
 take a published version in place; a model whose layers keep a state is refused in one line, as that backend keeps
-attention's keys and values only.
+attention's keys and values only, and so is a folder whose architecture vLLM runs as a pooling model.
 
 vLLM's Transformers backend decorates transformers' own decoder class (``Olmo2Model``) in the process that builds the
 engine, for its compiler: the references are computed before the engine starts, and no other test runs OLMo 2.
@@ -44,14 +44,23 @@ def test_what_vllm_runs_through_its_transformers_backend_passes_the_check(tiny_m
     assert check_model(folder, key="rollout.model", engine="vllm").model_type == model_type
 
 
-def test_layers_that_keep_a_state_are_refused_for_the_transformers_backend_in_one_line(tiny_model, tmp_path):
-    folder = build(tiny_model, tmp_path / "zamba", "zamba", weights=False, architectures=["ZambaForCausalLM"], **ZAMBA)
+REFUSED = [
+    ("zamba", "ZambaForCausalLM", ZAMBA,
+     "it would run ZambaForCausalLM through its Transformers backend, which keeps attention's keys and values and no "
+     "other state: transformers marks ZambaForCausalLM stateful; the torch engine cannot run it either"),
+    ("qwen2", "Qwen2ForRewardModel", SMALL,
+     "it runs Qwen2ForRewardModel as a pooling model (embeddings or scores, as the name's ending says), not as a "
+     "generator (a reward or embedding model's folder, not a causal LM's)"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("model_type", "architecture", "config", "why"), REFUSED, ids=[r[0] for r in REFUSED])
+def test_what_vllm_does_not_generate_with_is_refused_in_one_line(tiny_model, tmp_path, model_type, architecture,
+                                                                 config, why):  # fmt: skip
+    folder = build(tiny_model, tmp_path / model_type, model_type, weights=False, architectures=[architecture], **config)
     with pytest.raises(ConfigError) as refused:
         check_model(folder, key="rollout.model", engine="vllm")
-    assert str(refused.value) == (
-        f"rollout.model: vLLM cannot run {folder} (ZambaForCausalLM): it would run ZambaForCausalLM through its "
-        "Transformers backend, which keeps attention's keys and values and no other state: transformers marks "
-        "ZambaForCausalLM stateful; neither engine runs it")  # fmt: skip
+    assert str(refused.value) == f"rollout.model: vLLM cannot run {folder} ({architecture}): {why}"
 
 
 def next_token_logprobs(model, prompts) -> list[torch.Tensor]:
