@@ -44,7 +44,7 @@ from dora.config.run import RunConfig
 from dora.hf.checks import check_model
 from dora.hf.preflight import check_run_model, model_folder
 from dora.launch.local import LocalRun
-from dora.launch.placement import plan, visible_gpus, wants_gpus
+from dora.launch.placement import Placement, plan, visible_gpus, wants_gpus
 from dora.launch.watch import RunStuck, WorkerWatch, new_lines
 from dora.ops.plot import EVAL, METRICS, TIMELINE, PlotError, render
 
@@ -133,110 +133,189 @@ def report_task(about: dict[str, Any]) -> None:
     print(line + f"; {about['kept']} groups make an epoch", file=sys.stderr)
 
 
-def main(argv: list[str]) -> int:
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A run checked and set up, before any of its processes starts."""
+
+    cfg: RunConfig
+    steps: int
+    """core.total_steps, which `dora run` needs."""
+    placement: Placement
+    rundir: pathlib.Path
+    data: dict[str, Any]
+    """The config the processes get (``prepare``)."""
+    before: dict[str, Any] | None
+    """[eval] on the starting weights; None without eval.dataset."""
+
+
+class Signals:
+    """SIGINT and SIGTERM, caught from now on: the run then stops every process and exits 130."""
+
+    def __init__(self) -> None:
+        self.caught = False
+        signal.signal(signal.SIGINT, self.catch)
+        signal.signal(signal.SIGTERM, self.catch)
+
+    def catch(self, signum: int, frame: Any) -> None:
+        self.caught = True
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
     fmt = argparse.RawDescriptionHelpFormatter
     p = argparse.ArgumentParser(prog="dora run", description=__doc__, formatter_class=fmt)
     p.add_argument("--config", metavar="FILE.toml")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL on stop")
-    args = p.parse_args(argv)
-    try:
-        cfg = load(RunConfig, path=args.config, env=os.environ, env_prefix="DORA_", overrides=args.set)
-        if cfg.core.total_steps is None:
-            raise ConfigError("dora run needs core.total_steps")
-        if cfg.task.env is not None and cfg.run.engine == "sim":
-            raise ConfigError("task.env: multi-turn episodes run on run.engine = 'torch' or 'vllm', not 'sim'")
-        from dora.rollout.main import check_engine, check_sleep
+    return p.parse_args(argv)
 
-        check_engine(cfg.run.engine, cfg)
-        if cfg.rollout.sleep_on_yield:
-            check_sleep(cfg.run.engine, cfg.rollout.device)
-        placement = plan(cfg, visible_gpus(os.environ) if wants_gpus(cfg) else ())
-        model = run_model(cfg)
-        rundir = pathlib.Path(cfg.run.dir) / time.strftime("%Y%m%d-%H%M%S")
-        rundir.mkdir(parents=True, exist_ok=False)
-        data = prepare(cfg, rundir, model)
-        about = check_task(data)
-        report_task(about)
-        if cfg.run.engine != "sim" or cfg.run.trainer != "sim":
-            check_run_model(cfg, pathlib.Path(data["rollout"]["model"]), cfg.run.engine, about)
-        before = held_out(data, rundir, 0) if cfg.eval.dataset else None
+
+def check_run(cfg: RunConfig) -> int:
+    """What `dora run` needs of a config beyond what loading it checks, and whether its engine can start here; the
+    run's train steps."""
+    if cfg.core.total_steps is None:
+        raise ConfigError("dora run needs core.total_steps")
+    if cfg.task.env is not None and cfg.run.engine == "sim":
+        raise ConfigError("task.env: multi-turn episodes run on run.engine = 'torch' or 'vllm', not 'sim'")
+    from dora.rollout.main import check_engine, check_sleep
+
+    check_engine(cfg.run.engine, cfg)
+    if cfg.rollout.sleep_on_yield:
+        check_sleep(cfg.run.engine, cfg.rollout.device)
+    return cfg.core.total_steps
+
+
+def prepare_run(args: argparse.Namespace) -> Prepared:
+    """The config loaded and checked, the GPUs placed, the model and the task checked, the run directory made and
+    the starting weights evaluated; a user's mistake raises (ConfigError, ValueError, FileExistsError)."""
+    cfg = load(RunConfig, path=args.config, env=os.environ, env_prefix="DORA_", overrides=args.set)
+    steps = check_run(cfg)
+    placement = plan(cfg, visible_gpus(os.environ) if wants_gpus(cfg) else ())
+    model = run_model(cfg)
+    rundir = pathlib.Path(cfg.run.dir) / time.strftime("%Y%m%d-%H%M%S")
+    rundir.mkdir(parents=True, exist_ok=False)
+    data = prepare(cfg, rundir, model)
+    about = check_task(data)
+    report_task(about)
+    if cfg.run.engine != "sim" or cfg.run.trainer != "sim":
+        check_run_model(cfg, pathlib.Path(data["rollout"]["model"]), cfg.run.engine, about)
+    before = held_out(data, rundir, 0) if cfg.eval.dataset else None
+    return Prepared(cfg, steps, placement, rundir, data, before)
+
+
+def announce(p: Prepared, run: LocalRun, shares: Threads, elastic: int) -> None:
+    """The run's one-line summary, its CPU threads (unless run.threads gave them) and its GPUs."""
+    cfg = p.cfg
+    shared = f" ({elastic} elastic)" if elastic else ""
+    print(f"dora run: {cfg.core.mode.value}, {cfg.run.workers} {cfg.run.engine} workers{shared}, "
+          f"{cfg.run.trainer} trainer, {cfg.core.total_steps} steps; run directory {p.rundir}",
+          file=sys.stderr)  # fmt: skip
+    if not run.threads_given:
+        print(f"dora run: CPU threads: {shares.describe(elastic=elastic, standalone=cfg.run.workers - elastic)}",
+              file=sys.stderr)  # fmt: skip
+    if p.placement.gpus:
+        print(f"dora run: {p.placement.describe()}", file=sys.stderr)
+
+
+def start_fleet(run: LocalRun, p: Prepared, shares: Threads, elastic: int) -> WorkerWatch:
+    """The broker, then the rollout workers (the first ``elastic`` of them elastic); the watch over the workers."""
+    cfg = p.cfg
+    run.start_broker()
+    url = json.loads((p.rundir / "broker.json").read_text()).get("metrics_url")
+    if url:
+        print(f"dora run: Prometheus metrics at {url}", file=sys.stderr)
+    extra = ["--model", str(p.data["rollout"]["model"])] if cfg.run.engine != "sim" else []
+    for i in range(cfg.run.workers):
+        flag, threads = (["--elastic"], shares.elastic) if i < elastic else ([], shares.standalone)
+        run.start_worker(f"w{i}", cfg.run.engine, *extra, *flag, threads=threads)
+    names = [f"w{i}" for i in range(cfg.run.workers)]
+    return WorkerWatch(run, names, start_timeout_s=cfg.run.worker_start_timeout_s)
+
+
+def start_learner(run: LocalRun, p: Prepared) -> None:
+    """The learner: one process, or learner.ranks of them under torchrun (FSDP2 over local ranks)."""
+    cfg = p.cfg
+    learner = ["learner", "--trainer", cfg.run.trainer, "--broker", str(p.rundir / "broker.json")]
+    if cfg.run.trainer == "torch" and cfg.learner.ranks > 1:
+        run.spawn_command("learner", ["-m", "torch.distributed.run", "--standalone",
+                                      f"--nproc-per-node={cfg.learner.ranks}", "-m", "dora", *learner])  # fmt: skip
+    else:
+        run.spawn("learner", *learner)
+
+
+@dataclass(frozen=True, slots=True)
+class Ended:
+    """How the processes of a run ended."""
+
+    codes: dict[str, int | None]
+    """Each process's exit status."""
+    broken: bool
+    """The run could not go on (a process failed to start, the broker died, the fleet was stuck)."""
+    lost: dict[str, int]
+    """The rollout workers that exited while the run went on without them (none when broken)."""
+
+
+def drive(run: LocalRun, p: Prepared, shares: Threads, elastic: int, signals: Signals, grace_s: float) -> Ended:
+    """Start every process, follow the run to its end, then stop every process (by PID) and draw its figures."""
+    broken = False
+    watch: WorkerWatch | None = None
+    try:
+        watch = start_fleet(run, p, shares, elastic)
+        start_learner(run, p)
+        follow(run, p.rundir, p.steps, lambda: signals.caught, watch)
+    except (RuntimeError, TimeoutError) as e:
+        broken = True
+        print(f"dora run: {e}" + ("; stopping every process" if isinstance(e, RunStuck) else ""), file=sys.stderr)
+    finally:
+        codes = run.stop(grace_s=grace_s)
+        if broken and watch is not None:
+            watch.settle(codes)
+        try:
+            render(p.rundir)
+        except PlotError as e:
+            print(f"dora run: no figures: {e}", file=sys.stderr)
+    return Ended(codes, broken, watch.lost if watch is not None and not broken else {})
+
+
+def conclude(p: Prepared, ended: Ended, stopped: bool) -> int:
+    """The run's last lines and its exit status: 130 stopped, 1 failed or an invariant broken, else 0."""
+    failed = {k: v for k, v in ended.codes.items() if v != 0 and k not in ended.lost}
+    if stopped:
+        print(f"dora run: stopped; every process ended ({ended.codes}); logs in {p.rundir}", file=sys.stderr)
+        return 130
+    if failed or ended.broken:
+        print(f"dora run: processes failed: {failed}; logs in {p.rundir}", file=sys.stderr)
+        return 1
+    lost = ended.lost
+    gone = f" ({len(lost)} rollout worker{'s' * (len(lost) > 1)} lost on the way: {', '.join(lost)})" if lost else ""
+    print(f"dora run: done{gone}; metrics in {p.rundir / 'metrics.jsonl'}", file=sys.stderr)
+    if p.before is not None:
+        from dora.store import WeightStore
+
+        after = held_out(p.data, p.rundir, WeightStore(p.data["learner"]["store"]).versions()[-1])
+        rows = f"{int(after['rows'])} rows of {p.cfg.eval.dataset}, version 0 -> {after['version']}"
+        print(f"dora run: held-out accuracy {p.before['accuracy']:.3f} -> {after['accuracy']:.3f} ({rows})",
+              file=sys.stderr)  # fmt: skip
+    return check_invariants(p.rundir)
+
+
+def main(argv: list[str]) -> int:
+    args = parse(argv)
+    try:
+        p = prepare_run(args)
     except (ConfigError, ValueError, FileExistsError) as e:
         print(f"dora run: {e}", file=sys.stderr)
         return 2
+    cfg = p.cfg
     elastic = cfg.run.workers if cfg.rollout.elastic else cfg.run.elastic_workers
     ranks = cfg.learner.ranks if cfg.run.trainer == "torch" else 1
     t = cfg.run.threads
     shares = Threads(t, t, t) if t else thread_shares(os.cpu_count() or 1, workers=cfg.run.workers, elastic=elastic,
                                                        ranks=ranks)  # fmt: skip
-    run = LocalRun(rundir, data, threads=shares.learner_rank, envs=placement.envs)
-    stopping = False
-
-    def on_signal(signum: int, frame: Any) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    shared = f" ({elastic} elastic)" if elastic else ""
-    print(f"dora run: {cfg.core.mode.value}, {cfg.run.workers} {cfg.run.engine} workers{shared}, "
-          f"{cfg.run.trainer} trainer, {cfg.core.total_steps} steps; run directory {rundir}",
-          file=sys.stderr)  # fmt: skip
-    if not run.threads_given:
-        print(f"dora run: CPU threads: {shares.describe(elastic=elastic, standalone=cfg.run.workers - elastic)}",
-              file=sys.stderr)  # fmt: skip
-    if placement.gpus:
-        print(f"dora run: {placement.describe()}", file=sys.stderr)
-    codes: dict[str, int | None] = {}
-    broken = False
-    watch: WorkerWatch | None = None
-    try:
-        run.start_broker()
-        url = json.loads((rundir / "broker.json").read_text()).get("metrics_url")
-        if url:
-            print(f"dora run: Prometheus metrics at {url}", file=sys.stderr)
-        extra = ["--model", str(data["rollout"]["model"])] if cfg.run.engine != "sim" else []
-        for i in range(cfg.run.workers):
-            flag, threads = (["--elastic"], shares.elastic) if i < elastic else ([], shares.standalone)
-            run.start_worker(f"w{i}", cfg.run.engine, *extra, *flag, threads=threads)
-        names = [f"w{i}" for i in range(cfg.run.workers)]
-        watch = WorkerWatch(run, names, start_timeout_s=cfg.run.worker_start_timeout_s)
-        learner = ["learner", "--trainer", cfg.run.trainer, "--broker", str(rundir / "broker.json")]
-        if cfg.run.trainer == "torch" and cfg.learner.ranks > 1:  # FSDP2 over local ranks, started by torchrun
-            run.spawn_command("learner", ["-m", "torch.distributed.run", "--standalone",
-                                          f"--nproc-per-node={cfg.learner.ranks}", "-m", "dora", *learner])  # fmt: skip
-        else:
-            run.spawn("learner", *learner)
-        follow(run, rundir, cfg.core.total_steps, lambda: stopping, watch)
-    except (RuntimeError, TimeoutError) as e:
-        broken = True
-        print(f"dora run: {e}" + ("; stopping every process" if isinstance(e, RunStuck) else ""), file=sys.stderr)
-    finally:
-        codes = run.stop(grace_s=args.grace)
-        if broken and watch is not None:
-            watch.settle(codes)
-        try:
-            render(rundir)
-        except PlotError as e:
-            print(f"dora run: no figures: {e}", file=sys.stderr)
-    lost = watch.lost if watch is not None and not broken else {}
-    failed = {k: v for k, v in codes.items() if v != 0 and k not in lost}
-    if stopping:
-        print(f"dora run: stopped; every process ended ({codes}); logs in {rundir}", file=sys.stderr)
-        return 130
-    if failed or broken:
-        print(f"dora run: processes failed: {failed}; logs in {rundir}", file=sys.stderr)
-        return 1
-    gone = f" ({len(lost)} rollout worker{'s' * (len(lost) > 1)} lost on the way: {', '.join(lost)})" if lost else ""
-    print(f"dora run: done{gone}; metrics in {rundir / 'metrics.jsonl'}", file=sys.stderr)
-    if before is not None:
-        from dora.store import WeightStore
-
-        after = held_out(data, rundir, WeightStore(data["learner"]["store"]).versions()[-1])
-        rows = f"{int(after['rows'])} rows of {cfg.eval.dataset}, version 0 -> {after['version']}"
-        print(f"dora run: held-out accuracy {before['accuracy']:.3f} -> {after['accuracy']:.3f} ({rows})",
-              file=sys.stderr)  # fmt: skip
-    return check_invariants(rundir)
+    run = LocalRun(p.rundir, p.data, threads=shares.learner_rank, envs=p.placement.envs)
+    signals = Signals()
+    announce(p, run, shares, elastic)
+    ended = drive(run, p, shares, elastic, signals, args.grace)
+    return conclude(p, ended, signals.caught)
 
 
 def held_out(data: dict[str, Any], rundir: pathlib.Path, version: int) -> dict[str, Any]:
