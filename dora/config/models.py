@@ -291,7 +291,8 @@ class LearnerSection:
         if self.mini_batches < 1 or self.epochs < 1 or self.warmup_steps < 0:
             raise ConfigError(f"learner.mini_batches and learner.epochs must be >= 1 and learner.warmup_steps >= 0; "
                               f"got {self.mini_batches}, {self.epochs}, {self.warmup_steps}")  # fmt: skip
-        if self.is_cap and self.is_cap < 1 or self.is_mask and self.is_mask <= 1 or min(self.is_cap, self.is_mask) < 0:
+        bad_cap, bad_mask = bool(self.is_cap) and self.is_cap < 1, bool(self.is_mask) and self.is_mask <= 1
+        if bad_cap or bad_mask or min(self.is_cap, self.is_mask) < 0:
             raise ConfigError(f"learner.is_cap must be >= 1 and learner.is_mask > 1 (0: off); got {self.is_cap}, "
                               f"{self.is_mask}")  # fmt: skip
         if self.kl_coef < 0 or self.entropy_coef < 0 or self.weight_decay < 0:

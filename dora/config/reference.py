@@ -263,7 +263,8 @@ def main(argv: list[str]) -> int:
     sub = p.add_subparsers(dest="what", required=True, metavar="reference|show")
     ref = sub.add_parser("reference", help="the configuration reference as Markdown")
     ref.add_argument("--write", nargs="?", const=DOC, metavar="PAGE",
-                     help=f"replace the reference between the markers in the Markdown file PAGE (without PAGE: {DOC})")  # fmt: skip
+                     help=f"replace the reference between the markers in the Markdown file PAGE (without PAGE: "
+                          f"{DOC})")  # fmt: skip
     sh = sub.add_parser("show", help="the resolved config as TOML")
     sh.add_argument("--config", metavar="FILE.toml")
     sh.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")

@@ -1,4 +1,5 @@
-"""Which GPUs each process of `dora run` gets: placement is explicit (docs/gpus.md#placement-which-process-runs-on-which-gpu).
+"""Which GPUs each process of `dora run` gets: placement is explicit
+(docs/gpus.md#placement-which-process-runs-on-which-gpu).
 
 ``plan(cfg, visible)`` is a pure function of the run's config and the GPUs this machine shows. It gives every
 process its GPUs, or refuses the layout with one line (a ConfigError: `dora run` exits 2) before any process starts:
