@@ -17,9 +17,13 @@ from __future__ import annotations
 
 import pathlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import zmq
 import zmq.auth
+
+if TYPE_CHECKING:
+    from dora.config.run import RunConfig
 
 ROLES = ("rollout", "learner", "client")
 
@@ -86,7 +90,7 @@ class Keys:
         return key in self.roles
 
 
-def check_keys(cfg, role: str = "rollout") -> None:  # cfg: RunConfig
+def check_keys(cfg: RunConfig, role: str = "rollout") -> None:
     """A ConfigError now, at startup, for a keys directory this process cannot use."""
     from dora.config import ConfigError
 

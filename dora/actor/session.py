@@ -17,8 +17,8 @@ import asyncio
 import contextlib
 import os
 import uuid
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, cast
 
 import structlog
 import zmq
@@ -70,7 +70,7 @@ class PeerSession:
             self.sock.setsockopt(zmq.IMMEDIATE, 1)
         if keys is not None:
             keys.connect_as(self.sock, role)
-        self.now_or_never = zmq.Socket.shadow(self.sock.underlying)
+        self.now_or_never: zmq.Socket[bytes] = zmq.Socket.shadow(self.sock.underlying)
         """The same socket, for sends that must not wait (``self.sock`` is awaited for readiness)."""
         self.endpoint = ""
         self.heard_at = self.next_beat = clock()
@@ -92,7 +92,7 @@ class PeerSession:
             left = deadline - self.clock()
             if left <= 0:
                 return False
-            if await self.sock.poll(int(1000 * min(left, self.interval_s)) + 1, zmq.POLLOUT):
+            if await writable(self.sock, int(1000 * min(left, self.interval_s)) + 1):
                 return True
         return False
 
@@ -118,9 +118,9 @@ class PeerSession:
     async def receive(self, timeout_s: float) -> list[Any]:
         """What the broker sent, waiting up to ``timeout_s`` for it: every message queued, decoded. A frame that does
         not decode is logged and dropped."""
-        if not await self.sock.poll(max(0, int(1000 * timeout_s)) + 1, zmq.POLLIN):
+        if not await self.sock.poll(max(0, int(1000 * timeout_s)) + 1):
             return []
-        messages = []
+        messages: list[Any] = []
         while True:
             try:
                 frames = self.now_or_never.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -160,3 +160,10 @@ class PeerSession:
     def close(self) -> None:
         """Close the socket (with no linger, unless a Goodbye was just sent)."""
         self.sock.close()
+
+
+async def writable(sock: zmq.asyncio.Socket, timeout_ms: int) -> bool:
+    """Whether a message can leave ``sock`` within ``timeout_ms`` (pyzmq's type stubs give its async ``poll`` no
+    ``flags``, though it takes them)."""
+    poll = cast(Callable[[int, int], Awaitable[int]], sock.poll)
+    return bool(await poll(timeout_ms, zmq.POLLOUT))

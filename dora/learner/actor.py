@@ -279,6 +279,7 @@ class LearnerActor:
 
     async def roll_back(self, stop: asyncio.Event) -> None:
         """Forget the step whose publish the broker never recorded: its groups will be trained again."""
+        assert self.unacked is not None
         _, batch, _ = self.unacked
         self.unacked = None
         self.version -= 1
@@ -290,7 +291,9 @@ class LearnerActor:
     def _step(self, batch: Batch) -> tuple[str, str, float, dict[str, float]]:
         """Train on the batch and publish version ``self.version + 1`` (blocking: run in a thread)."""
         metrics = self.trainer.train(batch)
-        uri, sha, publish_s = self.trainer.publish(self.version + 1)
+        published = self.trainer.publish(self.version + 1)
+        assert published is not None  # rank 0 writes
+        uri, sha, publish_s = published
         return uri, sha, publish_s, metrics
 
     async def _busy(self, stop: asyncio.Event, fn: Any, *args: Any) -> Any:
@@ -334,6 +337,7 @@ class LearnerActor:
         The audit line is on disk before the checkpoint starts: a learner killed between the two resumes from an
         older checkpoint and writes an ``adopted`` line for the step again (which ``dora audit`` accepts), while
         the other order could leave a checkpoint holding a step that no audit line names."""
+        assert self.unacked is not None
         version, batch, facts = self.unacked
         self.unacked = None
         self.committed = version
