@@ -263,6 +263,7 @@ def spans(events: list[dict[str, Any]], end: float) -> dict[str, list[Span]]:
 def timeline(events: list[dict[str, Any]], rows: list[dict[str, Any]], path: pathlib.Path, *,
              title: str) -> pathlib.Path:  # fmt: skip
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
     times = [e["t"] for e in events] + [r["t"] for r in rows if isinstance(r.get("t"), int | float)]
@@ -291,7 +292,7 @@ def timeline(events: list[dict[str, Any]], rows: list[dict[str, Any]], path: pat
     ax.set_xlabel("seconds since the broker started")
     ax.legend(handles=[Patch(color="#888", label="serving (colour: version)"),
                        Patch(facecolor="#ccc", hatch="////", edgecolor="#333", label="loading weights"),
-                       plt.Line2D([], [], color="k", lw=0.5, label="version published")],
+                       Line2D([], [], color="k", lw=0.5, label="version published")],
               fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # fmt: skip
     shown = f" (first {MAX_WORKERS} of {len(lanes)})" if len(lanes) > len(names) else ""
     ax.set_title(f"worker timeline{shown}: {len(published)} versions published — {title}", fontsize=10)

@@ -134,8 +134,8 @@ _plain_encoder = msgspec.msgpack.Encoder()
 def _source(arr: np.ndarray) -> Buffer:
     """An array's frame: the buffer it was decoded from when it views all of it (a received frame, which a
     transport can forward by reference instead of wrapping its memory anew), else the array's own memory."""
-    base = arr.base
-    if type(base) is memoryview and base.nbytes == arr.nbytes and not isinstance(base.obj, np.ndarray | None):
+    base: object = arr.base  # numpy declares an array's base an array, but frombuffer's is the buffer it was given
+    if isinstance(base, memoryview) and base.nbytes == arr.nbytes and not isinstance(base.obj, np.ndarray | None):
         return base.obj
     return arr.data
 
