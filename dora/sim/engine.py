@@ -37,6 +37,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from dora.config.sim import EngineSection
+from dora.ids import WorkerId
 
 EPS = 1e-6
 
@@ -83,7 +84,7 @@ class Request:
     """Its tool result came while no engine held it (a migration in transit): the next engine resumes it."""
     fresh: int = 0
     """Context tokens added since its KV was built (tool results): prefilled on admission even with KV."""
-    holder: object = None
+    holder: WorkerId | None = None
     """The worker holding it (set by the simulator's world, which routes tool results there)."""
     version: int | None = None
     """The version it runs under on a multi-version engine (its adapter); None: the engine's loaded version."""
