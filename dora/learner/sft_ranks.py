@@ -6,8 +6,8 @@
 - **Ranks.** With ``sft.ranks > 1`` a process that is one rank alone (``ClusterInfo.world == 1``) starts
   itself again under ``python -m torch.distributed.run --standalone --nproc-per-node=<ranks>`` with the same
   arguments; a torchrun child or one of srun's tasks is a rank already. Each rank starts the process group
-  (``dora.learner.ranks``: NCCL on GPUs, gloo on CPUs) and shards the model as the learner does (``fully_shard``
-  per decoder block, then the root).
+  (``dora.learner.ranks``: NCCL on GPUs, gloo on CPUs) and shards the model as the learner does
+  (``dora.learner.setup.shard``: ``fully_shard`` per decoder block, then the root).
 - **A batch over ranks.** Every rank reads the same rows in the same order and takes every world-th row of each
   batch. Its loss is its rows' answer-token NLL summed, over the whole batch's answer-token count, times the
   world (FSDP averages gradients over ranks), so the gradient is the one-rank run's. A rank with no row in a
@@ -118,8 +118,7 @@ def leave(where: Placement) -> None:
 
 
 def shard(model: torch.nn.Module, where: Placement) -> torch.nn.Module:
-    """The model on its device; over several ranks, sharded with FSDP2 as the learner's (each decoder block, then
-    the root; bf16: MixedPrecisionPolicy with float32 reduction)."""
+    """The model on its device; over several ranks, sharded with FSDP2 as the learner's (``dora.learner.setup``)."""
     model.to(where.device)
     setup.shard([model], device=where.device, world=where.world, bf16=where.bf16)
     return model
