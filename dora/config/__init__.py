@@ -16,11 +16,14 @@ import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from dora.ids import Mode
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")
 
 
 class ConfigError(ValueError):
@@ -164,7 +167,7 @@ def resolve_callable(spec: str, what: str) -> Callable[..., Any]:
         raise ConfigError(f"{what} {spec!r}: {e}") from None
     except Exception as e:  # the user's module failed while importing: one line, not a traceback
         raise ConfigError(f"{what} {spec!r}: importing {module} raised {type(e).__name__}: {e}") from None
-    fn = imported
+    fn: Any = imported
     for part in name.split("."):
         fn = getattr(fn, part, None)
         if fn is None:
@@ -339,7 +342,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if len(errors) > 1:  # say every form the key takes, not the first one tried
             raise ConfigError(f"{where} must be {' or '.join(map(_describe, arms))}; got {value!r}")
         raise ConfigError(errors[0] if errors else f"{where}: bad value {value!r}")
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return build(tp, value, where)
     if origin is tuple:
         if isinstance(value, str):

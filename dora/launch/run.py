@@ -246,7 +246,7 @@ def start_learner(run: LocalRun, p: Prepared) -> None:
 class Ended:
     """How the processes of a run ended."""
 
-    codes: dict[str, int | None]
+    codes: dict[str, int]
     """Each process's exit status."""
     broken: bool
     """The run could not go on (a process failed to start, the broker died, the fleet was stuck)."""

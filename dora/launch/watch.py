@@ -20,7 +20,7 @@ import re
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from dora.launch.local import LocalRun
@@ -100,7 +100,7 @@ class WorkerWatch:
             raise RunStuck(f"the run cannot start: {len(missing)} of {len(self.names)} rollout workers did not join "
                            f"the broker within run.worker_start_timeout_s = {self.start_timeout_s:g} s")  # fmt: skip
 
-    def settle(self, codes: dict[str, int | None]) -> None:
+    def settle(self, codes: Mapping[str, int | None]) -> None:
         """After the stop: report the workers that failed on their own (exit status above 0) and were not reported
         yet, e.g. one that exited between the last check and the stop."""
         for name in self.names:

@@ -274,7 +274,7 @@ class Engine:
         for r in [r for r in self.running.values() if (r.group_id, r.attempt) == (group_id, attempt)]:
             self._stop(r)
             out.append(r)
-        keep = deque()
+        keep: deque[Request] = deque()
         for r in self.waiting:
             (out if (r.group_id, r.attempt) == (group_id, attempt) else keep).append(r)
         self.waiting = keep
