@@ -2,7 +2,7 @@
 
     python examples/custom_engine.py --broker broker.json --config run.toml --name my-worker
 
-``MyEngine`` wraps a stand-in for an embedding stack's generate function (here: a fixed random
+``MyEngine`` (a ``WorkerEngine``) wraps a stand-in for an embedding stack's generate function (here: a fixed random
 policy over a small vocabulary, with its log-probs). The contract is in
 ``dora.rollout.engines.base``. The worker gets its pinned version from ``loaded``, leases from
 ``submit``, and is polled with ``advance``. It reports each finished sample through ``result``, with
@@ -34,6 +34,8 @@ from dora.config.run import RunConfig
 from dora.ids import Finish
 from dora.logging import configure_logging
 from dora.rollout.actor import RolloutActor
+from dora.rollout.engines.base import WorkerEngine
+from dora.samples import FinishedSample
 from dora.wire import messages as m
 
 VOCAB = 64
@@ -64,12 +66,12 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
 
 
-class MyEngine:
+class MyEngine(WorkerEngine):
     name = "custom"
 
     def __init__(self) -> None:
         self.version: int | None = None
-        self.tokens_generated = 0
+        self.generated = 0
         self.pending: list[Request] = []
         self.finished: list[tuple[int, int, int, list[int], list[float], int]] = []
 
@@ -85,10 +87,17 @@ class MyEngine:
         """Score a finished sample of ``group``."""
         return float(len(tokens) % 2)
 
-    def loaded(self, version: int, uri: str = "", sha256: str = "") -> None:
+    def loaded(self, version: int, uri: str = "", sha256: str = "", keep: frozenset[int] = frozenset()) -> None:
         self.version = version  # a real stack would load the weights at `uri` and check `sha256`
 
     # ---------------------------------------------------------------- the worker's calls
+
+    @property
+    def tokens_generated(self) -> int:
+        return self.generated
+
+    def held_versions(self) -> set[int]:
+        return set() if self.version is None else {self.version}
 
     def busy(self) -> bool:
         return bool(self.pending)
@@ -123,7 +132,7 @@ class MyEngine:
             batch = [r for r in self.pending if (r.group, r.attempt, r.tokens) == same]
             self.pending = [r for r in self.pending if (r.group, r.attempt, r.tokens) != same]
             for r, (more, more_lps) in zip(batch, self.generate(batch), strict=True):
-                self.tokens_generated += len(more)
+                self.generated += len(more)
                 self.finished.append((r.group, r.attempt, r.index, r.tokens + more, r.logprobs + more_lps,
                                       self.version))  # fmt: skip
 
@@ -134,9 +143,9 @@ class MyEngine:
     def next_event_s(self) -> float | None:
         return 0.0 if self.pending else None
 
-    def result(self, sample: tuple, broker_epoch: int) -> m.SampleFinished:
+    def result(self, sample: tuple, broker_epoch: int) -> FinishedSample:
         group, attempt, index, tokens, lps, version = sample
-        return m.SampleFinished(group_id=group, attempt=attempt, index=index,
+        return FinishedSample(group_id=group, attempt=attempt, index=index,
                                 segments=np.array([[version, len(tokens)]], np.int32),
                                 token_ids=np.array(tokens, np.int32), logprobs=np.array(lps, np.float32),
                                 reward=self.reward(group, tokens), finish=Finish.STOP,

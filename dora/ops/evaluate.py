@@ -15,11 +15,14 @@ import json
 import os
 import pathlib
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dora.config import ConfigError, load
 from dora.config.run import RunConfig
-from dora.rollout.engines.base import EngineError
+from dora.rollout.engines.base import EngineError, StepEngine
+
+if TYPE_CHECKING:
+    from dora.rollout.engines.torch.engine import TorchEngine
 
 
 def evaluate_model(cfg: RunConfig, model: str, store: str | None = None, version: int | None = None,
@@ -44,7 +47,7 @@ def evaluate_model(cfg: RunConfig, model: str, store: str | None = None, version
     return {"version": version or 0, **evaluate_on(engine, task, cfg, limit=e.limit)}
 
 
-def eval_engine(cfg: RunConfig, model: str) -> Any:  # -> TorchEngine
+def eval_engine(cfg: RunConfig, model: str) -> TorchEngine:
     """The engine evaluations run on: a torch engine on ``model``'s folder, sized and placed as [rollout] says."""
     from dora.rollout.engines.torch.engine import TorchEngine
 
@@ -54,7 +57,7 @@ def eval_engine(cfg: RunConfig, model: str) -> Any:  # -> TorchEngine
                        lora=cfg.learner.lora)  # fmt: skip
 
 
-def evaluate_on(engine: Any, task: Any, cfg: RunConfig, *, limit: int | None) -> dict[str, Any]:
+def evaluate_on(engine: StepEngine[Any], task: Any, cfg: RunConfig, *, limit: int | None) -> dict[str, Any]:
     """``task``'s first ``limit`` held-out rows (None: all) on ``engine``'s weights, sampled as [eval] says."""
     from dora.rollout.evaluate import evaluate
 

@@ -96,7 +96,7 @@ class RolloutActor:
         """Evaluate requests dropped: for a version this worker is not serving, or it cannot evaluate."""
         self.yielded = False
         """Elastic: its accelerators are the trainer's; the engine is paused (``Yield`` until ``Resume``/``Assign``)."""
-        self.holds = max(1, int(getattr(engine, "max_versions", 1)))
+        self.holds = max(1, engine.max_versions)
         """Versions the engine serves at once (a LoRA engine's adapter versions; 1: full weights)."""
         self.keep: tuple[int, ...] = ()
         """The older versions the load under way must keep beside the new one (``Assign.keep``)."""
@@ -192,7 +192,7 @@ class RolloutActor:
         if not self.yielded:  # a yielded worker's accelerators are the learner's, whatever its engine
             await self.advance(now)
         self.report_finished()
-        if self.deferred is not None and not self.evaluating():
+        if self.deferred is not None and not self.engine.evaluating():
             deferred, self.deferred = self.deferred, None
             self.on_assign(deferred, now)
         if link.beat_due(now):
@@ -201,17 +201,15 @@ class RolloutActor:
             self.send(self.heartbeat())
 
     async def advance(self, now: float) -> None:
-        """One turn of the engine. An engine that offers its step apart (``begin_step``: torch, vLLM) steps on the
-        engine's thread while this loop goes on heartbeating (``dora.rollout.offloop``); the broker's commands that
-        come meanwhile are read after it. Any other engine (sim, a custom one) advances here, on the loop."""
-        begin = getattr(self.engine, "begin_step", None)
-        if begin is None:
-            return self.engine.advance(now)
-        step, seqs = begin(), []
+        """One turn of the engine. An engine that offers its step apart (``begin_step`` returns it: torch, vLLM)
+        steps on the engine's thread while this loop goes on heartbeating (``dora.rollout.offloop``); the broker's
+        commands that come meanwhile are read after it. Any other engine (sim, a custom one) advances in
+        ``begin_step``, on the loop."""
+        step, seqs = self.engine.begin_step(now), []
         if step is not None:
             beat = self.heartbeat()  # what the engine holds now; nothing changes that until the step is done
             seqs = await beating(self.engine_thread.call(step), self.interval, lambda: self.send(beat))
-        self.engine.end_step(seqs)  # type: ignore[attr-defined]
+        self.engine.end_step(seqs)
 
     async def load(self, version: int, uri: str, sha: str) -> None:
         """Load ``version``'s weights and tell the broker. Full weights load on the engine's thread while this loop
@@ -223,7 +221,7 @@ class RolloutActor:
         started = time.perf_counter()
         try:
             if self.keep:  # a multi-version engine: requests of these go on beside the new version
-                self.engine.loaded(version, uri, sha, keep=frozenset(self.keep))  # type: ignore[call-arg]
+                self.engine.loaded(version, uri, sha, keep=frozenset(self.keep))
             else:
                 beat = dataclasses.replace(self.heartbeat(), loading=version)
                 await beating(self.engine_thread.call(self.engine.loaded, version, uri, sha), self.interval,
@@ -239,6 +237,7 @@ class RolloutActor:
         self.send(m.WeightsLoaded(version=version, load_s=self.engine.load_seconds()))
 
     def on_message(self, msg: Any) -> None:
+        """Act on one message of the broker's: the session's own here, a lease's or the engine's in ``on_command``."""
         now = self.clock()
         seq = getattr(msg, "seq", 0)
         if seq:
@@ -252,52 +251,6 @@ class RolloutActor:
                 self.welcomed = self.session_welcomed = True
                 self.epoch = msg.broker_epoch
                 log.info("registered", broker_epoch=msg.broker_epoch, newest_version=msg.newest_version)
-            case m.Assign():
-                self.wake(now)
-                self.on_assign(msg, now)
-            case m.Yield():
-                self.engine.advance(now)
-                self.report_finished()  # what finished before the yield goes out first
-                self.engine.paused = True  # an engine that can sleep gives the accelerator's memory back here
-                self.yielded = True
-                log.info("yielded", version=self.version, release_s=round(self.clock() - now, 3),
-                         asleep=getattr(self.engine, "asleep", False))  # fmt: skip
-                self.send(m.Yielded())
-            case m.Resume() if msg.version == self.version:
-                self.wake(now)
-                self.send(m.WeightsLoaded(version=msg.version, load_s=0.0))
-            case m.Resume():
-                log.error("resume_of_another_version", version=msg.version, serving=self.version)
-            case m.Generate() | m.MigrateIn() if not self.takes(msg):
-                pass
-            case m.Generate():
-                self.epoch = msg.broker_epoch  # the lease's epoch (a lost Welcome does not leave results untagged)
-                self.leases[(msg.group_id, msg.attempt)] = msg.n_samples
-                self.engine.submit(msg, now)
-            case m.MigrateIn():
-                self.leases[(msg.group_id, msg.attempt)] = len(msg.requests)
-                self.engine.import_(msg, now)
-            case m.Evaluate() if (
-                msg.version == self.version
-                and self.loading is None
-                and self.deferred is None
-                and hasattr(self.engine, "evaluate")
-            ):
-                self.eval_dropped += not self.engine.evaluate(msg, now)
-            case m.Evaluate():
-                self.eval_dropped += 1
-            case m.MigrateOut() if (msg.group_id, msg.attempt) in self.leases:
-                requests = self.engine.export(msg.group_id, msg.attempt, now)
-                self.report_finished()  # samples that finished before the export are reported first
-                self.settle((msg.group_id, msg.attempt), len(requests))
-                self.send(m.MigrationExported(group_id=msg.group_id, attempt=msg.attempt, requests=tuple(requests)))
-            case m.MigrateOut():
-                pass  # not held (its lease was lost): the broker learns that from the next heartbeat
-            case m.Cancel():
-                self.engine.cancel(msg.group_id, msg.attempt, now)
-                self.leases.pop((msg.group_id, msg.attempt), None)
-                for key in [k for k in self.unacked if k[:2] == (msg.group_id, msg.attempt)]:
-                    del self.unacked[key]
             case m.Reject():
                 log.error("rejected_by_broker", reason=msg.reason)
                 raise SessionLost(f"rejected: {msg.reason}")
@@ -313,6 +266,53 @@ class RolloutActor:
                 self.behind = (msg.seen, now)
             case m.RetireVersion() | m.Heartbeat():
                 pass
+            case _:
+                self.on_command(msg, now)
+
+    def on_command(self, msg: Any, now: float) -> None:
+        """A command about the weights, the accelerators, a lease or a held-out row."""
+        match msg:
+            case m.Assign():
+                self.wake(now)
+                self.on_assign(msg, now)
+            case m.Yield():
+                self.engine.advance(now)
+                self.report_finished()  # what finished before the yield goes out first
+                self.engine.paused = True  # an engine that can sleep gives the accelerator's memory back here
+                self.yielded = True
+                log.info("yielded", version=self.version, release_s=round(self.clock() - now, 3),
+                         asleep=self.engine.asleep)  # fmt: skip
+                self.send(m.Yielded())
+            case m.Resume() if msg.version == self.version:
+                self.wake(now)
+                self.send(m.WeightsLoaded(version=msg.version, load_s=0.0))
+            case m.Resume():
+                log.error("resume_of_another_version", version=msg.version, serving=self.version)
+            case m.Generate() | m.MigrateIn() if not self.takes(msg):
+                pass
+            case m.Generate():
+                self.epoch = msg.broker_epoch  # the lease's epoch (a lost Welcome does not leave results untagged)
+                self.leases[(msg.group_id, msg.attempt)] = msg.n_samples
+                self.engine.submit(msg, now)
+            case m.MigrateIn():
+                self.leases[(msg.group_id, msg.attempt)] = len(msg.requests)
+                self.engine.import_(msg, now)
+            case m.Evaluate() if msg.version == self.version and self.loading is None and self.deferred is None:
+                self.eval_dropped += not self.engine.evaluate(msg, now)
+            case m.Evaluate():
+                self.eval_dropped += 1
+            case m.MigrateOut() if (msg.group_id, msg.attempt) in self.leases:
+                requests = self.engine.export(msg.group_id, msg.attempt, now)
+                self.report_finished()  # samples that finished before the export are reported first
+                self.settle((msg.group_id, msg.attempt), len(requests))
+                self.send(m.MigrationExported(group_id=msg.group_id, attempt=msg.attempt, requests=tuple(requests)))
+            case m.MigrateOut():
+                pass  # not held (its lease was lost): the broker learns that from the next heartbeat
+            case m.Cancel():
+                self.engine.cancel(msg.group_id, msg.attempt, now)
+                self.leases.pop((msg.group_id, msg.attempt), None)
+                for key in [k for k in self.unacked if k[:2] == (msg.group_id, msg.attempt)]:
+                    del self.unacked[key]
             case _:
                 log.warning("unexpected_message", kind=type(msg).__name__)
 
@@ -331,11 +331,11 @@ class RolloutActor:
             self.deferred = None
             self.send(m.WeightsLoaded(version=msg.version, load_s=0.0))  # a repeat: its answer was lost
             return
-        if self.evaluating():
+        if self.engine.evaluating():
             if not msg.interrupt:
                 self.deferred = msg  # loaded once the evaluation requests of the current version are done
                 return
-            self.engine.drop_evaluations()  # type: ignore[attr-defined]  (the broker asks some worker again)
+            self.engine.drop_evaluations()  # the broker asks some worker again
         self.deferred = None
         if self.engine.busy() and not msg.interrupt and self.holds == 1:
             log.error("assign_refused_requests_running", version=msg.version)
@@ -348,7 +348,7 @@ class RolloutActor:
     def takes(self, msg: m.Generate | m.MigrateIn) -> bool:
         """Whether to run a lease's work: never on weights other than its version's (C1), never twice. A
         multi-version engine runs it under the version it names, if it holds that one."""
-        held = self.engine.held_versions() if hasattr(self.engine, "held_versions") else {self.version}
+        held = self.engine.held_versions()
         if msg.version not in held:
             log.warning("lease_for_another_version", group_id=msg.group_id, version=msg.version, serving=self.version,
                         held=sorted(held))  # fmt: skip
@@ -387,13 +387,10 @@ class RolloutActor:
             loading=self.loading[0] if self.loading is not None else self.deferred.version if self.deferred else -1,
         )  # fmt: skip
 
-    def evaluating(self) -> bool:
-        return bool(getattr(self.engine, "evaluating", lambda: False)())
-
     def report_finished(self) -> None:
         """Stream what finished since the last report: one message, however many samples; then the held-out
         rows evaluated (unnumbered, not kept: the broker asks again if one is lost)."""
-        for evaluated in getattr(self.engine, "take_evaluated", list)():
+        for evaluated in self.engine.take_evaluated():
             self.send(evaluated)
         now = self.clock()
         results = []

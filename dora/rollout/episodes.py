@@ -38,7 +38,7 @@ from dora import envs
 from dora.config import ConfigError
 from dora.config.run import TaskSection
 from dora.ids import Finish
-from dora.rollout.engines.base import ran_under
+from dora.rollout.engines.base import SampleState, StepEngine, ran_under
 from dora.samples import FinishedSample
 from dora.tasks.prompts import TaskRun, stop_ids
 from dora.tasks.tasks import Item
@@ -69,14 +69,14 @@ class Episode:
 
 
 class Episodes:
-    def __init__(self, engine: Any, task: TaskRun) -> None:
+    def __init__(self, engine: StepEngine[Any], task: TaskRun) -> None:
         if task.env is None:
             raise ConfigError("episodes need task.env")
+        self.make_env = task.env
+        """Makes an episode's environment (``task.env``)."""
         self.engine = engine
         self.task = task
         self.cfg: TaskSection = task.section
-        if not callable(getattr(engine, "extend", None)):
-            raise ConfigError(f"task.env: the {engine.name} engine does not run multi-turn episodes (torch, vllm do)")
         self.stops = frozenset(stop_ids(task, self.cfg.turn_end))
         self.open: dict[tuple[int, int, int], Episode] = {}
         self.finished: list[Episode] = []
@@ -106,8 +106,8 @@ class Episodes:
         out = []
         for ep in self._take(group, attempt):
             st = self.engine.state(ep.seq)
-            out.append(m.RequestState(index=st["index"], token_ids=st["token_ids"], logprobs=st["logprobs"],
-                                      rng_state=st["rng_state"], kv=st["kv"], loss_mask=st["mask"],
+            out.append(m.RequestState(index=st.index, token_ids=st.token_ids, logprobs=st.logprobs,
+                                      rng_state=st.rng_state, kv=st.kv, loss_mask=st.mask,
                                       turns=np.array(ep.turns, np.int32).reshape(-1, 3)))  # fmt: skip
         return out
 
@@ -115,23 +115,23 @@ class Episodes:
         item = self.task.item(mig.group_id)
         states = []
         for r in sorted(mig.requests, key=lambda r: r.index):
-            turns = [] if r.turns is None else [tuple(int(x) for x in t) for t in r.turns.tolist()]
+            turns = [] if r.turns is None else [(int(a), int(b), int(v)) for a, b, v in r.turns.tolist()]
             paused = bool(turns) and turns[-1][1] == len(r.token_ids)
             mask = np.ones(len(r.token_ids), np.uint8) if r.loss_mask is None else r.loss_mask
             opened = int(np.flatnonzero(mask == 0)[-1]) + 1 if (mask == 0).any() else 0
-            states.append({"index": r.index, "token_ids": r.token_ids, "logprobs": r.logprobs, "mask": mask,
-                           "rng_state": r.rng_state, "kv": r.kv, "turn_start": opened, "paused": paused})  # fmt: skip
+            states.append(SampleState(index=r.index, token_ids=r.token_ids, logprobs=r.logprobs, mask=mask,
+                                      rng_state=r.rng_state, kv=r.kv, turn_start=opened, paused=paused))  # fmt: skip
         seqs = self.engine.import_(group_id=mig.group_id, attempt=mig.attempt, prompt=mig.prompt_ids.tolist(),
                                    requests=states, max_tokens=min(mig.max_tokens, self.cfg.max_episode_tokens),
                                    temperature=mig.temperature, top_p=mig.top_p, stops=self.stops,
                                    keep_kv=True, version=mig.version)  # fmt: skip
         for seq, st, r in zip(seqs, states, sorted(mig.requests, key=lambda r: r.index), strict=True):
-            turns = [] if r.turns is None else [tuple(int(x) for x in t) for t in r.turns.tolist()]
+            turns = [] if r.turns is None else [(int(a), int(b), int(v)) for a, b, v in r.turns.tolist()]
             actions = [self._action(seq, start, end) for start, end, _ in turns]
             ep = Episode(seq=seq, item=item, turns=turns, messages=list(item.meta["messages"]),
-                         replay=actions[:-1] if st["paused"] else actions, turn_tokens=mig.max_tokens)  # fmt: skip
+                         replay=actions[:-1] if st.paused else actions, turn_tokens=mig.max_tokens)  # fmt: skip
             self._start(ep)
-            if st["paused"]:
+            if st.paused:
                 ep.call = asyncio.ensure_future(self._call(ep, actions[-1]))
 
     def cancel(self, group: int, attempt: int) -> None:
@@ -162,7 +162,7 @@ class Episodes:
 
     def versions(self) -> frozenset[int]:
         """The versions open episodes run under (a load keeps them: an episode between turns holds no request)."""
-        return frozenset(v for v in (getattr(ep.seq, "version", None) for ep in self.open.values()) if v is not None)
+        return frozenset(ep.seq.version for ep in self.open.values() if ep.seq.version is not None)
 
     def waiting(self) -> int:
         """Episodes waiting on their environment (holding no decode slot)."""
@@ -194,6 +194,7 @@ class Episodes:
 
     def _answered(self, ep: Episode) -> None:
         call, ep.call = ep.call, None
+        assert call is not None  # answered
         try:
             answer, observation = call.result()
         except Exception as e:  # the environment's failure, whatever it was: the episode ends with it
@@ -225,7 +226,7 @@ class Episodes:
     async def _open(self, ep: Episode) -> None:
         """Make the episode's environment: ``reset`` (checked to open as the broker's prompt did), then a migrated
         episode's answered actions replayed, rebuilding its chat and reward."""
-        ep.env = self.task.env()
+        ep.env = self.make_env()
         opening = envs.messages(await self._run(ep.env.reset, ep.item.meta["source"]), "reset")
         if opening != ep.item.meta["messages"]:
             raise envs.EnvError("reset(item) opened differently here than for the prompt: it must be deterministic")

@@ -18,21 +18,23 @@ from typing import Any
 
 import numpy as np
 
+from dora.ids import AttemptId, GroupId
+from dora.rollout.engines.base import StepEngine
 from dora.tasks.heldout import row_seed, summarize
 from dora.tasks.prompts import TaskRun
 
 
-def evaluate(engine: Any, task: TaskRun, *, samples: int = 1, temperature: float = 0.0, max_tokens: int = 32,
-             limit: int | None = None, seed: int = 0) -> dict[str, Any]:  # fmt: skip
+def evaluate(engine: StepEngine[Any], task: TaskRun, *, samples: int = 1, temperature: float = 0.0,
+             max_tokens: int = 32, limit: int | None = None, seed: int = 0) -> dict[str, Any]:  # fmt: skip
     """Sample every row (the first ``limit``) with ``engine`` and score it; the metrics and the seconds taken."""
     if samples < 1 or (temperature <= 0 and samples > 1):
         raise ValueError("eval: samples must be >= 1, and 1 with greedy decoding (temperature 0)")
     started = time.perf_counter()
     rows = task.rows[:limit] if limit else task.rows
     if task.env is not None:
-        out = asyncio.run(_episodes(engine, task, rows, samples=samples, temperature=temperature,
-                                    max_tokens=max_tokens, seed=seed))  # fmt: skip
-        return {**out, "seconds": round(time.perf_counter() - started, 3)}
+        metrics = asyncio.run(_episodes(engine, task, rows, samples=samples, temperature=temperature,
+                                        max_tokens=max_tokens, seed=seed))  # fmt: skip
+        return {**metrics, "seconds": round(time.perf_counter() - started, 3)}
     for r in rows:
         prompt = task.encode(task.texts[r.index])
         engine.submit(group_id=r.index, attempt=0, prompt=prompt, n=samples, max_tokens=max_tokens,
@@ -57,8 +59,8 @@ def evaluate(engine: Any, task: TaskRun, *, samples: int = 1, temperature: float
     return out
 
 
-async def _episodes(engine: Any, task: TaskRun, rows: list[Any], *, samples: int, temperature: float, max_tokens: int,
-                    seed: int) -> dict[str, Any]:  # fmt: skip
+async def _episodes(engine: StepEngine[Any], task: TaskRun, rows: list[Any], *, samples: int, temperature: float,
+                    max_tokens: int, seed: int) -> dict[str, Any]:  # fmt: skip
     """An environment's task: each row's ``samples`` episodes, scored by the environment (a success is a reward of
     at least 1). Runs on its own event loop, from a process's main thread (dora run, dora eval)."""
     from dora.rollout.episodes import Episodes, score
@@ -67,8 +69,8 @@ async def _episodes(engine: Any, task: TaskRun, rows: list[Any], *, samples: int
     episodes = Episodes(engine, task)
     for r in rows:
         prompt = np.array(task.encode(task.texts[r.index]), np.int32)
-        episodes.submit(m.Generate(group_id=r.index, attempt=0, version=engine.version or 0, prompt_ids=prompt,
-                                   n_samples=samples, max_tokens=max_tokens, temperature=temperature,
+        episodes.submit(m.Generate(group_id=GroupId(r.index), attempt=AttemptId(0), version=engine.version or 0,
+                                   prompt_ids=prompt, n_samples=samples, max_tokens=max_tokens, temperature=temperature,
                                    seed=row_seed(seed, r.index)),
                         task.row_item(r.index))  # fmt: skip
     done: dict[int, list[Any]] = {r.index: [] for r in rows}

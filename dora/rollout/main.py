@@ -10,7 +10,7 @@ import signal
 import socket
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import uvloop
@@ -29,6 +29,10 @@ from dora.rollout.actor import RolloutActor
 from dora.rollout.engines.base import WorkerEngine
 from dora.rollout.engines.sim import SimEngine
 from dora.sim.workload import Workload
+
+if TYPE_CHECKING:
+    from dora.rollout.engines.torch.engine import TorchEngine
+    from dora.rollout.engines.vllm_engine import VllmEngine
 
 
 def main(argv: list[str]) -> int:
@@ -125,39 +129,50 @@ def load_task(cfg: RunConfig) -> tuple[Any, Any]:  # -> (TaskRun, TaskRun | None
     and the held-out rows when the broker runs evaluation rounds (eval.every_steps)."""
     from dora.tasks.prompts import TaskRun, eval_task
 
-    tokenizer = cfg.task.tokenizer or cfg.rollout.model
+    tokenizer = cfg.task.tokenizer or model_of(cfg)
     held_out = eval_task(cfg, tokenizer) if cfg.eval.dataset and cfg.eval.every_steps else None
     return TaskRun(cfg.task, tokenizer), held_out
+
+
+def model_of(cfg: RunConfig) -> str:
+    """The model of a torch or vllm worker (rollout.model)."""
+    if cfg.rollout.model is None:
+        raise ConfigError("rollout.model: the torch and vllm engines need a model")
+    return cfg.rollout.model
 
 
 def make_engine(cfg: RunConfig, kind: str, now: float, task: Any = None) -> WorkerEngine:
     if kind in ("torch", "vllm"):
         from dora.rollout.engines.stepped import StepWorkerEngine
 
-        r = cfg.rollout
         task, held_out = task or load_task(cfg)
-        if kind == "torch":
-            from dora.rollout.engines.torch.engine import TorchEngine
-
-            sleeps = r.elastic and r.sleep_on_yield
-            versions = 1 if cfg.learner.lora is None else cfg.core.max_staleness + 1  # as vLLM's max_loras
-            engine = TorchEngine(r.model, max_slots=r.max_slots, device=r.device,
-                                 dtype=r.engine_dtype(on_cuda(r.device)), max_model_len=r.max_model_len,
-                                 sleep_on_yield=sleeps, lora=cfg.learner.lora,
-                                 max_versions=versions)  # fmt: skip
-            return StepWorkerEngine(engine, task, held_out)
-        from dora.rollout.engines.vllm_engine import VllmEngine
-
-        kv = r.kv_cache_mib << 20 if r.kv_cache_mib is not None else None
-        engine = VllmEngine(r.model, max_slots=r.max_slots, kv_cache_bytes=kv, dtype=r.dtype,
-                            max_model_len=r.max_model_len,
-                            seed=cfg.run.seed, sleep_level=1 if r.elastic and r.sleep_on_yield else None,
-                            gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=r.enforce_eager,
-                            tensor_parallel_size=r.tensor_parallel_size, lora=cfg.learner.lora,
-                            max_loras=cfg.core.max_staleness + 1)  # fmt: skip
-        return StepWorkerEngine(engine, task, held_out)
+        return StepWorkerEngine(torch_engine(cfg) if kind == "torch" else vllm_engine(cfg), task, held_out)
     return SimEngine(cfg.engine, Workload(cfg.workload, cfg.run.seed), max_slots=cfg.rollout.max_slots,
                      time_scale=cfg.run.time_scale, now=now)  # fmt: skip
+
+
+def torch_engine(cfg: RunConfig) -> TorchEngine:
+    from dora.rollout.engines.torch.engine import TorchEngine
+
+    r = cfg.rollout
+    sleeps = r.elastic and r.sleep_on_yield
+    versions = 1 if cfg.learner.lora is None else cfg.core.max_staleness + 1  # as vLLM's max_loras
+    return TorchEngine(model_of(cfg), max_slots=r.max_slots, device=r.device, dtype=r.engine_dtype(on_cuda(r.device)),
+                       max_model_len=r.max_model_len, sleep_on_yield=sleeps, lora=cfg.learner.lora,
+                       max_versions=versions)  # fmt: skip
+
+
+def vllm_engine(cfg: RunConfig) -> VllmEngine:
+    from dora.rollout.engines.vllm_engine import VllmEngine
+
+    r = cfg.rollout
+    kv = r.kv_cache_mib << 20 if r.kv_cache_mib is not None else None
+    return VllmEngine(model_of(cfg), max_slots=r.max_slots, kv_cache_bytes=kv, dtype=r.dtype,
+                      max_model_len=r.max_model_len, seed=cfg.run.seed,
+                      sleep_level=1 if r.elastic and r.sleep_on_yield else None,
+                      gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=r.enforce_eager,
+                      tensor_parallel_size=r.tensor_parallel_size, lora=cfg.learner.lora,
+                      max_loras=cfg.core.max_staleness + 1)  # fmt: skip
 
 
 async def serve(cfg: RunConfig, endpoint: Callable[[], str], name: str, kind: str = "sim",

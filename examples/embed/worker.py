@@ -64,7 +64,7 @@ class ModelEngine(MyEngine):
                              use_cache=True)  # fmt: skip
         return made
 
-    def loaded(self, version: int, uri: str = "", sha256: str = "") -> None:
+    def loaded(self, version: int, uri: str = "", sha256: str = "", keep: frozenset[int] = frozenset()) -> None:
         if uri.startswith("file://"):  # the learner's weight store; sim:// versions carry no weights
             if self.pending:
                 raise EngineError(f"cannot load v{version}: {len(self.pending)} requests are waiting")

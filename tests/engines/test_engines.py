@@ -128,8 +128,8 @@ def test_a_migrated_request_continues_on_the_same_weights(new_engine, reference)
     for _ in range(8):
         src.step()
     state = src.export(3, 2)
-    assert not len(src) and len(state) == 2 and all(len(st["token_ids"]) >= 1 for st in state)
-    prefixes = {st["index"]: list(st["token_ids"]) for st in state}
+    assert not len(src) and len(state) == 2 and all(len(st.token_ids) >= 1 for st in state)
+    prefixes = {st.index: list(st.token_ids) for st in state}
     dst = new_engine()
     dst.import_(group_id=3, attempt=2, prompt=PROMPT, requests=state, max_tokens=30, temperature=1.0)
     done = run(dst)
@@ -163,7 +163,7 @@ def test_requests_held_while_vllm_sleeps_go_on_from_their_prefixes_on_the_same_w
     with pytest.raises(EngineError, match="3 requests are running"):
         e.load_weights(1, "unused.safetensors", None)
     moved = e.export(5, 1)  # a group can still leave a sleeping engine (a migration to a peer of its version)
-    assert [list(st["token_ids"]) for st in moved] == [before[(5, 1, 0)][0]] and e.groups() == {(4, 1)}
+    assert [list(st.token_ids) for st in moved] == [before[(5, 1, 0)][0]] and e.groups() == {(4, 1)}
     worker.paused = False
     assert not e.llm.llm_engine.is_sleeping() and len(e.requests) == 2
     done = run(e)

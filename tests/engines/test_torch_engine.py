@@ -93,8 +93,8 @@ def test_a_request_migrated_mid_generation_continues_exactly(tiny_model, with_kv
     assert len(src.running) == 2 and all(len(s.tokens) == made for s in src.running)
     assert all(made < len(s.tokens) for s in expected.values()), "both samples mid-generation"
     state = src.export(3, 2, with_kv=with_kv)
-    assert not len(src) and len(state) == 2 and all(len(st["token_ids"]) == made for st in state)
-    assert bool(state[0]["kv"]) is with_kv
+    assert not len(src) and len(state) == 2 and all(len(st.token_ids) == made for st in state)
+    assert bool(state[0].kv) is with_kv
     dst.import_(group_id=3, attempt=2, prompt=PROMPT, requests=state, max_tokens=40, temperature=1.0)
     got = run(dst)
     for key, s in expected.items():
@@ -301,7 +301,7 @@ def test_a_bf16_sequence_migrates_with_its_kv_cache_exactly(tiny_model):
     for _ in range(5):
         src.step()
     [state] = src.export(1, 1, with_kv=True)
-    assert state["kv"] and all(a.dtype == np.float32 for a in state["kv"])
+    assert state.kv and all(a.dtype == np.float32 for a in state.kv)
     dst = TorchEngine(tiny_model, version=0, dtype="bfloat16")
     [seq] = dst.import_(group_id=1, attempt=1, prompt=[5, 6, 7], requests=[state], max_tokens=12)
     assert all(k.dtype == torch.bfloat16 for pair in seq.kv for k in pair)

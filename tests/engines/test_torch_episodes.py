@@ -4,11 +4,12 @@ fresh sequence with that whole prefix and the same sampler state samples."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from dora.ids import Finish
-from dora.rollout.engines.base import EngineError
+from dora.rollout.engines.base import EngineError, SampleState
 from dora.rollout.engines.torch.engine import TorchEngine
 from tests.engines.test_engines import PROMPT
 
@@ -51,8 +52,8 @@ def test_an_episode_turn_continues_on_its_kept_cache_as_a_fresh_prefix_would(tin
         ref = TorchEngine(tiny_model, version=0)
         prefix = s.tokens[: n + len(obs)]
         ref.import_(group_id=2, attempt=1, prompt=PROMPT,
-                    requests=[{"index": s.index, "token_ids": prefix, "logprobs": [0.0] * len(prefix),
-                               "rng_state": seed.to_bytes(8, "little"), "kv": ()}],
+                    requests=[SampleState(index=s.index, token_ids=np.array(prefix), logprobs=np.zeros(len(prefix)),
+                                          rng_state=seed.to_bytes(8, "little"))],
                     max_tokens=12)  # fmt: skip
         ref.waiting[0].stops, ref.waiting[0].turn_start = stops, len(prefix)
         (r,) = drain(ref)

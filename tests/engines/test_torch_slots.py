@@ -4,6 +4,7 @@ caches."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
@@ -130,7 +131,7 @@ def test_an_export_mid_generation_draws_the_same_numbers_in_a_crowded_engine(tin
     for _ in range(9):
         src.step()
     state = src.export(3, 1)
-    assert [st["rng_state"] for st in state] == [s.seed.to_bytes(8, "little") for s in seqs]
+    assert [st.rng_state for st in state] == [s.seed.to_bytes(8, "little") for s in seqs]
     assert [s.seed for s in seqs] == [hash_seed(8, i) for i in range(2)]
     dst = TorchEngine(tiny_model, max_slots=5, version=0)
     dst.submit(group_id=9, attempt=1, prompt=[40, 41, 42, 43, 44, 45, 46, 47], n=3, max_tokens=50, seed=2)
@@ -142,8 +143,8 @@ def test_an_export_mid_generation_draws_the_same_numbers_in_a_crowded_engine(tin
         assert got[key].tokens == s.tokens
         torch.testing.assert_close(torch.tensor(got[key].logprobs), torch.tensor(s.logprobs), atol=1e-4, rtol=0)
     with pytest.raises(EngineError, match="8-byte seed"):  # a torch.Generator's state, as an older dora exported it
-        dst.import_(group_id=4, attempt=1, prompt=PROMPT, requests=[{**state[0], "rng_state": bytes(5056)}],
-                    max_tokens=40)  # fmt: skip
+        dst.import_(group_id=4, attempt=1, prompt=PROMPT, max_tokens=40,
+                    requests=[dataclasses.replace(state[0], rng_state=bytes(5056))])  # fmt: skip
 
 
 def test_group_samples_of_different_lengths_step_under_their_own_masks(tiny_model):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from dora.rollout.engines.base import EngineError
+from dora.rollout.engines.base import EngineError, SampleState
 from dora.rollout.engines.torch.engine import TorchEngine
 from dora.tasks.rewards import Scored
 from dora.wire import messages as m
@@ -89,7 +89,8 @@ def test_a_request_for_a_version_not_held_is_refused(tiny_model, versions):
         e.submit(group_id=1, attempt=1, prompt=PROMPT, n=1, max_tokens=4, version=1)
     with pytest.raises(EngineError, match=r"a request for v0: this engine holds v2"):
         e.import_(group_id=1, attempt=1, prompt=PROMPT, max_tokens=4, version=0,
-                  requests=[{"index": 0, "token_ids": [5], "logprobs": [-1.0], "rng_state": bytes(8)}])  # fmt: skip
+                  requests=[SampleState(index=0, token_ids=np.array([5]), logprobs=np.array([-1.0]),
+                                        rng_state=bytes(8))])  # fmt: skip
     assert not len(e)
 
 

@@ -229,7 +229,7 @@ async def test_a_worker_goes_on_heartbeating_while_its_engine_takes_a_long_step(
             ran.append((threading.current_thread().name, loop.time()))
             return ["finished sample"]
 
-        worker.engine.begin_step = lambda: slow_step if not ran else None
+        worker.engine.begin_step = lambda now: slow_step if not ran else None
         worker.engine.end_step = ended.append
         arrivals = []
         while ["finished sample"] not in ended:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from dora.config.sim import EngineSection
-from dora.ids import Finish
+from dora.ids import AttemptId, Finish, GroupId
+from dora.rollout.engines.base import WorkerEngine
 from dora.samples import FinishedSample
 from dora.sim.engine import Engine, Request, decode_step_s
 from dora.sim.workload import Workload
@@ -18,10 +19,10 @@ from dora.tasks.synthetic import completion, reward
 from dora.wire import messages as m
 
 
-class SimEngine:
-    name = "sim"
-    max_versions = 1
+class SimEngine(WorkerEngine):
     """It holds one version, the one it took last (``held_versions``)."""
+
+    name = "sim"
 
     def __init__(self, cfg: EngineSection, workload: Workload, *, max_slots: int, time_scale: float,
                  now: float) -> None:
@@ -31,10 +32,14 @@ class SimEngine:
         self.engine = Engine(max_slots, cfg.kv_budget_tokens)
         self.last = now
         self.debt_s = 0.0
-        self.tokens_generated = 0
+        self.generated = 0
         self.paused = False
         self.finished: list[Request] = []
         """Samples done but not yet reported (``take_finished`` hands them over, in order)."""
+
+    @property
+    def tokens_generated(self) -> int:
+        return self.generated
 
     @property
     def version(self) -> int | None:
@@ -49,7 +54,7 @@ class SimEngine:
     def busy(self) -> bool:
         return len(self.engine) > 0
 
-    def loaded(self, version: int, uri: str = "", sha256: str = "") -> None:
+    def loaded(self, version: int, uri: str = "", sha256: str = "", keep: frozenset[int] = frozenset()) -> None:
         """The version's weights are in (the sim engine has none to read: ``uri`` names them only)."""
         if len(self.engine):
             self.debt_s += self.cfg.prefill_s_per_token * self.engine.swap_weights(version)
@@ -108,7 +113,7 @@ class SimEngine:
             return
         before = self.engine.counter
         done, prefill = self.engine.run_for(dt / decode_step_s(self.cfg, len(self.engine.running)))
-        self.tokens_generated += round((self.engine.counter - before) * max(len(self.engine.running), 1))
+        self.generated += round((self.engine.counter - before) * max(len(self.engine.running), 1))
         self.debt_s += self.cfg.prefill_s_per_token * prefill
         self.finished.extend(done)
 
@@ -126,8 +131,8 @@ class SimEngine:
     def result(self, r: Request, broker_epoch: int) -> FinishedSample:
         ids, lps = completion(self.workload, r.group_id, r.index, r.attempt, 0, r.length)
         return FinishedSample(
-            group_id=r.group_id,
-            attempt=r.attempt,
+            group_id=GroupId(r.group_id),
+            attempt=AttemptId(r.attempt),
             index=r.index,
             segments=np.array(r.segments(), dtype=np.int32).reshape(-1, 2),
             token_ids=ids,

@@ -17,21 +17,24 @@ result's segments name the version its request ran under. Evaluation requests ru
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dora.ids import Finish
-from dora.rollout.engines.base import ran_under
+from dora.ids import AttemptId, Finish, GroupId
+from dora.rollout.engines.base import Sample, SampleState, StepEngine, WorkerEngine, ran_under
 from dora.samples import FinishedSample
 from dora.tasks.prompts import TaskRun
 from dora.wire import messages as m
 
+if TYPE_CHECKING:
+    from dora.rollout.episodes import Episodes
 
-class StepWorkerEngine:
-    def __init__(self, engine: Any, task: TaskRun, held_out: TaskRun | None = None) -> None:
-        """``engine``: a TorchEngine or VllmEngine (submit/step/export/import_/cancel/load_weights); ``held_out``:
-        the evaluation rows, when the broker runs evaluation rounds (``evaluate``)."""
+
+class StepWorkerEngine(WorkerEngine):
+    def __init__(self, engine: StepEngine[Any], task: TaskRun, held_out: TaskRun | None = None) -> None:
+        """``engine``: a TorchEngine or VllmEngine; ``held_out``: the evaluation rows, when the broker runs
+        evaluation rounds (``evaluate``)."""
         self.engine = engine
         self.name = engine.name
         self.task = task
@@ -42,7 +45,7 @@ class StepWorkerEngine:
         """(round, row) -> the request and its finished samples. Evaluation sequences run beside the training
         ones under group ids below zero (-1 - row), never reported as training samples."""
         self.evaluated: list[m.EvalFinished] = []
-        self.episodes = None
+        self.episodes: Episodes | None = None
         """Multi-turn episodes (task.env), driven on this engine (``dora.rollout.episodes``)."""
         if getattr(task, "env", None) is not None:  # a custom task without environments has no env
             from dora.rollout.episodes import Episodes
@@ -51,22 +54,21 @@ class StepWorkerEngine:
 
     @property
     def paused(self) -> bool:
-        """Yielded to the trainer (elastic): nothing decodes; environments already called may still answer. An
-        engine that can give the accelerator's memory back (``sleep``/``wake``: vllm and torch with
-        ``rollout.sleep_on_yield``) does so."""
+        """Yielded to the trainer (elastic): nothing decodes; environments already called may still answer. The
+        engine sleeps meanwhile (``sleep``/``wake``), and gives the accelerator's memory back if it can (vllm, and
+        torch with ``rollout.sleep_on_yield``)."""
         return self._paused
 
     @paused.setter
     def paused(self, value: bool) -> None:
-        change = getattr(self.engine, "sleep" if value else "wake", None) if value != self._paused else None
-        if change is not None:
-            change()
+        if value != self._paused:
+            self.engine.sleep() if value else self.engine.wake()
         self._paused = value
 
     @property
     def asleep(self) -> bool:
         """Paused with the accelerator's memory given back (the engine slept)."""
-        return bool(getattr(self.engine, "asleep", False))
+        return self.engine.asleep
 
     @property
     def tokens_generated(self) -> int:
@@ -79,14 +81,11 @@ class StepWorkerEngine:
     @property
     def max_versions(self) -> int:
         """The versions the engine holds at most (1: full weights)."""
-        return int(getattr(self.engine, "max_versions", 1))
+        return self.engine.max_versions
 
     def held_versions(self) -> set[int]:
         """The versions a Generate or MigrateIn may name now."""
-        held = getattr(self.engine, "held_versions", None)
-        if held is not None:
-            return set(held())
-        return set() if self.engine.version is None else {self.engine.version}
+        return self.engine.held_versions()
 
     def busy(self) -> bool:
         return len(self.engine) > 0 or bool(self.episodes)
@@ -98,7 +97,7 @@ class StepWorkerEngine:
         """``keep``: versions to go on holding beside the new one (the broker's ``Assign.keep``: groups of them run
         here, or are on their way here), besides those running or waiting requests name."""
         if uri.startswith("sim://") or not uri:
-            self.engine.version = version
+            self.engine.relabel(version)
             return
         keep = keep | (self.episodes.versions() if self.episodes is not None else frozenset())
         self.engine.load_weights(version, uri.removeprefix("file://"), sha256 or None, keep=keep)
@@ -113,15 +112,14 @@ class StepWorkerEngine:
     def export(self, group: int, attempt: int, now: float) -> list[m.RequestState]:
         if self.episodes is not None:
             return self.episodes.export(group, attempt)
-        return [m.RequestState(index=st["index"], token_ids=st["token_ids"], logprobs=st["logprobs"],
-                               rng_state=st["rng_state"], kv=st["kv"])
-                for st in self.engine.export(group, attempt)]  # fmt: skip
+        return [m.RequestState(index=st.index, token_ids=st.token_ids, logprobs=st.logprobs, rng_state=st.rng_state,
+                               kv=st.kv) for st in self.engine.export(group, attempt)]  # fmt: skip
 
     def import_(self, mig: m.MigrateIn, now: float) -> None:
         if self.episodes is not None:
             return self.episodes.import_(mig)
-        states = [{"index": r.index, "token_ids": r.token_ids, "logprobs": r.logprobs, "rng_state": r.rng_state,
-                   "kv": r.kv} for r in mig.requests]  # fmt: skip
+        states = [SampleState(index=r.index, token_ids=r.token_ids, logprobs=r.logprobs, rng_state=r.rng_state, kv=r.kv)
+                  for r in mig.requests]  # fmt: skip
         self.engine.import_(group_id=mig.group_id, attempt=mig.attempt, prompt=mig.prompt_ids.tolist(),
                             requests=states, max_tokens=mig.max_tokens, temperature=mig.temperature,
                             top_p=mig.top_p, version=mig.version)  # fmt: skip
@@ -132,10 +130,10 @@ class StepWorkerEngine:
         self.engine.cancel(group, attempt)
 
     def advance(self, now: float) -> None:
-        step = self.begin_step()
+        step = self.begin_step(now)
         self.end_step(step() if step is not None else [])
 
-    def begin_step(self) -> Callable[[], list[Any]] | None:
+    def begin_step(self, now: float) -> Callable[[], list[Any]] | None:
         """The first half of ``advance``, on the worker's loop: the environments' answers join the engine. Returns
         the engine's step, or None when nothing is to decode. The step touches the engine only, so the worker runs
         it on a thread of its own while its loop goes on heartbeating (a prefill of long prompts, or a first step
@@ -174,9 +172,9 @@ class StepWorkerEngine:
             return True  # a copy of a request in progress
         self.eval_open[(msg.round, msg.row)] = (msg, [])
         if self.episodes is not None:  # the row's episodes, with the held-out row's environment opening
-            gen = m.Generate(group_id=-1 - msg.row, attempt=msg.round, version=msg.version, prompt_ids=msg.prompt_ids,
-                             n_samples=msg.n_samples, max_tokens=msg.max_tokens, temperature=msg.temperature,
-                             seed=msg.seed)  # fmt: skip
+            gen = m.Generate(group_id=GroupId(-1 - msg.row), attempt=AttemptId(msg.round), version=msg.version,
+                             prompt_ids=msg.prompt_ids, n_samples=msg.n_samples, max_tokens=msg.max_tokens,
+                             temperature=msg.temperature, seed=msg.seed)  # fmt: skip
             self.episodes.submit(gen, self.held_out.row_item(msg.row))
             return True
         self.engine.submit(group_id=-1 - msg.row, attempt=msg.round, prompt=msg.prompt_ids.tolist(),
@@ -199,7 +197,7 @@ class StepWorkerEngine:
 
     def _eval_sample(self, sample: Any) -> None:
         """A finished held-out sample (a sequence, or an episode whose environment scored it)."""
-        seq = getattr(sample, "seq", sample)
+        seq = seq_of(sample)
         key = (seq.attempt, -1 - seq.group_id)
         if key not in self.eval_open:
             return
@@ -209,7 +207,7 @@ class StepWorkerEngine:
             return
         del self.eval_open[key]
         assert self.held_out is not None
-        samples.sort(key=lambda s: getattr(s, "seq", s).index)
+        samples.sort(key=lambda s: seq_of(s).index)
         if self.episodes is not None:
             from dora.rollout.episodes import score
 
@@ -219,7 +217,7 @@ class StepWorkerEngine:
         self.evaluated.append(m.EvalFinished(
             version=msg.version, round=msg.round, row=msg.row,
             rewards=np.array([reward for reward, _ in scored], dtype=np.float32),
-            lengths=np.array([len(getattr(s, "seq", s).tokens) for s in samples], dtype=np.int32),
+            lengths=np.array([len(seq_of(s).tokens) for s in samples], dtype=np.int32),
             failed=sum(bool(reason) for _, reason in scored),
         ))  # fmt: skip
 
@@ -257,3 +255,9 @@ class StepWorkerEngine:
         self.finished.clear()
         self.eval_open.clear()
         self.evaluated.clear()
+
+
+def seq_of(sample: Any) -> Sample:
+    """A finished held-out sample's sequence: the sample itself, or an episode's."""
+    seq: Sample = getattr(sample, "seq", sample)
+    return seq

@@ -62,8 +62,9 @@ import numpy as np
 from dora.hf.folder import facts
 from dora.hf.lora import VLLM_RANKS, check_base
 from dora.ids import Finish
-from dora.rollout.engines.base import EngineError, Sample
+from dora.rollout.engines.base import EngineError, Sample, SampleState
 from dora.rollout.engines.torch.engine import hash_seed, read_weights
+from dora.rollout.engines.versions import Versions
 from dora.store import model_digest
 
 if TYPE_CHECKING:
@@ -131,9 +132,9 @@ class VllmEngine:
         self.stops = facts(model_dir).stop_ids
         """Tokens that end every turn: the model's EOS ids and its chat template's end of turn."""
         self.max_slots = max_slots
-        self._version = version
-        self.max_versions = max_loras if lora is not None else 1
-        """The versions the engine holds at most (requests name any of them: ``held_versions``)."""
+        self.versions: Versions[Any] = Versions(max_loras if lora is not None else 1, version, None)
+        """The versions held (requests name any of them), each by its ``LoRARequest`` (None: full weights, or the base
+        model of a LoRA run)."""
         self.requests: dict[str, Request] = {}
         self.tokens_generated = 0
         self.sleep_level = sleep_level
@@ -142,10 +143,6 @@ class VllmEngine:
         self.lora = lora
         self.base = (str(model_dir), model_digest(model_dir)) if lora is not None else None
         """A LoRA run's base model, by path and digest: versions trained on another are refused (``check_base``)."""
-        self.adapter: Any = None
-        """A LoRA run: the loaded version's ``LoRARequest``, which new requests name (None: version 0, the base)."""
-        self.adapters: dict[int, Any] = {} if version is None else {version: None}
-        """A LoRA run: the versions held, each with its ``LoRARequest`` (None: the base model)."""
 
     def __len__(self) -> int:
         return len(self.requests) + len(self.held or ())
@@ -153,21 +150,20 @@ class VllmEngine:
     @property
     def version(self) -> int | None:
         """The current version: the newest loaded, which requests run under unless they name another."""
-        return self._version
+        return self.versions.current
 
-    @version.setter
-    def version(self, version: int | None) -> None:
+    @property
+    def max_versions(self) -> int:
+        """The versions the engine holds at most."""
+        return self.versions.most
+
+    def relabel(self, version: int) -> None:
         """Label the current weights ``version`` (a version that carries no weights, as the sim learner's)."""
-        if self.lora is not None and version is not None:
-            named = self.named()
-            self.adapters = {v: a for v, a in self.adapters.items() if v in named} | {version: self.adapter}
-        self._version = version
+        self.versions.relabel(version, self.named() if self.lora is not None else frozenset())
 
     def held_versions(self) -> set[int]:
         """The versions a request may name now."""
-        if self.lora is not None:
-            return set(self.adapters)
-        return set() if self.version is None else {self.version}
+        return self.versions.held()
 
     def named(self, keep: frozenset[int] = frozenset()) -> set[int]:
         """The versions a request here still runs under (in vLLM, or held while asleep), and ``keep``."""
@@ -176,14 +172,8 @@ class VllmEngine:
     def _runs_under(self, version: int | None) -> tuple[int, Any]:
         """The version a new request runs under (None: the current one) and its adapter; EngineError if it is not
         held."""
-        if self.version is None:
-            raise EngineError("no weights loaded")
-        if version is None:
-            version = self.version
-        if version not in self.held_versions():
-            held = ", ".join(f"v{v}" for v in sorted(self.held_versions()))
-            raise EngineError(f"a request for v{version}: this engine holds {held}")
-        return version, self.adapters.get(version) if self.lora is not None else None
+        version = self.versions.runs_under(version)
+        return version, self.versions.of(version)
 
     # ------------------------------------------------------------------ weights
 
@@ -204,7 +194,7 @@ class VllmEngine:
                 return
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state.items())})
             self.llm.reset_prefix_cache()
-            self.version = version
+            self.versions.take(version, None)
         finally:
             if asleep:
                 self.sleep()
@@ -216,13 +206,14 @@ class VllmEngine:
         still name) leave, and their adapters are removed, so vLLM holds at most the versions that still run."""
         from vllm.lora.request import LoRARequest
 
-        stay = {v: a for v, a in self.adapters.items() if v in kept and v != version}
+        stay = {v: a for v, a in self.versions.by_version.items() if v in kept and v != version}
         if len(stay) + 1 > self.max_versions:
             names = ", ".join(f"v{v}" for v in sorted(stay))
             raise EngineError(f"cannot load v{version}: the engine holds {self.max_versions} versions at most "
                               f"(max_loras) and requests still run on {names}")  # fmt: skip
+        assert self.base is not None  # set with lora
         try:
-            check_base(path, *self.base)  # type: ignore[misc]  (set with lora)
+            check_base(path, *self.base)
         except ValueError as e:
             raise EngineError(f"v{version}: {e}") from None
         read_weights(version, path, digest)  # the digest: the same check as every engine's
@@ -234,9 +225,7 @@ class VllmEngine:
         ids = {a.lora_int_id for a in stay.values() if a is not None} | {adapter.lora_int_id}
         for old in set(self.engine.list_loras()) - ids:
             self.engine.remove_lora(old)
-        self.adapters = stay | {version: adapter}
-        self.adapter = adapter
-        self._version = version
+        self.versions.take(version, adapter, kept)
 
     # ------------------------------------------------------------------ requests
 
@@ -271,40 +260,40 @@ class VllmEngine:
     def extend(self, req: Request, tokens: list[int]) -> None:
         """Start an episode's next turn: append the environment's tokens (mask 0, log-prob 0) to a request whose
         turn ended, and queue the turn."""
-        if self.lora is not None and req.version not in self.adapters:
+        if self.lora is not None and req.version not in self.versions.by_version:
             raise EngineError(f"an episode of v{req.version} goes on: this engine no longer holds it")
         req.observe(tokens)
         self._add(req)
 
-    def state(self, req: Request, *, with_kv: bool = False) -> dict[str, Any]:
+    def state(self, req: Request, *, with_kv: bool = False) -> SampleState:
         """Its prefix, log-probs, loss mask and seed (vLLM keeps its KV to itself)."""
-        return {"index": req.index, "token_ids": np.array(req.tokens, dtype=np.int32),
-                "logprobs": np.array(req.logprobs, dtype=np.float32), "mask": np.array(req.mask, dtype=np.uint8),
-                "rng_state": req.seed.to_bytes(8, "little"), "kv": ()}  # fmt: skip
+        return SampleState(index=req.index, token_ids=np.array(req.tokens, dtype=np.int32),
+                           logprobs=np.array(req.logprobs, dtype=np.float32), mask=np.array(req.mask, dtype=np.uint8),
+                           rng_state=req.seed.to_bytes(8, "little"))  # fmt: skip
 
-    def export(self, group_id: int, attempt: int, *, with_kv: bool = False) -> list[dict[str, Any]]:
+    def export(self, group_id: int, attempt: int, *, with_kv: bool = False) -> list[SampleState]:
         """Abort the group's requests; their state travels."""
         return [self.state(r) for r in self._take(group_id, attempt)]
 
-    def import_(self, *, group_id: int, attempt: int, prompt: list[int], requests: list[dict[str, Any]],
+    def import_(self, *, group_id: int, attempt: int, prompt: list[int], requests: list[SampleState],
                 max_tokens: int, temperature: float = 1.0, top_p: float = 1.0, stops: frozenset[int] = frozenset(),
                 keep_kv: bool = False, version: int | None = None) -> list[Request]:  # fmt: skip
         """Re-prefill prompt + prefix and go on, under ``version`` (held here; None: the current one); an episode's
-        state may carry ``mask`` and ``turn_start``, and one ``paused`` between turns is returned, not queued
+        state carries ``mask`` and ``turn_start``, and one ``paused`` between turns is returned, not queued
         (``extend`` starts its next turn)."""
         version, adapter = self._runs_under(version)
         out = []
         for st in requests:
-            tokens = [int(x) for x in st["token_ids"]]
-            seed = int.from_bytes(st["rng_state"][:8], "little") if st.get("rng_state") else 0
-            mask = st.get("mask")
-            req = Request(group_id=group_id, attempt=attempt, index=st["index"], prompt=list(prompt),
+            tokens = [int(x) for x in st.token_ids]
+            seed = int.from_bytes(st.rng_state[:8], "little")
+            mask = st.mask
+            req = Request(group_id=group_id, attempt=attempt, index=st.index, prompt=list(prompt),
                           max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, tokens=tokens,
-                          logprobs=[float(x) for x in st["logprobs"]], stops=stops, keep_kv=keep_kv,
+                          logprobs=[float(x) for x in st.logprobs], stops=stops, keep_kv=keep_kv,
                           mask=[1] * len(tokens) if mask is None or not len(mask) else [int(x) for x in mask],
-                          turn_start=int(st.get("turn_start", 0)), adapter=adapter, version=version)  # fmt: skip
+                          turn_start=st.turn_start, adapter=adapter, version=version)  # fmt: skip
             out.append(req)
-            if st.get("paused"):
+            if st.paused:
                 req.finish = Finish.STOP
             else:
                 self._add(req)

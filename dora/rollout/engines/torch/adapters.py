@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from dora.hf.lora import NAME
 from dora.rollout.engines.base import EngineError
+from dora.rollout.engines.versions import Versions
 
 A_STACK, B_STACK = "dora_lora_a", "dora_lora_b"
 """The buffers of the lanes' A and B in each adapted layer (not in its state dict: never published or loaded)."""
@@ -64,9 +65,8 @@ class Adapters:
         self.dtype = first.dtype
         self.blocks = torch.arange(lanes, device=first.device).repeat_interleave(self.rank)
         """The lane of each of the stacked rank's columns."""
-        self.lane_of: dict[int, int] = {} if version is None else {version: 0}
-        """The versions held, by lane (a relabel may give two versions one lane)."""
-        self.current = 0
+        self.versions: Versions[int] = Versions(lanes, version, 0)
+        """The versions held, each by its lane (a relabel may give two versions one lane)."""
         self.everyone = self._keep(torch.zeros(1, dtype=torch.long, device=first.device))
         """The keep mask of a forward outside the engine's batches: the current version's lane, in every row."""
         self.keep: torch.Tensor | None = None
@@ -88,21 +88,16 @@ class Adapters:
 
     # ------------------------------------------------------------------ versions
 
-    def held(self) -> set[int]:
-        return set(self.lane_of)
-
-    def lane(self, version: int) -> int:
-        return self.lane_of[version]
-
     def free_lane(self, version: int, kept: set[int]) -> int:
         """The lane ``version`` is loaded into when the versions ``kept`` stay (its own, if it is held already):
         EngineError if every lane is theirs."""
-        if version in self.lane_of:
-            return self.lane_of[version]
-        busy = {lane for v, lane in self.lane_of.items() if v in kept}
+        held = self.versions.by_version
+        if version in held:
+            return held[version]
+        busy = {lane for v, lane in held.items() if v in kept}
         free = [lane for lane in range(self.lanes) if lane not in busy]
         if not free:
-            names = ", ".join(f"v{v}" for v in sorted(kept & self.lane_of.keys()))
+            names = ", ".join(f"v{v}" for v in sorted(kept & held.keys()))
             raise EngineError(f"cannot load v{version}: the engine holds {self.lanes} versions at most "
                               f"(max_versions) and requests still run on {names}")  # fmt: skip
         return free[0]
@@ -115,18 +110,5 @@ class Adapters:
         for name, module in self.layers:
             module._buffers[A_STACK][lo:hi] = tensors[f"{name}.lora_A.{NAME}.weight"]
             module._buffers[B_STACK][:, lo:hi] = tensors[f"{name}.lora_B.{NAME}.weight"]
-        self.lane_of = {v: k for v, k in self.lane_of.items() if v in kept and k != lane}
-        self.lane_of[version] = lane
-        self._current(lane)
-
-    def relabel(self, version: int, kept: set[int]) -> None:
-        """The current weights are ``version`` too (a version that carries no weights); the versions not in ``kept``
-        leave."""
-        lane = self.current
-        self.lane_of = {v: k for v, k in self.lane_of.items() if v in kept}
-        self.lane_of[version] = lane
-        self._current(lane)
-
-    def _current(self, lane: int) -> None:
-        self.current = lane
+        self.versions.take(version, lane, kept)
         self.everyone = self._keep(torch.tensor([lane], device=self.blocks.device))

@@ -147,7 +147,8 @@ class Running:
     def _state(self, base: int, stops: frozenset[int]) -> None:
         """Write the device state of the sequences in slots ``base..``."""
         joined = self.seqs[base:]
-        lane = (lambda s: 0) if self.adapters is None else (lambda s: self.adapters.lane(s.version))
+        held = self.adapters.versions if self.adapters is not None else None
+        lane = (lambda s: 0) if held is None else (lambda s: held.of(s.version))
         ints = torch.tensor([[s.tokens[-1] if s.tokens else 0, s.positions, len(s.tokens), *seed_halves(s.seed),
                               self._limit(s) - 1, lane(s)] for s in joined], dtype=torch.long)  # fmt: skip
         floats = torch.tensor([[s.temperature, s.top_p] for s in joined], dtype=torch.float32)
@@ -228,6 +229,7 @@ class Running:
             lo, hi = min(s.positions for s in self.seqs), max(s.positions for s in self.seqs)
             self._decode_rows(n, hi + 1, nucleus, masked=lo != hi, greedy=bool(self.greedy), draws=self.seqs)
             if replayed is not None and not agree(replayed, self.out[:, :n]):
+                assert self.graphs is not None  # a fresh graph
                 self.graphs.disable("a graph's first replay differed from the eager step")
         return self._took(slice(0, n), range(n))
 

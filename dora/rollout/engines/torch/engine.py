@@ -69,10 +69,11 @@ from dora.hf.lora import check_adapters, check_base, inject
 from dora.hf.tensors import padding_gap, tied_copies
 from dora.hostmem import Parking, module_tensors
 from dora.ids import Finish
-from dora.rollout.engines.base import EngineError, Sample
+from dora.rollout.engines.base import EngineError, Sample, SampleState
 from dora.rollout.engines.torch.adapters import Adapters
 from dora.rollout.engines.torch.attention import install
 from dora.rollout.engines.torch.batch import Running
+from dora.rollout.engines.versions import Versions
 from dora.store import InPlaceUnfit, load_into, load_verified, model_digest
 
 log = structlog.get_logger()
@@ -154,11 +155,9 @@ class TorchEngine:
             if self.adapters.one_version is not None and max_versions > 1:
                 log.warning("lora_one_version_at_a_time", max_versions=max_versions, layer=self.adapters.one_version,
                             reason="an adapted layer of a mixture of experts sees routed tokens, not rows")  # fmt: skip
-            max_versions = self.adapters.lanes
-        self.max_versions = max_versions
-        """The versions the engine holds at most (requests name any of them: ``held_versions``)."""
+        self.versions = self.adapters.versions if self.adapters is not None else Versions(1, version, 0)
+        """The versions held (requests name any of them), each by its adapters' lane (full weights: lane 0)."""
         self.max_slots = max_slots
-        self._version = version
         kernel = install(self.model)  # grouped decode attention over the model's own
         self.batch = Running(self.model, self.device, max_slots, self.max_len, kernel, cuda_graphs, self.adapters)
         self.waiting: deque[Sequence] = deque()
@@ -174,35 +173,24 @@ class TorchEngine:
     @property
     def version(self) -> int | None:
         """The current version: the newest loaded, which requests run under unless they name another."""
-        return self._version
+        return self.versions.current
 
-    @version.setter
-    def version(self, version: int | None) -> None:
+    @property
+    def max_versions(self) -> int:
+        """The versions the engine holds at most."""
+        return self.versions.most
+
+    def relabel(self, version: int) -> None:
         """Label the current weights ``version`` (a version that carries no weights, as the sim learner's)."""
-        if self.adapters is not None and version is not None:
-            self.adapters.relabel(version, self.named())
-        self._version = version
+        self.versions.relabel(version, self.named() if self.adapters is not None else frozenset())
 
     def held_versions(self) -> set[int]:
         """The versions a request may name now."""
-        if self.adapters is not None:
-            return self.adapters.held()
-        return set() if self.version is None else {self.version}
+        return self.versions.held()
 
     def named(self, keep: frozenset[int] = frozenset()) -> set[int]:
         """The versions a request here still runs under (running or waiting), and ``keep``."""
-        return {s.version for s in (*self.running, *self.waiting)} | set(keep)
-
-    def _runs_under(self, version: int | None) -> int:
-        """The version a new request runs under (None: the current one); EngineError if it is not held."""
-        if self.version is None:
-            raise EngineError("no weights loaded")
-        if version is None:
-            return self.version
-        if version not in self.held_versions():
-            held = ", ".join(f"v{v}" for v in sorted(self.held_versions()))
-            raise EngineError(f"a request for v{version}: this engine holds {held}")
-        return version
+        return {s.version for s in (*self.running, *self.waiting) if s.version is not None} | set(keep)
 
     @property
     def running(self) -> list[Sequence]:
@@ -234,7 +222,7 @@ class TorchEngine:
         if digest is not None and self._loaded_from is not None:
             try:
                 self._loaded_from = self._load_in_place(version, path, digest)
-                self.version = version
+                self.versions.take(version, 0)
                 return
             except InPlaceUnfit:
                 pass  # checked whole first, then loaded
@@ -242,7 +230,7 @@ class TorchEngine:
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         if unexpected or [k for k in missing if "rotary" not in k and k not in self.copies]:
             raise EngineError(f"v{version} does not fit the model: missing {missing[:3]}, extra {unexpected[:3]}")
-        self.version = version
+        self.versions.take(version, 0)
         self._loaded_from = state if self.device.type == "cpu" else None  # views of the file's mapping
 
     def _load_adapters(self, version: int, path: pathlib.Path, digest: str | None, kept: set[int]) -> None:
@@ -258,7 +246,6 @@ class TorchEngine:
         except ValueError as e:
             raise EngineError(f"v{version}: {e}") from None
         self.adapters.fill(version, lane, tensors, kept)
-        self._version = version
 
     def _load_in_place(self, version: int, path: str | pathlib.Path, digest: str) -> dict[str, torch.Tensor]:
         into = {k: t for k, t in self.model.state_dict().items() if "rotary" not in k and k not in self.copies}
@@ -282,7 +269,7 @@ class TorchEngine:
         """Queue ``n`` samples of a prompt. ``stops``: token ids besides EOS that end a turn; ``keep_kv``: the
         samples are episodes, whose caches outlive their turns (``extend`` starts the next one); ``version``: the one
         they run under (held here; None: the current one)."""
-        version = self._runs_under(version)
+        version = self.versions.runs_under(version)
         out = []
         for i in range(n):
             seq = Sequence(group_id=group_id, attempt=attempt, index=i, prompt=list(prompt), max_tokens=max_tokens,
@@ -295,60 +282,53 @@ class TorchEngine:
     def extend(self, seq: Sequence, tokens: list[int]) -> None:
         """Start an episode's next turn: append the environment's tokens (not sampled: mask 0, log-prob 0) to a
         sequence whose turn ended, and queue it. Its cache is kept; the new tokens are prefilled on top of it."""
-        if self.adapters is not None and seq.version not in self.adapters.held():
+        if self.adapters is not None and seq.version not in self.versions.held():
             raise EngineError(f"an episode of v{seq.version} goes on: this engine no longer holds it")
         seq.observe(tokens)
         self.waiting.append(seq)
 
-    def export(self, group_id: int, attempt: int, *, with_kv: bool = True) -> list[dict[str, Any]]:
+    def export(self, group_id: int, attempt: int, *, with_kv: bool = True) -> list[SampleState]:
         """Remove the group's unfinished samples and return their state (prefix, log-probs, seed, KV)."""
         return [self.state(seq, with_kv=with_kv) for seq in self._take(group_id, attempt, with_kv=with_kv)]
 
-    def state(self, seq: Sequence, *, with_kv: bool = True) -> dict[str, Any]:
+    def state(self, seq: Sequence, *, with_kv: bool = True) -> SampleState:
         """What ``import_`` resumes a sequence from: prefix, log-probs, loss mask, the sampler's seed, KV (an
         episode's sequence between turns too: its kept cache)."""
-        state: dict[str, Any] = {
-            "index": seq.index,
-            "token_ids": np.array(seq.tokens, dtype=np.int32),
-            "logprobs": np.array(seq.logprobs, dtype=np.float32),
-            "mask": np.array(seq.mask, dtype=np.uint8),
-            "rng_state": seq.seed.to_bytes(8, "little"),
-            "kv": (),
-        }
+        kv: tuple[np.ndarray, ...] = ()
         if with_kv and seq.kv is not None:
             # numpy has no bfloat16: such a cache travels as float32 (exact) and is cast back on import
-            state["kv"] = tuple((t.float() if t.dtype == torch.bfloat16 else t).cpu().numpy()
-                                for pair in seq.kv for t in pair)  # fmt: skip
-        return state
+            kv = tuple((t.float() if t.dtype == torch.bfloat16 else t).cpu().numpy() for pair in seq.kv for t in pair)
+        return SampleState(index=seq.index, token_ids=np.array(seq.tokens, dtype=np.int32),
+                           logprobs=np.array(seq.logprobs, dtype=np.float32), mask=np.array(seq.mask, dtype=np.uint8),
+                           rng_state=seq.seed.to_bytes(8, "little"), kv=kv)  # fmt: skip
 
-    def import_(self, *, group_id: int, attempt: int, prompt: list[int], requests: list[dict[str, Any]],
+    def import_(self, *, group_id: int, attempt: int, prompt: list[int], requests: list[SampleState],
                 max_tokens: int, temperature: float = 1.0, top_p: float = 1.0, stops: frozenset[int] = frozenset(),
                 keep_kv: bool = False, version: int | None = None) -> list[Sequence]:  # fmt: skip
         """Resume exported samples here, under ``version`` (held here; None: the current one): with their KV cache
         as is, or re-prefilled from prompt + prefix. They join at the next step, before anything already waiting, in
         the order of ``requests``.
 
-        An episode's state (``keep_kv``) may carry ``mask`` and ``turn_start`` (where its open turn began); one
+        An episode's state (``keep_kv``) carries ``mask`` and ``turn_start`` (where its open turn began); one
         with ``paused`` set ended its turn and waits on its environment: it is returned, not queued, and its
         next turn starts with ``extend``. Returns the sequences made, in the order of ``requests``."""
-        version = self._runs_under(version)
+        version = self.versions.runs_under(version)
         out, queued = [], []
         for st in requests:
-            tokens = [int(x) for x in st["token_ids"]]
-            mask = st.get("mask")
-            seq = Sequence(group_id=group_id, attempt=attempt, index=st["index"], prompt=list(prompt),
-                           max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed_of(st["rng_state"]),
-                           tokens=tokens, logprobs=[float(x) for x in st["logprobs"]],
+            tokens = [int(x) for x in st.token_ids]
+            mask = st.mask
+            seq = Sequence(group_id=group_id, attempt=attempt, index=st.index, prompt=list(prompt),
+                           max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed_of(st.rng_state),
+                           tokens=tokens, logprobs=[float(x) for x in st.logprobs],
                            mask=[1] * len(tokens) if mask is None or not len(mask) else [int(x) for x in mask],
-                           turn_start=int(st.get("turn_start", 0)), stops=stops, keep_kv=keep_kv,
-                           version=version)  # fmt: skip
+                           turn_start=st.turn_start, stops=stops, keep_kv=keep_kv, version=version)  # fmt: skip
             out.append(seq)
-            kv = st.get("kv") or ()
+            kv = st.kv
             if kv and seq.tokens:
                 dtype = self.model.dtype  # the model's own: a bf16 cache came as float32
                 t = [torch.from_numpy(np.array(a)).to(self.device, dtype=dtype) for a in kv]
                 seq.kv = [(t[2 * i], t[2 * i + 1]) for i in range(len(t) // 2)]
-            if st.get("paused"):
+            if st.paused:
                 seq.finish = Finish.STOP
             else:
                 queued.append(seq)

@@ -20,6 +20,8 @@ gives the memory back (an elastic worker's sleep).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers.cache_utils import Cache
 
@@ -40,6 +42,7 @@ class SlotCache(Cache):
         self._width = 0
         self._query = 0
         self._index: dict[tuple[int, ...], torch.Tensor] = {}
+        """The scatter index of each shape of new keys, built once per forward."""
 
     # ------------------------------------------------------------------ what a forward sees
 
@@ -47,15 +50,17 @@ class SlotCache(Cache):
         """The next forward: its batch is slots ``rows``; ``at`` [rows, query] the column of each new token's key;
         the attention reads columns ``0..width-1``."""
         self._rows, self._at, self._width, self._query = rows, at, width, at.shape[1]
-        self._index: dict[tuple[int, ...], torch.Tensor] = {}
+        self._index = {}
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         if layer_idx >= len(self.keys):
             self._allocate(key_states, value_states)
         rows, width = self._rows, self._width
         for cache, new in ((self.keys[layer_idx], key_states), (self.values[layer_idx], value_states)):
             index = self._index.get(new.shape)  # one per shape and forward: every layer writes the same columns
             if index is None:
+                assert self._at is not None  # planned
                 index = self._index[new.shape] = self._at[:, None, :, None].expand(new.shape)
             cache[rows].scatter_(2, index, new if new.dtype == cache.dtype else new.to(cache.dtype))
         return self.keys[layer_idx][rows, :, :width], self.values[layer_idx][rows, :, :width]
