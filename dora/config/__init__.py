@@ -329,19 +329,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if origin in (types.UnionType, typing.Union):
-        empty = value is None or (isinstance(value, str) and value.lower() in ("none", "null", ""))
-        if empty and type(None) in args:
-            return None
-        errors = []
-        arms = [a for a in args if a is not type(None)]
-        for arm in arms:
-            try:
-                return _coerce(value, arm, where)
-            except ConfigError as e:
-                errors.append(str(e))
-        if len(errors) > 1:  # say every form the key takes, not the first one tried
-            raise ConfigError(f"{where} must be {' or '.join(map(_describe, arms))}; got {value!r}")
-        raise ConfigError(errors[0] if errors else f"{where}: bad value {value!r}")
+        return _coerce_union(value, args, where)
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return build(tp, value, where)
     if origin is tuple:
@@ -364,6 +352,28 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             return tp(value)
         except ValueError:
             raise ConfigError(f"{where} must be one of {', '.join(str(m.value) for m in tp)}; got {value!r}") from None
+    return _coerce_scalar(value, tp, where)
+
+
+def _coerce_union(value: Any, args: tuple[Any, ...], where: str) -> Any:
+    """``value`` as the first arm of the union ``args`` it fits; none (or an empty string) where it is optional."""
+    empty = value is None or (isinstance(value, str) and value.lower() in ("none", "null", ""))
+    if empty and type(None) in args:
+        return None
+    errors = []
+    arms = [a for a in args if a is not type(None)]
+    for arm in arms:
+        try:
+            return _coerce(value, arm, where)
+        except ConfigError as e:
+            errors.append(str(e))
+    if len(errors) > 1:  # say every form the key takes, not the first one tried
+        raise ConfigError(f"{where} must be {' or '.join(map(_describe, arms))}; got {value!r}")
+    raise ConfigError(errors[0] if errors else f"{where}: bad value {value!r}")
+
+
+def _coerce_scalar(value: Any, tp: Any, where: str) -> Any:
+    """``value`` as a bool, int, float or str (parsed from a string for env/CLI), or as it is for ``Any``."""
     if tp is bool:
         if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
             return value.lower() in ("true", "1", "yes")
