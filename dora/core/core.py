@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections import Counter
 
 from dora.config import CoreConfig
-from dora.core import deadline, elastic, intake, orchestrator
+from dora.core import deadline, elastic, intake, orchestrator, scheduler_checks
 from dora.core.dispatch import budget_left, dispatch
 from dora.core.events import (
     Action,
@@ -154,9 +154,9 @@ class Core:
         if any(g >= self.scheduler.cursor for g in owed) or len(set(owed)) != len(owed):
             raise ValueError("restored groups must be distinct and below the cursor")
         budget = self.cfg.prompt_budget
-        self.scheduler.filtered = self.filtered_before = filtered
+        self.filtered_before = filtered
         kept = sorted(g for g in owed if budget is None or g < budget or self.cfg.filter_uniform)
-        self.scheduler.owed.extend(GroupId(g) for g in kept)
+        self.scheduler.restore([GroupId(g) for g in kept], filtered)
         return sum(1 for g in owed if budget is not None and g >= budget + filtered)
 
     def publishable(self, version: int) -> DeliverBatch | None:
@@ -179,94 +179,113 @@ class Core:
 
     def _apply(self, event: Event, out: Outbox) -> bool:
         """Apply one event; True if it is a trigger for a full re-partition."""
-        sched = self.scheduler
+        sched, dora = self.scheduler, self.cfg.mode is Mode.DORA
         match event:
-            case WorkerJoined(worker_id=w, slots=slots, elastic=shares, holds=holds):
-                if w in sched.workers:  # a restarted process under the same id: its old leases are void
-                    self._lose(w, out)
-                if slots < self.cfg.group_size:
-                    out.emit(Refused(reason=f"slots {slots} < group_size {self.cfg.group_size}", worker_id=w))
-                    return False
-                # partial swaps weights under running requests by design: it has no use for kept versions
-                worker = sched.join(w, slots, elastic=shares, holds=1 if self.cfg.in_flight_swap else max(1, holds))
-                if worker.holds > 1:
-                    self.multi.add(w)
-                self.assign(w, out)
-                return self.cfg.mode is Mode.DORA
+            case WorkerJoined():
+                return self._joined(event, out) and dora
             case WorkerLost(worker_id=w):
-                if w not in sched.workers:
-                    out.emit(Refused(reason="unknown_worker", worker_id=w))
-                    return False
-                self.lost_unready += not self.fleet_ready
-                self._lose(w, out)
-                return self.cfg.mode is Mode.DORA
+                return self._lost(w, out) and dora
             case LeaseLost(worker_id=w, group_id=g, attempt=a):
                 found = sched.check_result(w, g, a)
                 if isinstance(found, str):  # re-leased or finished meanwhile: nothing is owed to this lease
                     out.emit(Refused(reason=f"lease_lost_{found}", worker_id=w, group_id=g, attempt=a))
-                    return False
-                sched.requeue(found, out, notify=False)  # whole, like a lost worker's (C2)
-                return False
+                else:
+                    sched.requeue(found, out, notify=False)  # whole, like a lost worker's (C2)
             case VersionLoaded(worker_id=w, version=v):
-                worker = sched.workers.get(w)
-                if worker is None or self.ledger.version_of(w) != v:
-                    out.emit(Refused(reason="stale_load", worker_id=w))
-                    return False
-                if worker.ready:  # a repeat: the report came twice
-                    return False
-                if worker.yielded:  # a load that ended after the yield: the worker reloads when it comes back
-                    out.emit(Refused(reason="load_while_yielded", worker_id=w))
-                    return False
-                sched.set_ready(worker, True)
-                self.ledger.mark_loaded(v)
-                return False
+                self._loaded(w, v, out)
             case ResultsReported():
                 for flight in intake.accept(sched, event, out):
                     self._finished(flight)
-                return False
             case GroupExported(worker_id=w, group_id=g, attempt=a, n_requests=n, state=state):
                 sched.exported(w, g, a, n, state, out)
-                return False
             case Lent(worker_id=w):
                 if w not in self.yielding:
                     out.emit(Refused(reason="unexpected_yield", worker_id=w))
-                    return False
-                self.yielding.discard(w)
-                elastic.hand_over(self, out)
-                return False
-            case LoadReported(worker_id=w, kv_use=kv):
-                return self.cfg.mode is Mode.DORA and w in sched.workers and kv >= self.cfg.kv_rebalance_threshold
-            case Tick():
-                return self.cfg.mode is Mode.DORA
-            case VersionPublished(version=v):
-                if self.publishable(v) is None or not self.transfer.trained(v):
-                    out.emit(Refused(reason=f"unexpected_publish v{v}"))
-                    return False
-                self.ledger.publish(v)
-                self.behind |= self.multi
-                for worker in sorted((w for w in sched.workers.values() if w.yielded), key=lambda x: x.order):
-                    elastic.wake(self, worker, out)
-                if self.cfg.in_flight_swap:
-                    for w in list(sched.workers):
-                        self.assign(w, out, interrupt=True)
-                return self.cfg.mode is Mode.DORA
-            case BatchRequested(step=step):
-                pending = self.transfer.in_training
-                if self.held is not None and step == self.held.step:
-                    return False  # it goes out once the elastic workers have yielded
-                if pending is not None and step == pending.step:
-                    out.emit(DeliverBatch(step=pending.step, groups=pending.groups, redelivery=True))
-                elif step == self.transfer.step and step == self.ledger.newest and pending is None:
-                    if not self.learner_waiting:
-                        self.requested_at = self.now
-                    self.learner_waiting = True
                 else:
-                    out.emit(Refused(reason=f"bad_step {step} (next is {self.transfer.step})"))
-                return False
+                    self.yielding.discard(w)
+                    elastic.hand_over(self, out)
+            case LoadReported(worker_id=w, kv_use=kv):
+                return dora and w in sched.workers and kv >= self.cfg.kv_rebalance_threshold
+            case Tick():
+                return dora
+            case VersionPublished(version=v):
+                return self._published(v, out) and dora
+            case BatchRequested(step=step):
+                self._requested(step, out)
             case LearnerLost():
                 self.learner_waiting = False
-                return False
-        raise TypeError(f"not a core event: {event!r}")
+            case _:
+                raise TypeError(f"not a core event: {event!r}")
+        return False
+
+    def _joined(self, event: WorkerJoined, out: Outbox) -> bool:
+        """A worker joins (again, if a restarted process kept its id): pinned to the newest version. False if
+        it is refused."""
+        w = event.worker_id
+        if w in self.scheduler.workers:  # a restarted process under the same id: its old leases are void
+            self._lose(w, out)
+        if event.slots < self.cfg.group_size:
+            out.emit(Refused(reason=f"slots {event.slots} < group_size {self.cfg.group_size}", worker_id=w))
+            return False
+        # partial swaps weights under running requests by design: it has no use for kept versions
+        holds = 1 if self.cfg.in_flight_swap else max(1, event.holds)
+        worker = self.scheduler.join(w, event.slots, elastic=event.elastic, holds=holds)
+        if worker.holds > 1:
+            self.multi.add(w)
+        self.assign(w, out)
+        return True
+
+    def _lost(self, w: WorkerId, out: Outbox) -> bool:
+        """A worker is gone: its groups re-run whole. False for a worker the core does not know."""
+        if w not in self.scheduler.workers:
+            out.emit(Refused(reason="unknown_worker", worker_id=w))
+            return False
+        self.lost_unready += not self.fleet_ready
+        self._lose(w, out)
+        return True
+
+    def _loaded(self, w: WorkerId, v: int, out: Outbox) -> None:
+        """A worker loaded the weights of ``v``: it serves them, if they are still the ones it is pinned to."""
+        worker = self.scheduler.workers.get(w)
+        if worker is None or self.ledger.version_of(w) != v:
+            out.emit(Refused(reason="stale_load", worker_id=w))
+        elif worker.ready:  # a repeat: the report came twice
+            return
+        elif worker.yielded:  # a load that ended after the yield: the worker reloads when it comes back
+            out.emit(Refused(reason="load_while_yielded", worker_id=w))
+        else:
+            self.scheduler.set_ready(worker, True)
+            self.ledger.mark_loaded(v)
+
+    def _published(self, v: int, out: Outbox) -> bool:
+        """The learner published ``v``: the batch in training is done. Yielded workers come back; in partial
+        mode every worker swaps to ``v`` under its running requests. False if the publish is refused."""
+        if self.publishable(v) is None or not self.transfer.trained(v):
+            out.emit(Refused(reason=f"unexpected_publish v{v}"))
+            return False
+        self.ledger.publish(v)
+        self.behind |= self.multi
+        sched = self.scheduler
+        for worker in sorted((w for w in sched.workers.values() if w.yielded), key=lambda x: x.order):
+            elastic.wake(self, worker, out)
+        if self.cfg.in_flight_swap:
+            for w in list(sched.workers):
+                self.assign(w, out, interrupt=True)
+        return True
+
+    def _requested(self, step: int, out: Outbox) -> None:
+        """The learner asks for batch ``step``: sent again if it is the one in training, else waited for."""
+        pending = self.transfer.in_training
+        if self.held is not None and step == self.held.step:
+            return  # it goes out once the elastic workers have yielded
+        if pending is not None and step == pending.step:
+            out.emit(DeliverBatch(step=pending.step, groups=pending.groups, redelivery=True))
+        elif step == self.transfer.step and step == self.ledger.newest and pending is None:
+            if not self.learner_waiting:
+                self.requested_at = self.now
+            self.learner_waiting = True
+        else:
+            out.emit(Refused(reason=f"bad_step {step} (next is {self.transfer.step})"))
 
     # ------------------------------------------------------------------ pieces
 
@@ -285,11 +304,10 @@ class Core:
         a whole further batch already finished (``surplus``: finished groups left). A fleet that keeps up
         gets a small pool of fresh groups; one that does not, the whole window. (By Little's law the
         unconsumed pool, up to (h + 1) x B groups, sets the mean staleness.)"""
-        k, sched = self.cfg.staleness, self.scheduler
         if waited:
-            sched.horizon = min(k, sched.horizon + 1)
+            self.scheduler.widen()
         elif surplus >= self.cfg.train_groups:
-            sched.horizon = max(min(1, k), sched.horizon - 1)
+            self.scheduler.narrow()
 
     def _extend_and_take(self) -> DeliverBatch | None:
         """Adaptive deadlines: the trainer waits on groups due now that still run. Move each one's deadline a
@@ -309,8 +327,7 @@ class Core:
         if not self.transfer.would_take({d: n for d, n in moved.items() if n}) or elastic.would_pause(self):
             return None  # it would not help yet (keep the data fresh), or it would pause a group
         for f in movable:
-            self.ledger.move_group((f.version, s), (f.version, s + 1))
-            f.deadline = s + 1
+            self.scheduler.move(f, f.version, s + 1)
         batch = self.transfer.take(self.ledger.deadline_counts())
         assert batch is not None
         self.extended += len(movable)
@@ -374,9 +391,7 @@ class Core:
             return
         for g in self.transfer.filter(cap):
             self.ledger.remove_group(g.version, g.deadline)
-            self.scheduler.filtered += 1
-            if self.cfg.waves:
-                self.scheduler.refill += 1
+            self.scheduler.count_filtered()
 
     def _deliver(self, out: Outbox) -> None:
         if not self.learner_waiting or self.transfer.in_training is not None:
@@ -408,7 +423,6 @@ class Core:
                 self.assign(w.worker_id, out)
         if full:
             self.rebalances += 1
-        newest, led = self.ledger.newest, self.ledger
         # Only workers off the newest version can move or hand groups over, so only they are looked at. A version
         # with no pending work gets no worker (orchestrator.allocate), so the plan moves each empty worker of it
         # whatever else it weighs: those move without a plan (at a publish, most of an idle fleet), and so does
@@ -418,43 +432,52 @@ class Core:
         if not full:
             moves = [w.worker_id for w in self._movable_between_triggers(sched.pending_requests()) if _movable(w)]
         else:
-            pending = self._pending()
-            moves, planned = [], []
-            for v in led.pinned_versions():
-                if v == newest:
-                    continue
-                nothing_left = not pending.get(v)
-                for w in map(sched.workers.__getitem__, led.pinned_to(v)):
-                    if nothing_left and not w.groups and _movable(w):
-                        moves.append(w.worker_id)
-                    elif _movable(w) and w.holds == 1:  # a multi-version worker moves when it can keep (_advance)
-                        planned.append(w)
-            if planned:
-                planned.sort(key=lambda w: w.order)
-                views = [
-                    orchestrator.WorkerView(
-                        worker_id=w.worker_id,
-                        version=led.version_of(w.worker_id),  # type: ignore[arg-type]  (pinned: found by its pin)
-                        free=w.free,
-                        groups=tuple((g, sched.unfinished(sched.flights[g])) for g in sorted(w.groups)),
-                        settled=w.ready and not w.leaving,
-                        order=w.order,
-                    )
-                    for w in planned
-                ]
-                on_newest = sum(1 for w in map(sched.workers.__getitem__, led.pinned_to(newest)) if _movable(w))
-                drain = self.cfg.drain_load if self.cfg.mode is Mode.DORA else 0  # the baselines keep the paper's rule
-                plan = orchestrator.plan(views, pending, newest, full=True, fleet=len(views) + len(moves) + on_newest,
-                                         drain_load=drain, hosts=self._hosts({v.version for v in views}))  # fmt: skip
-                for gid, _src, dst in plan.migrations:
-                    sched.migrate(sched.flights[gid], sched.workers[dst], out)
-                moves += plan.moves
+            moves = self._repartition(out)
         for worker in sorted(moves, key=lambda name: sched.workers[name].order):  # join order, as partial
             w = sched.workers[worker]
             if w.groups:
                 sched.set_leaving(w, True)
             else:
                 self.assign(worker, out)
+
+    def _repartition(self, out: Outbox) -> list[WorkerId]:
+        """A full re-partition: the empty workers of versions with nothing pending move without a plan; the others
+        off the newest version are planned (their groups migrated where the plan says). Returns the workers to
+        move to the newest version."""
+        sched, led = self.scheduler, self.ledger
+        newest, pending = led.newest, self._pending()
+        moves: list[WorkerId] = []
+        planned: list[tuple[Worker, int]] = []  # with the version each is pinned to
+        for v in led.pinned_versions():
+            if v == newest:
+                continue
+            nothing_left = not pending.get(v)
+            for w in map(sched.workers.__getitem__, led.pinned_to(v)):
+                if nothing_left and not w.groups and _movable(w):
+                    moves.append(w.worker_id)
+                elif _movable(w) and w.holds == 1:  # a multi-version worker moves when it can keep (_advance)
+                    planned.append((w, v))
+        if not planned:
+            return moves
+        planned.sort(key=lambda p: p[0].order)
+        views = [
+            orchestrator.WorkerView(
+                worker_id=w.worker_id,
+                version=v,
+                free=w.free,
+                groups=tuple((g, sched.unfinished(sched.flights[g])) for g in sorted(w.groups)),
+                settled=w.ready and not w.leaving,
+                order=w.order,
+            )
+            for w, v in planned
+        ]
+        on_newest = sum(1 for w in map(sched.workers.__getitem__, led.pinned_to(newest)) if _movable(w))
+        drain = self.cfg.drain_load if self.cfg.mode is Mode.DORA else 0  # the baselines keep the paper's rule
+        plan = orchestrator.plan(views, pending, newest, full=True, fleet=len(views) + len(moves) + on_newest,
+                                 drain_load=drain, hosts=self._hosts({v.version for v in views}))  # fmt: skip
+        for gid, _src, dst in plan.migrations:
+            sched.migrate(sched.flights[gid], sched.workers[dst], out)
+        return moves + plan.moves
 
     def _hosts(self, versions: set[int]) -> dict[int, list[orchestrator.WorkerView]]:
         """Per version, the multi-version workers that keep it and may take its groups now."""
@@ -515,7 +538,7 @@ class Core:
     def check(self) -> None:
         """Recompute every structural invariant; raise InvariantViolation on the first broken one."""
         self.ledger.check()
-        self.scheduler.check(placement=not self.cfg.in_flight_swap)
+        scheduler_checks.check(self.scheduler, placement=not self.cfg.in_flight_swap)
         counts = self.ledger.deadline_counts()
         if not self.cfg.drops_stale and not deadline.feasible(counts, self.step, self.cfg.train_groups):
             raise InvariantViolation(f"feasibility broken at step {self.step}: {counts}")

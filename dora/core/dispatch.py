@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dora.core import deadline
 from dora.core.events import Outbox
-from dora.core.scheduler import Flight, GroupState, Scheduler
-from dora.ids import GroupId, Mode
+from dora.core.scheduler import Scheduler
+from dora.ids import Mode
 
 
 def dispatch(sched: Scheduler, step: int, out: Outbox) -> None:
@@ -30,22 +30,20 @@ def dispatch(sched: Scheduler, step: int, out: Outbox) -> None:
         worker = sched.pick_worker(newest, G)
         if worker is None:
             break
-        flight = sched.flights[sched.queue.popleft()]
-        later = max(flight.deadline, newest + sched.first_offset)
-        sched.ledger.move_group((flight.version, flight.deadline), (newest, later))
-        flight.deadline = later
+        flight = sched.next_rerun()
+        sched.move(flight, newest, max(flight.deadline, newest + sched.first_offset))
         sched.lease(flight, worker, newest, out)
     if sched.queue:
         return
     if sched.cfg.waves:
         while sched.refill > 0 and budget_left(sched) and _fresh(sched, newest, step, out, wave=False):
-            sched.refill -= 1
+            sched.refilled()
         if sched.wave_left == 0 and not sched.wave and budget_left(sched):
-            sched.wave_left = sched.cfg.train_groups
+            sched.start_wave()
         while sched.wave_left > 0 and budget_left(sched):
             if not _fresh(sched, newest, step, out):
                 break
-            sched.wave_left -= 1
+            sched.waved()
         return
     watermark = sched.cfg.watermark
     while len(sched.flights) < watermark and budget_left(sched):
@@ -78,22 +76,6 @@ def pick_deadline(sched: Scheduler, version: int, step: int) -> int | None:
     return None
 
 
-def new_flight(sched: Scheduler, *, wave: bool = True) -> Flight:
-    """The next fresh group: one a restarted broker owes, else the one at the cursor (``wave``: in the wave modes,
-    one of the current wave; a refill for a filtered group is not)."""
-    if sched.owed:
-        gid = sched.owed.popleft()
-        sched.reissued += 1
-    else:
-        gid = GroupId(sched.cursor)
-        sched.cursor += 1
-    flight = Flight(group_id=gid, version=sched.ledger.newest, state=GroupState.QUEUED)
-    sched.flights[gid] = flight
-    if sched.cfg.waves and wave:
-        sched.wave.add(gid)
-    return flight
-
-
 def _fresh(sched: Scheduler, version: int, step: int, out: Outbox, *, wave: bool = True) -> bool:
     """Lease one new group on ``version`` if admission and capacity allow."""
     d = pick_deadline(sched, version, step)
@@ -102,9 +84,8 @@ def _fresh(sched: Scheduler, version: int, step: int, out: Outbox, *, wave: bool
     worker = sched.pick_worker(version, sched.cfg.group_size)
     if worker is None:
         return False
-    flight = new_flight(sched, wave=wave)
-    sched.ledger.add_group(version, d)
-    flight.version, flight.deadline = version, d
+    flight = sched.open_group(wave=wave)
+    sched.admit(flight, version, d)
     sched.lease(flight, worker, version, out)
     return True
 

@@ -53,7 +53,7 @@ def would_pause(core: Core) -> bool:
         version = core.ledger.version_of(p.worker_id)
         if version is not None:
             room.setdefault(version, {})[p.worker_id] = p.free
-    return not orchestrator.all_placed(holders, room)  # type: ignore[arg-type]  (elastic holders are pinned)
+    return not orchestrator.all_placed(holders, room)
 
 
 def yield_elastic(core: Core, batch: DeliverBatch, out: Outbox) -> None:
@@ -68,9 +68,7 @@ def yield_elastic(core: Core, batch: DeliverBatch, out: Outbox) -> None:
     for w in elastic:
         if not core.cfg.in_flight_swap:  # partial swaps every worker's weights at the publish anyway
             evacuate(core, w, peers, out)
-        sched.set_leaving(w, False)
-        w.yielded = True
-        sched.set_ready(w, False)
+        sched.lend(w)
         core.yielding.add(w.worker_id)
         out.emit(Lend(worker_id=w.worker_id))
     core.held = batch
@@ -116,8 +114,7 @@ def hand_over(core: Core, out: Outbox) -> None:
 def wake(core: Core, worker: Worker, out: Outbox) -> None:
     """A yielded worker comes back after the publish: it resumes the version it holds groups of (C1),
     or loads the newest one."""
-    worker.yielded = False
-    core.scheduler.offer(worker)  # the versions it keeps are served again (its pinned one once it has loaded)
+    core.scheduler.reclaim(worker)
     version = core.ledger.version_of(worker.worker_id)
     assert version is not None
     holds = worker.groups or worker.incoming

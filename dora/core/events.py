@@ -63,6 +63,7 @@ class Result(Protocol):
     @property
     def index(self) -> int:
         """Sample index within the group, 0 <= index < group_size."""
+
     @property
     def segments(self) -> Segments: ...
     @property

@@ -32,60 +32,64 @@ def accept(sched: Scheduler, report: ResultsReported, out: Outbox) -> Iterator[F
     and the same state, the lease checked once per run of samples of one lease and slots, pending counts and the
     roster updated once per run. Yields each flight as the sample that completes its group is taken (the caller
     hands it on before the next sample is looked at)."""
-    cfg = sched.cfg
-    worker, samples, payloads = report.worker_id, report.samples, report.payloads
-    G, swap, filtering = cfg.group_size, cfg.in_flight_swap, cfg.filter_uniform
-    i, n = 0, len(samples)
-    while i < n:
+    samples, i = report.samples, 0
+    while i < len(samples):
         s = samples[i]
-        group, attempt = s.group_id, s.attempt
-        found = sched.check_result(worker, group, attempt)
+        found = sched.check_result(report.worker_id, s.group_id, s.attempt)
         if isinstance(found, str):
-            out.emit(Refused(reason=found, worker_id=worker, group_id=group, attempt=attempt, index=s.index))
+            out.emit(Refused(reason=found, worker_id=report.worker_id, group_id=s.group_id, attempt=s.attempt,
+                             index=s.index))  # fmt: skip
             i += 1
             continue
-        flight, done, version = found, found.done, found.version
-        taken, failed = 0, None
-        while i < n and (s := samples[i]).group_id == group and s.attempt == attempt:
-            payload = payloads[i]
-            i += 1
-            index, segments = s.index, s.segments
-            problem = None
-            # the common case in one test: one run of tokens, all of the lease's version (else: the full check)
-            if (
-                swap
-                or not 0 <= index < G
-                or index in done
-                or s.finish is Finish.ERROR
-                or len(segments) != 1
-                or segments[0][0] != version
-                or segments[0][1] < 0
-            ):
-                problem = _sample_problem(cfg, flight, s)
-            if problem is None:
-                done[index] = ReadySample(index=index, segments=segments, finish=s.finish, payload=payload)
-                if filtering:
-                    flight.rewards[index] = s.reward
-                taken += 1
-                if len(done) == G:
-                    break
-                continue
-            out.emit(Refused(reason=problem, worker_id=worker, group_id=group, attempt=attempt, index=index))
-            if problem != "duplicate_sample":
-                failed = problem
-                break
-        sched.took(flight, taken)
+        i, failed = _take_run(sched, found, report, i, out)
         if failed is not None:
-            _failed(sched, flight, failed, out)
-        elif len(done) == G:
-            sched.release(flight)
-            yield flight
+            _failed(sched, found, failed, out)
+        elif len(found.done) == sched.cfg.group_size:
+            sched.release(found)
+            yield found
+
+
+def _take_run(sched: Scheduler, flight: Flight, report: ResultsReported, i: int, out: Outbox) -> tuple[int, str | None]:
+    """Take the report's run of samples of the flight's lease from ``i`` on, until the group is complete, a sample
+    fails it, or the run ends; free their slots once. Returns where the rest of the report starts, and the
+    problem that failed the group (None if none did)."""
+    cfg, worker, samples, payloads = sched.cfg, report.worker_id, report.samples, report.payloads
+    G, swap = cfg.group_size, cfg.in_flight_swap
+    group, attempt, done, version = samples[i].group_id, samples[i].attempt, flight.done, flight.version
+    taken, failed = 0, None
+    while i < len(samples) and (s := samples[i]).group_id == group and s.attempt == attempt:
+        payload = payloads[i]
+        i += 1
+        index, segments = s.index, s.segments
+        problem = None
+        # the common case in one test: one run of tokens, all of the lease's version (else: the full check)
+        if (
+            swap
+            or not 0 <= index < G
+            or index in done
+            or s.finish is Finish.ERROR
+            or len(segments) != 1
+            or segments[0][0] != version
+            or segments[0][1] < 0
+        ):
+            problem = _sample_problem(cfg, flight, s)
+        if problem is None:
+            sched.take(flight, ReadySample(index=index, segments=segments, finish=s.finish, payload=payload), s.reward)
+            taken += 1
+            if len(done) == G:
+                break
+            continue
+        out.emit(Refused(reason=problem, worker_id=worker, group_id=group, attempt=attempt, index=index))
+        if problem != "duplicate_sample":
+            failed = problem
+            break
+    sched.took(flight, taken)
+    return i, failed
 
 
 def _failed(sched: Scheduler, flight: Flight, problem: str, out: Outbox) -> None:
     """A sample of the flight failed: the group re-runs whole, unless it failed too often to be re-run."""
-    flight.failures += 1
-    if flight.failures >= sched.cfg.max_group_failures:
+    if sched.fail(flight) >= sched.cfg.max_group_failures:
         raise GroupFailed(
             f"group {flight.group_id} failed {flight.failures} times (last: {problem}); "
             "it can be neither trained nor dropped"

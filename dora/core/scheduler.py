@@ -7,11 +7,13 @@ holder with the current attempt (``check_result``), so a late result from a dead
 refused and nothing is trained twice. A lost lease returns to the front of the queue whole (C2): partial
 output is discarded and the prompt re-runs on the newest version, so its deadline only moves later.
 
-The scheduler holds the state (flights, workers, the queue, the prompt cursor) and keeps what it derives from
-it consistent: slot use, the idle, leaving and unready workers, the roster, and pending samples per version.
-``check`` recomputes all of it from scratch. The choice of which group is leased next, on which version,
-with which deadline, is made in ``dispatch`` (the admission arithmetic itself lives in ``deadline``). The
-checks on a finished sample that passed the fence, and the taking of it into its group, live in ``intake``.
+The scheduler holds the state (flights, workers, the queue, the prompt cursor), is the only writer of it (dispatch,
+intake, the elastic workers' moves and the core call its methods), and keeps what it derives from it consistent:
+slot use, the idle, leaving and unready workers, the roster, and pending samples per version.
+``scheduler_checks`` recomputes all of it from scratch. A group's deadline lives on its flight; the ledger's counts
+by deadline move with it (``admit``, ``move``). The choice of which group is leased next, on which version, with
+which deadline, is made in ``dispatch`` (the admission arithmetic itself lives in ``deadline``). The checks on a
+finished sample that passed the fence, and the taking of it into its group, live in ``intake``.
 
 Multi-version workers (``holds`` > 1: a LoRA engine holds several adapter versions) serve the version they are
 pinned to and every older version they keep (``Ledger.keep``): a version stays kept exactly while a group of it
@@ -157,13 +159,6 @@ class Scheduler:
         """Unfinished samples of leased groups per version (R_v of the orchestrator)."""
         return {v: n for v, n in self.pending.items() if n}
 
-    def _recount(self) -> dict[int, int]:
-        load: dict[int, int] = {}
-        for f in self.flights.values():
-            if f.state is not GroupState.QUEUED:
-                load[f.version] = load.get(f.version, 0) + self.unfinished(f)
-        return load
-
     def _owe(self, version: int, n: int) -> None:
         self.pending[version] = self.pending.get(version, 0) + n
 
@@ -254,6 +249,80 @@ class Scheduler:
         self.roster.forget([version])
         self.pending.pop(version, None)
 
+    # ------------------------------------------------------------------ groups (what dispatch, intake, the core change)
+
+    def restore(self, owed: list[GroupId], filtered: int) -> None:
+        """A restarted broker's debts: groups to hand out again before the cursor moves, and the groups its run
+        filtered before the restart."""
+        self.owed.extend(owed)
+        self.filtered = filtered
+
+    def open_group(self, *, wave: bool = True) -> Flight:
+        """The next fresh group, queued: one a restarted broker owes, else the one at the cursor (``wave``: in the
+        wave modes, one of the current wave; a refill for a filtered group is not)."""
+        if self.owed:
+            gid = self.owed.popleft()
+            self.reissued += 1
+        else:
+            gid = GroupId(self.cursor)
+            self.cursor += 1
+        flight = Flight(group_id=gid, version=self.ledger.newest, state=GroupState.QUEUED)
+        self.flights[gid] = flight
+        if self.cfg.waves and wave:
+            self.wave.add(gid)
+        return flight
+
+    def next_rerun(self) -> Flight:
+        """The re-run at the front of the queue, taken off it."""
+        return self.flights[self.queue.popleft()]
+
+    def admit(self, flight: Flight, version: int, deadline: int) -> None:
+        """A fresh group is to run on ``version``, due at ``deadline``: the flight holds its deadline, and the
+        ledger counts it there (this and ``move`` are the only writers of either)."""
+        self.ledger.add_group(version, deadline)
+        flight.version, flight.deadline = version, deadline
+
+    def move(self, flight: Flight, version: int, deadline: int) -> None:
+        """The group moves later: a re-run on a newer version, or a deadline extended (see ``admit``)."""
+        self.ledger.move_group((flight.version, flight.deadline), (version, deadline))
+        flight.version, flight.deadline = version, deadline
+
+    def count_filtered(self) -> None:
+        """A finished group was consumed as filtered: one more fresh group may be dispatched (a refill, in the
+        wave modes)."""
+        self.filtered += 1
+        if self.cfg.waves:
+            self.refill += 1
+
+    def refilled(self) -> None:
+        self.refill -= 1
+
+    def start_wave(self) -> None:
+        self.wave_left = self.cfg.train_groups
+
+    def waved(self) -> None:
+        """One group of the wave was leased."""
+        self.wave_left -= 1
+
+    def widen(self) -> None:
+        """Adaptive deadlines: new groups may be due one step later (at most K)."""
+        self.horizon = min(self.cfg.staleness, self.horizon + 1)
+
+    def narrow(self) -> None:
+        """Adaptive deadlines: new groups are due one step sooner (at least min(1, K))."""
+        self.horizon = max(min(1, self.cfg.staleness), self.horizon - 1)
+
+    def take(self, flight: Flight, sample: ReadySample, reward: float | None) -> None:
+        """A finished sample of the flight's lease passed intake's checks (its slot is freed by ``took``)."""
+        flight.done[sample.index] = sample
+        if self.cfg.filter_uniform:
+            flight.rewards[sample.index] = reward
+
+    def fail(self, flight: Flight) -> int:
+        """A sample of the flight failed its checks: how many times the group has failed now."""
+        flight.failures += 1
+        return flight.failures
+
     # ------------------------------------------------------------------ workers
 
     def join(self, worker: WorkerId, slots: int, *, elastic: bool = False, holds: int = 1) -> Worker:
@@ -262,6 +331,18 @@ class Scheduler:
         self.workers[worker] = w
         self.idle.add(worker)
         return w
+
+    def lend(self, worker: Worker) -> None:
+        """The elastic worker is told to yield its accelerators to the trainer: it serves nothing until it is back."""
+        self.set_leaving(worker, False)
+        worker.yielded = True
+        self.set_ready(worker, False)
+
+    def reclaim(self, worker: Worker) -> None:
+        """The worker takes its accelerators back after the publish: the versions it keeps are served again (its
+        pinned one once it has loaded)."""
+        worker.yielded = False
+        self.offer(worker)
 
     def lose(self, worker: WorkerId, out: Outbox) -> None:
         """Re-queue every group the worker held (whole); void migrations that targeted it."""
@@ -352,7 +433,8 @@ class Scheduler:
         migration's target)."""
         if not samples:
             return
-        holder = self.workers[flight.worker]  # type: ignore[index]  (a running flight has one)
+        assert flight.worker is not None  # a running flight has a holder
+        holder = self.workers[flight.worker]
         holder.used -= samples
         self.offer(holder)
         self._owe(flight.version, -samples)
@@ -439,80 +521,3 @@ class Scheduler:
                 state=state,
             )
         )
-
-    # ------------------------------------------------------------------ checks
-
-    def check(self, *, placement: bool = True) -> None:
-        """Recompute slot use and lease ownership from scratch and compare.
-
-        ``placement``: every leased group runs on a worker serving its version (off only in partial
-        mode, where workers swap weights under running requests by design).
-        """
-        used = {w: 0 for w in self.workers}
-        incoming = {w: 0 for w in self.workers}
-        claims: dict[WorkerId, Counter[int]] = {w: Counter() for w in self.workers}
-        holders: dict[GroupId, WorkerId] = {}
-        for f in self.flights.values():
-            if f.state is GroupState.QUEUED:
-                if f.worker is not None or f.attempt is not None:
-                    raise InvariantViolation(f"queued group {f.group_id} still has a lease")
-                continue
-            if f.worker not in self.workers:
-                raise InvariantViolation(f"group {f.group_id} held by unknown worker {f.worker}")
-            if placement and not self.ledger.holds(f.worker, f.version):
-                raise InvariantViolation(
-                    f"C1: group {f.group_id} of version {f.version} on {f.worker} serving "
-                    f"{self.ledger.version_of(f.worker)} (keeping {sorted(self.ledger.kept_by(f.worker))})"
-                )
-            holders[f.group_id] = f.worker
-            used[f.worker] += self.unfinished(f)
-            claims[f.worker][f.version] += 1
-            if f.target is not None:
-                if placement and not self.ledger.holds(f.target, f.version):
-                    raise InvariantViolation(f"C1: group {f.group_id} of version {f.version} migrating to {f.target}")
-                used[f.target] += self.unfinished(f)
-                incoming[f.target] += 1
-                claims[f.target][f.version] += 1
-        for w in self.workers.values():
-            if w.incoming != incoming[w.worker_id]:
-                raise InvariantViolation(f"{w.worker_id}: {w.incoming} migrations in recorded, {incoming[w.worker_id]}")
-            if w.yielded and w.ready:
-                raise InvariantViolation(f"{w.worker_id} yielded its accelerators but counts as ready")
-            if used[w.worker_id] != w.used:
-                raise InvariantViolation(f"{w.worker_id}: {w.used} slots recorded, {used[w.worker_id]} held")
-            if w.used > w.slots:
-                raise InvariantViolation(f"{w.worker_id} over capacity: {w.used} > {w.slots}")
-            if w.claims != claims[w.worker_id]:
-                raise InvariantViolation(f"{w.worker_id}: groups per version {dict(w.claims)} != {claims[w.worker_id]}")
-            kept = self.ledger.kept_by(w.worker_id)
-            if kept - set(w.claims) or len(kept) + 1 > w.holds:
-                raise InvariantViolation(f"{w.worker_id} keeps {sorted(kept)}, runs {dict(w.claims)}, holds {w.holds}")
-            for gid in w.groups:
-                if holders.get(gid) != w.worker_id:
-                    raise InvariantViolation(f"{w.worker_id} lists group {gid} it does not hold")
-        if self._recount() != self.pending_requests():
-            raise InvariantViolation(f"pending requests {self.pending_requests()} != recount {self._recount()}")
-        if self.idle != {w.worker_id for w in self.workers.values() if not w.groups}:
-            raise InvariantViolation("idle-worker set out of date")
-        if self.leaving != {w.worker_id for w in self.workers.values() if w.leaving}:
-            raise InvariantViolation("leaving-worker set out of date")
-        idle_unready: dict[int, set[WorkerId]] = {}
-        for w in self.workers.values():
-            if not w.ready and not w.groups and (v := self.ledger.version_of(w.worker_id)) is not None:
-                idle_unready.setdefault(v, set()).add(w.worker_id)
-        if idle_unready != self.idle_unready:
-            raise InvariantViolation("idle unready workers per version out of date")
-        listed: dict[int, set[tuple[WorkerId, int, int]]] = {}
-        for w in self.workers.values():
-            pinned = self.ledger.version_of(w.worker_id)
-            for v in ({pinned} if pinned is not None else set()) | self.ledger.kept_by(w.worker_id):
-                if v not in listed:
-                    listed[v] = self.roster.listed(v)
-                if self.serves(w, v) and (w.worker_id, w.free, w.order) not in listed[v]:
-                    raise InvariantViolation(f"{w.worker_id} serves v{v} with {w.free} free slots, not on the roster")
-        if len(holders) != sum(len(w.groups) for w in self.workers.values()):
-            raise InvariantViolation("a group is held twice or listed by no worker")
-        if len(set(self.queue)) != len(self.queue) or any(
-            self.flights[g].state is not GroupState.QUEUED for g in self.queue
-        ):
-            raise InvariantViolation("queue holds a group twice or a group that is not queued")
