@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections import Counter, deque
+from collections import Counter, defaultdict, deque
 from collections.abc import Callable
 from typing import Any
 
@@ -73,14 +73,44 @@ class BrokerActor:
         self.prompts = prompts
         self.clock = clock
         self.epoch = epoch
-        b = cfg.broker
+        self.journal = journal
+        self.weights: dict[int, tuple[str, str]] = weights or {0: ("sim://v0", "0" * 64)}
+        self._init_counts()
+        self._init_peers(sock, keys)
+        self.acts: deque[ev.Action] = deque()
+        """The core's actions not yet carried out, in the order it decided them (ACTS_PER_TURN)."""
+        self.waiting = Counter[WorkerId]()
+        """Actions not yet carried out per worker they command: its heartbeats are not reconciled meanwhile."""
+        self.done = asyncio.Event()
+        self.closing_until: float | None = None
+        """Set when the run is finished while held-out rounds are still open: the broker says goodbye once they
+        close, or at this time (then they are reported dropped)."""
+        self.metrics = BrokerMetrics(self)
+        """Prometheus registry and the run's record files (metrics, timeline); close() it when done."""
+        self.log_leases = cfg.log.level == "debug"
+        """A lease's line is debug: unless debug lines are written, no logger is bound for it (one per group)."""
+        self.evals = BrokerEval(evals, core, self.links.send_to, self.metrics.eval_round)
+        """Held-out evaluation rounds, run by the workers outside every core decision (none: does nothing)."""
+
+    def _init_counts(self) -> None:
+        """What the broker counts and times beside the core (for metrics and `dora status`)."""
+        self.counters = Counter[str]()
+        self.decision_s: defaultdict[str, float] = defaultdict(float)
+        """Seconds spent in the core's decisions, by event kind (orchestration runs inside them)."""
+        self.malformed = Counter[str]()
+        self.started = self.clock()
+        self.trained_tokens = 0
+        self.step_started = self.clock()
+        self.lag_s: deque[float] = deque(maxlen=4096)
+        """Event-loop lag: how late the probe woke after each of its sleeps (the latest 4,096, ~3.5 min)."""
+
+    def _init_peers(self, sock: zmq.asyncio.Socket, keys: Keys | None) -> None:
+        """The peers, their links and their liveness, and what is remembered of the ones lost."""
+        b = self.cfg.broker
         self.liveness = Liveness(b.heartbeat_interval_s, b.liveness, b.stall_timeout_s)
         self.learner: bytes | None = None
-        self.journal = journal
         self.keys = keys
         """CURVE is on: every peer is authenticated, and may only say hello as its key's role."""
-        self.weights: dict[int, tuple[str, str]] = weights or {0: ("sim://v0", "0" * 64)}
-        self.counters = Counter[str]()
         self.links = Links(sock, self.counters, monitor=keys is not None)
         self.peers = self.links.peers
         self.lost: deque[dict[str, Any]] = deque(maxlen=32)
@@ -88,33 +118,11 @@ class BrokerActor:
         self.declared_dead: dict[tuple[str, str, int], tuple[str, float]] = {}
         """(name, host, pid) of each peer declared dead by silence or stall -> (reason, when): a Hello from that
         same process later means it was alive, only slow or cut off for a while (a false death, counted)."""
-        self.acts: deque[ev.Action] = deque()
-        """The core's actions not yet carried out, in the order it decided them (ACTS_PER_TURN)."""
-        self.waiting = Counter[WorkerId]()
-        """Actions not yet carried out per worker they command: its heartbeats are not reconciled meanwhile."""
         self.unreachable: dict[bytes, Peer] = {}
         """Peers a send found gone, lost once what came from them is read: a process that said goodbye and closed
         its socket is gone from the ROUTER's routes before its Goodbye is read."""
         self.unreachable_at = 0.0
         """When the oldest of ``unreachable`` was found so."""
-        self.decision_s = Counter[str]()
-        """Seconds spent in the core's decisions, by event kind (orchestration runs inside them)."""
-        self.malformed = Counter[str]()
-        self.started = clock()
-        self.trained_tokens = 0
-        self.step_started = clock()
-        self.done = asyncio.Event()
-        self.closing_until: float | None = None
-        """Set when the run is finished while held-out rounds are still open: the broker says goodbye once they
-        close, or at this time (then they are reported dropped)."""
-        self.lag_s: deque[float] = deque(maxlen=4096)
-        """Event-loop lag: how late the probe woke after each of its sleeps (the latest 4,096, ~3.5 min)."""
-        self.metrics = BrokerMetrics(self)
-        """Prometheus registry and the run's record files (metrics, timeline); close() it when done."""
-        self.log_leases = cfg.log.level == "debug"
-        """A lease's line is debug: unless debug lines are written, no logger is bound for it (one per group)."""
-        self.evals = BrokerEval(evals, core, self.links.send_to, self.metrics.eval_round)
-        """Held-out evaluation rounds, run by the workers outside every core decision (none: does nothing)."""
 
     # ------------------------------------------------------------------ loop
 
@@ -142,7 +150,7 @@ class BrokerActor:
             if self.acts:
                 timeout_ms = 1
                 self.carry_out()
-            drained = not await self.sock.poll(timeout_ms, zmq.POLLIN) or self.drain()
+            drained = not await self.sock.poll(timeout_ms) or self.drain()
             now = self.clock()
             # A peer a send found gone is lost once what it sent is read (a Goodbye among it leaves with its own
             # reason): after a drain that emptied the socket, or an interval later for a broker that stays behind.
@@ -472,7 +480,7 @@ class BrokerActor:
                 self.counters[f"refused {a.reason}"] += 1
             case ev.RunFinished():
                 log.info("run_finished", steps=a.steps, elapsed_s=round(self.clock() - self.started, 3),
-                         decision_s={k: round(v, 4) for k, v in self.decision_s.most_common()},
+                         decision_s={k: round(v, 4) for k, v in sorted(self.decision_s.items(), key=lambda kv: -kv[1])},
                          migrated_groups=self.core.view.totals().migrated_groups)  # fmt: skip
                 if self.cfg.broker.exit_when_done:
                     if self.evals.open(self.clock()):  # the rounds the run asked for are reported, not lost at the end

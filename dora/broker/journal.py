@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -130,7 +131,9 @@ class Journal:
             self.reserved = cursor + RESERVE_BLOCK
             self.append({"kind": "reserve", "cursor": self.reserved})
 
-    def step(self, version: int, uri: str, sha256: str, groups: list[int], filtered: list[int] | None = None) -> None:
+    def step(
+        self, version: int, uri: str, sha256: str, groups: Sequence[int], filtered: Sequence[int] | None = None
+    ) -> None:
         record = {"kind": "step", "version": version, "uri": uri, "sha256": sha256, "groups": sorted(groups)}
         if filtered:
             record["filtered"] = sorted(filtered)

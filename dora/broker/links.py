@@ -31,7 +31,7 @@ from dora.wire import messages as m
 
 log = structlog.get_logger()
 
-HANDSHAKE_FAILED_NAMES = {
+HANDSHAKE_FAILED_NAMES: dict[int, str] = {
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "auth",
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol",
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "no detail",
@@ -102,9 +102,10 @@ def user_id(frames: list[Any]) -> str | None:
     """The User-Id ZAP attached to a message (the peer's z85 public key under CURVE)."""
     frame = frames[1] if len(frames) > 1 else None
     try:
-        return frame.get("User-Id") if isinstance(frame, zmq.Frame) else None
+        key = frame.get("User-Id") if isinstance(frame, zmq.Frame) else None
     except zmq.ZMQError:
         return None
+    return key if isinstance(key, str) else None
 
 
 class Links:
@@ -112,7 +113,7 @@ class Links:
 
     def __init__(self, sock: zmq.asyncio.Socket, counters: Counter[str], *, monitor: bool) -> None:
         self.sock = sock
-        self.sync = zmq.Socket.shadow(sock.underlying)
+        self.sync: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
         """Non-blocking sends and receives go through this synchronous view of the same socket; the
         asyncio socket is only awaited for readiness (its own NOBLOCK calls would hide errors in futures)."""
         self.counters = counters
@@ -120,7 +121,9 @@ class Links:
         self.pending: set[bytes] = set()
         """Peers whose outbox holds something."""
         self._monitor_sock = sock.get_monitor_socket(HANDSHAKE_FAILED) if monitor else None
-        self._monitor = zmq.Socket.shadow(self._monitor_sock.underlying) if self._monitor_sock else None
+        self._monitor: zmq.Socket[bytes] | None = (
+            zmq.Socket.shadow(self._monitor_sock.underlying) if self._monitor_sock else None
+        )
 
     def command(self, worker: WorkerId, msg: Any) -> None:
         """Number a command to a worker and send it; remember what reconciliation may need again. ``msg``: the

@@ -100,28 +100,15 @@ async def serve(cfg: RunConfig, prompts: Callable[[int], np.ndarray], cluster: C
                 task: dict[str, Any] | None = None, evals: EvalRounds | None = None) -> int:  # fmt: skip
     """Serve a run; ``task``: what the task is (``TaskRun.about``), a dataset's identity goes into the journal."""
     cluster = cluster or ClusterInfo(host=socket.gethostname())
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    # SIGUSR1 (Slurm's early warning, if sent to every step): the journal is already durable, nothing to do
-    # but not die of it, its default action
-    loop.add_signal_handler(signal.SIGUSR1, lambda: log.info("signal_ignored", signal="SIGUSR1"))
+    stop = _stop_on_signals()
     ctx = zmq.asyncio.Context()
     auth = None
-    http: asyncio.Server | None = None
     try:
-        keys = None
-        if cfg.security.keys:
-            try:
-                keys = Keys.load(cfg.security.keys)
-            except ValueError as e:
-                print(f"dora broker: {e}", file=sys.stderr)
-                return 2
-            auth = AsyncioAuthenticator(ctx)
-            auth.start()
-            auth.configure_curve_callback("*", keys)
-            log.info("curve_on", keys=cfg.security.keys, allowed=len(keys.roles))
+        try:
+            keys, auth = _curve(ctx, cfg)
+        except ValueError as e:
+            print(f"dora broker: {e}", file=sys.stderr)
+            return 2
         sock, endpoint = open_router(ctx, cfg, keys)
         epoch = secrets.randbits(62)
         try:
@@ -134,43 +121,85 @@ async def serve(cfg: RunConfig, prompts: Callable[[int], np.ndarray], cluster: C
                  "bound": endpoint, "pid": os.getpid(), "broker_epoch": epoch, "host": cluster.host}  # fmt: skip
         if cluster.job_id is not None:  # a later attempt of this job ignores a file an earlier one left
             ready.update(slurm_job_id=cluster.job_id, slurm_restart=cluster.restart_count)
-        what = "cannot open broker.metrics_file or broker.timeline_file"
-        try:
-            actor = BrokerActor(
-                cfg, sock, core, prompts, epoch=epoch, journal=journal, weights=weights, keys=keys, evals=evals
-            )
-            if cfg.broker.metrics_bind:
-                what = f"cannot serve metrics on broker.metrics_bind={cfg.broker.metrics_bind}"
-                http, ready["metrics_url"] = await serve_http(
-                    actor.metrics.registry, cfg.broker.metrics_bind, cfg.broker.advertise or cluster.host
-                )
-        except OSError as e:
-            log.error("broker_unusable", error=f"{what}: {e}")
-            print(f"dora broker: {what}: {e}", file=sys.stderr)
+        started = await _start(cfg, cluster, ready, lambda: BrokerActor(
+            cfg, sock, core, prompts, epoch=epoch, journal=journal, weights=weights, keys=keys, evals=evals
+        ))  # fmt: skip
+        if isinstance(started, str):
+            log.error("broker_unusable", error=started)
+            print(f"dora broker: {started}", file=sys.stderr)
             return 2
-        except ConfigError as e:  # a [metrics] sink that cannot start: its library missing, or wandb refused
-            log.error("broker_unusable", error=str(e))
-            print(f"dora broker: {e}", file=sys.stderr)
-            return 2
+        actor, http = started
         announce(ready, cfg.broker.discovery_file)
-        try:
-            await actor.run(stop)
-            if actor.done.is_set():  # the run is over (not stopped): a peer away at the goodbye reads it here
-                mark_finished(ready, cfg.broker.discovery_file)
-        finally:
-            if http is not None:
-                http.close()
-            actor.metrics.close()
-            if journal is not None:
-                journal.close()
-        actor.flush()
-        await asyncio.sleep(0.05)  # let the last replies (goodbyes) leave before the socket closes
+        await _run(actor, stop, ready, http, journal)
         return 0
     finally:
         if auth is not None:
             auth.stop()
         ignore_sigterm_while_exiting()  # first: a SIGTERM would cut short the wait for a Goodbye to leave
         ctx.destroy(linger=0)
+
+
+def _stop_on_signals() -> asyncio.Event:
+    """Set on SIGTERM or SIGINT. SIGUSR1 (Slurm's early warning, if sent to every step) is logged and ignored:
+    the journal is already durable, nothing to do but not die of it, its default action."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGUSR1, lambda: log.info("signal_ignored", signal="SIGUSR1"))
+    return stop
+
+
+def _curve(ctx: zmq.asyncio.Context, cfg: RunConfig) -> tuple[Keys | None, AsyncioAuthenticator | None]:
+    """With ``security.keys``: the keys, and the authenticator started that admits only them (ValueError: the keys
+    cannot be read). Without: neither."""
+    if not cfg.security.keys:
+        return None, None
+    keys = Keys.load(cfg.security.keys)
+    auth = AsyncioAuthenticator(ctx)
+    auth.start()
+    auth.configure_curve_callback("*", keys)
+    log.info("curve_on", keys=cfg.security.keys, allowed=len(keys.roles))
+    return keys, auth
+
+
+async def _start(
+    cfg: RunConfig, cluster: ClusterInfo, ready: dict[str, Any], make: Callable[[], BrokerActor]
+) -> tuple[BrokerActor, asyncio.Server | None] | str:
+    """The actor (``make``), and its metrics served over HTTP when ``broker.metrics_bind`` asks (their URL goes
+    into ``ready``); or why the broker cannot start."""
+    what = "cannot open broker.metrics_file or broker.timeline_file"
+    try:
+        actor = make()
+        if not cfg.broker.metrics_bind:
+            return actor, None
+        what = f"cannot serve metrics on broker.metrics_bind={cfg.broker.metrics_bind}"
+        http, ready["metrics_url"] = await serve_http(
+            actor.metrics.registry, cfg.broker.metrics_bind, cfg.broker.advertise or cluster.host
+        )
+        return actor, http
+    except OSError as e:
+        return f"{what}: {e}"
+    except ConfigError as e:  # a [metrics] sink that cannot start: its library missing, or wandb refused
+        return str(e)
+
+
+async def _run(
+    actor: BrokerActor, stop: asyncio.Event, ready: dict[str, Any], http: asyncio.Server | None, journal: Journal | None
+) -> None:
+    """Run until the run is over or ``stop``; then close what was opened and let the last replies leave."""
+    try:
+        await actor.run(stop)
+        if actor.done.is_set():  # the run is over (not stopped): a peer away at the goodbye reads it here
+            mark_finished(ready, actor.cfg.broker.discovery_file)
+    finally:
+        if http is not None:
+            http.close()
+        actor.metrics.close()
+        if journal is not None:
+            journal.close()
+    actor.flush()
+    await asyncio.sleep(0.05)  # let the last replies (goodbyes) leave before the socket closes
 
 
 def open_journal(cfg: RunConfig, epoch: int, cluster: ClusterInfo | None = None, task: dict[str, Any] | None = None

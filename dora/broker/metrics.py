@@ -24,7 +24,7 @@ import json
 import socket
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import structlog
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, Counter, Histogram, generate_latest
@@ -145,24 +145,25 @@ class BrokerMetrics:
             case ev.VersionPublished(version=v):
                 self.record("published", version=v)
             case ev.ResultsReported(samples=samples):
-                if any(s.reward_error for s in samples):
-                    self.actor.counters.update(reward_failures(samples, actions))
+                headers = cast("Sequence[m.SampleHeader]", samples)  # a broker's reports carry the wire's headers
+                if any(s.reward_error for s in headers):
+                    self.actor.counters.update(reward_failures(headers, actions))
                 for group, attempt in {(s.group_id, s.attempt) for s in samples}:
                     leased = self._leased_at.get(group)
                     if leased is not None and leased[0] == attempt and not view.owes(group):
                         del self._leased_at[group]  # its last sample was taken: the group is finished
                         self.lease_latency.observe(now - leased[1])
-        leased = 0
+        n_leased = 0
         for a in actions:
             match a:
                 case ev.Lease():
-                    leased += 1
+                    n_leased += 1
                     self._leased_at[a.group_id] = (a.attempt, now)
                 case ev.Pin():
                     self._ready.pop(a.worker_id, None)
                     self.record("assigned", worker=a.worker_id, version=a.version, interrupt=a.interrupt)
-        if leased:
-            self.groups_leased.inc(leased)  # once per event: the counter takes a lock per call
+        if n_leased:
+            self.groups_leased.inc(n_leased)  # once per event: the counter takes a lock per call
 
     def train_step(self, row: dict[str, Any], learner: dict[str, float], elapsed_s: float) -> None:
         """A published step: ``row`` as logged in ``train_step``, the learner's own metrics."""
@@ -301,7 +302,8 @@ def batch_stats(groups: Sequence[ev.ReadyGroup]) -> tuple[int, dict[str, Any]]:
     """A train step's batch in one pass over its samples: its completion tokens, and for the step's row how many
     of its samples' rewards failed and the mean of each reward component over the samples that have it (a reward
     function that returns a dict; a failed one has none)."""
-    tokens, failed, sums, counts = 0, 0, collections.defaultdict(float), collections.Counter[str]()
+    tokens, failed, counts = 0, 0, collections.Counter[str]()
+    sums: collections.defaultdict[str, float] = collections.defaultdict(float)
     for g in groups:
         for s in g.samples:
             head: m.SampleHeader = s.payload[0]
@@ -367,6 +369,7 @@ async def _answer(registry: CollectorRegistry, reader: asyncio.StreamReader, wri
             for _ in range(100 if request else 0):  # headers, up to the blank line; their content does not matter
                 if (await reader.readline()).strip() in (b"", b"\r\n"):
                     break
+        body: bytes | None
         if len(request) < 2:
             status, body, ctype = "400 Bad Request", b"bad request\n", "text/plain"
         elif request[0] not in ("GET", "HEAD"):

@@ -36,7 +36,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import structlog
 
@@ -133,7 +133,9 @@ class WandbSink:
 
     name = "wandb"
 
-    def __init__(self, project: str, *, mode: str, dir: str, name: str | None, config: Mapping[str, Any]) -> None:
+    def __init__(
+        self, project: str, *, mode: Literal["offline", "online"], dir: str, name: str | None, config: Mapping[str, Any]
+    ) -> None:
         import wandb
 
         self._wandb = wandb
@@ -221,7 +223,7 @@ def _wandb(project: str, mode: str, where: str, name: str | None, config: Mappin
     import wandb
 
     try:
-        sink = WandbSink(project, mode=mode, dir=where, name=name, config=config)
+        sink = WandbSink(project, mode="online" if mode == "online" else "offline", dir=where, name=name, config=config)
     except (wandb.errors.Error, OSError) as e:
         wandb.teardown()  # the service it may have started
         raise ConfigError(f"metrics.wandb_project: wandb could not start a {mode} run in {where}: {e}") from e

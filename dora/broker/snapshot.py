@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from dora.config.run import RunConfig
@@ -33,11 +33,16 @@ class BrokerView(Protocol):
     epoch: int
     trained_tokens: int
     counters: Counter[str]
-    decision_s: Counter[str]
     malformed: Counter[str]
     lost: deque[dict[str, Any]]
     lag_s: deque[float]
-    metrics: LatestMetrics
+
+    @property
+    def decision_s(self) -> Mapping[str, float]:
+        """Seconds spent in the core's decisions, by event kind."""
+
+    @property
+    def metrics(self) -> LatestMetrics: ...
 
 
 def per_version(core: Core) -> dict[int, dict[str, Any]]:

@@ -36,7 +36,7 @@ def result_acks(msgs: Sequence[m.SampleHeader], epoch: int, actions: Sequence[ev
         return tuple(m.ResultAck(group_id=x.group_id, attempt=x.attempt, index=x.index, accepted=True) for x in msgs)
     refused: dict[tuple[int, int, int], list[str]] = {}
     for a in actions:
-        if isinstance(a, ev.Refused) and a.index is not None:
+        if isinstance(a, ev.Refused) and a.index is not None and a.group_id is not None and a.attempt is not None:
             refused.setdefault((a.group_id, a.attempt, a.index), []).append(a.reason)
     left = Counter((x.group_id, x.attempt, x.index) for x in msgs if x.broker_epoch == epoch)
     acks = []
