@@ -26,8 +26,8 @@ TRAIN = (
 )
 TEST = (
     "python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 uv && .venv/bin/uv pip install -q -p .venv"
-    " --compile-bytecode --excludes .ci/cpu-excludes.txt -e '.[dev,vllm]' && .venv/bin/python -m pytest -q -n logical"
-    " -m 'not slow'"
+    " --compile-bytecode --excludes .ci/cpu-excludes.txt -e '.[dev,vllm]' && .venv/bin/python -m mypy"
+    " && .venv/bin/python -m pytest -q -n logical -m 'not slow'"
 )
 
 FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
