@@ -32,7 +32,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from dora.broker.journal import JournalError, replay
+from dora.broker.journal import JournalError, Replay, replay
 from dora.config import ConfigError, CoreConfig, load
 from dora.config.run import RunConfig
 from dora.ids import Mode
@@ -104,26 +104,7 @@ def audit_run(journal_path: pathlib.Path, audit_path: pathlib.Path, *, total_ste
             f"{len(adopted)} step(s) taken from the weight store by a restarted learner, not committed "
             f"by it: {sorted(adopted)[:10]} (a learner killed after the broker's record and before its own)"
         )
-    counts = Counter(g for r in rows for g in r["groups"])
-    twice = sorted(g for g, n in counts.items() if n > 1)
-    if twice:
-        problems.append(f"C2: groups trained twice: {twice[:10]}")
-    if not set(counts) <= journal.trained:
-        problems.append(f"C2: groups the learner trained that the broker never recorded: "
-                        f"{sorted(set(counts) - journal.trained)[:10]}")  # fmt: skip
-    if set(counts) & journal.filtered:
-        problems.append(f"C2: groups the broker filtered that the learner trained: "
-                        f"{sorted(set(counts) & journal.filtered)[:10]}")  # fmt: skip
-    if any(len(r["groups"]) != core.train_groups for r in rows):
-        problems.append(f"C2: a batch without exactly {core.train_groups} groups")
-    if report.finished and core.mode is not Mode.DROP_STALE:
-        expected = set(range(journal.newest * core.train_groups + len(journal.filtered)))
-        consumed = journal.trained | journal.filtered
-        if consumed != expected:
-            lost, extra = sorted(expected - consumed), sorted(consumed - expected)
-            what = "train or filter" if journal.filtered else "train"
-            problems.append(f"C2: the finished run did not {what} exactly groups 0..{len(expected) - 1}: "
-                            f"missing {lost[:10]}, unexpected {extra[:10]}")  # fmt: skip
+    problems += _group_problems(rows, journal, core, finished=report.finished)
     for r in rows:
         for lag, n in r["staleness"].items():
             report.staleness[int(lag)] = report.staleness.get(int(lag), 0) + n
@@ -137,6 +118,33 @@ def audit_run(journal_path: pathlib.Path, audit_path: pathlib.Path, *, total_ste
         notes.append(f"C1 not kept by mode {core.mode.value}, as it says: "
                      f"{report.mixed_version_trajectories} mixed-version trajectories")  # fmt: skip
     return report
+
+
+def _group_problems(rows: list[dict[str, Any]], journal: Replay, core: CoreConfig, *, finished: bool) -> list[str]:
+    """C2: every group the learner trained, once, recorded by the broker and never filtered, in batches of exactly
+    ``train_groups``; a finished run trained or filtered exactly the groups it handed out."""
+    problems = []
+    counts = Counter(g for r in rows for g in r["groups"])
+    twice = sorted(g for g, n in counts.items() if n > 1)
+    if twice:
+        problems.append(f"C2: groups trained twice: {twice[:10]}")
+    if not set(counts) <= journal.trained:
+        problems.append(f"C2: groups the learner trained that the broker never recorded: "
+                        f"{sorted(set(counts) - journal.trained)[:10]}")  # fmt: skip
+    if set(counts) & journal.filtered:
+        problems.append(f"C2: groups the broker filtered that the learner trained: "
+                        f"{sorted(set(counts) & journal.filtered)[:10]}")  # fmt: skip
+    if any(len(r["groups"]) != core.train_groups for r in rows):
+        problems.append(f"C2: a batch without exactly {core.train_groups} groups")
+    if finished and core.mode is not Mode.DROP_STALE:
+        expected = set(range(journal.newest * core.train_groups + len(journal.filtered)))
+        consumed = journal.trained | journal.filtered
+        if consumed != expected:
+            lost, extra = sorted(expected - consumed), sorted(consumed - expected)
+            what = "train or filter" if journal.filtered else "train"
+            problems.append(f"C2: the finished run did not {what} exactly groups 0..{len(expected) - 1}: "
+                            f"missing {lost[:10]}, unexpected {extra[:10]}")  # fmt: skip
+    return problems
 
 
 def _steps(lines: list[dict[str, Any]]) -> tuple[int, list[int], bool, list[int | str]]:
