@@ -144,7 +144,7 @@ def main(argv: list[str]) -> int:
         def held_out(self, step: int, model: Any, rows_limit: int | None) -> dict[str, Any]:
             t = time.perf_counter()
             engine.model.load_state_dict(model.state_dict())
-            engine.version = step
+            engine.relabel(step)
             was_training = model.training
             got = evaluate_on(engine, held, cfg, limit=rows_limit)
             model.train(was_training)
