@@ -182,7 +182,9 @@ class SampleHeader:
             finite(f"reward_components[{name!r}]", part)
 
 
-PACKED_DTYPES = {"token_ids": np.dtype("<i4"), "logprobs": np.dtype("<f4"), "loss_mask": np.dtype("|u1")}
+PACKED_DTYPES: dict[str, np.dtype[Any]] = {
+    "token_ids": np.dtype("<i4"), "logprobs": np.dtype("<f4"), "loss_mask": np.dtype("|u1")
+}  # fmt: skip
 """The one dtype of each packed array kind."""
 
 

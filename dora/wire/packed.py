@@ -16,10 +16,12 @@ own validation), dtypes, and every sample's checksum. A corrupt batch is refused
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import xxhash
 
+from dora.ids import AttemptId, GroupId
 from dora.samples import Batch, FinishedSample, TrainGroup, TrainSample
 from dora.wire import messages as m
 
@@ -38,14 +40,14 @@ class CorruptBatch(ValueError):
 
 def checksum(token_ids: np.ndarray, logprobs: np.ndarray, loss_mask: np.ndarray | None) -> int:
     """xxh3-64 of a sample's packed bytes: token ids, then log-probs, then the loss mask when it has one."""
-    h = xxhash.xxh3_64(token_ids)
-    h.update(logprobs)
+    h = xxhash.xxh3_64(token_ids.data)
+    h.update(logprobs.data)
     if loss_mask is not None:
-        h.update(loss_mask)
+        h.update(loss_mask.data)
     return h.intdigest()
 
 
-def _as(arr: np.ndarray, dtype: np.dtype, what: str) -> np.ndarray:
+def _as(arr: np.ndarray, dtype: np.dtype[Any], what: str) -> np.ndarray:
     if arr.dtype == dtype:
         return arr.ravel()
     if dtype.kind == "i" and arr.size and (arr.min() < np.iinfo(dtype).min or arr.max() > np.iinfo(dtype).max):
@@ -68,7 +70,7 @@ def pack_samples(samples: Sequence[FinishedSample]) -> m.SamplesFinished:
     headers, offset = [], 0
     for s, a, lp, is_masked in zip(samples, ids, lps, masked, strict=True):
         n = len(a)
-        mask = loss_mask[offset : offset + n] if is_masked else None
+        mask = loss_mask[offset : offset + n] if is_masked and loss_mask is not None else None
         headers.append(header(s, offset=offset, checksum=checksum(a, lp, mask)))
         offset += n
     return m.SamplesFinished(samples=tuple(headers), token_ids=token_ids, logprobs=logprobs, loss_mask=loss_mask)
@@ -90,11 +92,12 @@ def unpack_samples(msg: m.SamplesFinished) -> tuple[FinishedSample, ...]:
     out = []
     for h in msg.samples:
         span = slice(h.offset, h.offset + h.tokens)
+        mask = msg.loss_mask[span] if h.masked and msg.loss_mask is not None else None
         out.append(FinishedSample(
             group_id=h.group_id, attempt=h.attempt, index=h.index, segments=_rows(h.segments, 2),
             token_ids=msg.token_ids[span], logprobs=msg.logprobs[span], reward=h.reward, finish=h.finish,
             gen_time_s=h.gen_time_s, broker_epoch=h.broker_epoch, reward_components=h.reward_components,
-            reward_error=h.reward_error, loss_mask=msg.loss_mask[span] if h.masked else None,
+            reward_error=h.reward_error, loss_mask=mask,
             turns=None if h.turns is None else _rows(h.turns, 3),
         ))  # fmt: skip
     return tuple(out)
@@ -109,7 +112,7 @@ Carried = tuple[m.SampleHeader, m.SamplesFinished]
 
 
 def batch_message(
-    step: int, groups: Sequence[tuple[int, int, np.ndarray, Sequence[Carried]]], *, redelivery: bool = False
+    step: int, groups: Sequence[tuple[GroupId, int, np.ndarray, Sequence[Carried]]], *, redelivery: bool = False
 ) -> m.TrainBatch:
     """The learner's batch from ``(group_id, version, prompt_ids, samples)``: the samples' source messages'
     packed arrays are forwarded as they are (each source once), the prompts packed into one array."""
@@ -141,7 +144,7 @@ def pack_batch(batch: Batch) -> m.TrainBatch:
     groups = []
     for g in batch.groups:
         msg = pack_samples([
-            FinishedSample(group_id=g.group_id, attempt=0, index=s.index,
+            FinishedSample(group_id=g.group_id, attempt=AttemptId(0), index=s.index,
                            segments=s.segments if s.segments is not None else np.zeros((0, 2), np.int32),
                            token_ids=s.token_ids, logprobs=s.logprobs, reward=s.reward, finish=s.finish,
                            loss_mask=s.loss_mask, turns=s.turns)
@@ -160,7 +163,8 @@ def unpack_batch(msg: m.TrainBatch) -> Batch:
         for h, k in zip(g.samples, g.sources, strict=True):
             span = slice(h.offset, h.offset + h.tokens)
             ids, lps = msg.token_ids[k][span], msg.logprobs[k][span]
-            mask = msg.loss_mask[k][span] if h.masked else None
+            source = msg.loss_mask[k]
+            mask = source[span] if h.masked and source is not None else None
             if checksum(ids, lps, mask) != h.checksum:
                 raise CorruptBatch(msg.step, g.group_id, h.index, "its payload does not match its checksum")
             samples.append(TrainSample(
