@@ -74,7 +74,7 @@ class SimWorker:
     loaded: int | None = None
     """Version whose weights are in memory and serving."""
     loading: int | None = None
-    exporting: dict[GroupId, tuple[int, list[Request]]] = field(default_factory=dict)
+    exporting: dict[GroupId, tuple[AttemptId, list[Request]]] = field(default_factory=dict)
     alive: bool = True
     prefill_debt: int = 0
     """Tokens to prefill before decoding resumes (new requests, re-prefill after a swap or a migration)."""
@@ -102,7 +102,7 @@ class SimWorker:
         return (self.alive and (self.loading is None or adds) and not self.yielded  # others, which decode meanwhile
                 and bool(self.engine.running))  # fmt: skip
 
-    def serves(self, version: int) -> bool:
+    def serves(self, version: int | None) -> bool:
         """Whether a request of ``version`` may run here now: the loaded version (not while loading another), or a
         version it keeps."""
         return (self.loaded == version and self.loading is None) or version in self.kept
@@ -180,95 +180,119 @@ class World:
         for a in actions:
             match a:
                 case Lease():
-                    self.attempts[a.group_id] = a.attempt
-                    w = self._live(a.worker_id)
-                    if w is None:
-                        continue  # the message was sent to a process that is already dead
-                    if not w.serves(a.version):
-                        raise WorldError(f"lease of version {a.version} to {w.worker_id} serving {w.loaded}")
-                    if len(w.engine) + a.n_samples > w.slots:
-                        raise WorldError(f"{w.worker_id} leased beyond its {w.slots} slots")
-                    reqs = self._requests(a)
-                    if w.holds > 1:
-                        for r in reqs:
-                            r.version = a.version
-                    w.prefill_debt += w.engine.submit(reqs)
+                    self._lease(a)
                 case Pin():
-                    w = self._live(a.worker_id)
-                    if w is None:
-                        continue
-                    self._wake(w)
-                    running = {r.version for r in w.requests}
-                    if w.holds > 1 and not a.interrupt:
-                        if not running <= set(a.keep) or len(set(a.keep) | {a.version}) > w.holds:
-                            raise WorldError(f"{w.worker_id} told to load v{a.version} keeping {a.keep}, running "
-                                             f"{sorted(running, key=str)} with {w.holds} versions at most")  # fmt: skip
-                    elif len(w.engine) and not a.interrupt:
-                        raise WorldError(f"{w.worker_id} told to swap weights under {len(w.engine)} requests")
-                    if a.version in self.retired or set(a.keep) & self.retired:
-                        raise WorldError(f"{w.worker_id} told to load retired version {a.version}")
-                    w.kept = set(a.keep)
-                    w.loading = a.version
+                    self._pin(a)
                 case Lend():
-                    w = self._live(a.worker_id)
-                    if w is None:
-                        continue
-                    if not w.elastic or w.yielded:
-                        raise WorldError(f"{w.worker_id} told to yield (elastic={w.elastic}, yielded={w.yielded})")
-                    w.yielded = w.yield_pending = True
-                    if self.yield_kv == "drop":
-                        w.resume_debt += w.engine.drop_kv()
+                    self._lend(a)
                 case Reclaim():
-                    w = self._live(a.worker_id)
-                    if w is None:
-                        continue
-                    if not w.yielded or w.loaded != a.version:
-                        raise WorldError(f"{w.worker_id} told to resume {a.version} (serving {w.loaded})")
-                    self._wake(w)
-                    w.loading = a.version
+                    self._reclaim(a)
                 case ExportGroup():
-                    w = self._live(a.worker_id)
-                    if w is not None:
-                        w.exporting[a.group_id] = (a.attempt, w.engine.remove(a.group_id, a.attempt))
-                        w.prefill_debt += w.engine.admit()  # what waited behind the group runs now
+                    self._export(a)
                 case ImportGroup():
-                    w = self._live(a.worker_id)
-                    if w is None:
-                        continue
-                    if not w.serves(a.version):
-                        raise WorldError(f"migration of version {a.version} into {w.worker_id} serving {w.loaded}")
-                    reqs: list[Request] = a.state
-                    for r in reqs:
-                        r.holder = w.worker_id
-                        if w.holds > 1 or r.version is not None:
-                            r.version = a.version
-                        self.migrated_waiting += r.waiting_tool
-                        held = r.has_kv or r.turn == 0  # an episode between turns may have dropped its cache
-                        r.has_kv = self.kv_transfer and held
-                        if held and not self.kv_transfer:
-                            self.reprefill_tokens += round(r.context)
-                    self.migrated_requests += a.n_requests
-                    self.migrated_tokens += round(sum(r.context for r in reqs))
-                    w.prefill_debt += w.engine.submit(reqs, front=True)
+                    self._import(a)
                 case Revoke():
-                    w = self._live(a.worker_id)
-                    if w is not None:
-                        w.engine.remove(a.group_id, a.attempt)
-                        w.exporting.pop(a.group_id, None)
-                        w.prefill_debt += w.engine.admit()
+                    self._revoke(a)
                 case DeliverBatch():
                     self._receive(a)
                 case Retire():
-                    self.retired.add(a.version)
-                    for w in self.workers.values():
-                        serving = w.loaded == a.version and len(w.engine) and w.loading is None
-                        serving = serving or any(r.version == a.version for r in w.requests)
-                        if w.alive and (w.loading == a.version or serving):
-                            raise WorldError(f"version {a.version} retired while {w.worker_id} still uses it")
+                    self._retire(a.version)
                 case Refused():
                     self.refused[a.reason] += 1
                 case RunFinished():
                     self.learner.finished = True
+
+    def _lease(self, a: Lease) -> None:
+        self.attempts[a.group_id] = a.attempt
+        w = self._live(a.worker_id)
+        if w is None:
+            return  # the message was sent to a process that is already dead
+        if not w.serves(a.version):
+            raise WorldError(f"lease of version {a.version} to {w.worker_id} serving {w.loaded}")
+        if len(w.engine) + a.n_samples > w.slots:
+            raise WorldError(f"{w.worker_id} leased beyond its {w.slots} slots")
+        reqs = self._requests(a)
+        if w.holds > 1:
+            for r in reqs:
+                r.version = a.version
+        w.prefill_debt += w.engine.submit(reqs)
+
+    def _pin(self, a: Pin) -> None:
+        w = self._live(a.worker_id)
+        if w is None:
+            return
+        self._wake(w)
+        running = {r.version for r in w.requests}
+        if w.holds > 1 and not a.interrupt:
+            if not running <= set(a.keep) or len(set(a.keep) | {a.version}) > w.holds:
+                raise WorldError(f"{w.worker_id} told to load v{a.version} keeping {a.keep}, running "
+                                 f"{sorted(running, key=str)} with {w.holds} versions at most")  # fmt: skip
+        elif len(w.engine) and not a.interrupt:
+            raise WorldError(f"{w.worker_id} told to swap weights under {len(w.engine)} requests")
+        if a.version in self.retired or set(a.keep) & self.retired:
+            raise WorldError(f"{w.worker_id} told to load retired version {a.version}")
+        w.kept = set(a.keep)
+        w.loading = a.version
+
+    def _lend(self, a: Lend) -> None:
+        w = self._live(a.worker_id)
+        if w is None:
+            return
+        if not w.elastic or w.yielded:
+            raise WorldError(f"{w.worker_id} told to yield (elastic={w.elastic}, yielded={w.yielded})")
+        w.yielded = w.yield_pending = True
+        if self.yield_kv == "drop":
+            w.resume_debt += w.engine.drop_kv()
+
+    def _reclaim(self, a: Reclaim) -> None:
+        w = self._live(a.worker_id)
+        if w is None:
+            return
+        if not w.yielded or w.loaded != a.version:
+            raise WorldError(f"{w.worker_id} told to resume {a.version} (serving {w.loaded})")
+        self._wake(w)
+        w.loading = a.version
+
+    def _export(self, a: ExportGroup) -> None:
+        w = self._live(a.worker_id)
+        if w is not None:
+            w.exporting[a.group_id] = (a.attempt, w.engine.remove(a.group_id, a.attempt))
+            w.prefill_debt += w.engine.admit()  # what waited behind the group runs now
+
+    def _import(self, a: ImportGroup) -> None:
+        w = self._live(a.worker_id)
+        if w is None:
+            return
+        if not w.serves(a.version):
+            raise WorldError(f"migration of version {a.version} into {w.worker_id} serving {w.loaded}")
+        reqs: list[Request] = a.state
+        for r in reqs:
+            r.holder = w.worker_id
+            if w.holds > 1 or r.version is not None:
+                r.version = a.version
+            self.migrated_waiting += r.waiting_tool
+            held = r.has_kv or r.turn == 0  # an episode between turns may have dropped its cache
+            r.has_kv = self.kv_transfer and held
+            if held and not self.kv_transfer:
+                self.reprefill_tokens += round(r.context)
+        self.migrated_requests += a.n_requests
+        self.migrated_tokens += round(sum(r.context for r in reqs))
+        w.prefill_debt += w.engine.submit(reqs, front=True)
+
+    def _revoke(self, a: Revoke) -> None:
+        w = self._live(a.worker_id)
+        if w is not None:
+            w.engine.remove(a.group_id, a.attempt)
+            w.exporting.pop(a.group_id, None)
+            w.prefill_debt += w.engine.admit()
+
+    def _retire(self, version: int) -> None:
+        self.retired.add(version)
+        for w in self.workers.values():
+            serving = w.loaded == version and len(w.engine) and w.loading is None
+            serving = serving or any(r.version == version for r in w.requests)
+            if w.alive and (w.loading == version or serving):
+                raise WorldError(f"version {version} retired while {w.worker_id} still uses it")
 
     def _requests(self, a: Lease) -> list[Request]:
         prompt = self.workload.prompt_len(a.group_id)
@@ -394,9 +418,11 @@ class World:
         if not w.decoding:
             return []
         if w.holds > 1 and not self.mixed_versions_allowed:
-            unheld = {r.version for r in w.engine.running.values() if not w.serves(r.version)}  # type: ignore[arg-type]
+            unheld = {r.version for r in w.engine.running.values() if not w.serves(r.version)}
             if unheld:
-                raise WorldError(f"C1: {w.worker_id} decodes requests of versions {sorted(unheld)} it does not hold")
+                raise WorldError(
+                    f"C1: {w.worker_id} decodes requests of versions {sorted(unheld, key=str)} it does not hold"
+                )
         finished, prefill = w.engine.run_for(steps)
         w.prefill_debt += prefill
         for r in w.engine.take_turn_ends():
@@ -409,7 +435,7 @@ class World:
                 self.episodes[(r.group_id, r.attempt, r.index)] = (len(r.ends) or 1, sum(r.observations))
         done = [
             ResultsReported(worker_id=worker, payloads=(r.attempt,), samples=(SampleResult(
-                group_id=GroupId(r.group_id), attempt=r.attempt, index=r.index, segments=r.segments(),
+                group_id=GroupId(r.group_id), attempt=AttemptId(r.attempt), index=r.index, segments=r.segments(),
                 reward=self.workload.reward(r.group_id, r.index, r.attempt)),))
             for r in finished
         ]  # fmt: skip
@@ -420,7 +446,7 @@ class World:
         """An episode's tool result is back. It resumes on the worker holding it (returned), or on the worker
         a migration in transit takes it to; if its lease was voided meanwhile, nothing happens."""
         r.tool_back = True
-        w = self.workers.get(r.holder)  # type: ignore[arg-type]
+        w = self.workers.get(r.holder) if r.holder is not None else None
         if w is None or not w.alive or not w.engine.is_parked(r):
             return None
         if self.before_change is not None:
