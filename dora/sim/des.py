@@ -38,15 +38,12 @@ Between two events a replica's batch is constant, so its progress is exact (no t
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import random
 import time
-from collections import Counter, deque
-from dataclasses import dataclass, field
+from collections import deque
 
 from dora.config import ConfigError
-from dora.config.sim import SimConfig
+from dora.config.sim import Placement, SimConfig
 from dora.core.core import Core
 from dora.core.events import (
     Action,
@@ -57,116 +54,59 @@ from dora.core.events import (
     Lease,
     Lend,
     Pin,
+    ReadySample,
     Reclaim,
     Revoke,
     Tick,
 )
 from dora.ids import Mode, WorkerId
 from dora.sim import lora
+from dora.sim.agenda import (
+    Agenda,
+    DecodeDue,
+    ExportDone,
+    Kill,
+    LoadDone,
+    Restart,
+    TickDue,
+    Timer,
+    ToolDone,
+    TrainDone,
+    YieldDone,
+)
 from dora.sim.bounds import kv_token_steps
 from dora.sim.engine import Request, decode_step_s
+from dora.sim.outcome import Counts, Occupancy, Outcome, StepRecord, Timeline, Totals
 from dora.sim.trainer import batch_train_s, replicas
 from dora.sim.workload import Workload
 from dora.sim.world import World
 
 
-@dataclass(slots=True)
-class StepRecord:
-    step: int
-    delivered_s: float
-    published_s: float = 0.0
-    tokens: int = 0
-    """Prompt + response tokens trained (plus tool observations, for agentic episodes)."""
-    response_tokens: int = 0
-    episodes: int = 0
-    turns: int = 0
-    """Assistant turns of the batch's episodes (multi-turn workloads; 0 otherwise)."""
-    bubble: float = 0.0
-    """(max - mean) / max of the batch's response lengths."""
-    train_s: float = 0.0
-    """Seconds the trainer computed on the batch (the role switch and the publish not counted)."""
-    kv_token_steps: float = 0.0
-    """The least KV its samples held over their decode steps (``dora.sim.bounds.kv_token_steps``; an episode as
-    one sample of all its turns, its tool results left out)."""
-
-
-@dataclass(slots=True)
-class Totals:
-    """Time integrals, sampled at every step boundary so a steady-state window can be cut out."""
-
-    t: float = 0.0
-    rollout_active_s: float = 0.0
-    rollout_only_s: float = 0.0
-    trainer_busy_s: float = 0.0
-    slot_s: float = 0.0
-    """Integral of running sequences over time (all workers)."""
-    capacity_s: float = 0.0
-    """Integral of (workers x max_slots) over the time rollout could run."""
-    tool_wait_s: float = 0.0
-    """Integral of episodes waiting on a tool call over time (all workers)."""
-    busy_worker_s: float = 0.0
-    """Integral of workers decoding over time."""
-
-    def minus(self, other: Totals) -> Totals:
-        return Totals(*(getattr(self, f) - getattr(other, f) for f in Totals.__slots__))
-
-
-@dataclass(slots=True)
-class Outcome:
-    """Everything one simulated run measured; ``dora.sim.metrics`` turns it into the reported numbers."""
-
-    mode: Mode
-    staleness_bound: int
-    placement: str
-    rollout_workers: int
-    trainer_gpus: int
-    elastic_workers: int
-    wall_s: float
-    steps: list[StepRecord]
-    totals_at_step: list[Totals]
-    """Totals at the end of every step (index i = after step i)."""
-    staleness: Counter[int]
-    c1_violations: int
-    mixed_version_trajectories: int
-    trained: list[int]
-    dropped_lengths: list[int]
-    trained_lengths: list[int]
-    groups_dispatched: int
-    groups_in_flight: int
-    migrated_groups: int
-    migrated_requests: int
-    reprefill_tokens: int
-    requeued: int
-    rebalances: int
-    worker_moves: int
-    preemptions: int
-    max_live_versions: int
-    groups_filtered: int = 0
-    """Groups consumed as filtered (every reward equal, ``core.filter_uniform``): generated, never trained."""
-    filtered_tokens: int = 0
-    """Response tokens of those groups: decoded for nothing (what refilling costs)."""
-    resume_prefill_tokens: int = 0
-    """Context re-prefilled because an episode resumed after a tool call without its KV cache."""
-    kv_evictions: int = 0
-    """Parked episodes' KV caches evicted for running sequences."""
-    decision_s: float = 0.0
-    """Wall-clock seconds the core took deciding, over the whole run (what orchestration costs at this fleet
-    size, measured on the production core)."""
-    yields: int = 0
-    """Times an elastic worker yielded its accelerators to the trainer."""
-    loads: int = 0
-    """Versions loaded by workers (``Pin``s; resumes after a yield not counted)."""
-    load_s: float = 0.0
-    """Seconds of those loads, summed over workers."""
-    load_bytes: float = 0.0
-    """Bytes workers received for them (adapters with LoRA, full weights otherwise)."""
-    keeping_assigns: int = 0
-    """Loads of a multi-version worker that kept older versions beside the new one (groups of them ran there)."""
-    max_versions_held: int = 1
-    """Most versions one worker held at once."""
-    tokens_decoded_while_loading: float = 0.0
-    """Tokens workers decoded while they loaded a version (only multi-version workers can)."""
-    timeline: dict[str, list[tuple[float, float, int, str]]] = field(default_factory=dict)
+def split(
+    cfg: SimConfig, placement: Placement, rollout_gpus: int | None, elastic_gpus: int | None
+) -> tuple[int, int, int]:
+    """The placement's split of the cluster: (rollout workers, the elastic ones among them, the trainer's
+    accelerators); ``rollout_gpus`` and ``elastic_gpus`` override the config's. A split that leaves either side
+    nothing raises ``ConfigError``."""
+    cl = cfg.cluster
+    g = cl.gpus_per_worker
+    if placement == "colocated":
+        n_workers = n_elastic = cl.total_gpus // g
+    elif placement == "elastic":
+        n_workers = (rollout_gpus or cl.rollout_gpus or cl.total_gpus) // g
+        eg = elastic_gpus or cl.elastic_gpus or n_workers * g // 2
+        n_elastic = min(n_workers, eg // g)
+    else:
+        rg = rollout_gpus or cl.rollout_gpus or cl.total_gpus // 2
+        n_workers, n_elastic = max(1, rg // g), 0
+    trainer_gpus = cl.total_gpus - (n_workers - n_elastic) * g
+    if trainer_gpus < 1 or n_workers < 1:
+        raise ConfigError(f"no accelerator left to train or to roll out: {n_workers} workers of {g} GPUs, "
+                          f"{n_elastic} elastic, of {cl.total_gpus}")  # fmt: skip
+    if replicas(cfg.trainer, trainer_gpus) < 1:
+        raise ConfigError(f"the trainer's {trainer_gpus} accelerators make no data-parallel replica of "
+                          f"trainer.model_parallel_gpus = {cfg.trainer.model_parallel_gpus}")  # fmt: skip
+    return n_workers, n_elastic, trainer_gpus
 
 
 class Simulation:
@@ -186,82 +126,65 @@ class Simulation:
         self.cfg = lora.priced(cfg.for_mode(mode))
         self.costs = lora.costs(self.cfg)
         self.mode = mode
-        cl = cfg.cluster
-        self.placement = cl.placement_of(mode)
-        g = cl.gpus_per_worker
-        if self.placement == "colocated":
-            self.n_workers = self.n_elastic = cl.total_gpus // g
-        elif self.placement == "elastic":
-            self.n_workers = (rollout_gpus or cl.rollout_gpus or cl.total_gpus) // g
-            eg = elastic_gpus or cl.elastic_gpus or self.n_workers * g // 2
-            self.n_elastic = min(self.n_workers, eg // g)
-        else:
-            rg = rollout_gpus or cl.rollout_gpus or cl.total_gpus // 2
-            self.n_workers, self.n_elastic = max(1, rg // g), 0
-        self.trainer_gpus = cl.total_gpus - (self.n_workers - self.n_elastic) * g
-        if self.trainer_gpus < 1 or self.n_workers < 1:
-            raise ConfigError(f"no accelerator left to train or to roll out: {self.n_workers} workers of {g} GPUs, "
-                             f"{self.n_elastic} elastic, of {cl.total_gpus}")  # fmt: skip
-        if replicas(cfg.trainer, self.trainer_gpus) < 1:
-            raise ConfigError(f"the trainer's {self.trainer_gpus} accelerators make no data-parallel replica of "
-                              f"trainer.model_parallel_gpus = {cfg.trainer.model_parallel_gpus}")  # fmt: skip
-        link = cl.host_link_bytes_per_s
-        self.worker_link = link * g
+        self.placement = cfg.cluster.placement_of(mode)
+        self.n_workers, self.n_elastic, self.trainer_gpus = split(cfg, self.placement, rollout_gpus, elastic_gpus)
+        self._price_role_switches(cfg)
+        self.eng = cfg.engine
+        self.core = Core(self.cfg.core, strict=strict)
+        self.world = self._make_world(cfg)
+        self.now = 0.0
+        self._agenda = Agenda()
+        self._inbox: deque[Event] = deque()
+        """Events the core is yet to handle at ``now``."""
+        self._touched: set[WorkerId] = set()
+        """Workers to reschedule once the inbox is empty."""
+        self._feeding = False
+        self._last: dict[WorkerId, float] = {}
+        """When each worker was last brought up to ``now``."""
+        self._debt_s: dict[WorkerId, float] = {}
+        """Seconds of prefill each worker pays before it decodes again."""
+        self._epoch: dict[WorkerId, int] = {}
+        """Each worker's reschedulings: a ``DecodeDue`` of an earlier one is stale."""
+        self._offloaded: dict[WorkerId, float] = {}
+        """Bytes a yielded worker put in host memory (weights, held KV), loaded back when it resumes."""
+        self.occupancy = Occupancy()
+        self.counts = Counts()
+        self._training = False
+        self._acct_t = 0.0
+        self.totals = Totals()
+        self.totals_at_step: list[Totals] = []
+        self.steps: list[StepRecord] = []
+        self._trained_samples: list[list[ReadySample]] = []
+        self.timeline = Timeline() if timeline else None
+        self._faults_at_step = self._plan_faults(cfg, deaths)
+
+    def _price_role_switches(self, cfg: SimConfig) -> None:
+        link = cfg.cluster.host_link_bytes_per_s
+        self.worker_link = link * cfg.cluster.gpus_per_worker
         """Host-memory bytes/s of one replica (0: role switches are free)."""
         state = self.cfg.trainer.state_bytes
         self.switch_s = 2 * state / (self.trainer_gpus * link) if link and self.n_elastic else 0.0
         """The trainer's state onto its shared accelerators before a step and off them after it."""
-        self.eng = cfg.engine
-        self.core = Core(self.cfg.core, strict=strict)
-        self.world = World(
+
+    def _make_world(self, cfg: SimConfig) -> World:
+        world = World(
             group_size=self.cfg.core.group_size, train_groups=self.cfg.core.train_groups,
             max_staleness=self.cfg.core.staleness, workload=Workload(cfg.workload, cfg.run.seed),
             mixed_versions_allowed=self.cfg.core.in_flight_swap, max_running=self.eng.max_slots,
             kv_budget_tokens=self.eng.kv_budget_tokens, kv_transfer=self.eng.kv_transfer, keep_kv=self.eng.keep_kv,
             yield_kv=self.eng.yield_kv,
         )  # fmt: skip
-        self.world.before_change = self._advance
-        self.world.on_turn_end = self._tool_call
-        self.now = 0.0
-        self._queue: list[tuple[float, int, str, object]] = []
-        self._seq = itertools.count()
-        self._pending_work = 0
-        self._inbox: deque[Event] = deque()
-        self._touched: set[WorkerId] = set()
-        self._feeding = False
-        self._last: dict[WorkerId, float] = {}
-        self._debt_s: dict[WorkerId, float] = {}
-        self._epoch: dict[WorkerId, int] = {}
-        self._running: dict[WorkerId, int] = {}
-        self._n_busy = 0
-        self._n_running = 0
-        self._parked: dict[WorkerId, int] = {}
-        self._n_parked = 0
-        self._serving: dict[WorkerId, bool] = {}
-        self._n_serving = 0
-        """Alive workers that hold their accelerators (not yielded to the trainer)."""
-        self._offloaded: dict[WorkerId, float] = {}
-        """Bytes a yielded worker put in host memory (weights, held KV), loaded back when it resumes."""
-        self.yields = 0
-        self.loads = self.keeping_assigns = 0
-        self.load_s = self.load_bytes = self.tokens_while_loading = 0.0
-        self.max_held = 1
-        self.decision_s = 0.0
-        """Wall-clock seconds spent in the core's decisions."""
-        self._training = False
-        self._acct_t = 0.0
-        self.totals = Totals()
-        self.totals_at_step: list[Totals] = []
-        self.steps: list[StepRecord] = []
-        self.max_alive = 1
-        self.moves = 0
-        self._trained_samples: list[list] = []
-        self.record_timeline = timeline
-        self.timeline: dict[str, list[tuple[float, float, int, str]]] = {}
-        self._state: dict[WorkerId, tuple[float, int, str]] = {}
+        world.before_change = self._advance
+        world.on_turn_end = self._tool_call
+        return world
+
+    def _plan_faults(
+        self, cfg: SimConfig, deaths: tuple[tuple[float, int], ...] | None
+    ) -> dict[int, list[tuple[float, int]]]:
+        """Kills at the times given (``deaths``), or else ``run.faults`` kills after train steps (returned)."""
         for t, idx in deaths or ():
-            self._at(t, "kill", idx)
-        self._faults_at_step = self.fault_schedule(cfg) if deaths is None else {}
+            self._agenda.at(t, Kill(idx))
+        return self.fault_schedule(cfg) if deaths is None else {}
 
     @staticmethod
     def fault_schedule(cfg: SimConfig) -> dict[int, list[tuple[float, int]]]:
@@ -273,10 +196,6 @@ class Simulation:
         return plan
 
     # ------------------------------------------------------------------ plumbing
-
-    def _at(self, t: float, kind: str, arg: object = None) -> None:
-        heapq.heappush(self._queue, (t, next(self._seq), kind, arg))
-        self._pending_work += kind != "tick"
 
     def _feed(self, event: Event | None) -> None:
         """Hand an event to the core; events it causes at the same instant are queued, not nested."""
@@ -290,10 +209,10 @@ class Simulation:
                 while self._inbox:
                     started = time.perf_counter()
                     actions = self.core.handle(self.now, self._inbox.popleft())
-                    self.decision_s += time.perf_counter() - started
+                    self.counts.decision_s += time.perf_counter() - started
                     self.world.apply(actions)
                     self._react(actions)
-                    self.max_alive = max(self.max_alive, len(self.core.view.alive()))
+                    self.counts.max_live_versions = max(self.counts.max_live_versions, len(self.core.view.alive()))
                 touched, self._touched = self._touched, set()
                 for w in sorted(touched):
                     self._reschedule(w)
@@ -306,25 +225,25 @@ class Simulation:
                 case Lease() | ImportGroup() | Revoke():
                     self._touched.add(a.worker_id)
                 case Pin():
-                    self.moves += 1
-                    self.loads += 1
-                    self.load_s += self.costs.load_s
-                    self.load_bytes += self.costs.load_bytes
-                    self.keeping_assigns += bool(a.keep)
-                    self.max_held = max(self.max_held, len(set(a.keep) | {a.version}))
+                    c = self.counts
+                    c.loads += 1
+                    c.load_s += self.costs.load_s
+                    c.load_bytes += self.costs.load_bytes
+                    c.keeping_assigns += bool(a.keep)
+                    c.max_versions_held = max(c.max_versions_held, len(set(a.keep) | {a.version}))
                     done = self.now + self._woken(a.worker_id) + self.costs.load_s
-                    self._at(done, "loaded", (a.worker_id, a.version))
+                    self._agenda.at(done, LoadDone(a.worker_id, a.version))
                     self._touched.add(a.worker_id)
                 case Lend():
-                    self.yields += 1
+                    self.counts.yields += 1
                     w = self.world.workers[a.worker_id]
                     held = w.engine.kv_used() + w.engine.parked_kv if self.eng.yield_kv == "offload" else 0.0
                     self._offloaded[a.worker_id] = self.eng.weight_bytes + held * self.eng.kv_bytes_per_token
-                    self._at(self.now + self._over_link(self._offloaded[a.worker_id]), "yielded", a.worker_id)
+                    self._agenda.at(self.now + self._over_link(self._offloaded[a.worker_id]), YieldDone(a.worker_id))
                     self._touched.add(a.worker_id)
                 case Reclaim():
                     back = self._woken(a.worker_id) + self._over_link(self._offloaded.pop(a.worker_id, 0.0))
-                    self._at(self.now + back, "loaded", (a.worker_id, a.version))
+                    self._agenda.at(self.now + back, LoadDone(a.worker_id, a.version))
                     self._touched.add(a.worker_id)
                 case ExportGroup():
                     w = self.world.workers[a.worker_id]
@@ -335,7 +254,7 @@ class Simulation:
                         if self.eng.kv_transfer
                         else 0.0
                     )
-                    self._at(self.now + ship, "export", (a.worker_id, a.group_id))
+                    self._agenda.at(self.now + ship, ExportDone(a.worker_id, a.group_id))
                     self._touched.add(a.worker_id)
                 case DeliverBatch(redelivery=False):
                     self._start_training(a)
@@ -376,25 +295,26 @@ class Simulation:
                          kv_token_steps=kv)  # fmt: skip
         self.steps.append(rec)
         for delay, victim in self._faults_at_step.get(batch.step, ()):
-            self._at(self.now + delay, "kill", victim)
+            self._agenda.at(self.now + delay, Kill(victim))
         self._account()
         self._training = True
         train_s = rec.train_s + self.switch_s + self.cfg.trainer.publish_s
-        self._at(self.now + train_s, "trained")
+        self._agenda.at(self.now + train_s, TrainDone())
 
     def _account(self) -> None:
         dt = self.now - self._acct_t
         if dt > 0:
             t = self.totals
             t.t += dt
-            active = self._n_busy > 0
+            n = self.occupancy
+            active = n.n_busy > 0
             t.rollout_active_s += dt * active
             t.rollout_only_s += dt * (active and not self._training)
             t.trainer_busy_s += dt * self._training
-            t.slot_s += dt * self._n_running
-            t.tool_wait_s += dt * self._n_parked
-            t.busy_worker_s += dt * self._n_busy
-            t.capacity_s += dt * self._n_serving * self.eng.max_slots
+            t.slot_s += dt * n.n_running
+            t.tool_wait_s += dt * n.n_parked
+            t.busy_worker_s += dt * n.n_busy
+            t.capacity_s += dt * n.n_serving * self.eng.max_slots
         self._acct_t = self.now
 
     def _decoding(self, worker: WorkerId) -> bool:
@@ -418,7 +338,7 @@ class Simulation:
             return
         steps = (dt - pay) / decode_step_s(self.eng, len(w.engine.running))
         if w.loading is not None:
-            self.tokens_while_loading += steps * len(w.engine.running)
+            self.counts.tokens_decoded_while_loading += steps * len(w.engine.running)
         done = self.world.decode(worker, steps + 1e-9)  # the epsilon also settles a request due right now
         if done or steps > 0:
             self._inbox.extend(done)
@@ -436,36 +356,22 @@ class Simulation:
         if steps is None:
             return
         t = self.now + self._debt_s.get(worker, 0.0) + steps * decode_step_s(self.eng, len(w.engine.running))
-        self._at(t, "decode", (worker, self._epoch[worker]))
+        self._agenda.at(t, DecodeDue(worker, self._epoch[worker]))
 
     def _refresh(self, worker: WorkerId) -> None:
         """Keep the fleet-wide counts (and the timeline) in step with one worker's state."""
         w = self.world.workers[worker]
         running = len(w.engine.running) if self._decoding(worker) else 0
-        old = self._running.get(worker, 0)
-        self._n_running += running - old
-        self._n_busy += (running > 0) - (old > 0)
-        self._running[worker] = running
-        parked = len(w.engine.parked)
-        self._n_parked += parked - self._parked.get(worker, 0)
-        self._parked[worker] = parked
-        serving = w.alive and not w.yielded
-        self._n_serving += serving - self._serving.get(worker, False)
-        self._serving[worker] = serving
-        if self.record_timeline:
+        self.occupancy.update(worker, running, len(w.engine.parked), w.alive and not w.yielded)
+        if self.timeline is not None:
             kind = ("dead" if not w.alive else "train" if w.yielded else "load" if w.loading is not None
                     else "busy" if len(w.engine) else "idle")  # fmt: skip
             version = w.loading if w.loading is not None else (w.loaded if w.loaded is not None else -1)
-            state = (version, kind)
-            prev = self._state.get(worker)
-            if prev is None or prev[1:] != state:
-                if prev is not None and self.now > prev[0]:
-                    self.timeline.setdefault(worker, []).append((prev[0], self.now, prev[1], prev[2]))
-                self._state[worker] = (self.now, *state)
+            self.timeline.note(worker, self.now, version, kind)
 
     def _tool_call(self, worker: WorkerId, r: Request) -> None:
         """An episode ended a turn on ``worker``: its tool answers after the call's seconds of wall clock."""
-        self._at(self.now + r.tools_s[r.turn - 1], "tool", r)
+        self._agenda.at(self.now + r.tools_s[r.turn - 1], ToolDone(r))
         self._touched.add(worker)
 
     # ------------------------------------------------------------------ run
@@ -475,29 +381,27 @@ class Simulation:
             self._feed(self.world.join(self.eng.credit, elastic=i >= self.n_workers - self.n_elastic,
                                        holds=self.costs.holds))  # fmt: skip
         self._feed(self.world.request_batch())
-        self._at(self.cfg.run.tick_s, "tick")
+        self._agenda.at(self.cfg.run.tick_s, TickDue())
         for _ in range(max_events):
-            if self.world.learner.finished or not self._queue or not self._pending_work:
+            if self.world.learner.finished or not self._agenda or not self._agenda.pending:
                 break
-            self.now, _, kind, arg = heapq.heappop(self._queue)
-            self._pending_work -= kind != "tick"
+            self.now, timer = self._agenda.pop()
             self._account()
-            self._dispatch(kind, arg)
+            self._fire(timer)
         if not self.world.learner.finished:
             raise RuntimeError(f"simulation of {self.mode.value} stopped at step {self.core.step}: deadlock")
         self._account()
-        if self.record_timeline:
+        if self.timeline is not None:
             for w in self.world.workers:
                 self._refresh(w)
-                prev = self._state.get(w)
-                if prev is not None and self.now > prev[0]:
-                    self.timeline.setdefault(w, []).append((prev[0], self.now, prev[1], prev[2]))
+                self.timeline.close(w, self.now)
         return self._outcome()
 
     def _outcome(self) -> Outcome:
         lr = self.world.learner
         view = self.core.view
         totals, filtered = view.totals(), view.filtered()
+        c = self.counts
         trained_lengths = [sum(n for _, n in s.segments) for b in self._trained_samples for s in b]
         return Outcome(
             mode=self.mode, staleness_bound=self.cfg.core.staleness, placement=self.placement,
@@ -512,64 +416,64 @@ class Simulation:
                                 for i in range(self.cfg.core.group_size)),
             migrated_groups=totals.migrated_groups, migrated_requests=totals.migrated_requests,
             reprefill_tokens=self.world.reprefill_tokens, requeued=totals.requeued,
-            rebalances=self.core.rebalances, worker_moves=self.moves,
+            rebalances=self.core.rebalances, worker_moves=c.loads,
             preemptions=sum(w.engine.preemptions for w in self.world.workers.values()),
-            max_live_versions=self.max_alive, timeline=self.timeline,
+            max_live_versions=c.max_live_versions, timeline=self.timeline.spans if self.timeline else {},
             resume_prefill_tokens=sum(w.engine.resume_prefill for w in self.world.workers.values()),
-            kv_evictions=sum(w.engine.evictions for w in self.world.workers.values()), yields=self.yields,
-            decision_s=self.decision_s, loads=self.loads, load_s=self.load_s, load_bytes=self.load_bytes,
-            keeping_assigns=self.keeping_assigns, max_versions_held=self.max_held,
-            tokens_decoded_while_loading=self.tokens_while_loading,
+            kv_evictions=sum(w.engine.evictions for w in self.world.workers.values()), yields=c.yields,
+            decision_s=c.decision_s, loads=c.loads, load_s=c.load_s, load_bytes=c.load_bytes,
+            keeping_assigns=c.keeping_assigns, max_versions_held=c.max_versions_held,
+            tokens_decoded_while_loading=c.tokens_decoded_while_loading,
         )  # fmt: skip
 
-    def _dispatch(self, kind: str, arg: object) -> None:
-        match kind:
-            case "decode":
-                worker, epoch = arg  # type: ignore[misc]
+    def _fire(self, timer: Timer) -> None:
+        match timer:
+            case DecodeDue(worker, epoch):
                 if self._epoch.get(worker) == epoch:
                     self._touched.add(worker)  # rescheduling catches its clock up first
                     self._feed(None)
-            case "loaded":
-                worker, version = arg  # type: ignore[misc]
+            case LoadDone(worker, version):
                 w = self.world.workers[worker]
                 if w.alive and w.loading == version:
                     self._advance(worker)
                     self._feed(self.world.finish_load(worker))
                     self._touched.add(worker)
                     self._feed(None)
-            case "yielded":
-                w = self.world.workers[arg]  # type: ignore[index]
+            case YieldDone(worker):
+                w = self.world.workers[worker]
                 if w.alive and w.yield_pending:
-                    self._advance(arg)  # type: ignore[arg-type]
-                    self._feed(self.world.finish_yield(arg))  # type: ignore[arg-type]
-            case "export":
-                worker, group = arg  # type: ignore[misc]
+                    self._advance(worker)
+                    self._feed(self.world.finish_yield(worker))
+            case ExportDone(worker, group):
                 w = self.world.workers[worker]
                 if w.alive and group in w.exporting:
                     self._feed(self.world.finish_export(worker, group))
-            case "tool":
-                worker = self.world.tool_returned(arg)  # type: ignore[arg-type]
-                if worker is not None:
-                    self._touched.add(worker)
+            case ToolDone(request):
+                holder = self.world.tool_returned(request)
+                if holder is not None:
+                    self._touched.add(holder)
                     self._feed(None)
-            case "trained":
+            case TrainDone():
                 self._finish_training()
-            case "tick":
+            case TickDue():
                 for w in self.world.alive_workers():
                     self._touched.add(w.worker_id)
                 self._feed(Tick())
-                self._at(self.now + self.cfg.run.tick_s, "tick")
-            case "kill":
-                live = self.world.alive_workers()
-                if live:
-                    victim = live[int(arg) % len(live)]  # type: ignore[call-overload]
-                    self._advance(victim.worker_id)
-                    self._feed(self.world.kill(victim.worker_id))
-                    self._touched.add(victim.worker_id)
-                    self._at(self.now + self.cfg.run.restart_s, "join", victim.elastic)
-                    self._feed(None)
-            case "join":  # a restarted worker, in the role it had
-                self._feed(self.world.join(self.eng.credit, elastic=bool(arg), holds=self.costs.holds))
+                self._agenda.at(self.now + self.cfg.run.tick_s, TickDue())
+            case Kill(victim):
+                self._kill(victim)
+            case Restart(elastic):  # a restarted worker, in the role it had
+                self._feed(self.world.join(self.eng.credit, elastic=elastic, holds=self.costs.holds))
+
+    def _kill(self, victim: int) -> None:
+        live = self.world.alive_workers()
+        if live:
+            w = live[victim % len(live)]
+            self._advance(w.worker_id)
+            self._feed(self.world.kill(w.worker_id))
+            self._touched.add(w.worker_id)
+            self._agenda.at(self.now + self.cfg.run.restart_s, Restart(w.elastic))
+            self._feed(None)
 
     def _finish_training(self) -> None:
         batch = self.world.learner.batch

@@ -18,7 +18,7 @@ from typing import Any
 from dora.config.sim import SimConfig
 from dora.sim import lora
 from dora.sim.bounds import decode_replica_s, step_bound
-from dora.sim.des import Outcome, Totals
+from dora.sim.outcome import Outcome, Totals
 
 LENGTH_BUCKETS = (0, 1024, 2048, 4096, 8192, 16384, 1 << 62)
 
