@@ -11,8 +11,9 @@ from typing import Any, Literal
 from dora.config import ConfigError
 from dora.config.sim import SimConfig
 from dora.ids import Mode
-from dora.sim.des import Outcome, Simulation
+from dora.sim.des import Simulation
 from dora.sim.metrics import summarize
+from dora.sim.outcome import Outcome
 
 Pool = Literal["rollout_gpus", "elastic_gpus"]
 """The accelerators a split search sizes: the rollout pool (disaggregated) or the elastic workers (elastic)."""
