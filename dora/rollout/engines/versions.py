@@ -10,7 +10,7 @@ current one, the newest loaded (C1: every token of a request from that one versi
 from __future__ import annotations
 
 from collections.abc import Set
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from dora.rollout.engines.base import EngineError
 
@@ -58,3 +58,35 @@ class Versions(Generic[H]):
         leave."""
         self.by_version = {v: h for v, h in self.by_version.items() if v in kept} | {version: self.handle}
         self.current = version
+
+
+class HoldsVersions:
+    """What an engine says of the versions it holds, read from its ``versions``. ``adapted``: its versions are
+    adapters (a load or a relabel keeps the versions requests still name); ``named``: those versions."""
+
+    versions: Versions[Any]
+
+    @property
+    def adapted(self) -> bool:
+        raise NotImplementedError
+
+    def named(self, keep: frozenset[int] = frozenset()) -> set[int]:
+        raise NotImplementedError
+
+    @property
+    def version(self) -> int | None:
+        """The current version: the newest loaded, which requests run under unless they name another."""
+        return self.versions.current
+
+    @property
+    def max_versions(self) -> int:
+        """The versions the engine holds at most."""
+        return self.versions.most
+
+    def relabel(self, version: int) -> None:
+        """Label the current weights ``version`` (a version that carries no weights, as the sim learner's)."""
+        self.versions.relabel(version, self.named() if self.adapted else frozenset())
+
+    def held_versions(self) -> set[int]:
+        """The versions a request may name now."""
+        return self.versions.held()

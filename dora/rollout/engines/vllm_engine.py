@@ -64,7 +64,7 @@ from dora.hf.lora import VLLM_RANKS, check_base
 from dora.ids import Finish
 from dora.rollout.engines.base import EngineError, Sample, SampleState
 from dora.rollout.engines.torch.engine import hash_seed, read_weights
-from dora.rollout.engines.versions import Versions
+from dora.rollout.engines.versions import HoldsVersions, Versions
 from dora.store import model_digest
 
 if TYPE_CHECKING:
@@ -85,7 +85,7 @@ class Request(Sample):
     vLLM requests names it, whatever the engine loads meanwhile."""
 
 
-class VllmEngine:
+class VllmEngine(HoldsVersions):
     name = "vllm"
 
     def __init__(self, model_dir: str | pathlib.Path, *, max_slots: int = 64, kv_cache_bytes: int | None = 64 << 20,
@@ -148,22 +148,8 @@ class VllmEngine:
         return len(self.requests) + len(self.held or ())
 
     @property
-    def version(self) -> int | None:
-        """The current version: the newest loaded, which requests run under unless they name another."""
-        return self.versions.current
-
-    @property
-    def max_versions(self) -> int:
-        """The versions the engine holds at most."""
-        return self.versions.most
-
-    def relabel(self, version: int) -> None:
-        """Label the current weights ``version`` (a version that carries no weights, as the sim learner's)."""
-        self.versions.relabel(version, self.named() if self.lora is not None else frozenset())
-
-    def held_versions(self) -> set[int]:
-        """The versions a request may name now."""
-        return self.versions.held()
+    def adapted(self) -> bool:
+        return self.lora is not None
 
     def named(self, keep: frozenset[int] = frozenset()) -> set[int]:
         """The versions a request here still runs under (in vLLM, or held while asleep), and ``keep``."""

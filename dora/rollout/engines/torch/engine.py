@@ -73,7 +73,7 @@ from dora.rollout.engines.base import EngineError, Sample, SampleState
 from dora.rollout.engines.torch.adapters import Adapters
 from dora.rollout.engines.torch.attention import install
 from dora.rollout.engines.torch.batch import Running
-from dora.rollout.engines.versions import Versions
+from dora.rollout.engines.versions import HoldsVersions, Versions
 from dora.store import InPlaceUnfit, load_into, load_verified, model_digest
 
 log = structlog.get_logger()
@@ -110,7 +110,7 @@ def read_weights(version: int, path: str | pathlib.Path, digest: str | None, dev
         raise EngineError(str(e)) from None
 
 
-class TorchEngine:
+class TorchEngine(HoldsVersions):
     name = "torch"
 
     def __init__(self, model_dir: str | pathlib.Path, *, max_slots: int = 64, device: str = "cpu",
@@ -171,22 +171,8 @@ class TorchEngine:
             self.parking.reserve(module_tensors(self.model)[0])
 
     @property
-    def version(self) -> int | None:
-        """The current version: the newest loaded, which requests run under unless they name another."""
-        return self.versions.current
-
-    @property
-    def max_versions(self) -> int:
-        """The versions the engine holds at most."""
-        return self.versions.most
-
-    def relabel(self, version: int) -> None:
-        """Label the current weights ``version`` (a version that carries no weights, as the sim learner's)."""
-        self.versions.relabel(version, self.named() if self.adapters is not None else frozenset())
-
-    def held_versions(self) -> set[int]:
-        """The versions a request may name now."""
-        return self.versions.held()
+    def adapted(self) -> bool:
+        return self.adapters is not None
 
     def named(self, keep: frozenset[int] = frozenset()) -> set[int]:
         """The versions a request here still runs under (running or waiting), and ``keep``."""
