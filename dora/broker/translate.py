@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 
@@ -62,36 +62,29 @@ def all_accepted(headers: Sequence[m.SampleHeader]) -> list[Any]:
     return codec.encode_plain(m.ResultAcks, {"acks": acks})
 
 
+class Sampling(TypedDict):
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+
+
+def sampling(run: LiveRun, attempt: int) -> Sampling:
+    """How a leased group's samples are drawn, the same for its Generate and for a MigrateIn that continues it: the
+    run's token limit, temperature and top_p, and a seed of the run's and the attempt's."""
+    return Sampling(max_tokens=run.max_tokens, temperature=run.temperature, top_p=run.top_p,
+                    seed=(run.seed << 32) ^ attempt)  # fmt: skip
+
+
 def generate(a: ev.Lease, run: LiveRun, prompts: Prompts, epoch: int, seq: int = 0) -> m.Generate:
-    return m.Generate(
-        group_id=a.group_id,
-        attempt=a.attempt,
-        version=a.version,
-        prompt_ids=prompts(a.group_id),
-        n_samples=a.n_samples,
-        max_tokens=run.max_tokens,
-        temperature=run.temperature,
-        top_p=run.top_p,
-        seed=(run.seed << 32) ^ a.attempt,
-        broker_epoch=epoch,
-        seq=seq,
-    )
+    return m.Generate(group_id=a.group_id, attempt=a.attempt, version=a.version, prompt_ids=prompts(a.group_id),
+                      n_samples=a.n_samples, broker_epoch=epoch, seq=seq, **sampling(run, a.attempt))  # fmt: skip
 
 
 def migrate_in(a: ev.ImportGroup, run: LiveRun, prompts: Prompts) -> m.MigrateIn:
     """The target's command: the group's running requests (token prefixes) to continue on the same version."""
-    return m.MigrateIn(
-        group_id=a.group_id,
-        attempt=a.attempt,
-        version=a.version,
-        source=a.source,
-        prompt_ids=prompts(a.group_id),
-        requests=a.state,
-        max_tokens=run.max_tokens,
-        temperature=run.temperature,
-        top_p=run.top_p,
-        seed=(run.seed << 32) ^ a.attempt,
-    )
+    return m.MigrateIn(group_id=a.group_id, attempt=a.attempt, version=a.version, source=a.source,
+                       prompt_ids=prompts(a.group_id), requests=a.state, **sampling(run, a.attempt))  # fmt: skip
 
 
 def train_batch(batch: ev.DeliverBatch, prompts: Prompts) -> m.TrainBatch:
