@@ -64,7 +64,7 @@ class LiveRun:
     threads: int = 0
     """`dora run`: CPU threads per process (OMP_NUM_THREADS); 0 = this machine's cores shared out among the
     standalone workers and learner ranks, the elastic workers splitting the learner ranks' share. Oversubscribed
-    OpenMP threads spin against each other: CPU steps get 10-30x slower."""
+    OpenMP threads spin against each other and slow every CPU step manyfold (docs/benchmarks.md)."""
     worker_start_timeout_s: float = 600.0
     """`dora run`: seconds the rollout workers have, from their start, to join the broker, all of them (the first
     leases wait for the whole fleet); past it, `dora run` stops every process, prints each missing worker's last

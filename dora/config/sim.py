@@ -28,7 +28,7 @@ class RunSection:
     """Steps simulated after the measured ones, left out of the window's metrics. The core stops dispatching once
     the run's last batch is dispatched, so a run's last steps train work dispatched earlier with nothing new behind
     it: a window that ended there would count work done before it and none done for after it, which no long run
-    does (measured on the paper configs, 0 to 7% of tokens/s, more where the pool of work ahead is larger). While
+    does (docs/benchmarks.md, "Measurements the code is built on", has how much that overstates). While
     the cooldown runs, the core still dispatches for the steps after the window. None = K + 2."""
     search_steps: int = 8
     """Measured steps of each short run the split search tries (cluster.rollout_gpus or elastic_gpus left open):

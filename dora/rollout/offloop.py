@@ -1,8 +1,8 @@
 """The engine's blocking calls, off the worker's event loop.
 
 A decode step of a real engine can take longer than the broker's silence window: a prefill of long prompts, a first
-step that compiles or captures graphs, a step on a machine whose CPUs other work holds (a vLLM worker's first step
-took 13.6 s on a loaded 2-core machine). So does a full-weight load of several GB. The worker runs such calls on a
+step that compiles or captures graphs, a step on a machine whose CPUs other work holds (docs/benchmarks.md has a
+vLLM worker's first step on a loaded machine). So does a full-weight load of several GB. The worker runs such calls on a
 thread of its own and goes on heartbeating meanwhile: a worker busy in its engine is slow, not dead.
 
 One thread runs every such call, one at a time and in order, so an engine sees one thread (a CUDA context's current
