@@ -41,6 +41,7 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
+from dataclasses import fields
 
 from dora.config import ConfigError
 from dora.config.sim import Placement, SimConfig
@@ -418,12 +419,10 @@ class Simulation:
             reprefill_tokens=self.world.reprefill_tokens, requeued=totals.requeued,
             rebalances=self.core.rebalances, worker_moves=c.loads,
             preemptions=sum(w.engine.preemptions for w in self.world.workers.values()),
-            max_live_versions=c.max_live_versions, timeline=self.timeline.spans if self.timeline else {},
+            timeline=self.timeline.spans if self.timeline else {},
             resume_prefill_tokens=sum(w.engine.resume_prefill for w in self.world.workers.values()),
-            kv_evictions=sum(w.engine.evictions for w in self.world.workers.values()), yields=c.yields,
-            decision_s=c.decision_s, loads=c.loads, load_s=c.load_s, load_bytes=c.load_bytes,
-            keeping_assigns=c.keeping_assigns, max_versions_held=c.max_versions_held,
-            tokens_decoded_while_loading=c.tokens_decoded_while_loading,
+            kv_evictions=sum(w.engine.evictions for w in self.world.workers.values()),
+            **{f.name: getattr(c, f.name) for f in fields(Counts)},
         )  # fmt: skip
 
     def _fire(self, timer: Timer) -> None:

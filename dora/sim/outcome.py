@@ -51,7 +51,32 @@ class Totals:
 
 
 @dataclass(slots=True)
-class Outcome:
+class Counts:
+    """What the driver counts as the run goes, beside the core's own totals; an ``Outcome`` carries them."""
+
+    yields: int = 0
+    """Times an elastic worker yielded its accelerators to the trainer."""
+    loads: int = 0
+    """Versions loaded by workers (``Pin``s; resumes after a yield not counted)."""
+    load_s: float = 0.0
+    """Seconds of those loads, summed over workers."""
+    load_bytes: float = 0.0
+    """Bytes workers received for them (adapters with LoRA, full weights otherwise)."""
+    keeping_assigns: int = 0
+    """Loads of a multi-version worker that kept older versions beside the new one (groups of them ran there)."""
+    max_versions_held: int = 1
+    """Most versions one worker held at once."""
+    tokens_decoded_while_loading: float = 0.0
+    """Tokens workers decoded while they loaded a version (only multi-version workers can)."""
+    max_live_versions: int = 1
+    """Most versions alive at once."""
+    decision_s: float = 0.0
+    """Wall-clock seconds the core took deciding, over the whole run (what orchestration costs at this fleet
+    size, measured on the production core)."""
+
+
+@dataclass(slots=True, kw_only=True)
+class Outcome(Counts):
     """Everything one simulated run measured; ``dora.sim.metrics`` turns it into the reported numbers."""
 
     mode: Mode
@@ -79,7 +104,6 @@ class Outcome:
     rebalances: int
     worker_moves: int
     preemptions: int
-    max_live_versions: int
     groups_filtered: int = 0
     """Groups consumed as filtered (every reward equal, ``core.filter_uniform``): generated, never trained."""
     filtered_tokens: int = 0
@@ -88,23 +112,6 @@ class Outcome:
     """Context re-prefilled because an episode resumed after a tool call without its KV cache."""
     kv_evictions: int = 0
     """Parked episodes' KV caches evicted for running sequences."""
-    decision_s: float = 0.0
-    """Wall-clock seconds the core took deciding, over the whole run (what orchestration costs at this fleet
-    size, measured on the production core)."""
-    yields: int = 0
-    """Times an elastic worker yielded its accelerators to the trainer."""
-    loads: int = 0
-    """Versions loaded by workers (``Pin``s; resumes after a yield not counted)."""
-    load_s: float = 0.0
-    """Seconds of those loads, summed over workers."""
-    load_bytes: float = 0.0
-    """Bytes workers received for them (adapters with LoRA, full weights otherwise)."""
-    keeping_assigns: int = 0
-    """Loads of a multi-version worker that kept older versions beside the new one (groups of them ran there)."""
-    max_versions_held: int = 1
-    """Most versions one worker held at once."""
-    tokens_decoded_while_loading: float = 0.0
-    """Tokens workers decoded while they loaded a version (only multi-version workers can)."""
     timeline: dict[str, list[tuple[float, float, int, str]]] = field(default_factory=dict)
 
 
@@ -133,21 +140,6 @@ class Occupancy:
         self.parked[worker] = parked
         self.n_serving += serving - self.serving.get(worker, False)
         self.serving[worker] = serving
-
-
-@dataclass(slots=True)
-class Counts:
-    """What the driver counts as the run goes, beside the core's own totals (``Outcome``'s fields of these names)."""
-
-    yields: int = 0
-    loads: int = 0
-    load_s: float = 0.0
-    load_bytes: float = 0.0
-    keeping_assigns: int = 0
-    max_versions_held: int = 1
-    tokens_decoded_while_loading: float = 0.0
-    max_live_versions: int = 1
-    decision_s: float = 0.0
 
 
 @dataclass(slots=True)
