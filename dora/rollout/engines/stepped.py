@@ -17,12 +17,13 @@ result's segments name the version its request ran under. Evaluation requests ru
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from dora.ids import AttemptId, Finish, GroupId
 from dora.rollout.engines.base import Sample, SampleState, StepEngine, WorkerEngine, ran_under
+from dora.rollout.engines.versions import ReadsVersions, Versions
 from dora.samples import FinishedSample
 from dora.tasks.prompts import TaskRun
 from dora.wire import messages as m
@@ -31,11 +32,19 @@ if TYPE_CHECKING:
     from dora.rollout.episodes import Episodes
 
 
-class StepWorkerEngine(WorkerEngine):
-    def __init__(self, engine: StepEngine[Any], task: TaskRun, held_out: TaskRun | None = None) -> None:
+class KeepsVersions(StepEngine[Any], Protocol):
+    """A step engine with its versions' bookkeeping (``dora.rollout.engines.versions``): the torch and vLLM engines."""
+
+    versions: Versions[Any]
+
+
+class StepWorkerEngine(ReadsVersions, WorkerEngine):
+    def __init__(self, engine: KeepsVersions, task: TaskRun, held_out: TaskRun | None = None) -> None:
         """``engine``: a TorchEngine or VllmEngine; ``held_out``: the evaluation rows, when the broker runs
         evaluation rounds (``evaluate``)."""
         self.engine = engine
+        self.versions = engine.versions
+        """The engine's own (one bookkeeping, read by both)."""
         self.name = engine.name
         self.task = task
         self.held_out = held_out
@@ -73,19 +82,6 @@ class StepWorkerEngine(WorkerEngine):
     @property
     def tokens_generated(self) -> int:
         return self.engine.tokens_generated
-
-    @property
-    def version(self) -> int | None:
-        return self.engine.version
-
-    @property
-    def max_versions(self) -> int:
-        """The versions the engine holds at most (1: full weights)."""
-        return self.engine.max_versions
-
-    def held_versions(self) -> set[int]:
-        """The versions a Generate or MigrateIn may name now."""
-        return self.engine.held_versions()
 
     def busy(self) -> bool:
         return len(self.engine) > 0 or bool(self.episodes)

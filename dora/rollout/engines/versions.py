@@ -60,18 +60,10 @@ class Versions(Generic[H]):
         self.current = version
 
 
-class HoldsVersions:
-    """What an engine says of the versions it holds, read from its ``versions``. ``adapted``: its versions are
-    adapters (a load or a relabel keeps the versions requests still name); ``named``: those versions."""
+class ReadsVersions:
+    """What an engine says of the versions it holds, read from its ``versions``."""
 
     versions: Versions[Any]
-
-    @property
-    def adapted(self) -> bool:
-        raise NotImplementedError
-
-    def named(self, keep: frozenset[int] = frozenset()) -> set[int]:
-        raise NotImplementedError
 
     @property
     def version(self) -> int | None:
@@ -80,13 +72,25 @@ class HoldsVersions:
 
     @property
     def max_versions(self) -> int:
-        """The versions the engine holds at most."""
+        """The versions the engine holds at most (1: full weights)."""
         return self.versions.most
+
+    def held_versions(self) -> set[int]:
+        """The versions a request (a Generate or MigrateIn) may name now."""
+        return self.versions.held()
+
+
+class HoldsVersions(ReadsVersions):
+    """An engine that keeps its ``versions`` itself. ``adapted``: its versions are adapters (a load or a relabel
+    keeps the versions requests still name); ``named``: those versions."""
+
+    @property
+    def adapted(self) -> bool:
+        raise NotImplementedError
+
+    def named(self, keep: frozenset[int] = frozenset()) -> set[int]:
+        raise NotImplementedError
 
     def relabel(self, version: int) -> None:
         """Label the current weights ``version`` (a version that carries no weights, as the sim learner's)."""
         self.versions.relabel(version, self.named() if self.adapted else frozenset())
-
-    def held_versions(self) -> set[int]:
-        """The versions a request may name now."""
-        return self.versions.held()
