@@ -121,58 +121,45 @@ class Learner:
     finished: bool = False
 
 
+@dataclass(kw_only=True, eq=False)
 class World:
     """Fleet + learner state machine. ``apply`` takes the core's actions; the other methods make events."""
 
-    def __init__(
-        self,
-        *,
-        group_size: int,
-        train_groups: int,
-        max_staleness: int,
-        workload: Workload,
-        mixed_versions_allowed: bool = False,
-        max_running: int | None = None,
-        kv_budget_tokens: int | None = None,
-        kv_transfer: bool = True,
-        keep_kv: bool = True,
-        yield_kv: str = "offload",
-    ) -> None:
-        self.group_size = group_size
-        self.train_groups = train_groups
-        self.max_staleness = max_staleness
-        self.workload = workload
-        self.mixed_versions_allowed = mixed_versions_allowed
-        self.max_running = max_running
-        """Sequences an engine decodes at once (None: as many as it holds)."""
-        self.kv_budget_tokens = kv_budget_tokens if kv_budget_tokens is not None else 1 << 62
-        self.kv_transfer = kv_transfer
-        """Migration carries the KV cache (no re-prefill on the target)."""
-        self.keep_kv = keep_kv
-        """An episode waiting on a tool call keeps its KV cache (see ``dora.sim.engine``)."""
-        self.yield_kv = yield_kv
-        """What a yielding worker does with the KV of what it holds: "offload" (to host memory) or "drop"."""
-        self.on_turn_end: Callable[[WorkerId, Request], None] | None = None
-        """Called when an episode ends a turn and its tool call starts (None: the tool answers at once)."""
-        self.episodes: dict[tuple[int, int, int], tuple[int, int]] = {}
-        """(group, attempt, index) of finished multi-turn episodes -> (turns, observation tokens), for the trainer."""
-        self.workers: dict[WorkerId, SimWorker] = {}
-        self.learner = Learner()
-        self.retired: set[int] = set()
-        self.sent: list[ResultsReported] = []
-        """Every result ever sent, for replaying late or duplicated messages."""
-        self.attempts: dict[GroupId, AttemptId] = {}
-        """Each group's latest lease: the attempt whose samples it finished with (or runs now)."""
-        self.migrated_requests = 0
-        self.migrated_waiting = 0
-        """Migrated episodes that were waiting on a tool call (their state went along)."""
-        self.migrated_tokens = 0
-        self.reprefill_tokens = 0
-        self.refused = Counter[str]()
-        self.tokens_trained = 0
-        self.before_change: Callable[[WorkerId], None] | None = None
-        """Called before an action changes a live worker (the simulator catches its clock up first)."""
-        self._ids = 0
+    group_size: int
+    train_groups: int
+    max_staleness: int
+    workload: Workload
+    mixed_versions_allowed: bool = False
+    max_running: int | None = None
+    """Sequences an engine decodes at once (None: as many as it holds)."""
+    kv_budget_tokens: int = 1 << 62
+    kv_transfer: bool = True
+    """Migration carries the KV cache (no re-prefill on the target)."""
+    keep_kv: bool = True
+    """An episode waiting on a tool call keeps its KV cache (see ``dora.sim.engine``)."""
+    yield_kv: str = "offload"
+    """What a yielding worker does with the KV of what it holds: "offload" (to host memory) or "drop"."""
+    on_turn_end: Callable[[WorkerId, Request], None] | None = field(default=None, init=False)
+    """Called when an episode ends a turn and its tool call starts (None: the tool answers at once)."""
+    episodes: dict[tuple[int, int, int], tuple[int, int]] = field(default_factory=dict, init=False)
+    """(group, attempt, index) of finished multi-turn episodes -> (turns, observation tokens), for the trainer."""
+    workers: dict[WorkerId, SimWorker] = field(default_factory=dict, init=False)
+    learner: Learner = field(default_factory=Learner, init=False)
+    retired: set[int] = field(default_factory=set, init=False)
+    sent: list[ResultsReported] = field(default_factory=list, init=False)
+    """Every result ever sent, for replaying late or duplicated messages."""
+    attempts: dict[GroupId, AttemptId] = field(default_factory=dict, init=False)
+    """Each group's latest lease: the attempt whose samples it finished with (or runs now)."""
+    migrated_requests: int = field(default=0, init=False)
+    migrated_waiting: int = field(default=0, init=False)
+    """Migrated episodes that were waiting on a tool call (their state went along)."""
+    migrated_tokens: int = field(default=0, init=False)
+    reprefill_tokens: int = field(default=0, init=False)
+    refused: Counter[str] = field(default_factory=Counter, init=False)
+    tokens_trained: int = field(default=0, init=False)
+    before_change: Callable[[WorkerId], None] | None = field(default=None, init=False)
+    """Called before an action changes a live worker (the simulator catches its clock up first)."""
+    _ids: int = field(default=0, init=False)
 
     # ------------------------------------------------------------------ actions from the core
 
