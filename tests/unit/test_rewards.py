@@ -12,6 +12,7 @@ import pytest
 
 from dora.config import ConfigError
 from dora.ids import Finish
+from dora.rollout.engines.versions import Versions
 from dora.tasks import rewards, verify
 from dora.tasks.tasks import Item
 from dora.wire import codec, packed
@@ -258,7 +259,7 @@ def test_a_worker_sends_the_components_and_the_reason_with_its_sample():
             return rewards.score(self.fn, " ".join(map(str, tokens)), item("1"))
 
     class Engine:
-        name, version = "fake", 3
+        name, version, versions = "fake", 3, Versions(1, 3, None)
 
     sample = Sample(group_id=5, attempt=1, index=2, prompt=[1], max_tokens=4, temperature=1.0, top_p=1.0,
                     tokens=[7, 8], logprobs=[-0.5, -0.25], finish=Finish.STOP)  # fmt: skip
