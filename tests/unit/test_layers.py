@@ -245,12 +245,41 @@ def test_nothing_outside_the_core_reaches_its_parts():
     assert found == [], "read the core through Core.view"
 
 
+def probes_an_engine(source: str) -> list[int]:
+    """The lines of a module's source that ask an engine what it has (``getattr``/``hasattr`` on a name or an
+    attribute called ``engine``): an engine's capabilities are declared by ``WorkerEngine`` and ``StepEngine``."""
+    lines = []
+    for n in ast.walk(ast.parse(source)):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("getattr", "hasattr") and n.args:
+            target = n.args[0]
+            name = target.id if isinstance(target, ast.Name) else ""
+            name = target.attr if isinstance(target, ast.Attribute) else name
+            if name == "engine" or name.endswith("_engine"):
+                lines.append(n.lineno)
+    return sorted(lines)
+
+
+def test_no_engine_is_probed_for_what_it_has():
+    found = [
+        f"{path.relative_to(ROOT)}:{line}"
+        for path in sorted((ROOT / "dora").rglob("*.py"))
+        for line in probes_an_engine(path.read_text())
+    ]
+    assert found == [], "declare the capability on the engine's base class or protocol"
+
+
 # The checks themselves, on graphs with known faults: a rule that cannot fail proves nothing.
 
 
 def test_a_reach_into_the_core_is_found():
     src = "def f(core):\n    n = core.view.newest\n    return core.scheduler.flights, n\n"
     assert reaches_core_parts(src) == [3]
+
+
+def test_a_probe_of_an_engine_is_found():
+    src = "def f(self, engine):\n    a = getattr(self.engine, 'asleep', False)\n    b = hasattr(engine, 'evaluate')\n" \
+          "    return a, b, getattr(self.task, 'env', None)\n"
+    assert probes_an_engine(src) == [2, 3]
 
 
 def test_a_circle_through_three_packages_is_found():
