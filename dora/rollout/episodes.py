@@ -37,8 +37,8 @@ import numpy as np
 from dora import envs
 from dora.config import ConfigError
 from dora.config.run import TaskSection
-from dora.ids import Finish
-from dora.rollout.engines.base import SampleState, StepEngine, ran_under
+from dora.ids import AttemptId, Finish, GroupId
+from dora.rollout.engines.base import Sample, SampleState, StepEngine, ran_under
 from dora.samples import FinishedSample
 from dora.tasks.prompts import TaskRun, stop_ids
 from dora.tasks.tasks import Item
@@ -48,7 +48,7 @@ from dora.wire import messages as m
 
 @dataclass(slots=True, kw_only=True)
 class Episode:
-    seq: Any
+    seq: Sample
     """The engine's sequence: tokens, log-probs, loss mask so far."""
     item: Item
     turns: list[tuple[int, int, int]] = field(default_factory=list)
@@ -215,8 +215,7 @@ class Episodes:
     def _end(self, ep: Episode, finish: Finish, reason: str = "") -> None:
         self._close(ep)
         ep.seq.finish, ep.reason = finish, reason
-        if hasattr(ep.seq, "kv"):
-            ep.seq.kv = None  # the torch engine's kept cache: the episode is over
+        ep.seq.release()  # the episode is over: a cache kept for its next turn goes
         if reason:
             self.failures[reason.split(":")[0]] += 1
         self.finished.append(ep)
@@ -279,7 +278,7 @@ class Episodes:
         masked = bool(ep.reason) and self.cfg.env_failure == "mask"
         finish = Finish.LENGTH if seq.finish is None else seq.finish
         return FinishedSample(
-            group_id=seq.group_id, attempt=seq.attempt, index=seq.index,
+            group_id=GroupId(seq.group_id), attempt=AttemptId(seq.attempt), index=seq.index,
             segments=np.array([[ran_under(seq, self.engine), len(seq.tokens)]], dtype=np.int32),
             token_ids=np.array(seq.tokens, np.int32), logprobs=np.array(seq.logprobs, np.float32),
             reward=score(ep)[0], finish=finish, broker_epoch=broker_epoch,

@@ -83,6 +83,10 @@ class Sample:
     def key(self) -> tuple[int, int, int]:
         return self.group_id, self.attempt, self.index
 
+    def release(self) -> None:
+        """Let go of what the engine kept for it between turns (an ended episode's): nothing, unless an engine's
+        sample keeps its own cache."""
+
     def observe(self, tokens: list[int]) -> None:
         """Append an environment's tokens (not sampled: mask 0, log-prob 0) to a sample whose turn ended, and open
         its next turn (an engine's ``extend`` then queues it)."""

@@ -29,7 +29,7 @@ from dora.tasks.prompts import TaskRun
 from dora.wire import messages as m
 
 if TYPE_CHECKING:
-    from dora.rollout.episodes import Episodes
+    from dora.rollout.episodes import Episode, Episodes
 
 
 class KeepsVersions(StepEngine[Any], Protocol):
@@ -253,7 +253,6 @@ class StepWorkerEngine(ReadsVersions, WorkerEngine):
         self.evaluated.clear()
 
 
-def seq_of(sample: Any) -> Sample:
+def seq_of(sample: Sample | Episode) -> Sample:
     """A finished held-out sample's sequence: the sample itself, or an episode's."""
-    seq: Sample = getattr(sample, "seq", sample)
-    return seq
+    return sample if isinstance(sample, Sample) else sample.seq

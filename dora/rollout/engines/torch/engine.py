@@ -95,6 +95,9 @@ class Sequence(Sample):
         """Positions in its KV cache: the prompt and every sampled token but the newest (not yet fed)."""
         return len(self.prompt) + len(self.tokens) - 1
 
+    def release(self) -> None:
+        self.kv = None
+
 
 def read_weights(version: int, path: str | pathlib.Path, digest: str | None, device: str = "cpu") -> dict[str, Any]:
     """A published version's tensors, its digest checked first (``dora.store.load_verified``: one read of a private
