@@ -166,10 +166,7 @@ def load_into(path: str | pathlib.Path, digest: str, *, name: str, into: Mapping
     held, and the error raised (DigestMismatch naming the file and chunk). Raises InPlaceUnfit, before copying
     anything, when the digest has no chunks, no manifest vouches for them, or the tensors are not ``into``'s.
     Returns the version's tensors, views of its private mappings (what a later ``undo`` can copy back from)."""
-    import numpy as np
-    import torch
-
-    from dora.store.tensorfile import header, tensors
+    from dora.store.tensorfile import tensors
 
     want = Digest.parse(digest)
     if not want.chunk_bytes:
@@ -177,61 +174,104 @@ def load_into(path: str | pathlib.Path, digest: str, *, name: str, into: Mapping
     files = open_version(path, digest, name=name)
     if any(not m.chunks for m in files):
         raise InPlaceUnfit(f"{name}: no manifest beside {path} whose chunks make the published digest")
+    plans = _plans(files, want, name, into)
+    jobs = [job for plan in plans for job in _chunk_jobs(plan, into)]
+    try:
+        with ThreadPoolExecutor(max(1, min(threads, len(jobs))), thread_name_prefix="load") as pool:
+            good = list(pool.map(lambda job: _copy_chunk(job, want), jobs))
+        _check_chunks(plans, jobs, good, want)
+    except BaseException:
+        undo()
+        raise
+    out: dict[str, Any] = {}
+    for plan in plans:
+        out.update(tensors(plan.file.data, name=plan.what))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """One file of a version copied in place: its mapping, its name in errors, and its tensors' layout."""
+
+    file: Mapped
+    what: str
+    layout: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    """One chunk of a file to hash and copy: the file's bytes, the spans of ``into`` they fill (sorted)."""
+
+    file: Mapped
+    src: Any
+    spans: list[tuple[int, int, Any]]
+    starts: list[int]
+    chunk: int
+
+
+def _plans(files: list[Mapped], want: Digest, name: str, into: Mapping[str, torch.Tensor]) -> list[_Plan]:
+    """Each file's layout, its size and chunk count checked; InPlaceUnfit unless the tensors are ``into``'s."""
+    from dora.store.tensorfile import header
+
     plans = []
     for m in files:
         what = f"{name} at {m.file}"
         if len(m.data) != m.size or len(m.chunks) != -(-len(m.data) // want.chunk_bytes):
             raise DigestMismatch(f"{what}: the file has {len(m.data)} bytes, its manifest says {m.size} in "
                                  f"{len(m.chunks)} chunks (truncated or replaced)")  # fmt: skip
-        plans.append((m, what, header(m.data, name=what)))
-    if sorted(k for _, _, layout in plans for k in layout) != sorted(into):
+        plans.append(_Plan(m, what, header(m.data, name=what)))
+    if sorted(k for plan in plans for k in plan.layout) != sorted(into):
         raise InPlaceUnfit(f"{name}: its tensors are not the model's")
-    jobs = []
-    for m, what, layout in plans:
-        spans = []
-        for key, (dtype, shape, offset, count) in layout.items():
-            t = into[key]
-            if t.dtype != dtype or list(t.shape) != shape or not t.is_contiguous() or t.device.type != "cpu":
-                raise InPlaceUnfit(f"{what}: tensor {key!r} differs from the model's in dtype, shape or layout")
-            if count:
-                spans.append((offset, offset + count * dtype.itemsize, t.view(-1).view(torch.uint8).numpy()))
-        spans.sort(key=lambda s: s[0])
-        src = np.frombuffer(m.data, dtype=np.uint8)
-        jobs += [(m, src, spans, [s[0] for s in spans], i) for i in range(len(m.chunks))]
+    return plans
 
-    def chunk(job: tuple[Mapped, Any, list[Any], list[int], int]) -> bool:
-        m, src, spans, starts, i = job
-        size, step = len(m.data), want.chunk_bytes
-        lo, hi = i * step, min((i + 1) * step, size)
-        h = ALGOS[want.algo]()
-        j = max(0, bisect.bisect_right(starts, lo) - 1)
-        for p in range(lo, hi, IN_PLACE_PIECE_BYTES):
-            q = min(p + IN_PLACE_PIECE_BYTES, hi)
-            h.update(src[p:q])
-            while j < len(spans) and spans[j][0] < q:
-                s, e, dst = spans[j]
-                a, b = max(s, p), min(e, q)
-                if a < b:
-                    np.copyto(dst[a - s : b - s], src[a:b])
-                if e > q:
-                    break
-                j += 1
-        return h.hexdigest() == m.chunks[i]
 
-    try:
-        with ThreadPoolExecutor(max(1, min(threads, len(jobs))), thread_name_prefix="load") as pool:
-            good = list(pool.map(chunk, jobs))
-        for m, what, _ in plans:
-            bad = [job[-1] for ok, job in zip(good, jobs, strict=True) if job[0] is m and not ok]
-            if bad:
-                lo = bad[0] * want.chunk_bytes
-                hi = min(lo + want.chunk_bytes, len(m.data))
-                raise DigestMismatch(f"{what}: {want.algo} digest: {len(bad)} of {len(m.chunks)} chunks differ from "
-                                     f"the manifest, the first at bytes {lo}-{hi}")  # fmt: skip
-    except BaseException:
-        undo()
-        raise
-    out: dict[str, Any] = {}
-    for m, what, _ in plans:
-        out.update(tensors(m.data, name=what))
-    return out
+def _chunk_jobs(plan: _Plan, into: Mapping[str, torch.Tensor]) -> list[_Job]:
+    """The file's chunks as jobs, each knowing which bytes of ``into``'s tensors the file fills."""
+    import numpy as np
+    import torch
+
+    spans = []
+    for key, (dtype, shape, offset, count) in plan.layout.items():
+        t = into[key]
+        if t.dtype != dtype or list(t.shape) != shape or not t.is_contiguous() or t.device.type != "cpu":
+            raise InPlaceUnfit(f"{plan.what}: tensor {key!r} differs from the model's in dtype, shape or layout")
+        if count:
+            spans.append((offset, offset + count * dtype.itemsize, t.view(-1).view(torch.uint8).numpy()))
+    spans.sort(key=lambda s: s[0])
+    src = np.frombuffer(plan.file.data, dtype=np.uint8)
+    starts = [s[0] for s in spans]
+    return [_Job(plan.file, src, spans, starts, i) for i in range(len(plan.file.chunks))]
+
+
+def _copy_chunk(job: _Job, want: Digest) -> bool:
+    """Hash one chunk piece by piece, copying each piece into the spans it fills while it is in cache; whether the
+    chunk's hash is the manifest's."""
+    import numpy as np
+
+    size, step = len(job.file.data), want.chunk_bytes
+    lo, hi = job.chunk * step, min((job.chunk + 1) * step, size)
+    h = ALGOS[want.algo]()
+    j = max(0, bisect.bisect_right(job.starts, lo) - 1)
+    for p in range(lo, hi, IN_PLACE_PIECE_BYTES):
+        q = min(p + IN_PLACE_PIECE_BYTES, hi)
+        h.update(job.src[p:q])
+        while j < len(job.spans) and job.spans[j][0] < q:
+            s, e, dst = job.spans[j]
+            a, b = max(s, p), min(e, q)
+            if a < b:
+                np.copyto(dst[a - s : b - s], job.src[a:b])
+            if e > q:
+                break
+            j += 1
+    return bool(h.hexdigest() == job.file.chunks[job.chunk])
+
+
+def _check_chunks(plans: list[_Plan], jobs: list[_Job], good: list[bool], want: Digest) -> None:
+    """DigestMismatch naming the first file with a chunk that differs, how many differ and where the first lies."""
+    for plan in plans:
+        bad = [job.chunk for ok, job in zip(good, jobs, strict=True) if job.file is plan.file and not ok]
+        if bad:
+            lo = bad[0] * want.chunk_bytes
+            hi = min(lo + want.chunk_bytes, len(plan.file.data))
+            raise DigestMismatch(f"{plan.what}: {want.algo} digest: {len(bad)} of {len(plan.file.chunks)} chunks "
+                                 f"differ from the manifest, the first at bytes {lo}-{hi}")  # fmt: skip
