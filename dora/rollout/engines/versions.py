@@ -9,6 +9,7 @@ current one, the newest loaded (C1: every token of a request from that one versi
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Set
 from typing import Any, Generic, TypeVar
 
@@ -80,16 +81,16 @@ class ReadsVersions:
         return self.versions.held()
 
 
-class HoldsVersions(ReadsVersions):
+class HoldsVersions(ReadsVersions, ABC):
     """An engine that keeps its ``versions`` itself. ``adapted``: its versions are adapters (a load or a relabel
     keeps the versions requests still name); ``named``: those versions."""
 
     @property
-    def adapted(self) -> bool:
-        raise NotImplementedError
+    @abstractmethod
+    def adapted(self) -> bool: ...
 
-    def named(self, keep: frozenset[int] = frozenset()) -> set[int]:
-        raise NotImplementedError
+    @abstractmethod
+    def named(self, keep: frozenset[int] = frozenset()) -> set[int]: ...
 
     def relabel(self, version: int) -> None:
         """Label the current weights ``version`` (a version that carries no weights, as the sim learner's)."""
