@@ -75,6 +75,10 @@ class BrokerActor:
         self.epoch = epoch
         self.journal = journal
         self.weights: dict[int, tuple[str, str]] = weights or {0: ("sim://v0", "0" * 64)}
+        self.carried: dict[int, tuple[tuple[str, ...], dict[str, bytes]]] = {}
+        """What a version's publish carried besides its uri, passed on in every Assign of it: the data-plane
+        endpoints that serve its files, and a small version's files themselves (not journalled: a restarted broker's
+        workers read the store)."""
         self._init_counts()
         self._init_peers(sock, keys)
         self.acts: deque[ev.Action] = deque()
@@ -378,6 +382,8 @@ class BrokerActor:
         if self.journal is not None:  # durable before it takes effect, and before the learner may checkpoint it
             self.journal.step(msg.version, msg.uri, msg.sha256, [g.group_id for g in batch.groups], filtered)
         self.weights[msg.version] = (msg.uri, msg.sha256)
+        if msg.sources or msg.inline:
+            self.carried[msg.version] = (msg.sources, msg.inline)
         tokens, rewards = batch_stats(batch.groups)
         self.trained_tokens += tokens
         self.links.send(peer, m.PublishAck(version=msg.version))  # ahead of the run's end, which says goodbye
@@ -447,8 +453,10 @@ class BrokerActor:
                 log.info("worker_assigned", worker=a.worker_id, version=a.version, interrupt=a.interrupt,
                          keep=list(a.keep))  # fmt: skip
                 uri, sha = self.weights.get(a.version, (f"sim://v{a.version}", "0" * 64))
+                sources, inline = self.carried.get(a.version, ((), {}))
                 self.links.command(a.worker_id, functools.partial(m.Assign, version=a.version, uri=uri, sha256=sha,
-                                                                  interrupt=a.interrupt, keep=a.keep))  # fmt: skip
+                                                                  interrupt=a.interrupt, keep=a.keep, sources=sources,
+                                                                  inline=inline))  # fmt: skip
             case ev.Lend():
                 lender = self.core.view.worker(a.worker_id)
                 log.info("yield_requested", worker=a.worker_id, held_groups=len(lender.leases) if lender else 0)
@@ -472,6 +480,7 @@ class BrokerActor:
                 self.deliver(a)
             case ev.Retire():
                 uri, _ = self.weights.pop(a.version, ("", ""))
+                self.carried.pop(a.version, None)
                 removed = retire_uri(uri)
                 log.info("version_retired", version=a.version, deleted=str(removed) if removed else None)
                 rollout = [p for p in self.peers.values() if p.role is m.Role.ROLLOUT]

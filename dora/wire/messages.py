@@ -250,7 +250,8 @@ class ResultAcks:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Assign:
     """Serve ``version`` from now on: load the weights at ``uri`` and check their sha256 first. ``keep``: older
-    versions a multi-version worker goes on serving beside it (requests of them still run there)."""
+    versions a multi-version worker goes on serving beside it (requests of them still run there). ``sources`` and
+    ``inline``: as the version's ``WeightsPublished`` carried them."""
 
     KIND: ClassVar[str] = "assign"
     version: int
@@ -259,6 +260,8 @@ class Assign:
     interrupt: bool = False
     seq: int = 0
     keep: tuple[int, ...] = ()
+    sources: tuple[str, ...] = ()
+    inline: dict[str, bytes] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -449,12 +452,18 @@ class TrainBatch:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WeightsPublished:
+    """Version ``version`` is durable in the learner's store at ``uri``, with digest ``sha256``. ``sources``: data-plane
+    endpoints that serve its files chunk by chunk (a worker without the learner's store reads it from them);
+    ``inline``: a small version's files (a LoRA adapter folder with its manifest) carried in the message itself."""
+
     KIND: ClassVar[str] = "weights_published"
     version: int
     uri: str
     sha256: str
     publish_s: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)
+    sources: tuple[str, ...] = ()
+    inline: dict[str, bytes] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

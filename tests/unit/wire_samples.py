@@ -122,7 +122,8 @@ def canonical() -> dict[str, Any]:
                 m.ResultAck(group_id=13, attempt=6, index=1, accepted=False, reason="stale_attempt"),
             )
         ),
-        m.Assign(version=4, uri="file:///weights/v4", sha256="ab" * 32, interrupt=False, seq=2),
+        m.Assign(version=4, uri="file:///weights/v4", sha256="ab" * 32, interrupt=False, seq=2,
+                 sources=("tcp://node1:5601",), inline={"adapter_config.json": b"{}"}),
         m.WeightsLoaded(version=4, load_s=0.125),
         m.Yield(seq=5),
         m.Yielded(),
@@ -158,6 +159,8 @@ def canonical() -> dict[str, Any]:
             sha256="cd" * 32,
             publish_s=0.25,
             metrics={"reward_mean": 0.5, "loss": -0.125},
+            sources=("tcp://node1:5601",),
+            inline={"adapter_config.json": b"{}"},
         ),
         m.PublishAck(version=4),
         m.StatusRequest(),
