@@ -59,8 +59,11 @@ class LearnerActor:
         resumed: dict[str, Any] | None = None,
         discover: Callable[[], str] | None = None,
         cluster: ClusterInfo | None = None,
+        sources: tuple[str, ...] = (),
     ) -> None:
         self.cfg = cfg
+        self.sources = sources
+        """Data-plane endpoints that serve the published versions' files (named in every ``WeightsPublished``)."""
         self.cluster = cluster or ClusterInfo(host=socket.gethostname())
         self.ctx = ctx
         self.endpoint = endpoint
@@ -328,7 +331,8 @@ class LearnerActor:
         metrics["learner_step_s"] = self.clock() - started
         self.unacked = (self.version, batch, facts)
         await self._request(
-            m.WeightsPublished(version=self.version, uri=uri, sha256=sha, publish_s=publish_s, metrics=metrics)
+            m.WeightsPublished(version=self.version, uri=uri, sha256=sha, publish_s=publish_s, metrics=metrics,
+                               sources=self.sources)
         )
 
     async def commit(self, stop: asyncio.Event) -> None:
