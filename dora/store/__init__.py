@@ -9,6 +9,9 @@ digest published with it, and the broker deletes the versions its ledger retired
 - ``manifest``: every file of a version with its chunk digests, and the digest they make;
 - ``load``: the bytes checked are the bytes loaded (``load_verified``, ``load_into``); a model folder's digest
   (``model_digest``: what a LoRA version's base model is checked by);
+- ``inline``: a small version (a LoRA adapter folder) as bytes carried in the messages: packed with its manifest
+  and digest in memory (``pack``), checked as a folder is (``verified``), written into the store byte for byte
+  (``write``);
 - ``digest``: chunked digests (xxh3_128 or sha256 per 16 MiB chunk), hashed in parallel, in place;
 - ``tensorfile``: a safetensors file mapped once, its tensors as views of the mapping;
 - ``dirs``: the store's directories, a dead publisher's leftovers, retirement: all the broker imports. Nothing

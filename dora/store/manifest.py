@@ -12,6 +12,7 @@ sha256). A newer format is refused with an error saying so.
 
 from __future__ import annotations
 
+import builtins
 import json
 import pathlib
 from dataclasses import dataclass, field
@@ -43,8 +44,13 @@ class Manifest:
 
     @classmethod
     def read(cls, path: pathlib.Path) -> Manifest:
+        return cls.parse(path.read_text(), where=str(path))
+
+    @classmethod
+    def parse(cls, text: str | builtins.bytes, *, where: str) -> Manifest:
+        """A manifest from its JSON (``where``: what errors name it by: its path, or the message that carried it)."""
         try:
-            raw = json.loads(path.read_text())
+            raw = json.loads(text)
             fmt = raw.get("format", 1)
             if fmt == 1:
                 return cls(version=raw["version"], digest=Digest("sha256", 0, raw["sha256"]), bytes=raw["bytes"],
@@ -59,9 +65,9 @@ class Manifest:
                 return cls(version=raw["version"], digest=Digest.parse(raw["digest"]), bytes=raw["bytes"], files=files,
                            timings_s=dict(raw.get("timings_s", {})), dtype=raw.get("dtype"))  # fmt: skip
         except (AttributeError, KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"{path}: not a readable manifest ({type(e).__name__}: {e})") from None
+            raise ValueError(f"{where}: not a readable manifest ({type(e).__name__}: {e})") from None
         newer = isinstance(fmt, int) and fmt > MANIFEST_FORMAT
-        raise ValueError(f"{path}: manifest format {fmt!r}" + (" is newer than" if newer else " is not one")
+        raise ValueError(f"{where}: manifest format {fmt!r}" + (" is newer than" if newer else " is not one")
                          + f" this dora reads (1 to {MANIFEST_FORMAT})")  # fmt: skip
 
     def to_json(self) -> str:
