@@ -274,18 +274,29 @@ class Core:
         return True
 
     def _requested(self, step: int, out: Outbox) -> None:
-        """The learner asks for batch ``step``: sent again if it is the one in training, else waited for."""
-        pending = self.transfer.in_training
+        """The learner asks for batch ``step``: sent again if it is one in training, else waited for.
+
+        The learner may ask for batch ``s + 1`` as soon as it has trained batch ``s``, while version ``s + 1`` is
+        still being written (``early``): the batch is taken as it would be after the publish (the same deadline
+        rule at step ``s + 1``, the same C3 check against ``s + 1``), and version ``s + 1`` is published only once
+        it is durable, so dispatch, admission and the ledger see nothing new. Two batches are then in training;
+        the next publish completes the older. With K = 0 no group can fill batch ``s + 1`` before ``s + 1`` is
+        published, so the early request just waits: sync stays sync. With elastic workers the batch waits for
+        the publish (they lend their accelerators per step and come back on it)."""
+        tq = self.transfer
         if self.held is not None and step == self.held.step:
             return  # it goes out once the elastic workers have yielded
-        if pending is not None and step == pending.step:
-            out.emit(DeliverBatch(step=pending.step, groups=pending.groups, redelivery=True))
-        elif step == self.transfer.step and step == self.ledger.newest and pending is None:
+        training = next((b for b in tq.training if b.step == step), None)
+        newest = self.ledger.newest
+        early = step == newest + 1 and [b.step for b in tq.training] == [newest]
+        if training is not None:
+            out.emit(DeliverBatch(step=training.step, groups=training.groups, redelivery=True))
+        elif step == tq.step and ((step == newest and not tq.training) or early):
             if not self.learner_waiting:
                 self.requested_at = self.now
             self.learner_waiting = True
         else:
-            out.emit(Refused(reason=f"bad_step {step} (next is {self.transfer.step})"))
+            out.emit(Refused(reason=f"bad_step {step} (next is {tq.step})"))
 
     # ------------------------------------------------------------------ pieces
 
@@ -394,8 +405,11 @@ class Core:
             self.scheduler.count_filtered()
 
     def _deliver(self, out: Outbox) -> None:
-        if not self.learner_waiting or self.transfer.in_training is not None:
+        training = self.transfer.training
+        if not self.learner_waiting or len(training) > 1:
             return
+        if training and any(w.elastic for w in self.scheduler.workers.values()):
+            return  # an early request with elastic workers: taken once the pending publish is in
         if self.cfg.total_steps is not None and self.transfer.step >= self.cfg.total_steps:
             return
         if self.cfg.drops_stale:
@@ -577,8 +591,12 @@ class Core:
             raise InvariantViolation(f"yielding {sorted(self.yielding)} includes a worker not told to yield")
         if (self.held is None) != (not self.yielding):
             raise InvariantViolation("a batch is held with no yield awaited, or a yield is awaited for no batch")
-        if self.held is not None and self.held is not self.transfer.in_training:
+        if self.held is not None and self.held is not self.transfer.training[-1]:
             raise InvariantViolation("the held batch is not the one taken for training")
+        steps = [b.step for b in self.transfer.training]
+        if steps and (len(steps) > 2 or steps != list(range(self.step - len(steps), self.step))
+                      or steps[0] != self.ledger.newest):  # fmt: skip
+            raise InvariantViolation(f"batches in training {steps} at step {self.step}, newest {self.ledger.newest}")
 
 
 def _movable(w: Worker) -> bool:

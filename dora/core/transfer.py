@@ -51,7 +51,9 @@ class TransferQueue:
         """s: the next step whose batch will be taken (= batches taken so far)."""
         self._by_deadline: dict[int, list[Finished]] = {}
         self._seq = 0
-        self.in_training: DeliverBatch | None = None
+        self.training: list[DeliverBatch] = []
+        """Batches taken and not yet completed by their publish, oldest first: one, or two while the learner trains
+        batch ``s + 1`` as version ``s + 1`` is written (``Core._requested``)."""
         self.staleness = Counter[int]()
         """Trajectories consumed, by staleness u - v."""
         self.c1_violations = 0
@@ -148,7 +150,7 @@ class TransferQueue:
         self._uniform -= sum(f.uniform for f in picked)
         batch = DeliverBatch(step=self.step, groups=tuple(f.group for f in picked))
         self._consume(batch)
-        self.in_training = batch
+        self.training.append(batch)
         self.step += 1
         return batch
 
@@ -195,10 +197,16 @@ class TransferQueue:
             self.staleness[lag] += len(g.samples)
             self.consumed.append(g.group_id)
 
+    @property
+    def in_training(self) -> DeliverBatch | None:
+        """The oldest batch taken whose publish has not come: the one the next publish completes."""
+        return self.training[0] if self.training else None
+
     def trained(self, version: int) -> bool:
-        """The learner published ``version``: the batch in training is done. False if none was pending."""
-        if self.in_training is None or self.in_training.step + 1 != version:
+        """The learner published ``version``: the oldest batch in training is done. False if it is not that one's."""
+        batch = self.in_training
+        if batch is None or batch.step + 1 != version:
             return False
-        self.filtered_by_step.pop(self.in_training.step, None)
-        self.in_training = None
+        self.filtered_by_step.pop(batch.step, None)
+        self.training.pop(0)
         return True

@@ -113,6 +113,10 @@ class Learner:
     version: int = 0
     waiting: bool = False
     batch: DeliverBatch | None = None
+    """The batch being trained."""
+    writing: DeliverBatch | None = None
+    """A batch trained whose version is being written (an overlapped publish): the learner may take the next batch
+    meanwhile, and the version is published when the write ends."""
     trained: list[GroupId] = field(default_factory=list)
     steps: int = 0
     staleness: Counter[int] = field(default_factory=Counter)
@@ -316,8 +320,9 @@ class World:
 
     def _receive(self, batch: DeliverBatch) -> None:
         lr = self.learner
-        if batch.step != lr.version:
-            raise WorldError(f"learner at version {lr.version} got batch {batch.step}")
+        if batch.step != lr.version + (lr.writing is not None) or lr.batch is not None:
+            raise WorldError(f"learner at version {lr.version} (writing: {lr.writing is not None}) got batch "
+                             f"{batch.step}")  # fmt: skip
         if len(batch.groups) != self.train_groups:
             raise WorldError(f"batch {batch.step} has {len(batch.groups)} groups, not {self.train_groups}")
         for g in batch.groups:
@@ -442,25 +447,44 @@ class World:
         return w.worker_id
 
     def request_batch(self) -> BatchRequested:
-        self.learner.waiting = True
-        return BatchRequested(step=self.learner.version)
+        """The learner asks for its next batch: the one after the version it holds (one ahead of the published
+        version while that one is being written)."""
+        lr = self.learner
+        lr.waiting = True
+        return BatchRequested(step=lr.version + (lr.writing is not None))
+
+    def finish_training(self) -> None:
+        """The learner has trained its batch and starts writing the version in the background (at most one
+        write at a time): it may ask for the next batch before that version is published."""
+        lr = self.learner
+        if lr.batch is None or lr.writing is not None:
+            raise WorldError("a write starts without a trained batch, or beside another")
+        lr.writing, lr.batch = lr.batch, None
 
     def publish(self) -> VersionPublished:
+        """The version being written is durable (or, without a write in the background, the batch in training is
+        trained and written): it is published, completing its batch."""
         lr = self.learner
-        if lr.batch is None:
+        done = lr.writing or lr.batch
+        if done is None:
             raise WorldError("publish without a batch")
-        for g in lr.batch.groups:
+        for g in done.groups:
             lr.trained.append(g.group_id)
-            lr.staleness[lr.batch.step - g.version] += len(g.samples)
+            lr.staleness[done.step - g.version] += len(g.samples)
             self.tokens_trained += sum(n for s in g.samples for _, n in s.segments)
-        lr.batch = None
+        if lr.writing is not None:
+            lr.writing = None
+        else:
+            lr.batch = None
         lr.version += 1
         lr.steps += 1
         return VersionPublished(version=lr.version)
 
     def crash_learner(self) -> LearnerLost:
-        """The learner dies mid-step; it restarts from its last published version and asks again."""
+        """The learner dies mid-step (a write in flight is lost with it); it restarts from its last published
+        version and asks again."""
         self.learner.batch = None
+        self.learner.writing = None
         self.learner.waiting = False
         return LearnerLost(reason="killed")
 

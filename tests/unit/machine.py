@@ -109,7 +109,7 @@ class Harness:
         lr = self.world.learner
         if lr.finished:
             return True
-        if lr.batch is not None or not lr.waiting:
+        if lr.batch is not None or lr.writing is not None or not lr.waiting:
             return True
         return self.world.busy()
 
@@ -118,7 +118,7 @@ class Harness:
         lr = self.world.learner
         if lr.finished:
             return False
-        if lr.batch is not None:
+        if lr.batch is not None or lr.writing is not None:
             self.feed(self.world.publish())
             return True
         if not lr.waiting:

@@ -19,6 +19,7 @@ from dora.core.events import (
     ImportGroup,
     LearnerLost,
     Lease,
+    Lent,
     Outbox,
     Pin,
     Refused,
@@ -279,6 +280,54 @@ def test_batches_are_exact_and_a_lost_learner_gets_the_same_batch_again():
     assert of(core.handle(0, VersionPublished(version=3)), Refused), "publish out of order"
     acts = core.handle(0, VersionPublished(version=1))
     assert not of(acts, Refused)
+
+
+def test_the_next_batch_goes_out_while_its_version_is_written_and_the_publishes_complete_them_in_order():
+    """K = 1: batch 1 may hold groups of version 0, so the learner gets it while version 1 is still being written;
+    version 1 is published (and dispatched to) only when its write ends, and the two publishes complete the two
+    batches oldest first. A lost learner gets both again, in order."""
+    core = Core(cfg(train_groups=1, group_size=1, rollout_groups=4, total_steps=3, max_staleness=1))
+    leases = of(ready(core, "a"), Lease)
+    core.handle(0, BatchRequested(step=0))
+    (b0,) = of(finish(core, leases[0]), DeliverBatch)
+    assert not of(core.handle(0, BatchRequested(step=1)), Refused), "asked for early: waited for, not refused"
+    (b1,) = of(finish(core, leases[1]), DeliverBatch)
+    assert (b0.step, b1.step) == (0, 1) and b1.groups[0].version == 0
+    assert core.ledger.newest == 0, "nothing is published before its write ends"
+    assert of(core.handle(0, BatchRequested(step=2)), Refused), "at most one batch ahead of the newest version"
+    core.handle(0, LearnerLost())
+    assert [a.step for a in of(core.handle(0, BatchRequested(step=0)), DeliverBatch)] == [0]
+    assert of(core.handle(0, VersionPublished(version=2)), Refused), "the older batch is completed first"
+    assert not of(core.handle(0, VersionPublished(version=1)), Refused)
+    (again,) = of(core.handle(0, BatchRequested(step=1)), DeliverBatch)
+    assert again.redelivery and again.groups == b1.groups
+    assert not of(core.handle(0, VersionPublished(version=2)), Refused)
+    assert core.transfer.training == []
+
+
+def test_an_early_request_waits_for_the_publish_when_k_is_zero_or_workers_are_elastic():
+    """K = 0: batch 1 needs groups of version 1, which cannot run before version 1 is published: the early
+    request waits, and sync stays sync. Elastic workers lend their accelerators per step: no batch goes out
+    before the pending publish."""
+    core = Core(cfg(train_groups=1, group_size=1, rollout_groups=2, total_steps=2, max_staleness=0))
+    leases = of(ready(core, "a"), Lease)
+    core.handle(0, BatchRequested(step=0))
+    of(finish(core, leases[0]), DeliverBatch)
+    assert not of(core.handle(0, BatchRequested(step=1)), DeliverBatch | Refused)
+    assert not of(core.handle(0, Tick()), Lease), "K = 0: nothing is leased on version 0 for step 1"
+    acts = core.handle(0, VersionPublished(version=1))
+    assert not of(acts, DeliverBatch)
+
+    core = Core(cfg(train_groups=1, group_size=1, rollout_groups=4, total_steps=3, max_staleness=1))
+    leases = of(ready(core, "a"), Lease)
+    core.handle(0, WorkerJoined(worker_id="e", slots=8, elastic=True))
+    core.handle(0, VersionLoaded(worker_id="e", version=0))
+    core.handle(0, BatchRequested(step=0))
+    finish(core, leases[0])
+    (b0,) = of(core.handle(0, Lent(worker_id="e")), DeliverBatch)
+    core.handle(0, BatchRequested(step=1))
+    assert not of(finish(core, leases[1]), DeliverBatch), "held for the publish: an elastic worker is lent"
+    assert core.transfer.training == [b0]
 
 
 def test_run_ends_after_total_steps_and_never_dispatches_past_the_budget():

@@ -3,7 +3,7 @@
 Hypothesis chooses, step by step, which worker decodes and how far (so lengths and completion
 orders are arbitrary on top of heavy-tailed draws), when workers die, restart or rejoin under the
 same id, when a lease's command is lost on the way, when the learner asks, trains, publishes or
-crashes, when old results are replayed, when the orchestrator's timer and load triggers fire, and
+crashes (and whether it writes a version in the background while it asks for and trains the next batch), when old results are replayed, when the orchestrator's timer and load triggers fire, and
 which workers are elastic (yield their accelerators for each train step) and when their yields end,
 and how many versions each worker holds at once (1: full weights; more: a LoRA engine's adapters, which
 takes a new version while groups of older ones still run on it, and serves those until they end);
@@ -201,12 +201,18 @@ class CoreMachine(RuleBasedStateMachine):
     def learner_requests(self):
         self.h.feed(self.h.world.request_batch())
 
-    @precondition(lambda self: self.h.world.learner.batch is not None)
+    @precondition(lambda self: self.h.world.learner.batch is not None or self.h.world.learner.writing is not None)
     @rule()
     def learner_publishes(self):
         self.h.feed(self.h.world.publish())
 
-    @precondition(lambda self: self.h.world.learner.batch is not None)
+    @precondition(lambda self: self.h.world.learner.batch is not None and self.h.world.learner.writing is None)
+    @rule()
+    def learner_writes_in_the_background(self):
+        """The learner trained its batch and writes the version while it asks for, and trains, the next one."""
+        self.h.world.finish_training()
+
+    @precondition(lambda self: self.h.world.learner.batch is not None or self.h.world.learner.writing is not None)
     @rule()
     def learner_crashes(self):
         self.h.feed(self.h.world.crash_learner())
