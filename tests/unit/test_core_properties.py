@@ -3,7 +3,8 @@
 Hypothesis chooses, step by step, which worker decodes and how far (so lengths and completion
 orders are arbitrary on top of heavy-tailed draws), when workers die, restart or rejoin under the
 same id, when a lease's command is lost on the way, when the learner asks, trains, publishes or
-crashes (and whether it writes a version in the background while it asks for and trains the next batch), when old results are replayed, when the orchestrator's timer and load triggers fire, and
+crashes (and whether it writes a version in the background while it asks for and trains the next
+batch), when old results are replayed, when the orchestrator's timer and load triggers fire, and
 which workers are elastic (yield their accelerators for each train step) and when their yields end,
 and how many versions each worker holds at once (1: full weights; more: a LoRA engine's adapters, which
 takes a new version while groups of older ones still run on it, and serves those until they end);
