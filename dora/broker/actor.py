@@ -38,6 +38,7 @@ from dora.core.intake import GroupFailed
 from dora.core.ledger import InvariantViolation
 from dora.ids import WorkerId
 from dora.store.dirs import retire_uri
+from dora.store.relays import RelayTree
 from dora.wire import codec
 from dora.wire import messages as m
 
@@ -95,6 +96,8 @@ class BrokerActor:
         """A lease's line is debug: unless debug lines are written, no logger is bound for it (one per group)."""
         self.evals = BrokerEval(evals, core, self.links.send_to, self.metrics.eval_round)
         """Held-out evaluation rounds, run by the workers outside every core decision (none: does nothing)."""
+        self.relays = RelayTree(cfg.rollout.relay_fanout)
+        """Each node's sources in its workers' Assign: its parent relay's chunk server, then the learner's."""
 
     def _init_counts(self) -> None:
         """What the broker counts and times beside the core (for metrics and `dora status`)."""
@@ -279,8 +282,10 @@ class BrokerActor:
             return
         if old is not None:
             self.peer_lost(old, "hello again")
-        peer = Peer(identity=identity, role=hello.role, name=hello.peer_id, process=(hello.host, hello.pid))
+        peer = Peer(identity=identity, role=hello.role, name=hello.peer_id, process=(hello.host, hello.pid),
+                    relay=hello.weights_endpoint)  # fmt: skip
         self.peers[identity] = peer
+        self.relays.changed()
         timeout = self.cfg.broker.learner_timeout_s if hello.role is m.Role.LEARNER else None
         self.liveness.joined(identity.decode(), self.clock(), timeout_s=timeout)
         self.links.send(peer, self.welcome())
@@ -454,6 +459,8 @@ class BrokerActor:
                          keep=list(a.keep))  # fmt: skip
                 uri, sha = self.weights.get(a.version, (f"sim://v{a.version}", "0" * 64))
                 sources, inline = self.carried.get(a.version, ((), {}))
+                peer = self.peers.get(a.worker_id.encode())
+                sources = self.relays.sources(peer.process[0] if peer else "", sources, self.rollout_relays)
                 self.links.command(a.worker_id, functools.partial(m.Assign, version=a.version, uri=uri, sha256=sha,
                                                                   interrupt=a.interrupt, keep=a.keep, sources=sources,
                                                                   inline=inline))  # fmt: skip
@@ -560,6 +567,7 @@ class BrokerActor:
         self.lost.append({"peer": peer.name, "role": peer.role.value, "reason": reason,
                           "uptime_s": round(self.clock() - self.started, 3)})  # fmt: skip
         self.peers.pop(peer.identity, None)
+        self.relays.changed()
         self.liveness.forget(peer.identity.decode())
         self.counters[f"lost {peer.role.value}"] += 1
         if reason in ("silent", "stalled") and peer.process[1]:
@@ -581,6 +589,9 @@ class BrokerActor:
         if not self.unreachable:
             self.unreachable_at = self.clock()
         self.unreachable.setdefault(peer.identity, peer)
+
+    def rollout_relays(self) -> list[tuple[str, str, str]]:
+        return [(p.process[0], p.name, p.relay) for p in self.peers.values() if p.role is m.Role.ROLLOUT]
 
     def snapshot(self) -> dict[str, Any]:
         return snapshot(self)

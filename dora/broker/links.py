@@ -93,6 +93,8 @@ class Peer:
     """The last Yield sent to it (elastic workers)."""
     resume: m.Resume | None = None
     """The last Resume sent to it (elastic workers)."""
+    relay: str = ""
+    """A rollout worker's chunk server (its Hello's ``weights_endpoint``): what its host relays versions from."""
 
     def __post_init__(self) -> None:
         self.worker = WorkerId(self.identity.decode())

@@ -63,8 +63,25 @@ class RolloutSection:
     sleeps at level 1, weights to host memory and KV cache freed, which needs CUDA, ROCm or XPU; torch on a GPU:
     caches dropped, model to host memory); what it held is re-prefilled on the same weights when it resumes.
     Off: a yield only stops decoding."""
+    store: str = ""
+    """A node-local directory for the versions this worker receives over the weights' data plane: fetched chunk by
+    chunk from the learner's chunk server (or another node's, relaying it), each chunk checked, then loaded from
+    here; workers of one host share it (one fetches, the others load what it wrote). Empty: the worker reads the
+    learner's store (learner.store), which must then be a filesystem every node shares."""
+    weights_bind: str = ""
+    """With rollout.store: where this worker's chunk server listens, relaying what its node fetched to the nodes
+    below it; empty: tcp on this host's address, a free port."""
+    relay_fanout: int = 2
+    """With rollout.store: how many nodes the learner, and each node after it, passes a version on to (a tree of
+    relays: the learner sends each byte to this many nodes); 1: a chain; 0: every node fetches from the learner."""
+    fetch_timeout_s: float = 10.0
+    """With rollout.store: how long a fetch waits for a source's answer before it leaves it for the next one (the
+    learner last)."""
 
     def __post_init__(self) -> None:
+        if self.relay_fanout < 0 or self.fetch_timeout_s <= 0:
+            raise ConfigError(f"rollout.relay_fanout must be >= 0 and rollout.fetch_timeout_s > 0; got "
+                              f"{self.relay_fanout}, {self.fetch_timeout_s}")  # fmt: skip
         if self.max_slots < 1 or self.credit_slots < 0:
             raise ConfigError(f"rollout.max_slots must be >= 1 and rollout.credit_slots >= 0; got {self.max_slots} "
                               f"and {self.credit_slots}")  # fmt: skip
@@ -147,7 +164,11 @@ class LearnerSection:
     """`dora run` on GPUs: the GPU ids of the learner's ranks, one rank per GPU (learner.ranks of them), each rank
     on its own (``cuda:<local rank>``), NCCL between them; empty: the first learner.ranks GPUs of run.gpus."""
     store: str = "weights"
-    """Weight store directory, reachable by every process (published versions, retired by the broker)."""
+    """Weight store directory (published versions, retired by the broker): read by every rollout worker without a
+    rollout.store, so then on a filesystem they all share."""
+    weights_bind: str = ""
+    """Where the learner's chunk server listens: the weights' data plane, which serves every published version
+    chunk by chunk to the rollout workers with a rollout.store; empty: tcp on this host's address, a free port."""
     lr: float = 1e-4
     """torch trainer: AdamW learning rate (betas 0.9, 0.99), the peak of learner.lr_schedule."""
     micro_batch: int = 16

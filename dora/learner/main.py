@@ -28,6 +28,7 @@ from dora.learner.actor import LearnerActor
 from dora.learner.trainers import Trainer
 from dora.learner.trainers.sim import SimTrainer
 from dora.logging import configure_logging
+from dora.store.plane import ChunkServer
 
 if TYPE_CHECKING:
     from dora.learner.loss import LossFn
@@ -201,11 +202,14 @@ async def serve(cfg: RunConfig, endpoint: str, kind: str = "sim", world: int = 1
                 from dora.learner.ranks import Leader
 
                 trainer = leader = Leader(trainer)
+        server = ChunkServer(cfg.learner.store, cfg.learner.weights_bind)  # the weights' data plane
         try:
+            sources = (server.start(),)
             learner = LearnerActor(cfg, ctx, endpoint, audit=audit, clock=loop.time, trainer=trainer, resumed=resumed,
-                                   discover=discover, cluster=cluster)  # fmt: skip
+                                   discover=discover, cluster=cluster, sources=sources)  # fmt: skip
             return await learner.run(stop, drain)
         finally:
+            server.stop()
             if leader is not None:
                 leader.stop()  # release the other ranks
             ignore_sigterm_while_exiting()  # first: a SIGTERM would cut short the wait for a Goodbye to leave

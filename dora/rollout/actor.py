@@ -21,7 +21,7 @@ import contextlib
 import dataclasses
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -39,6 +39,7 @@ from dora.rollout.engines.base import EngineError, WorkerEngine
 from dora.rollout.offloop import EngineThread, beating
 from dora.samples import FinishedSample
 from dora.store.dirs import superseded
+from dora.store.fetch import FetchFailed, fetch, retire_local
 from dora.wire import messages as m
 from dora.wire import packed
 
@@ -57,6 +58,7 @@ class RolloutActor:
         clock: Callable[[], float] = time.monotonic,
         cluster: ClusterInfo | None = None,
         run_finished: Callable[[int], bool] | None = None,
+        weights_endpoint: str = "",
     ) -> None:
         self.cfg = cfg
         self.cluster = cluster or ClusterInfo(host=socket.gethostname())
@@ -73,7 +75,8 @@ class RolloutActor:
         self.interval = cfg.broker.heartbeat_interval_s
         self.link: PeerSession | None = None
         """The session with the broker, while one is open."""
-        self.loading: tuple[int, float, str, str] | None = None
+        self.loading: tuple[int, float, str, str, Mapping[str, bytes]] | None = None
+        """The load due: version, when, its uri, digest and files carried inline (``Assign.inline``)."""
         self.sent = 0
         self.keys = Keys.load(cfg.security.keys) if cfg.security.keys else None
         self.welcomed = False
@@ -102,6 +105,10 @@ class RolloutActor:
         """The older versions the load under way must keep beside the new one (``Assign.keep``)."""
         self.engine_thread = EngineThread()
         """Where the engine's blocking calls run: a decode step of a real engine, a full-weight load."""
+        self.weights_endpoint = weights_endpoint
+        """This process's chunk server (with rollout.store): what it relays this node's versions from."""
+        self.sources: tuple[str, ...] = ()
+        """Where the version being loaded is served (``Assign.sources``): fetched from there into rollout.store."""
 
     async def run(self, stop: asyncio.Event) -> int:
         """Serve sessions with the broker until ``stop`` is set or the run is finished; a lost one is tried again."""
@@ -159,7 +166,8 @@ class RolloutActor:
                     return
                 raise SessionLost(f"broker unreachable at {link.endpoint} (no connection in {link.silence_s:g} s)")
             self.send(link.hello(self.name, slots=self.slots, engine=self.engine.name,
-                                 elastic=self.cfg.rollout.elastic, holds=self.holds))  # fmt: skip
+                                 elastic=self.cfg.rollout.elastic, holds=self.holds,
+                                 weights_endpoint=self.weights_endpoint))  # fmt: skip
             link.heard()
             while not stop.is_set() and not self.finished:
                 await self.turn(link)
@@ -186,9 +194,9 @@ class RolloutActor:
         if link.silent(now):
             raise SessionLost("broker silent")
         if self.loading is not None and now >= self.loading[1]:
-            version, _, uri, sha = self.loading
+            version, _, uri, sha, inline = self.loading
             self.loading = None
-            await self.load(version, uri, sha)  # the broker's messages meanwhile are read next turn
+            await self.load(version, uri, sha, inline)  # the broker's messages meanwhile are read next turn
         if not self.yielded:  # a yielded worker's accelerators are the learner's, whatever its engine
             await self.advance(now)
         self.report_finished()
@@ -211,7 +219,7 @@ class RolloutActor:
             seqs = await beating(self.engine_thread.call(step), self.interval, lambda: self.send(beat))
         self.engine.end_step(seqs)
 
-    async def load(self, version: int, uri: str, sha: str) -> None:
+    async def load(self, version: int, uri: str, sha: str, inline: Mapping[str, bytes] = {}) -> None:
         """Load ``version``'s weights and tell the broker. Full weights load on the engine's thread while this loop
         goes on heartbeating: a model of several GB takes seconds to read and copy, past the broker's silence window,
         and a worker loading is slow, not dead. Nothing else touches the engine meanwhile: the loop neither steps it
@@ -220,21 +228,39 @@ class RolloutActor:
         decode steps."""
         started = time.perf_counter()
         try:
+            if self.cfg.rollout.store and not uri.startswith("sim://"):
+                uri = await self.fetched(version, sha)
             if self.keep:  # a multi-version engine: requests of these go on beside the new version
-                self.engine.loaded(version, uri, sha, keep=frozenset(self.keep))
+                self.engine.loaded(version, uri, sha, keep=frozenset(self.keep), inline=inline)
             else:
                 beat = dataclasses.replace(self.heartbeat(), loading=version)
-                await beating(self.engine_thread.call(self.engine.loaded, version, uri, sha), self.interval,
-                              lambda: self.send(beat))  # fmt: skip
+                job = self.engine_thread.call(self.engine.loaded, version, uri, sha, frozenset(), inline)
+                await beating(job, self.interval, lambda: self.send(beat))
             self.version = version
             log.info("weights_loaded", version=version, uri=uri, took_s=round(time.perf_counter() - started, 4))
         except EngineError as e:
-            if (newer := superseded(uri)) is not None:  # retired since this order: the newer one is on its way
+            newer = None if self.cfg.rollout.store else superseded(uri)
+            if newer is not None:  # retired since this order: the newer one is on its way
                 log.warning("weights_superseded", version=version, newer=newer.name, error=str(e))
                 return
             log.error("weights_refused", version=version, error=str(e))  # bad weights: let the broker re-plan
             raise SessionLost(f"could not load v{version}") from None
         self.send(m.WeightsLoaded(version=version, load_s=self.engine.load_seconds()))
+
+    async def fetched(self, version: int, sha: str) -> str:
+        """The uri of ``version`` in this node's store (rollout.store), fetched over the weights' data plane unless a
+        worker of this node has it there already; the learner's store is never read. Heartbeats go on meanwhile."""
+        if not self.sources:
+            raise EngineError(f"v{version}: rollout.store is set but its Assign names no data-plane source (the "
+                              "learner serves none)")  # fmt: skip
+        beat = dataclasses.replace(self.heartbeat(), loading=version)
+        job = asyncio.ensure_future(asyncio.to_thread(fetch, version, sha, self.sources, self.cfg.rollout.store,
+                                                      timeout_s=self.cfg.rollout.fetch_timeout_s))  # fmt: skip
+        try:
+            got = await beating(job, self.interval, lambda: self.send(beat))
+        except (FetchFailed, OSError, ValueError) as e:
+            raise EngineError(f"v{version}: {e}") from None
+        return f"file://{got.path}"
 
     def on_message(self, msg: Any) -> None:
         """Act on one message of the broker's: the session's own here, a lease's or the engine's in ``on_command``."""
@@ -264,6 +290,10 @@ class RolloutActor:
                     self.acked(ack)
             case m.Heartbeat() if msg.seen > self.seen and self.behind is None:
                 self.behind = (msg.seen, now)
+            case m.RetireVersion() if self.cfg.rollout.store and msg.version not in self.engine.held_versions():
+                if (self.loading is None or self.loading[0] != msg.version) and retire_local(self.cfg.rollout.store,
+                                                                                              msg.version):  # fmt: skip
+                    log.info("weights_retired_local", version=msg.version)
             case m.RetireVersion() | m.Heartbeat():
                 pass
             case _:
@@ -342,7 +372,8 @@ class RolloutActor:
             return
         self.engine.advance(now)
         self.keep = msg.keep if self.holds > 1 else ()
-        self.loading = (msg.version, now + self.engine.load_seconds(), msg.uri, msg.sha256)
+        self.sources = msg.sources
+        self.loading = (msg.version, now + self.engine.load_seconds(), msg.uri, msg.sha256, msg.inline)
         structlog.contextvars.bind_contextvars(version=msg.version)
 
     def takes(self, msg: m.Generate | m.MigrateIn) -> bool:

@@ -29,6 +29,7 @@ from dora.rollout.actor import RolloutActor
 from dora.rollout.engines.base import WorkerEngine
 from dora.rollout.engines.sim import SimEngine
 from dora.sim.workload import Workload
+from dora.store.plane import ChunkServer
 
 if TYPE_CHECKING:
     from dora.rollout.engines.torch.engine import TorchEngine
@@ -186,15 +187,20 @@ async def serve(cfg: RunConfig, endpoint: Callable[[], str], name: str, kind: st
     # must not kill the process, which is its default action
     loop.add_signal_handler(signal.SIGUSR1, lambda: structlog.get_logger().info("signal_ignored", signal="SIGUSR1"))
     ctx = zmq.asyncio.Context()
+    server = ChunkServer(cfg.rollout.store, cfg.rollout.weights_bind) if cfg.rollout.store else None
     try:
         try:
             engine = make_engine(cfg, kind, loop.time(), task)
-        except ConfigError as e:  # found on the model itself (learner.lora.target_modules matching nothing)
+            relay = server.start() if server is not None else ""  # relays what this node fetched
+        except (ConfigError, RuntimeError) as e:  # a model mistake (lora.target_modules matching nothing), a bind
             print(f"dora rollout: {e}", file=sys.stderr)
             return 2
         return await RolloutActor(
-            cfg, ctx, endpoint, name, engine, clock=loop.time, cluster=cluster, run_finished=run_finished
-        ).run(stop)
+            cfg, ctx, endpoint, name, engine, clock=loop.time, cluster=cluster, run_finished=run_finished,
+            weights_endpoint=relay,
+        ).run(stop)  # fmt: skip
     finally:
         ignore_sigterm_while_exiting()  # first: a SIGTERM would cut short the wait for a Goodbye to leave
+        if server is not None:
+            server.stop()
         ctx.destroy(linger=0)

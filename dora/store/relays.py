@@ -7,9 +7,9 @@ servers' endpoints) and puts each node's sources in its workers' ``Assign``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
-__all__ = ["node_relays", "relay_sources"]
+__all__ = ["RelayTree", "node_relays", "relay_sources"]
 
 
 def relay_sources(order: Sequence[str], learner: Sequence[str], fanout: int) -> dict[str, tuple[str, ...]]:
@@ -37,3 +37,30 @@ def node_relays(workers: Iterable[tuple[str, str, str]]) -> dict[str, str]:
         if endpoint and host not in out:
             out[host] = endpoint
     return out
+
+
+class RelayTree:
+    """The relay tree over the rollout workers the broker holds, computed again only after they changed (a hello, a
+    loss): a publish assigns every worker at once, and each Assign names its node's sources."""
+
+    def __init__(self, fanout: int) -> None:
+        self.fanout = fanout
+        self._relays: dict[str, str] | None = None
+        self._tree: dict[str, tuple[str, ...]] = {}
+        self._learner: tuple[str, ...] = ()
+
+    def changed(self) -> None:
+        self._relays = None
+
+    def sources(self, host: str, learner: tuple[str, ...],
+                workers: Callable[[], Iterable[tuple[str, str, str]]]) -> tuple[str, ...]:  # fmt: skip
+        """The sources of a worker on ``host``: its node's parent relay, then ``learner`` (the version's published
+        sources; none: none). ``workers``: every rollout worker's (host, name, chunk server endpoint)."""
+        if not learner:
+            return ()
+        if self._relays is None or learner != self._learner:
+            self._relays = node_relays(workers())
+            self._tree = relay_sources([self._relays[h] for h in sorted(self._relays)], learner, self.fanout)
+            self._learner = learner
+        relay = self._relays.get(host)
+        return self._tree.get(relay, learner) if relay is not None else learner

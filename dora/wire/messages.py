@@ -60,6 +60,9 @@ class Hello:
     """Rollout: it shares its accelerators with the trainer and yields them for each train step."""
     holds: int = 1
     """Rollout: versions its engine serves at once (1: full weights; a LoRA engine's adapter versions)."""
+    weights_endpoint: str = ""
+    """Rollout: its chunk server (the weights' data plane), which relays the versions its node fetched to the nodes
+    below it in the relay tree; empty: none (it reads the learner's store)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

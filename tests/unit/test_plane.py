@@ -20,7 +20,7 @@ from dora.store import WeightStore, load_verified
 from dora.store.dirs import temp_name
 from dora.store.fetch import FetchFailed, fetch, retire_local
 from dora.store.plane import PROGRESS, ChunkServer
-from dora.store.relays import node_relays, relay_sources
+from dora.store.relays import RelayTree, node_relays, relay_sources
 
 MIB = 1 << 20
 LOCAL = "tcp://127.0.0.1:0"
@@ -158,3 +158,18 @@ def test_four_nodes_at_fanout_two_make_the_learner_send_each_byte_twice_and_a_ch
     assert relay_sources(order, ["L"], 0) == dict.fromkeys(order, ("L",))
     workers = [("h2", "w3", "tcp://h2:7"), ("h1", "w2", ""), ("h1", "w1", "tcp://h1:5"), ("h1", "w0", "tcp://h1:4")]
     assert node_relays(workers) == {"h1": "tcp://h1:4", "h2": "tcp://h2:7"}
+
+
+def test_the_brokers_tree_names_a_workers_node_relay_and_is_made_again_when_workers_change():
+    workers = [("h1", "w0", "tcp://h1:1"), ("h1", "w1", "tcp://h1:2"), ("h2", "w2", "tcp://h2:1"),
+               ("h3", "w3", "tcp://h3:1"), ("h4", "w4", "")]  # fmt: skip
+    tree = RelayTree(fanout=1)
+    learner = ("tcp://learner:1",)
+    assert tree.sources("h1", learner, lambda: workers) == learner
+    assert tree.sources("h3", learner, lambda: workers) == ("tcp://h2:1", *learner)  # a chain: h1, h2, h3
+    assert tree.sources("h4", learner, lambda: workers) == learner  # no relay on its node
+    assert tree.sources("h3", (), lambda: workers) == ()  # the learner serves no data plane: nothing to fetch from
+    del workers[2]
+    assert tree.sources("h3", learner, lambda: workers) == ("tcp://h2:1", *learner)  # not told: as it was
+    tree.changed()
+    assert tree.sources("h3", learner, lambda: workers) == ("tcp://h1:1", *learner)

@@ -58,6 +58,7 @@ def canonical() -> dict[str, Any]:
             slurm_job_id="9001",
             slots=64,
             engine="torch",
+            weights_endpoint="tcp://10.0.0.1:41000",
         ),
         m.Reject(reason="wire version mismatch", wire_version=m.WIRE_VERSION),
         m.Welcome(broker_epoch=77, heartbeat_interval_s=0.5, liveness=4, newest_version=3),
