@@ -109,6 +109,8 @@ class RolloutActor:
         """This process's chunk server (with rollout.store): what it relays this node's versions from."""
         self.sources: tuple[str, ...] = ()
         """Where the version being loaded is served (``Assign.sources``): fetched from there into rollout.store."""
+        self.retired: set[int] = set()
+        """Versions the broker retired that this worker's node store may still hold (removed once not in use)."""
 
     async def run(self, stop: asyncio.Event) -> int:
         """Serve sessions with the broker until ``stop`` is set or the run is finished; a lost one is tried again."""
@@ -246,6 +248,15 @@ class RolloutActor:
             log.error("weights_refused", version=version, error=str(e))  # bad weights: let the broker re-plan
             raise SessionLost(f"could not load v{version}") from None
         self.send(m.WeightsLoaded(version=version, load_s=self.engine.load_seconds()))
+        self.drop_retired()
+
+    def drop_retired(self) -> None:
+        """Remove from the node store (rollout.store) the retired versions this worker neither holds nor loads."""
+        busy = {*self.engine.held_versions(), *(self.loading or (-1,))[:1]}
+        for v in sorted(self.retired - busy):
+            self.retired.discard(v)
+            if retire_local(self.cfg.rollout.store, v):
+                log.info("weights_retired_local", version=v)
 
     async def fetched(self, version: int, sha: str) -> str:
         """The uri of ``version`` in this node's store (rollout.store), fetched over the weights' data plane unless a
@@ -290,10 +301,9 @@ class RolloutActor:
                     self.acked(ack)
             case m.Heartbeat() if msg.seen > self.seen and self.behind is None:
                 self.behind = (msg.seen, now)
-            case m.RetireVersion() if self.cfg.rollout.store and msg.version not in self.engine.held_versions():
-                if (self.loading is None or self.loading[0] != msg.version) and retire_local(self.cfg.rollout.store,
-                                                                                              msg.version):  # fmt: skip
-                    log.info("weights_retired_local", version=msg.version)
+            case m.RetireVersion() if self.cfg.rollout.store:
+                self.retired.add(msg.version)
+                self.drop_retired()
             case m.RetireVersion() | m.Heartbeat():
                 pass
             case _:
