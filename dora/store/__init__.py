@@ -6,13 +6,18 @@ digest published with it, and the broker deletes the versions its ledger retired
 
 - ``publish``: ``WeightStore``, a version as a model folder (safetensors in the engines' dtype, sharded above a
   size, tied tensors once, the config and tokenizer beside them) renamed into place whole;
+- ``writer``: a version's safetensors files written from the tensors' own memory in large spans, each chunk
+  hashed from memory as it is written, the disk syncing while later chunks are written;
+- ``snapshot``: ``HostSnapshot``, a learner's state copied into one reused, prefaulted host buffer laid out as the
+  files will be (the learner's only wait for a version; the publish of its views writes the buffer's spans);
 - ``manifest``: every file of a version with its chunk digests, and the digest they make;
 - ``load``: the bytes checked are the bytes loaded (``load_verified``, ``load_into``); a model folder's digest
   (``model_digest``: what a LoRA version's base model is checked by);
 - ``inline``: a small version (a LoRA adapter folder) as bytes carried in the messages: packed with its manifest
   and digest in memory (``pack``), checked as a folder is (``verified``), written into the store byte for byte
   (``write``);
-- ``digest``: chunked digests (xxh3_128 or sha256 per 16 MiB chunk), hashed in parallel, in place;
+- ``digest``: chunked digests (xxh3_128 or sha256 per 16 MiB chunk), hashed in parallel, in place or from the
+  memory a file is written from;
 - ``tensorfile``: a safetensors file mapped once, its tensors as views of the mapping;
 - ``dirs``: the store's directories, a dead publisher's leftovers, retirement: all the broker imports. Nothing
   here imports torch until a version is published or loaded.

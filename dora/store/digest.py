@@ -15,9 +15,11 @@ xxh3_128 is not a cryptographic hash. It detects torn, truncated, stale and bit-
 by someone the run does not trust. ``bench/weights.py`` measures both (``--algo``).
 
 A file named by its path or an open descriptor is read through ``os.preadv`` into a small buffer per thread, so the
-bytes are hashed while they are in cache and nothing the size of the file is allocated (what a publish hashes). A
-file already in memory (the mapping a load checks, then takes its tensors from) is hashed in place: the hash reads
-each byte once and nothing is copied. No torch here: the broker imports the store.
+bytes are hashed while they are in cache and nothing the size of the file is allocated. A file already in memory
+(the mapping a load checks, then takes its tensors from) is hashed in place: the hash reads each byte once and
+nothing is copied. A file being written (``dora.store.writer``) is hashed from the memory it is written from,
+chunk by chunk as ``digest_file`` cuts it (``chunk_pieces``, ``hash_pieces``), in threads while the chunks go to
+the disk. No torch here: the broker imports the store.
 """
 
 from __future__ import annotations
@@ -154,6 +156,30 @@ def _digest(size: int, update: Callable[[Any, int, int], None], algo: str, chunk
         with ThreadPoolExecutor(min(threads, len(offsets)), thread_name_prefix="digest") as pool:
             return size, tuple(pool.map(chunk, offsets)), None
     return size, tuple(map(chunk, offsets)), None
+
+
+def chunk_pieces(pieces: Sequence[memoryview], chunk_bytes: int) -> list[list[memoryview]]:
+    """A file's bytes given as consecutive ``pieces`` (byte views: a header, then spans of tensor memory), cut
+    into the chunks a digest hashes: each chunk's pieces, views of the same memory (nothing copied)."""
+    chunks: list[list[memoryview]] = [[]]
+    room = chunk_bytes
+    for piece in pieces:
+        while len(piece):
+            if not room:
+                chunks.append([])
+                room = chunk_bytes
+            part, piece = piece[:room], piece[room:]
+            chunks[-1].append(part)
+            room -= len(part)
+    return chunks if chunks[0] else []
+
+
+def hash_pieces(algo: str, pieces: Sequence[memoryview]) -> str:
+    """One chunk's digest from its pieces in memory: what ``digest_file`` finds for those bytes in a file."""
+    h = ALGOS[algo]()
+    for piece in pieces:
+        h.update(piece)
+    return str(h.hexdigest())
 
 
 def _hash_range(fd: int, start: int, end: int, h: Any, buf: bytearray) -> None:

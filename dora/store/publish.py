@@ -9,30 +9,33 @@ A version is ``<root>/v<N>/``, a folder any Hugging Face reader opens (``from_pr
   ``generation_config.json`` and tokenizer files;
 - ``manifest.json`` (``dora.store.manifest``): every file with its chunk digests, and the digest they make.
 
-**Publish** writes the folder as a temporary directory ``<root>/.v<N>.<pid>@<host>.<rand>.tmp``, hashes each file
-from the page cache while the disk syncs it, writes the manifest, and renames the directory into place (then
-syncs the root): a reader sees all of a version or none of it, and a listed version is whole after a crash of the
-process or of the machine. **Leftovers** of a publisher that died are removed when a store is opened and before
+**Publish** writes the folder as a temporary directory ``<root>/.v<N>.<pid>@<host>.<rand>.tmp`` from the tensors'
+own memory (``dora.store.writer``: one copy into the page cache, each chunk hashed from memory in threads as it is
+written, the disk writing back while later chunks are written), writes the manifest with each stage's seconds
+(``timings_s``: prepare, write, hash, fsync), and renames the directory into place (then syncs the root): a reader
+sees all of a version or none of it, and a listed version is whole after a crash of the process or of the machine.
+A learner that must not wait for the disk copies its state into a ``dora.store.snapshot.HostSnapshot`` (one memory
+copy, laid out as the files will be) and publishes its views off its critical path: each file is then written as one
+span of that buffer. **Leftovers** of a publisher that died are removed when a store is opened and before
 each publish (``dora.store.dirs``). **Retire** renames a version aside, then deletes it.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import shutil
 import time
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import structlog
 
-from dora.store.digest import ALGOS, CHUNK_BYTES, Digest, digest_file, folder_root
+from dora.store.digest import ALGOS, CHUNK_BYTES, Digest, folder_root
 from dora.store.dirs import FILE, MANIFEST, remove_version, stale, temp_name
 from dora.store.load import INDEX, load_verified
-from dora.store.manifest import FileEntry, Manifest
+from dora.store.manifest import Manifest
+from dora.store.writer import index, plan, spans, writable, write_files
 
 if TYPE_CHECKING:  # the broker imports this package to retire versions: no torch at run time
     import torch
@@ -74,88 +77,59 @@ class WeightStore:
                 dtype: torch.dtype | None = None, file: str = FILE) -> tuple[str, str, float]:  # fmt: skip
         """Write ``state`` as version ``version`` (floating-point tensors cast to ``dtype`` first, on their device;
         None: as they are), with the files ``beside`` it; returns (uri, digest, seconds). ``file``: the weights'
-        file name (a LoRA version's is ``adapter_model.safetensors``, never sharded)."""
+        file name (a LoRA version's is ``adapter_model.safetensors``, never sharded). Tensors already contiguous on
+        the CPU in the dtype written (a ``HostSnapshot``'s views) are written from their own memory, and must not
+        change until this returns."""
         started = time.perf_counter()
         self.clean()
         final = self.path(version)
         tmp = self.root / temp_name(f"v{version}")
         tmp.mkdir()
         try:
-            names, shown = self._write_weights(tmp, state, dtype, file)
-            for name, data in (beside or {}).items():
-                (tmp / name).write_bytes(data)
-            written = time.perf_counter()
-            files, hash_s, fsync_s = self._hash_and_sync(tmp, [*names, *(beside or {})])
-            root = folder_root(self.algo, self.chunk_bytes, {k: (e.bytes, e.chunks) for k, e in files.items()})
+            files, shown = self._weight_files(state, dtype, file)
+            files += [(name, [memoryview(data)]) for name, data in (beside or {}).items()]
+            prepared = time.perf_counter()
+            entries, timings = write_files(tmp, files, algo=self.algo, chunk_bytes=self.chunk_bytes, fsync=self.fsync)
+            root = folder_root(self.algo, self.chunk_bytes, {k: (e.bytes, e.chunks) for k, e in entries.items()})
             committing = time.perf_counter()
-            timings = {"write": written - started, "hash": hash_s, "fsync": fsync_s}
+            timings = {"prepare": prepared - started, **timings}
             manifest = Manifest(version=version, digest=Digest(self.algo, self.chunk_bytes, root, folder=True),
-                                bytes=sum(e.bytes for e in files.values()), files=files, timings_s=timings,
+                                bytes=sum(e.bytes for e in entries.values()), files=entries, timings_s=timings,
                                 dtype=shown)  # fmt: skip
-            (tmp / MANIFEST).write_text(manifest.to_json())
-            if self.fsync:
-                _fsync(tmp / MANIFEST)
-                _fsync(tmp)
-            if final.exists():  # a re-publish of the same version (a restarted learner): replace it whole
-                remove_version(final)
-            os.replace(tmp, final)
-            if self.fsync:
-                _fsync(self.root)
+            self._commit(tmp, final, manifest)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         seconds = time.perf_counter() - started
-        log.info("weights_written", version=version, bytes=manifest.bytes, files=len(files), dtype=shown,
-                 digest=str(manifest.digest), write_s=round(timings["write"], 3), hash_s=round(hash_s, 3),
-                 fsync_s=round(fsync_s, 3), commit_s=round(time.perf_counter() - committing, 3),
+        log.info("weights_written", version=version, bytes=manifest.bytes, files=len(entries), dtype=shown,
+                 digest=str(manifest.digest), **{f"{k}_s": round(v, 3) for k, v in timings.items()},
+                 commit_s=round(time.perf_counter() - committing, 3),
                  gb_per_s=round(manifest.bytes / seconds / 1e9, 2))  # fmt: skip
         return f"file://{final}", str(manifest.digest), seconds
 
-    def _write_weights(self, tmp: pathlib.Path, state: Mapping[str, torch.Tensor], dtype: torch.dtype | None,
-                       file: str = FILE) -> tuple[list[str], str | None]:  # fmt: skip
-        """The safetensors file(s) (and index) of ``state``; their names and the floating dtype written."""
-        from safetensors.torch import save_file
+    def _weight_files(self, state: Mapping[str, torch.Tensor], dtype: torch.dtype | None,
+                      file: str) -> tuple[list[tuple[str, list[memoryview]]], str | None]:  # fmt: skip
+        """The safetensors file(s) of ``state`` (and their index) as views of memory to write; the floating dtype
+        written."""
+        tensors = writable(state, dtype)
+        plans = plan(tensors, None, shard_bytes=self.shard_bytes, file=file)
+        files = [(p.name, spans(p, tensors)) for p in plans]
+        if len(plans) > 1:
+            files.append((INDEX, [memoryview(index(plans))]))
+        floats = {str(t.dtype).removeprefix("torch.") for t in tensors.values() if t.is_floating_point()}
+        return files, ",".join(sorted(floats)) or None
 
-        shards: list[dict[str, Any]] = [{}]
-        sizes = [0]
-        floats: set[str] = set()
-        for key, t in state.items():
-            t = t.detach()
-            if dtype is not None and t.is_floating_point():
-                t = t.to(dtype)
-            if t.is_floating_point():
-                floats.add(str(t.dtype).removeprefix("torch."))
-            size = t.numel() * t.element_size()
-            if shards[-1] and sizes[-1] + size > self.shard_bytes and file == FILE:
-                shards.append({})
-                sizes.append(0)
-            shards[-1][key] = t.contiguous().cpu()
-            sizes[-1] += size
-        n = len(shards)
-        names = [file] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-        for name, shard in zip(names, shards, strict=True):
-            save_file(shard, str(tmp / name), metadata={"format": "pt"})
-        if n > 1:
-            where = {k: name for name, shard in zip(names, shards, strict=True) for k in shard}
-            index = {"metadata": {"total_size": sum(sizes)}, "weight_map": where}
-            (tmp / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-            names.append(INDEX)
-        return names, ",".join(sorted(floats)) or None
-
-    def _hash_and_sync(self, tmp: pathlib.Path, names: list[str]) -> tuple[dict[str, FileEntry], float, float]:
-        """Each file's chunk digests, hashed from the page cache while the disk writes it; (entries, hash s,
-        fsync s: the longest wait on the disk after hashing)."""
-        started = time.perf_counter()
-        files = {}
-        with ThreadPoolExecutor(2, thread_name_prefix="fsync") as pool:  # the disk writes while we hash
-            synced = [pool.submit(_fsync, tmp / name) for name in names] if self.fsync else []
-            for name in names:
-                found = digest_file(tmp / name, self.algo, self.chunk_bytes)
-                files[name] = FileEntry(found.size, found.chunks)
-            hashed = time.perf_counter()
-            for f in synced:
-                f.result()
-        return files, hashed - started, time.perf_counter() - hashed
+    def _commit(self, tmp: pathlib.Path, final: pathlib.Path, manifest: Manifest) -> None:
+        """Write the manifest, then rename the folder into place (replacing a version published before)."""
+        (tmp / MANIFEST).write_text(manifest.to_json())
+        if self.fsync:
+            _fsync(tmp / MANIFEST)
+            _fsync(tmp)
+        if final.exists():  # a re-publish of the same version (a restarted learner): replace it whole
+            remove_version(final)
+        os.replace(tmp, final)
+        if self.fsync:
+            _fsync(self.root)
 
     def load(self, version: int, device: str = "cpu") -> dict[str, torch.Tensor]:
         """A published version's tensors, checked against its manifest's digest on the very bytes loaded."""

@@ -44,7 +44,7 @@ def test_publish_writes_a_complete_version_with_its_digest(tmp_path):
     want = folder_root("xxh3_128", 16 * MIB, {"model.safetensors": (found.size, found.chunks)})
     assert digest == f"xxh3_128/16MiB/dir:{want}" and manifest["dtype"] == "float32"
     assert manifest["bytes"] == (path / "model.safetensors").stat().st_size
-    assert set(manifest["timings_s"]) == {"write", "hash", "fsync"}
+    assert set(manifest["timings_s"]) == {"prepare", "write", "hash", "fsync"}
     back = store.load(3)
     assert torch.equal(back["w"], tensors["w"]) and torch.equal(back["b"], tensors["b"])
     assert store.versions() == [3] and not [p for p in (tmp_path / "store").iterdir() if p.name.startswith(".")]
