@@ -21,7 +21,7 @@ import asyncio
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -87,7 +87,8 @@ class MyEngine(WorkerEngine):
         """Score a finished sample of ``group``."""
         return float(len(tokens) % 2)
 
-    def loaded(self, version: int, uri: str = "", sha256: str = "", keep: frozenset[int] = frozenset()) -> None:
+    def loaded(self, version: int, uri: str = "", sha256: str = "", keep: frozenset[int] = frozenset(),
+               inline: Mapping[str, bytes] = {}) -> None:  # fmt: skip
         self.version = version  # a real stack would load the weights at `uri` and check `sha256`
 
     # ---------------------------------------------------------------- the worker's calls

@@ -21,7 +21,7 @@ import json
 import pathlib
 import tempfile
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 if TYPE_CHECKING:
     import torch
@@ -40,6 +40,8 @@ NAME = "default"
 """The adapter's name inside the model (PEFT's default); published keys leave it out, as PEFT's saved files do."""
 SAVED = "base_model.model."
 """The prefix of every key of a saved PEFT adapter (the PeftModel's path to the transformers model)."""
+Version: TypeAlias = pathlib.Path | Mapping[str, bytes]
+"""A published version's files: its folder, or their bytes (a version carried inline, ``dora.store.inline``)."""
 
 
 def inject(model: torch.nn.Module, spec: LoraSection) -> Any:
@@ -101,41 +103,61 @@ def base_record(base: str | pathlib.Path) -> bytes:
     return (json.dumps({"path": str(base), "digest": model_digest(base)}, indent=2) + "\n").encode()
 
 
-def check_base(folder: pathlib.Path, base: str | pathlib.Path, digest: str) -> None:
-    """ValueError unless the adapter version in ``folder`` was trained on the model this engine holds (the folder
-    ``base``, whose ``model_digest`` is ``digest``). A version without ``BASE_FILE`` (published before it was
-    written) is taken as it is."""
+def _read(folder: Version, name: str) -> bytes | None:
+    """File ``name`` of a version (None: it has none), from its folder or the files carried inline."""
+    if isinstance(folder, pathlib.Path):
+        try:
+            return (folder / name).read_bytes()
+        except FileNotFoundError:
+            return None
+    return folder.get(name)
+
+
+def _where(folder: Version) -> str:
+    return str(folder) if isinstance(folder, pathlib.Path) else "its files carried inline"
+
+
+def check_base(folder: Version, base: str | pathlib.Path, digest: str) -> None:
+    """ValueError unless the adapter version in ``folder`` (or its files, carried inline) was trained on the model
+    this engine holds (the folder ``base``, whose ``model_digest`` is ``digest``). A version without ``BASE_FILE``
+    (published before it was written) is taken as it is."""
     try:
-        theirs = json.loads((folder / BASE_FILE).read_text())
-    except FileNotFoundError:
-        return
+        data = _read(folder, BASE_FILE)
+        if data is None:
+            return
+        theirs = json.loads(data)
     except (OSError, ValueError) as e:
-        raise ValueError(f"{folder}: {BASE_FILE} is unreadable ({e})") from None
+        raise ValueError(f"{_where(folder)}: {BASE_FILE} is unreadable ({e})") from None
     if theirs.get("digest") != digest:
-        raise ValueError(f"{folder}: its adapters were trained on the base model {theirs.get('path')} (digest "
+        raise ValueError(f"{_where(folder)}: its adapters were trained on the base model {theirs.get('path')} (digest "
                          f"{theirs.get('digest')}), not on this worker's {base} (digest {digest}): a LoRA run's "
                          "learner and workers must start from the same model")  # fmt: skip
 
 
-def check_adapters(model: torch.nn.Module, folder: pathlib.Path, state: Mapping[str, torch.Tensor],
+def check_adapters(model: torch.nn.Module, folder: Version, state: Mapping[str, torch.Tensor],
                    config: Any) -> dict[str, torch.Tensor]:  # fmt: skip
     """A published adapter version (its checked tensors ``state``, under saved names, and the
-    ``adapter_config.json`` of ``folder``), under the names of the adapters ``inject`` gave ``model`` (its PEFT
-    ``config``). ValueError when the version's adapters are not those: another rank, scale or module set."""
+    ``adapter_config.json`` of ``folder``, or of its files carried inline), under the names of the adapters ``inject``
+    gave ``model`` (its PEFT ``config``). ValueError when the version's adapters are not those: another rank, scale or
+    module set."""
+    where = _where(folder)
     try:
-        theirs = json.loads((folder / ADAPTER_CONFIG).read_text())
+        data = _read(folder, ADAPTER_CONFIG)
+        theirs = json.loads(data) if data is not None else None
     except (OSError, ValueError) as e:
-        raise ValueError(f"{folder}: not an adapter folder ({ADAPTER_CONFIG}: {e})") from None
+        raise ValueError(f"{where}: not an adapter folder ({ADAPTER_CONFIG}: {e})") from None
+    if not isinstance(theirs, dict):
+        raise ValueError(f"{where}: not an adapter folder ({ADAPTER_CONFIG} missing, or not a JSON object)")
     if (theirs.get("r"), float(theirs.get("lora_alpha", 0))) != (config.r, float(config.lora_alpha)):
-        raise ValueError(f"{folder}: adapters of rank {theirs.get('r')} and alpha {theirs.get('lora_alpha')}, this "
+        raise ValueError(f"{where}: adapters of rank {theirs.get('r')} and alpha {theirs.get('lora_alpha')}, this "
                          f"engine's have rank {config.r} and alpha {config.lora_alpha} (learner.lora)")  # fmt: skip
     params = {n: p for n, p in model.named_parameters() if is_adapter(n)}
     incoming = {model_key(k): v for k, v in state.items()}
     if incoming.keys() != params.keys():
         extra, missing = sorted(incoming.keys() - params.keys()), sorted(params.keys() - incoming.keys())
-        raise ValueError(f"{folder}: its adapters are not this engine's: extra {extra[:3]}, missing {missing[:3]}")
+        raise ValueError(f"{where}: its adapters are not this engine's: extra {extra[:3]}, missing {missing[:3]}")
     bad = [n for n, p in params.items() if p.shape != incoming[n].shape]
     if bad:
-        raise ValueError(f"{folder}: adapter {bad[0]} is {tuple(incoming[bad[0]].shape)}, the engine's "
+        raise ValueError(f"{where}: adapter {bad[0]} is {tuple(incoming[bad[0]].shape)}, the engine's "
                          f"{tuple(params[bad[0]].shape)}")  # fmt: skip
     return incoming

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pathlib
 import sys
+from collections.abc import Mapping
 
 import torch
 
@@ -64,7 +65,8 @@ class ModelEngine(MyEngine):
                              use_cache=True)  # fmt: skip
         return made
 
-    def loaded(self, version: int, uri: str = "", sha256: str = "", keep: frozenset[int] = frozenset()) -> None:
+    def loaded(self, version: int, uri: str = "", sha256: str = "", keep: frozenset[int] = frozenset(),
+               inline: Mapping[str, bytes] = {}) -> None:  # fmt: skip
         if uri.startswith("file://"):  # the learner's weight store; sim:// versions carry no weights
             if self.pending:
                 raise EngineError(f"cannot load v{version}: {len(self.pending)} requests are waiting")

@@ -169,7 +169,7 @@ async def test_a_worker_goes_on_heartbeating_while_it_loads_full_weights():
     async with welcomed_worker("run.time_scale=0.0001", "engine.load_s=0") as (broker, worker, _):
         loaded = worker.engine.loaded
 
-        def slow_load(version: int, uri: str = "", sha256: str = "") -> None:
+        def slow_load(version: int, uri: str = "", sha256: str = "", *_: object) -> None:
             time.sleep(1.0)  # a disk read: the GIL is free meanwhile
             loaded(version, uri, sha256)
 
@@ -200,7 +200,7 @@ async def test_a_version_retired_before_its_load_waits_for_the_newer_order_and_a
     async with welcomed_worker("run.time_scale=0.0001", "engine.load_s=0") as (broker, worker, _):
         loaded = worker.engine.loaded
 
-        def load(version: int, uri: str = "", sha256: str = "") -> None:
+        def load(version: int, uri: str = "", sha256: str = "", *_: object) -> None:
             if uri.startswith("file://") and not pathlib.Path(uri.removeprefix("file://")).is_dir():
                 raise EngineError(f"v{version}: cannot read {uri}/manifest.json: No such file or directory")
             loaded(version, "sim://", sha256)

@@ -3,9 +3,11 @@
 
 The rollout actor owns the socket and the clock and calls these from its event loop. The contract:
 
-- ``loaded(version, uri, sha256, keep)``: take the version's weights (``uri`` from the ``Assign``; a
-  ``sim://`` URI names weights that do not exist). Raise ``EngineError`` to refuse (requests still
-  running, a digest mismatch); the engine must then still be on its previous version.
+- ``loaded(version, uri, sha256, keep, inline)``: take the version's weights (``uri`` from the ``Assign``; a
+  ``sim://`` URI names weights that do not exist). ``inline``: the ``Assign``'s copy of a small version's files
+  (a LoRA adapter folder with its manifest, ``dora.store.inline``), which an engine may load instead of reading
+  ``uri``, once they check against ``sha256``; full weights never come inline. Raise ``EngineError`` to refuse
+  (requests still running, a digest mismatch); the engine must then still be on its previous version.
 - **A version per request**: every sampled token of a trajectory comes from the one version its request
   names (C1). ``held_versions()`` are the versions a ``Generate`` or ``MigrateIn`` may name now, at most
   ``max_versions`` of them. An engine of full weights holds one, its loaded version (``max_versions``
@@ -38,7 +40,7 @@ A custom engine from an embedding stack subclasses ``WorkerEngine``, implements 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -151,7 +153,8 @@ class WorkerEngine(ABC):
     @abstractmethod
     def load_seconds(self) -> float: ...
     @abstractmethod
-    def loaded(self, version: int, uri: str = "", sha256: str = "", keep: frozenset[int] = frozenset()) -> None: ...
+    def loaded(self, version: int, uri: str = "", sha256: str = "", keep: frozenset[int] = frozenset(),
+               inline: Mapping[str, bytes] = {}) -> None: ...  # fmt: skip
     @abstractmethod
     def submit(self, gen: m.Generate, now: float) -> None: ...
     @abstractmethod
@@ -220,7 +223,8 @@ class StepEngine(Protocol[S]):
     def asleep(self) -> bool: ...
     def held_versions(self) -> set[int]: ...
     def relabel(self, version: int) -> None: ...
-    def load_weights(self, version: int, path: str, digest: str | None, keep: frozenset[int] = ...) -> None: ...
+    def load_weights(self, version: int, path: str, digest: str | None, keep: frozenset[int] = ...,
+                     inline: Mapping[str, bytes] = ...) -> None: ...  # fmt: skip
     def submit(self, *, group_id: int, attempt: int, prompt: list[int], n: int, max_tokens: int,
                temperature: float = ..., top_p: float = ..., seed: int = ..., stops: frozenset[int] = ...,
                keep_kv: bool = ..., version: int | None = ...) -> list[S]: ...  # fmt: skip

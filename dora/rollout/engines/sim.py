@@ -7,6 +7,8 @@ run's workload, so a live run is comparable to `dora sim` on the same config. Re
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 
 from dora.config.sim import EngineSection
@@ -54,7 +56,8 @@ class SimEngine(WorkerEngine):
     def busy(self) -> bool:
         return len(self.engine) > 0
 
-    def loaded(self, version: int, uri: str = "", sha256: str = "", keep: frozenset[int] = frozenset()) -> None:
+    def loaded(self, version: int, uri: str = "", sha256: str = "", keep: frozenset[int] = frozenset(),
+               inline: Mapping[str, bytes] = {}) -> None:  # fmt: skip
         """The version's weights are in (the sim engine has none to read: ``uri`` names them only)."""
         if len(self.engine):
             self.debt_s += self.cfg.prefill_s_per_token * self.engine.swap_weights(version)

@@ -16,26 +16,34 @@ result's segments name the version its request ran under. Evaluation requests ru
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+import structlog
 
 from dora.ids import AttemptId, Finish, GroupId
 from dora.rollout.engines.base import Sample, SampleState, StepEngine, WorkerEngine, ran_under
 from dora.rollout.engines.versions import ReadsVersions, Versions
 from dora.samples import FinishedSample
+from dora.store.inline import verified
 from dora.tasks.prompts import TaskRun
 from dora.wire import messages as m
 
 if TYPE_CHECKING:
     from dora.rollout.episodes import Episode, Episodes
 
+log = structlog.get_logger()
+
 
 class KeepsVersions(StepEngine[Any], Protocol):
-    """A step engine with its versions' bookkeeping (``dora.rollout.engines.versions``): the torch and vLLM engines."""
+    """A step engine with its versions' bookkeeping (``dora.rollout.engines.versions``): the torch and vLLM engines.
+    ``adapted``: its versions are adapters (a LoRA run), which may come inline."""
 
     versions: Versions[Any]
+
+    @property
+    def adapted(self) -> bool: ...
 
 
 class StepWorkerEngine(ReadsVersions, WorkerEngine):
@@ -89,14 +97,34 @@ class StepWorkerEngine(ReadsVersions, WorkerEngine):
     def load_seconds(self) -> float:
         return 0.0  # loading happens in ``loaded``, synchronously
 
-    def loaded(self, version: int, uri: str = "", sha256: str = "", keep: frozenset[int] = frozenset()) -> None:
+    def loaded(self, version: int, uri: str = "", sha256: str = "", keep: frozenset[int] = frozenset(),
+               inline: Mapping[str, bytes] = {}) -> None:  # fmt: skip
         """``keep``: versions to go on holding beside the new one (the broker's ``Assign.keep``: groups of them run
-        here, or are on their way here), besides those running or waiting requests name."""
-        if uri.startswith("sim://") or not uri:
+        here, or are on their way here), besides those running or waiting requests name. ``inline``: the version's
+        files carried in the ``Assign``; an adapter version whose files check against ``sha256`` is loaded from them
+        and ``uri`` is not read (``inline_files``)."""
+        if uri.startswith("sim://") or not (uri or inline):
             self.engine.relabel(version)
             return
         keep = keep | (self.episodes.versions() if self.episodes is not None else frozenset())
-        self.engine.load_weights(version, uri.removeprefix("file://"), sha256 or None, keep=keep)
+        files = self.inline_files(version, sha256, inline)
+        self.engine.load_weights(version, uri.removeprefix("file://"), sha256 or None, keep=keep, inline=files)
+
+    def inline_files(self, version: int, digest: str, inline: Mapping[str, bytes]) -> Mapping[str, bytes]:
+        """The files of ``inline`` the engine loads instead of reading the version's URI: all of them (the manifest
+        left out) once they are the ones ``digest`` names. Empty (the URI is read, and checked as ever) when none
+        came, for an engine of full weights, or when they do not check: a tampered or torn copy is logged and the
+        store's copy, written from the same bytes, is read instead."""
+        if not inline:
+            return {}
+        if not self.engine.adapted:
+            log.warning("inline_weights_ignored", version=version, reason="full weights are read from their uri")
+            return {}
+        try:
+            return verified(inline, digest, f"v{version}")
+        except ValueError as e:  # DigestMismatch, or a digest this dora cannot read
+            log.warning("inline_weights_refused", version=version, error=str(e), fallback="uri")
+            return {}
 
     def submit(self, gen: m.Generate, now: float) -> None:
         if self.episodes is not None:

@@ -42,7 +42,10 @@ it drives the torch engine; vLLM schedules, batches and pages the KV cache itsel
   requests of several versions share a batch, each sampled by its own version. The engine holds ``max_loras``
   versions at most (``max_versions``; ``held_versions``): a load keeps those requests still name and drops the
   others, and is refused before anything changes when it would need more. Version 0 is the base model itself (no
-  adapter). Full weights: one version, the loaded one; a request naming another is refused.
+  adapter). A version carried inline (its files in the ``Assign``, checked by the worker) is not read from the
+  store: vLLM takes adapters from a folder only, so its files are written to a directory on tmpfs (``/dev/shm``
+  when there is one), memory to memory, kept while the version is held and removed with the engine. Full
+  weights: one version, the loaded one; a request naming another is refused.
 - **Migration**: vLLM cannot hand over a request's KV cache or sampler state. ``export`` aborts the
   request and returns its token prefix and log-probs. ``import_`` re-prefills prompt + prefix on a
   worker holding the same version, so the continuation is exact in distribution (C1 holds). Its
@@ -53,7 +56,11 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
+import tempfile
 import uuid
+import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -143,6 +150,8 @@ class VllmEngine(HoldsVersions):
         self.lora = lora
         self.base = (str(model_dir), model_digest(model_dir)) if lora is not None else None
         """A LoRA run's base model, by path and digest: versions trained on another are refused (``check_base``)."""
+        self.inline_root: pathlib.Path | None = None
+        """Where versions carried inline are written for vLLM to read (``_inline_folder``), once one came."""
 
     def __len__(self) -> int:
         return len(self.requests) + len(self.held or ())
@@ -164,10 +173,13 @@ class VllmEngine(HoldsVersions):
     # ------------------------------------------------------------------ weights
 
     def load_weights(self, version: int, path: str | pathlib.Path, sha256: str | None,
-                     keep: frozenset[int] = frozenset()) -> None:  # fmt: skip
+                     keep: frozenset[int] = frozenset(), inline: Mapping[str, bytes] = {}) -> None:  # fmt: skip
         """Load a published version. Full weights: in place, refused while requests run. Adapters (a LoRA run): beside
         the versions requests still name (``keep``: an episode's between its turns too), which go on under their own
-        adapters."""
+        adapters. ``inline``: an adapter version's files, carried in its ``Assign`` and already checked against
+        ``sha256`` (``dora.store.inline.verified``): ``path`` is not read (``_inline_folder``)."""
+        if self.lora is None and inline:
+            raise EngineError(f"v{version}: full weights are read from the store, never carried inline")
         if self.lora is None and len(self):
             raise EngineError(f"cannot load v{version}: {len(self)} requests are running")
         state = read_weights(version, path, sha256) if self.lora is None else {}
@@ -176,7 +188,7 @@ class VllmEngine(HoldsVersions):
             self.wake()
         try:
             if self.lora is not None:
-                self._load_adapter(version, pathlib.Path(path), sha256, self.named(keep))
+                self._load_adapter(version, pathlib.Path(path), sha256, self.named(keep), inline)
                 return
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state.items())})
             self.llm.reset_prefix_cache()
@@ -185,11 +197,14 @@ class VllmEngine(HoldsVersions):
             if asleep:
                 self.sleep()
 
-    def _load_adapter(self, version: int, path: pathlib.Path, digest: str | None, kept: set[int]) -> None:
+    def _load_adapter(self, version: int, path: pathlib.Path, digest: str | None, kept: set[int],
+                      inline: Mapping[str, bytes]) -> None:  # fmt: skip
         """A LoRA run's version: its base model and digest checked, vLLM adds the adapter folder under the version's
         own name and id (vLLM keys its prefix cache by adapter), and new requests name it. The folder is read by
-        vLLM after the check: a published version's files do not change. Versions not in ``kept`` (those requests
-        still name) leave, and their adapters are removed, so vLLM holds at most the versions that still run."""
+        vLLM after the check: a published version's files do not change. A version carried inline is checked by
+        then; vLLM reads a folder, so its files are written to one in memory first (``_inline_folder``). Versions not
+        in ``kept`` (those requests still name) leave, and their adapters are removed, so vLLM holds at most the
+        versions that still run."""
         from vllm.lora.request import LoRARequest
 
         stay = {v: a for v, a in self.versions.by_version.items() if v in kept and v != version}
@@ -199,19 +214,49 @@ class VllmEngine(HoldsVersions):
                               f"(max_loras) and requests still run on {names}")  # fmt: skip
         assert self.base is not None  # set with lora
         try:
-            check_base(path, *self.base)
+            check_base(inline if inline else path, *self.base)
         except ValueError as e:
             raise EngineError(f"v{version}: {e}") from None
-        read_weights(version, path, digest)  # the digest: the same check as every engine's
+        if inline:
+            path = self._inline_folder(version, inline)
+        else:
+            read_weights(version, path, digest)  # the digest: the same check as every engine's
         adapter = LoRARequest(lora_name=f"v{version}", lora_int_id=version + 1, lora_path=str(path))
         try:
             self.engine.add_lora(adapter)
         except (ValueError, RuntimeError) as e:  # another rank than max_lora_rank, modules vLLM cannot wrap
+            self._drop_inline_folders()
             raise EngineError(f"v{version}: vLLM cannot load the adapters of {path}: {e}") from None
         ids = {a.lora_int_id for a in stay.values() if a is not None} | {adapter.lora_int_id}
         for old in set(self.engine.list_loras()) - ids:
             self.engine.remove_lora(old)
         self.versions.take(version, adapter, kept)
+        self._drop_inline_folders()
+
+    def _inline_folder(self, version: int, files: Mapping[str, bytes]) -> pathlib.Path:
+        """An inline version's files as the adapter folder vLLM reads (a ``LoRARequest`` names a path): written to a
+        directory of this engine's on tmpfs (``/dev/shm`` when there is one, else the temporary directory), so the
+        bytes go from memory to memory and no disk is written or read. The folder stays while the version is held
+        (vLLM may read it again) and the directory is removed with the engine."""
+        if self.inline_root is None:
+            shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            self.inline_root = pathlib.Path(tempfile.mkdtemp(prefix="dora-lora-", dir=shm))
+            weakref.finalize(self, shutil.rmtree, self.inline_root, ignore_errors=True)
+        folder = self.inline_root / f"v{version}"
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir()
+        for name, data in files.items():
+            (folder / name).write_bytes(data)
+        return folder
+
+    def _drop_inline_folders(self) -> None:
+        """Remove the folders of inline versions whose adapters vLLM no longer holds."""
+        if self.inline_root is None:
+            return
+        held = {str(a.lora_path) for a in self.versions.by_version.values() if a is not None}
+        for folder in self.inline_root.iterdir():
+            if str(folder) not in held:
+                shutil.rmtree(folder, ignore_errors=True)
 
     # ------------------------------------------------------------------ requests
 

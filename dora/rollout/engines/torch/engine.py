@@ -57,6 +57,7 @@ from __future__ import annotations
 import hashlib
 import pathlib
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -65,7 +66,7 @@ import structlog
 import torch
 
 from dora.hf.folder import facts
-from dora.hf.lora import check_adapters, check_base, inject
+from dora.hf.lora import ADAPTER_FILE, Version, check_adapters, check_base, inject
 from dora.hf.tensors import padding_gap, tied_copies
 from dora.hostmem import Parking, module_tensors
 from dora.ids import Finish
@@ -111,6 +112,21 @@ def read_weights(version: int, path: str | pathlib.Path, digest: str | None, dev
         raise EngineError(f"v{version}: cannot read {e.filename or path}: {e.strerror or e}") from None
     except ValueError as e:  # a digest mismatch, or a digest this dora cannot read
         raise EngineError(str(e)) from None
+
+
+def read_inline(version: int, files: Mapping[str, bytes], device: str = "cpu") -> dict[str, torch.Tensor]:
+    """An adapter version's tensors made from its files carried inline (checked by then: ``dora.store.inline``),
+    with no file read. EngineError if they hold no adapters, or not as safetensors."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    data = files.get(ADAPTER_FILE)
+    if data is None:
+        raise EngineError(f"v{version}: no {ADAPTER_FILE} among its files carried inline")
+    try:
+        return {k: t.to(device) for k, t in load(bytes(data)).items()}
+    except (SafetensorError, ValueError) as e:
+        raise EngineError(f"v{version}: its inline {ADAPTER_FILE} is not safetensors ({e})") from None
 
 
 class TorchEngine(HoldsVersions):
@@ -193,19 +209,23 @@ class TorchEngine(HoldsVersions):
     # ------------------------------------------------------------------ weights
 
     def load_weights(self, version: int, path: str | pathlib.Path, digest: str | None,
-                     keep: frozenset[int] = frozenset()) -> None:  # fmt: skip
+                     keep: frozenset[int] = frozenset(), inline: Mapping[str, bytes] = {}) -> None:  # fmt: skip
         """Load a published version. Full weights: in place, refused while requests run. Adapters (a LoRA run): beside
         the versions requests still name (running, waiting, or in ``keep``: an episode's between its turns), which
         go on under their own; the others leave. Refused when the bytes do not match, or when it would take more than
-        ``max_versions``; the engine is then as it was."""
+        ``max_versions``; the engine is then as it was. ``inline``: an adapter version's files, carried in its
+        ``Assign`` and already checked against ``digest`` (``dora.store.inline.verified``): the adapters are made
+        from these bytes, and ``path`` is not read."""
         if self.asleep:  # a load that ends after the worker yielded: made awake, and the engine sleeps on
             self.wake()
             try:
-                return self.load_weights(version, path, digest, keep)
+                return self.load_weights(version, path, digest, keep, inline)
             finally:
                 self.sleep()
         if self.adapters is not None:
-            return self._load_adapters(version, pathlib.Path(path), digest, self.named(keep))
+            return self._load_adapters(version, pathlib.Path(path), digest, self.named(keep), inline)
+        if inline:
+            raise EngineError(f"v{version}: full weights are read from the store, never carried inline")
         if self.batch or self.waiting:
             raise EngineError(f"cannot load v{version}: {len(self.running) + len(self.waiting)} requests are running")
         if digest is not None and self._loaded_from is not None:
@@ -222,16 +242,21 @@ class TorchEngine(HoldsVersions):
         self.versions.take(version, 0)
         self._loaded_from = state if self.device.type == "cpu" else None  # views of the file's mapping
 
-    def _load_adapters(self, version: int, path: pathlib.Path, digest: str | None, kept: set[int]) -> None:
+    def _load_adapters(self, version: int, path: pathlib.Path, digest: str | None, kept: set[int],
+                       inline: Mapping[str, bytes]) -> None:  # fmt: skip
         assert self.adapters is not None and self.base is not None
         lane = self.adapters.free_lane(version, kept)
+        source: Version = inline if inline else path
         try:
-            check_base(path, *self.base)
+            check_base(source, *self.base)
         except ValueError as e:
             raise EngineError(f"v{version}: {e}") from None
-        state = read_weights(version, path, digest, device=str(self.device))
+        if inline:
+            state = read_inline(version, inline, device=str(self.device))
+        else:
+            state = read_weights(version, path, digest, device=str(self.device))
         try:
-            tensors = check_adapters(self.model, path, state, self.lora)
+            tensors = check_adapters(self.model, source, state, self.lora)
         except ValueError as e:
             raise EngineError(f"v{version}: {e}") from None
         self.adapters.fill(version, lane, tensors, kept)
