@@ -200,3 +200,41 @@ class Weights:
                                       dtype=self.publish_dtype, file=adapters.ADAPTER_FILE)  # fmt: skip
         return self.store.publish(version, publishable(state, self.copies), beside=self.beside,
                                   dtype=self.publish_dtype)  # fmt: skip
+
+    # ------------------------------------------------------------------ a LoRA version carried inline
+
+    def inline_version(self, version: int) -> tuple[dict[str, bytes], str] | None:
+        """A LoRA version as the files a message carries (``dora.store.inline``: ``WeightsPublished.inline``), with
+        its digest: the adapters as ``publish`` writes them, serialized in memory, the files beside them and their
+        manifest. The digest is the one the store gives the same files, and ``dora.store.inline.write`` puts these
+        very bytes in the store. Sharded: a collective; rank 0 returns them, the others None. Full weights are never
+        carried inline (ValueError): they go through the store."""
+        if self.lora is None:
+            raise ValueError(f"v{version}: full weights are not carried inline (a LoRA run's adapters are)")
+        if self.world == 1:
+            return self.inline_files(version, self.model.state_dict())
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+        with self._on_device():
+            state = get_model_state_dict(self.model, options=options)
+        return self.inline_files(version, state) if self.rank == 0 else None
+
+    def inline_files(self, version: int, state: dict[str, torch.Tensor]) -> tuple[dict[str, bytes], str]:
+        """``inline_version`` of a model state already at hand (the one ``publish`` takes: the whole model's, or its
+        adapters'): ``adapter_model.safetensors`` of its adapters in the publish dtype, ``self.beside``, the manifest;
+        and the digest."""
+        from safetensors.torch import save
+
+        from dora.store import inline
+
+        tensors, floats = {}, set()
+        for key, t in adapters.adapter_state(state).items():
+            t = t.detach()
+            if t.is_floating_point():
+                t = t.to(self.publish_dtype)
+                floats.add(str(t.dtype).removeprefix("torch."))
+            tensors[key] = t.contiguous().cpu()
+        files = {adapters.ADAPTER_FILE: save(tensors, metadata={"format": "pt"}), **self.beside}
+        return inline.pack(version, files, algo=self.store.algo, chunk_bytes=self.store.chunk_bytes,
+                           dtype=",".join(sorted(floats)) or None)  # fmt: skip
