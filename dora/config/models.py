@@ -169,6 +169,12 @@ class LearnerSection:
     weights_bind: str = ""
     """Where the learner's chunk server listens: the weights' data plane, which serves every published version
     chunk by chunk to the rollout workers with a rollout.store; empty: tcp on this host's address, a free port."""
+    overlap_publish: bool = True
+    """Write each version in the background: the step ends once the weights are copied aside, the learner asks
+    for the next batch and trains it while the copy is written, digested and made durable, and the broker hears of
+    the version (and dispatches on it) only then. At most one write is in flight; a step whose version is
+    checkpointed, the last step and a drain wait for the write before the next batch. False: every step writes its
+    version before asking for the next batch."""
     lr: float = 1e-4
     """torch trainer: AdamW learning rate (betas 0.9, 0.99), the peak of learner.lr_schedule."""
     micro_batch: int = 16

@@ -39,11 +39,20 @@ from dora.config import ConfigError
 from dora.config.run import RunConfig
 from dora.learner.checks import InvariantBroken, check_batch
 from dora.learner.trainers import Trainer
+from dora.learner.writing import BackgroundWrite, WriteFailed
 from dora.samples import Batch
 from dora.wire import messages as m
 from dora.wire import packed
 
 log = structlog.get_logger()
+
+WRITE_POLL_S = 0.02
+"""How often the loop looks at a write in flight while it waits for messages (its version is announced at once)."""
+
+
+def _key(msg: Any) -> Any:
+    """What an awaited request is known by: its kind, and a publish by its version too (two may be awaited)."""
+    return (msg.KIND, msg.version) if isinstance(msg, m.WeightsPublished) else msg.KIND
 
 
 class LearnerActor:
@@ -83,23 +92,29 @@ class LearnerActor:
         """The version of the newest checkpoint (the one resumed from; 0 stands for the model folder)."""
         self.weights_ahead = False
         """A step was trained and not published (cut short by a stop): the weights are past ``version``."""
+        self.writing: BackgroundWrite | None = None
+        """The version being written in the background (``learner.overlap_publish``), announced once durable."""
+        self.requested: int | None = None
+        """The step whose batch was asked for and has not come."""
         self.drain = asyncio.Event()
         """Set: leave at the next step boundary (after checkpointing). ``run`` may be handed its own."""
-        self.unacked: tuple[int, Batch, dict[str, Any]] | None = None
-        """The step published and not yet acknowledged: (version, batch, facts)."""
+        self.unacked: list[tuple[int, Batch, dict[str, Any]]] = []
+        """The versions announced and not yet acknowledged, oldest first: (version, batch, facts). Two at most: a
+        version written in the background is announced during the next step, whose own is announced at its end,
+        possibly before the first one's acknowledgement is read."""
         self.link: PeerSession | None = None
         """The session with the broker, while the learner serves."""
         self.welcomed = False
         """The broker has welcomed this learner once."""
         self.joining = True
         """A Hello is out and its Welcome not in: the learner (re)joins the run at the broker's newest version."""
-        self.awaiting: tuple[float, Any] | None = None
-        """The request whose answer is awaited (Hello, RequestBatch or WeightsPublished) and when it was sent:
-        sent again every two heartbeat intervals until answered, since either message may be lost."""
+        self.awaiting: dict[Any, tuple[float, Any]] = {}
+        """The requests whose answers are awaited (a Hello, a RequestBatch, each WeightsPublished) and when each was
+        sent: sent again every two heartbeat intervals until answered, since either message may be lost."""
 
     async def _request(self, msg: Any) -> None:
         """Send a request that expects an answer, and keep it for sending again."""
-        self.awaiting = (self.clock(), msg)
+        self.awaiting[_key(msg)] = (self.clock(), msg)
         await self._offer(msg)
 
     async def _offer(self, msg: Any) -> None:
@@ -145,22 +160,26 @@ class LearnerActor:
             self.joining = True
             link.heard()
             while not stop.is_set():
-                if self.drain.is_set() and self.unacked is None and self.welcomed:  # no step in flight: leave now
+                idle = not self.unacked and self.writing is None
+                if self.drain.is_set() and idle and self.welcomed:  # no step in flight: leave now
                     await self.leave(stop, "drained")
                     return 0
                 if not self.welcomed and self.clock() - started > self.cfg.security.auth_timeout_s:
                     log.error("broker_never_answered", endpoint=self.endpoint, hint=HINT if keys else "")
                     return 1
-                messages = await link.receive(link.due_in(self.clock()))
+                due = link.due_in(self.clock())
+                messages = await link.receive(min(due, WRITE_POLL_S) if self.writing is not None else due)
                 if not messages and link.silent(self.clock()):  # judged silent only once what came is read
                     await self.find_broker_again()
                 for msg in messages:
                     if (code := await self.on_message(msg, stop)) is not None:
                         return code
+                await self._announce_written(stop)
                 if link.beat_due(self.clock()):
                     await self._offer(m.Heartbeat())
-                    if self.awaiting is not None and self.clock() - self.awaiting[0] >= link.resend_s:
-                        await self._request(self.awaiting[1])  # no answer yet: the request or it was lost
+                    for sent, msg in list(self.awaiting.values()):
+                        if self.clock() - sent >= link.resend_s:
+                            await self._request(msg)  # no answer yet: the request or it was lost
             # stopped (SIGTERM): tell the broker, which holds the batch for the next learner
             await self.leave(stop, "stopping")
             return 0
@@ -170,6 +189,9 @@ class LearnerActor:
         except packed.CorruptBatch as e:  # nothing of it is trained: the payload is not what the worker sent
             log.error("batch_corrupt", step=e.step, group_id=e.group_id, index=e.index, error=str(e))
             return 3
+        except WriteFailed as e:
+            log.error("publish_failed", error=str(e))
+            return 1
         finally:
             link.close()  # with no linger, unless a Goodbye was just sent
             self.link = None
@@ -189,26 +211,29 @@ class LearnerActor:
         assert self.link is not None
         match msg:
             case m.Welcome() if self.joining:  # joining a run in progress: pick it up at the newest version
-                self.joining, self.welcomed, self.awaiting = False, True, None
+                self.joining, self.welcomed, self.awaiting, self.requested = False, True, {}, None
                 if not await self.catch_up(msg.newest_version, stop):
                     return 1
                 log.info("registered", broker_epoch=msg.broker_epoch, version=self.version)
                 if await self.after_commit(stop):
                     return 0
-            case m.TrainBatch() if self.unacked is None and not self.joining:
-                if msg.step < self.version:  # a copy of a batch already trained (re-sent on a rejoin)
-                    log.warning("stale_batch_ignored", step=msg.step, version=self.version)
+            case m.TrainBatch() if not self.joining:
+                if msg.step != self.version or self.requested != msg.step or self.drain.is_set():
+                    # a copy of a batch already trained (re-sent on a rejoin), or one asked for before a drain
+                    # (the broker holds it for the next learner)
+                    log.warning("batch_ignored", step=msg.step, version=self.version, draining=self.drain.is_set())
                     return None
-                self.awaiting = None
+                self.awaiting.pop(m.RequestBatch.KIND, None)  # ``requested`` stays this step's while it trains
                 await self.train(packed.unpack_batch(msg), stop)
                 self.link.heard()  # what came meanwhile is still queued: read it before judging
-            case m.PublishAck() if self.unacked is not None and msg.version == self.version:
-                await self.commit(stop)
+            case m.PublishAck() if any(v == msg.version for v, _, _ in self.unacked):
+                while self.unacked and self.unacked[0][0] <= msg.version:
+                    await self.commit(stop)
                 if await self.after_commit(stop):
                     return 0
             case m.Goodbye():
-                if self.unacked is not None and self.unacked[0] == self.cfg.core.total_steps:
-                    await self.commit(stop)  # the run ends only once the last publish is in
+                while self.unacked:  # the run ends only once the last publish is in
+                    await self.commit(stop)
                 return 0
             case m.Reject():
                 log.error("learner_turned_away", reason=msg.reason)
@@ -231,16 +256,36 @@ class LearnerActor:
             await self.link.goodbye("done")
             return True
         if self.drain.is_set():
-            await self.leave(stop, "drained")
-            return True
-        await self._request(m.RequestBatch(step=self.version))
+            if self.writing is None and not self.unacked:
+                await self.leave(stop, "drained")
+                return True
+            return False  # the version in flight is written and recorded first
+        await self._ask()
         return False
+
+    async def _ask(self) -> None:
+        """Ask for the batch of the step after the weights held, unless it is asked for already, the run has no
+        such step, or it must wait: while the version held is still being written, only if it may go early."""
+        step, total = self.version, self.cfg.core.total_steps
+        if self.requested == step or (total is not None and step >= total) or self.drain.is_set():
+            return
+        if self.writing is not None and not self._early_ok(step):
+            return
+        self.requested = step
+        await self._request(m.RequestBatch(step=step))
+
+    def _early_ok(self, version: int) -> bool:
+        """Whether batch ``version`` may be asked for while version ``version`` is still being written: not for a
+        version to be checkpointed (its commit must find the weights still at it, before the next step trains)."""
+        lc = self.cfg.learner
+        due = self.trainer.keeps_weights and lc.checkpoint_dir and version % lc.checkpoint_every == 0
+        return lc.overlap_publish and not due
 
     async def leave(self, stop: asyncio.Event, reason: str) -> None:
         """Checkpoint the newest committed version if it is not yet (and the weights are still it), then
         say goodbye: the broker holds any batch for the next learner."""
         lc = self.cfg.learner
-        clean = not self.weights_ahead and self.unacked is None and self.committed == self.version
+        clean = not self.weights_ahead and not self.unacked and self.writing is None and self.committed == self.version
         wanted = reason == "drained" or lc.checkpoint_on_stop
         if self.trainer.keeps_weights and lc.checkpoint_dir and wanted and clean and self.committed > self.checkpointed:
             await self.save_checkpoint(stop, reason)
@@ -258,11 +303,12 @@ class LearnerActor:
 
     async def catch_up(self, newest: int, stop: asyncio.Event) -> bool:
         """Bring the learner to the broker's newest version; False if that cannot be done."""
-        if self.unacked is not None:
-            if newest == self.version:  # the broker took the publish before its ack was lost
-                await self.commit(stop)
-            elif newest == self.version - 1:  # the publish never reached the broker's journal: undo the step
-                await self.roll_back(stop)
+        await self._finish_write(stop, announce=False)
+        self.writing = None  # durable, never announced: published again by the step that makes it next
+        while self.unacked and self.unacked[0][0] <= newest:  # the broker took the publish before its ack was lost
+            await self.commit(stop)
+        if self.unacked or self.version > max(newest, self.committed):  # past what the broker recorded: undo
+            await self.roll_back(stop)
         if not self.trainer.keeps_weights or newest == self.version:
             self.version = self.committed = newest
             return True
@@ -281,69 +327,95 @@ class LearnerActor:
         return True
 
     async def roll_back(self, stop: asyncio.Event) -> None:
-        """Forget the step whose publish the broker never recorded: its groups will be trained again."""
-        assert self.unacked is not None
-        _, batch, _ = self.unacked
-        self.unacked = None
-        self.version -= 1
+        """Forget the steps whose publish the broker never recorded: their groups will be trained again."""
+        steps = [batch.step for _, batch, _ in self.unacked]
+        self.unacked = []
+        self.version = self.committed
         if self.trainer.keeps_weights:  # the weights and optimizer of the newest checkpoint, then the store's
             resumed = await self._busy(stop, self.trainer.restore)
             self.version = resumed["version"] if resumed else 0
-        log.warning("step_rolled_back", step=batch.step, version=self.version)
-
-    def _step(self, batch: Batch) -> tuple[str, str, float, dict[str, float]]:
-        """Train on the batch and publish version ``self.version + 1`` (blocking: run in a thread)."""
-        metrics = self.trainer.train(batch)
-        published = self.trainer.publish(self.version + 1)
-        assert published is not None  # rank 0 writes
-        uri, sha, publish_s = published
-        return uri, sha, publish_s, metrics
+        self.weights_ahead = False
+        log.warning("step_rolled_back", steps=steps, version=self.version)
 
     async def _busy(self, stop: asyncio.Event, fn: Any, *args: Any) -> Any:
-        """Run blocking work in a thread while this loop keeps heartbeating; None if stopped meanwhile."""
+        """Run blocking work in a thread while this loop keeps heartbeating (and announces a version whose write
+        ends meanwhile); None if stopped meanwhile."""
         task = asyncio.ensure_future(asyncio.to_thread(fn, *args))
         while not task.done():
-            await asyncio.wait([task], timeout=self.cfg.broker.heartbeat_interval_s)
+            await asyncio.wait([task, *self._write_done()], timeout=self.cfg.broker.heartbeat_interval_s,
+                               return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+            await self._announce_written(stop)
             await self._offer(m.Heartbeat())
         result = task.result()
         return None if stop.is_set() else result
 
-    async def train(self, batch: Batch, stop: asyncio.Event) -> None:
-        core = self.cfg.core
-        facts = check_batch(
-            batch,
-            step=self.version,
-            groups=core.train_groups,
-            group_size=core.group_size,
-            k=core.staleness,
-            mixed_ok=core.in_flight_swap,
-            trained=self.trained,
-        )
+    def _write_done(self) -> list[asyncio.Future[Any]]:
+        """The write in flight, as something to wait on beside other work (none once it is done)."""
+        if self.writing is None or self.writing.done.done():
+            return []
+        return [asyncio.wrap_future(self.writing.done)]
+
+    async def _finish_write(self, stop: asyncio.Event, *, announce: bool = True) -> float:
+        """Wait for the write in flight, heartbeating; announce its version (unless told not to). The seconds
+        waited."""
         started = self.clock()
-        published = await self._busy(stop, self._step, batch)
-        if published is None:  # a step cut short is not published: the broker re-delivers the batch to the next learner
+        while self.writing is not None and not self.writing.done.done() and not stop.is_set():
+            await asyncio.wait(self._write_done(), timeout=self.cfg.broker.heartbeat_interval_s)
+            await self._offer(m.Heartbeat())
+        if announce:
+            await self._announce_written(stop)
+        return self.clock() - started
+
+    async def _announce_written(self, stop: asyncio.Event) -> None:
+        """The version written in the background is durable: tell the broker (it dispatches on it from now on)."""
+        w = self.writing
+        if w is None or not w.done.done() or stop.is_set():
+            return
+        self.writing = None
+        uri, sha, publish_s = w.result()
+        w.metrics["publish_s"] = publish_s
+        w.metrics["publish_total_s"] = time.perf_counter() - w.started + w.pending.snapshot_s
+        self.unacked.append((w.version, w.batch, w.facts))
+        await self._request(m.WeightsPublished(version=w.version, uri=uri, sha256=sha, publish_s=publish_s,
+                                               metrics=w.metrics, sources=self.sources,
+                                               inline=w.pending.inline))  # fmt: skip
+        await self._ask()  # a batch that waited for this version's write
+
+    async def train(self, batch: Batch, stop: asyncio.Event) -> None:
+        """Train on the batch, copy the weights aside as the next version and start its write; then ask for the
+        next batch at once (``learner.overlap_publish``, when the next version may go early), or once the write is
+        announced and recorded."""
+        core = self.cfg.core
+        facts = check_batch(batch, step=self.version, groups=core.train_groups, group_size=core.group_size,
+                            k=core.staleness, mixed_ok=core.in_flight_swap, trained=self.trained)  # fmt: skip
+        started = self.clock()
+        metrics = await self._busy(stop, self.trainer.train, batch)
+        wait_s = await self._finish_write(stop) if metrics is not None else 0.0  # one write in flight at most
+        pending = await self._busy(stop, self.trainer.snapshot, self.version + 1) if metrics is not None else None
+        if metrics is None or pending is None:  # cut short: not published; the broker re-delivers the batch
             self.weights_ahead = self.trainer.keeps_weights
             return
-        uri, sha, publish_s, metrics = published
         self.version += 1
+        self.requested = None
         metrics.setdefault("reward_mean", fmean(s.reward for g in batch.groups for s in g.samples))
         metrics.setdefault("tokens", float(facts["tokens"]))
         metrics["learner_step_s"] = self.clock() - started
-        self.unacked = (self.version, batch, facts)
-        await self._request(
-            m.WeightsPublished(version=self.version, uri=uri, sha256=sha, publish_s=publish_s, metrics=metrics,
-                               sources=self.sources)
-        )
+        metrics["snapshot_s"] = pending.snapshot_s
+        metrics["write_wait_s"] = wait_s
+        self.writing = BackgroundWrite(pending, batch, facts, metrics).start()
+        if not self._early_ok(self.version):
+            await self._finish_write(stop)
+        await self._ask()
 
     async def commit(self, stop: asyncio.Event) -> None:
-        """The broker recorded the publish: the step is final. Audit it, then checkpoint (when due).
+        """The broker recorded the oldest announced version: its step is final. Audit it, then checkpoint (when
+        due: such a version never went early, so the weights are still it).
 
         The audit line is on disk before the checkpoint starts: a learner killed between the two resumes from an
         older checkpoint and writes an ``adopted`` line for the step again (which ``dora audit`` accepts), while
         the other order could leave a checkpoint holding a step that no audit line names."""
-        assert self.unacked is not None
-        version, batch, facts = self.unacked
-        self.unacked = None
+        version, batch, facts = self.unacked.pop(0)
+        self.awaiting = {k: v for k, v in self.awaiting.items() if not (isinstance(k, tuple) and k[1] <= version)}
         self.committed = version
         self.trained.update(g.group_id for g in batch.groups)
         self._audit_step(batch, facts)

@@ -16,11 +16,12 @@ import torch
 import torch.distributed as dist
 
 from dora.actor.cluster import ClusterInfo
+from dora.learner.trainers import PendingVersion, Published
 from dora.samples import Batch
 from dora.wire import codec, packed
 from dora.wire.messages import TrainBatch
 
-TRAIN, PUBLISH, STOP, CHECKPOINT, ADOPT, RESTORE = 1, 2, 3, 4, 5, 6
+TRAIN, SNAPSHOT, STOP, CHECKPOINT, ADOPT, RESTORE = 1, 2, 3, 4, 5, 6
 
 
 def learner_device(setting: str, cluster: ClusterInfo) -> torch.device:
@@ -110,9 +111,13 @@ class Leader:
         _send(TRAIN, pack(codec.encode(packed.pack_batch(batch))))
         return self.trainer.train(batch)
 
-    def publish(self, version: int) -> tuple[str, str, float] | None:
-        _send(PUBLISH, version.to_bytes(8, "little"))
-        return self.trainer.publish(version)
+    def snapshot(self, version: int) -> PendingVersion | None:
+        _send(SNAPSHOT, version.to_bytes(8, "little"))
+        return self.trainer.snapshot(version)
+
+    def publish(self, version: int) -> Published | None:
+        pending = self.snapshot(version)
+        return pending.write() if pending is not None else None
 
     def checkpoint(self, version: int, trained_groups: list[int]) -> float:
         _send(CHECKPOINT, version.to_bytes(8, "little"))
@@ -144,8 +149,8 @@ def follow(trainer: Any) -> int:
             assert isinstance(batch, TrainBatch), f"rank 0 announced a train step with a {type(batch).__name__}"
             trainer.train(packed.unpack_batch(batch))
             steps += 1
-        elif kind == PUBLISH:
-            trainer.publish(int.from_bytes(payload, "little"))
+        elif kind == SNAPSHOT:  # the gather is collective; rank 0 alone writes
+            trainer.snapshot(int.from_bytes(payload, "little"))
         elif kind == CHECKPOINT:  # rank 0 alone writes, and holds the trained ids
             trainer.checkpoint(int.from_bytes(payload, "little"), [])
         elif kind == ADOPT:

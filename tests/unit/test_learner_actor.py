@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import uuid
 
 import numpy as np
@@ -17,6 +18,7 @@ from dora.config import load
 from dora.config.run import RunConfig
 from dora.ids import Finish
 from dora.learner.actor import LearnerActor
+from dora.learner.trainers import PendingVersion
 from dora.learner.trainers.sim import SimTrainer
 from dora.samples import Batch, TrainGroup, TrainSample
 from dora.wire import codec, packed
@@ -236,3 +238,128 @@ async def test_a_step_is_in_the_audit_on_disk_before_its_checkpoint_starts(tmp_p
             await asyncio.wait_for(task, 10)
             ctx.destroy(linger=0)
     assert trainer.seen == {1: [0], 2: [0, 1]}
+
+
+class GatedTrainer(SimTrainer):
+    """A trainer whose weights are a counter and whose every version's write waits until the test opens its gate."""
+
+    keeps_weights = True
+
+    def __init__(self, cfg: RunConfig) -> None:
+        super().__init__(cfg)
+        self.gates: dict[int, threading.Event] = {}
+        self.weights = 0
+        self.checkpoints: list[tuple[int, int]] = []
+
+    def gate(self, version: int) -> threading.Event:
+        return self.gates.setdefault(version, threading.Event())
+
+    def train(self, batch: Batch) -> dict[str, float]:
+        self.weights += 1
+        return {"train_s": 0.0}
+
+    def snapshot(self, version: int) -> PendingVersion:
+        assert version == self.weights, "the copy is of the weights just trained"
+        gate = self.gate(version)
+
+        def write() -> tuple[str, str, float]:
+            assert gate.wait(10), f"v{version}'s write was never let through"
+            return f"sim://v{version}", "0" * 64, 0.0
+
+        return PendingVersion(version=version, write=write, snapshot_s=0.0)
+
+    def checkpoint(self, version: int, trained_groups: list[int]) -> float:
+        self.checkpoints.append((version, self.weights))
+        return 0.0
+
+    def restore(self) -> dict | None:
+        self.weights = 0
+        return None
+
+    def adopt(self, version: int) -> None:
+        self.weights = version
+
+
+@pytest.fixture
+async def gated(tmp_path):
+    endpoint = f"inproc://broker-{uuid.uuid4().hex}"
+    cfg = load(RunConfig, overrides=[f"core.train_groups={B}", f"core.group_size={G}", "core.total_steps=4",
+                                     "core.max_staleness=1", "broker.heartbeat_interval_s=0.05",
+                                     "broker.liveness=100", f"learner.checkpoint_dir={tmp_path / 'ckpt'}",
+                                     "learner.checkpoint_every=2"])  # fmt: skip
+    ctx = zmq.asyncio.Context()
+    broker = FakeBroker(ctx, endpoint)
+    trainer = GatedTrainer(cfg)
+    with open(tmp_path / "audit.jsonl", "a") as audit:
+        learner = LearnerActor(cfg, ctx, endpoint, audit=audit, trainer=trainer)
+        stop = asyncio.Event()
+        task = asyncio.create_task(learner.run(stop))
+        try:
+            yield broker, trainer, task
+        finally:
+            for g in trainer.gates.values():
+                g.set()
+            stop.set()
+            await asyncio.wait_for(task, 10)
+            ctx.destroy(linger=0)
+
+
+async def next_message(broker: FakeBroker) -> object:
+    """The next message that is not a heartbeat."""
+    while isinstance(msg := await broker.expect(object), m.Heartbeat):
+        pass
+    return msg
+
+
+async def test_the_next_batch_is_asked_for_while_the_version_is_written_and_the_version_is_announced_once_durable(
+    gated,
+):
+    """The step ends with the copy: the learner asks for batch 1 before version 1 is durable, trains it, and waits
+    for version 1's write (one write at a time) before it copies version 2 aside; versions are announced in order,
+    each once its write is done. Version 2 is checkpointed: batch 2 is asked for only once version 2 is announced,
+    and the checkpoint finds the weights still at 2."""
+    broker, trainer, task = gated
+    await broker.expect(m.Hello)
+    await broker.welcome(0)
+    assert (await next_message(broker)).step == 0
+    await broker.send(batch(0, first_group=10))
+    assert (await next_message(broker)) == m.RequestBatch(step=1), "asked before version 1 is written"
+    await broker.send(batch(1, first_group=12))  # trained at once; the copy of version 2 waits for version 1's write
+    await asyncio.sleep(0.3)
+    assert trainer.weights == 2 and 2 not in trainer.gates, "version 2 copied aside while version 1 is written"
+    trainer.gate(1).set()
+    published = await next_message(broker)
+    assert isinstance(published, m.WeightsPublished) and published.version == 1
+    await broker.send(m.PublishAck(version=1))
+    trainer.gate(2).set()
+    published = await next_message(broker)
+    assert isinstance(published, m.WeightsPublished) and published.version == 2, "checkpointed: no early batch"
+    assert published.metrics["write_wait_s"] > 0.2, "step 2 waited for version 1's write"
+    assert (await next_message(broker)) == m.RequestBatch(step=2)
+    await broker.send(m.PublishAck(version=2))
+    await asyncio.sleep(0.2)
+    assert trainer.checkpoints == [(2, 2)]
+    assert not task.done()
+
+
+async def test_a_broker_that_never_heard_of_a_version_in_flight_has_its_step_trained_again(gated):
+    """Version 1 is still being written when the broker comes back without it: the learner forgets the step (the
+    write, durable or not, is never announced), goes back to its checkpoint, and trains the batch it is sent."""
+    broker, trainer, _task = gated
+    await broker.expect(m.Hello)
+    await broker.welcome(0)
+    await next_message(broker)
+    await broker.send(batch(0, first_group=10))
+    assert (await next_message(broker)) == m.RequestBatch(step=1)
+    await broker.send(m.Disconnect(reason="unknown peer: say hello first"))
+    assert isinstance(await next_message(broker), m.Hello)
+    trainer.gate(1).set()  # the write ends after the broker lost the step
+    await broker.welcome(0)
+    assert (await next_message(broker)) == m.RequestBatch(step=0)
+    assert trainer.weights == 0, "back to the checkpoint's (here the start's) weights"
+    trainer.gates.clear()
+    await broker.send(batch(0, first_group=20))
+    assert (await next_message(broker)) == m.RequestBatch(step=1)
+    trainer.gate(1).set()
+    published = await next_message(broker)
+    assert isinstance(published, m.WeightsPublished) and published.version == 1

@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from dora.config.run import RunConfig
+from dora.learner.trainers import PendingVersion, Published
 from dora.samples import Batch
 from dora.sim.trainer import batch_train_s
 
@@ -32,10 +33,18 @@ class SimTrainer:
         time.sleep(train_s)
         return {"train_s": train_s}
 
-    def publish(self, version: int) -> tuple[str, str, float]:
-        publish_s = self.cfg.trainer.publish_s * self.cfg.run.time_scale
-        time.sleep(publish_s)
-        return f"sim://v{version}", hashlib.sha256(f"sim-weights-{version}".encode()).hexdigest(), publish_s
+    def snapshot(self, version: int) -> PendingVersion:
+        """Nothing to copy: the write is the trainer model's ``publish_s``, slept on the writer's thread."""
+
+        def write() -> Published:
+            publish_s = self.cfg.trainer.publish_s * self.cfg.run.time_scale
+            time.sleep(publish_s)
+            return f"sim://v{version}", hashlib.sha256(f"sim-weights-{version}".encode()).hexdigest(), publish_s
+
+        return PendingVersion(version=version, write=write, snapshot_s=0.0)
+
+    def publish(self, version: int) -> Published:
+        return self.snapshot(version).write()
 
     def checkpoint(self, version: int, trained_groups: list[int]) -> float:
         raise TypeError("the sim trainer keeps no weights to checkpoint")

@@ -61,6 +61,7 @@ from dora.learner.trainers.torch_config import TrainerConfig
 from dora.learner.trainers.weights import Weights
 from dora.samples import Batch, TrainSample
 from dora.store import WeightStore
+from dora.store.snapshot import HostSnapshot
 
 
 def trained_tokens(s: TrainSample) -> int:
@@ -130,6 +131,7 @@ class TorchTrainer(Weights):
                                    total_steps=None if cfg.total_steps is None else
                                    cfg.total_steps * self.steps_per_batch)  # fmt: skip
         self.store = store
+        self.host = HostSnapshot(shard_bytes=store.shard_bytes)
         self.loss_cfg = loss
         self.loss_fn = loss_fn
         self.takes_prox = _takes_prox(loss, loss_fn)

@@ -18,8 +18,11 @@ from dora.hf.folder import companion_files, with_dtype
 from dora.hf.tensors import publishable, with_copies
 from dora.hostmem import Parking, module_tensors
 from dora.learner.setup import load_model, trainable
+from dora.learner.trainers import PendingVersion, Published, timed_write
 from dora.learner.trainers.torch_config import TrainerConfig
-from dora.store import WeightStore
+from dora.store import Manifest, WeightStore, inline
+from dora.store.dirs import MANIFEST
+from dora.store.snapshot import HostSnapshot
 
 
 class Weights:
@@ -34,6 +37,8 @@ class Weights:
     reference: torch.nn.Module | None
     opt: torch.optim.Optimizer
     store: WeightStore
+    host: HostSnapshot
+    """Where one rank copies each version aside at the end of its step (one buffer, reused)."""
     copies: dict[str, str]
     """Tied parameters' second names: published once, under the first (as ``save_pretrained`` does)."""
     lora: Any
@@ -174,32 +179,58 @@ class Weights:
             options = StateDictOptions(full_state_dict=True, strict=self.lora is None)
             set_model_state_dict(self.model, state, options=options)
 
-    def publish(self, version: int) -> tuple[str, str, float] | None:
-        """Write the version to the store. Sharded: a collective; rank 0 writes and returns, others None. Then,
-        with offload_between_steps, the weights and optimizer state go to host memory until the next step."""
+    def publish(self, version: int) -> Published | None:
+        """Write the version to the store now (``snapshot`` and its write in one go)."""
+        pending = self.snapshot(version)
+        return pending.write() if pending is not None else None
+
+    def snapshot(self, version: int) -> PendingVersion | None:
+        """Copy the version aside; rank 0 returns the write that makes it durable, to run while the next step
+        trains (the others return None). Sharded, this is a collective: rank 0 gathers the whole state into fresh
+        host memory. One rank copies it into the host snapshot (one buffer, reused: ``dora.store.snapshot``), or,
+        offloading between steps, parks the weights first and writes from the parked copies (they cross the host
+        link once; the parking buffer is not touched again before the next step's end, when the write is done). A
+        LoRA version is serialized in memory too, carried inline, and written byte for byte. Then, with
+        offload_between_steps, the weights and optimizer state go to host memory until the next step."""
+        started = time.perf_counter()
         self._onload()
         try:
             if self.world == 1:
-                # offloading: park first, and write the version from the parked copies (the weights cross the
-                # host link once, through the pinned buffer, instead of once more tensor by tensor)
-                self.offload()
-                return self._publish(version, self.model.state_dict())
+                if self.offloads:
+                    self.offload()
+                    return self._pending(version, self.model.state_dict(), started, copied=True)
+                return self._pending(version, self.model.state_dict(), started, copied=False)
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
             options = StateDictOptions(
                 full_state_dict=True, cpu_offload=True, ignore_frozen_params=self.lora is not None
             )
             state = get_model_state_dict(self.model, options=options)
-            return self._publish(version, state) if self.rank == 0 else None
+            return self._pending(version, state, started, copied=True) if self.rank == 0 else None
         finally:
             self.offload()
 
-    def _publish(self, version: int, state: dict[str, torch.Tensor]) -> tuple[str, str, float]:
+    def _pending(self, version: int, state: dict[str, torch.Tensor], started: float, *,
+                 copied: bool) -> PendingVersion:  # fmt: skip
+        """The write of ``state``; ``copied``: it is already a copy the next step leaves alone (else it is copied
+        into the host snapshot first, here, on the critical path)."""
         if self.lora is not None:
-            return self.store.publish(version, adapters.adapter_state(state), beside=self.beside,
-                                      dtype=self.publish_dtype, file=adapters.ADAPTER_FILE)  # fmt: skip
-        return self.store.publish(version, publishable(state, self.copies), beside=self.beside,
-                                  dtype=self.publish_dtype)  # fmt: skip
+            files, _ = self.inline_files(version, state)
+            root = self.store.root
+
+            def write_inline() -> Published:
+                began = time.perf_counter()
+                uri = inline.write(root, version, files, fsync=self.store.fsync)
+                digest = str(Manifest.parse(files[MANIFEST], where=f"v{version}").digest)
+                return uri, digest, time.perf_counter() - began
+
+            return timed_write(version, write_inline, started, inline=files)
+        tensors = publishable(state, self.copies)
+        dtype: torch.dtype | None = self.publish_dtype
+        if not copied:
+            tensors, dtype = self.host.take(tensors, self.publish_dtype), None
+        return timed_write(version, lambda: self.store.publish(version, tensors, beside=self.beside, dtype=dtype),
+                           started)  # fmt: skip
 
     # ------------------------------------------------------------------ a LoRA version carried inline
 
