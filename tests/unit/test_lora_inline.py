@@ -29,23 +29,31 @@ from tests.unit.test_lora_learner import LORA, trainer
 
 @pytest.fixture(scope="module")
 def published(tiny_model, tmp_path_factory):
-    """A trainer one step on, its version 1 both inline and published in its store."""
+    """A trainer one step on, its version 1 inline, and the store's copy written from those bytes."""
     t = trainer(tiny_model, tmp_path_factory.mktemp("inline"))
     t.train(batch())
     got = t.inline_version(1)
     assert got is not None
-    t.publish(1)
+    write(t.store.root, 1, got[0])
     return t, *got
 
 
-def test_the_learners_inline_version_is_the_published_folder_byte_for_byte(published, tmp_path):
+def test_the_learners_inline_version_is_its_adapter_folder_and_the_store_copy_has_its_digest(published):
+    from safetensors.torch import load
+
+    from dora.hf.lora import adapter_state
+
     t, inline, digest = published
-    assert digest == t.store.digest(1)  # the store's digest for the same files
-    folder = t.store.path(1)
-    on_disk = {p.name: p.read_bytes() for p in folder.iterdir() if p.name != "manifest.json"}
+    assert sorted(inline) == ["adapter_config.json", "adapter_model.safetensors", "dora_base_model.json",
+                              "manifest.json"]  # fmt: skip
+    assert {k: inline[k] for k in t.beside} == t.beside
+    want = adapter_state(t.model.state_dict())
+    got = load(inline["adapter_model.safetensors"])
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k].to(t.publish_dtype)) for k in want)
+    assert t.store.digest(1) == digest  # the store's digest for the folder written from these bytes
+    on_disk = {p.name: p.read_bytes() for p in t.store.path(1).iterdir() if p.name != "manifest.json"}
     assert verified(inline, digest, "v1") == on_disk
-    uri = write(tmp_path, 1, inline)  # the store copy a learner writes from these bytes
-    assert set(load_verified(uri.removeprefix("file://"), digest, name="v1")) == set(t.store.load(1))
+    assert load_verified(t.store.path(1), digest, name="v1").keys() == want.keys()
 
 
 def test_full_weights_are_never_carried_inline(tiny_model, tmp_path):
