@@ -12,7 +12,9 @@ version also records it by digest (``BASE_FILE``), and an engine loads only vers
 
 A torch engine of a LoRA run injects the same adapters into its model when it starts, and keeps each version it
 holds beside them (``dora.rollout.engines.torch.adapters``: version 0, all zeros, is the start model); loading a version
-checks its tensors against the injected adapters (``check_adapters``) and copies them in.
+checks its tensors against the injected adapters (``check_adapters``) and copies them in. A version is a few hundred
+KB, so its files also travel inside the messages (``dora.store.inline``); the checks here read a version's folder or
+those files alike (``Version``).
 """
 
 from __future__ import annotations

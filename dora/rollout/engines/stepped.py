@@ -7,7 +7,9 @@ runs) when there is work; finished samples are scored with the run's task reward
 Weights: an ``Assign`` names the version's weights by URI. ``file://`` paths (or plain paths) are
 loaded in place, checked against the published digest. ``sim://`` names the sim learner's versions,
 which carry no weights: the engine keeps its tensors and takes the version label, so a live run with
-the sim learner exercises versions, migration and C1 bookkeeping on a real model.
+the sim learner exercises versions, migration and C1 bookkeeping on a real model. A LoRA version's files may
+come in the ``Assign`` itself (``inline``, ``dora.store.inline``): checked against the digest, they are loaded
+and the URI is not read; a copy that does not check is logged and the URI read instead.
 
 Versions: each Generate and MigrateIn names its version, and its samples run under that one (C1), which need not be
 the newest: an engine of adapter versions (LoRA) holds several (``held_versions``, ``max_versions`` at most). Each

@@ -44,7 +44,8 @@ LoRA (``lora``): a version is an adapter folder, and the engine holds up to ``ma
 in one batch (in one CUDA graph too). A load is taken while requests run: the new version goes into a lane no
 running request reads; the versions requests still name stay, the others leave; a load that would need more than
 ``max_versions`` is refused before anything changes. A group's samples share their prompt's prefill only within
-one version (the keys and values differ per adapter).
+one version (the keys and values differ per adapter). A version carried inline (its files in the worker's
+``Assign``, checked there: ``dora.store.inline``) is made from those bytes (``read_inline``): no file is read.
 
 Sleep (an elastic worker's yield, made with ``sleep_on_yield``): every sequence's cache is dropped (the slot cache's
 memory too) and the model moves to host memory, so a learner on the same GPU gets its memory; on wake the model comes
