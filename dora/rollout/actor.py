@@ -230,7 +230,7 @@ class RolloutActor:
         decode steps."""
         started = time.perf_counter()
         try:
-            if self.cfg.rollout.store and not uri.startswith("sim://"):
+            if self.cfg.rollout.store and not uri.startswith("sim://") and not inline:  # a LoRA version came whole
                 uri = await self.fetched(version, sha)
             if self.keep:  # a multi-version engine: requests of these go on beside the new version
                 self.engine.loaded(version, uri, sha, keep=frozenset(self.keep), inline=inline)
@@ -239,7 +239,8 @@ class RolloutActor:
                 job = self.engine_thread.call(self.engine.loaded, version, uri, sha, frozenset(), inline)
                 await beating(job, self.interval, lambda: self.send(beat))
             self.version = version
-            log.info("weights_loaded", version=version, uri=uri, took_s=round(time.perf_counter() - started, 4))
+            log.info("weights_loaded", version=version, uri=uri, inline=bool(inline),
+                     took_s=round(time.perf_counter() - started, 4))  # fmt: skip
         except EngineError as e:
             newer = None if self.cfg.rollout.store else superseded(uri)
             if newer is not None:  # retired since this order: the newer one is on its way

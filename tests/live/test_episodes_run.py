@@ -134,7 +134,7 @@ def test_lora_workers_keep_the_version_of_episodes_open_across_a_publish_and_tra
         assert joined == {"w0": ("torch", 2), "w1": ("vllm", 2)}, joined
         kept = [(r["worker"], r["version"], r["keep"]) for r in c.events("broker", "worker_assigned") if r["keep"]]
         assert kept, c.events("broker", "worker_assigned")  # a new version taken beside open episodes of the older
-        written = c.events("learner", "weights_written")
+        written = c.events("learner", "inline_version_written")  # the store's copy of what the messages carry
         model_bytes = (tiny_model / "model.safetensors").stat().st_size
         assert len(written) == steps and all(r["bytes"] < model_bytes / 5 for r in written), written
         newest = tmp_path / "store" / f"v{steps}"
@@ -142,6 +142,7 @@ def test_lora_workers_keep_the_version_of_episodes_open_across_a_publish_and_tra
         for w in ("w0", "w1"):
             loaded = [(r["version"], r["uri"], r["took_s"]) for r in c.events(w, "weights_loaded")]
             assert {v for v, uri, _ in loaded if uri.startswith("file://")} >= {1}, (w, loaded)
+            assert all(r["inline"] for r in c.events(w, "weights_loaded") if r["version"] > 0), w  # no file read
             assert all(took > 0 for _, uri, took in loaded if uri.startswith("file://")), loaded  # each load is timed
             assert not [r for r in c.events(w) if r.get("level") == "error"], w
             assert not c.events(w, "lease_for_another_version"), w
