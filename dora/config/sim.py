@@ -178,16 +178,41 @@ class SimEngineSection(EngineSection):
 class TrainerSection:
     """The numbers of the sim trainer's timing model (``dora.sim.trainer``): `dora sim`'s trainer and a live run's
     ``sim`` trainer (run.trainer). ``data_parallel = "fluid"``: a train step takes step_fixed_s + tokens x
-    gpu_s_per_token / trainer GPUs, then publish_s. Otherwise the batch's sequences are trained in
-    ``updates_per_step`` optimizer updates, each split over the data-parallel replicas (``model_parallel_gpus``
-    accelerators each) and ended by a barrier, so every update lasts as long as its busiest replica."""
+    gpu_s_per_token / trainer GPUs, then the version's write (publish_s, or weights_gb x write_s_per_gb), or with
+    overlap_publish its copy aside, the write going on in the background. Otherwise the batch's sequences are
+    trained in ``updates_per_step`` optimizer updates, each split over the data-parallel replicas
+    (``model_parallel_gpus`` accelerators each) and ended by a barrier, so every update lasts as long as its
+    busiest replica."""
 
     gpu_s_per_token: float = 0.001
     """Accelerator-seconds of training per token of the batch."""
     step_fixed_s: float = 5.0
     """Seconds of each train step that do not depend on the batch's tokens."""
     publish_s: float = 1.0
-    """Seconds to publish a version after its step (weight transfer to the store)."""
+    """Seconds to publish a version after its step (weight transfer to the store), a flat cost used while
+    weights_gb is 0; with weights_gb > 0 the per-GB costs below replace it."""
+    weights_gb: float = 0.0
+    """`dora sim`: GB of one version as published (bf16 weights; scaled to the adapter's bytes in a LoRA run).
+    0: the write costs publish_s and no copy is modelled (as before the per-GB costs); > 0: the write costs
+    weights_gb x write_s_per_gb, the copy weights_gb x snapshot_s_per_gb, and publish_s is not used."""
+    snapshot_s_per_gb: float = 0.05
+    """`dora sim`, with weights_gb > 0 and overlap_publish: seconds per GB to copy the weights aside (into a
+    pinned host buffer) before the background write: the publish's share of the step's critical path. 0.05 s/GB
+    (20 GB/s) is the figure used: bench/weights.py's target for that copy, and under half the pinned host-link rate
+    bench/role_switch.py measured on an H100 (47-50 GB/s, 0.02 s/GB), left that low because a sharded trainer
+    gathers the whole version into one host's buffer. Assumed, not tuned to any result."""
+    write_s_per_gb: float = 2.17
+    """`dora sim`, with weights_gb > 0: seconds per GB to write a version durably into the store (files, digests,
+    fsync), in line after the step or, with overlap_publish, in the background. 2.17 s/GB is the in-line publish
+    of a 0.99 GB bf16 model folder measured on an H100 host (docs/gpus.md, bench/gpu.py): the figure used, not
+    tuned to any result."""
+    overlap_publish: bool = False
+    """`dora sim`: the learner writes each version in the background (the live learner.overlap_publish): its
+    step ends after the copy (snapshot), it asks for the next batch at once, and the version is published when
+    the write ends; a step that ends while the previous write runs waits for it (one write in flight). K = 0
+    stays sync (the next batch needs the new version) and elastic workers' batches wait for the publish (the
+    core's rules). False: the write is in the step, as before. Off by default so that configs written before
+    it keep their numbers."""
     state_bytes: float = 0.0
     """Bytes of the trainer's state (parameters, gradients, optimizer), loaded from host memory before each
     step and offloaded after it when the trainer shares its accelerators (colocated, elastic)."""
@@ -206,13 +231,25 @@ class TrainerSection:
     trainer GPUs // this many replicas; accelerators left over idle. Not used when fluid."""
 
     def __post_init__(self) -> None:
-        if min(self.gpu_s_per_token, self.step_fixed_s, self.publish_s, self.state_bytes) < 0:
+        costs = (self.gpu_s_per_token, self.step_fixed_s, self.publish_s, self.state_bytes, self.weights_gb,
+                 self.snapshot_s_per_gb, self.write_s_per_gb)  # fmt: skip
+        if min(costs) < 0:
             raise ConfigError("trainer: costs must be >= 0")
         if self.updates_per_step < 1 or self.model_parallel_gpus < 1:
             raise ConfigError("trainer.updates_per_step and trainer.model_parallel_gpus must be >= 1")
         if self.data_parallel not in ("fluid", "count", "stride", "tokens"):
             raise ConfigError(f"trainer.data_parallel must be fluid, count, stride or tokens; "
                               f"got {self.data_parallel!r}")  # fmt: skip
+
+    @property
+    def write_s(self) -> float:
+        """Seconds to write one version: weights_gb x write_s_per_gb, or publish_s when weights_gb is 0."""
+        return self.weights_gb * self.write_s_per_gb if self.weights_gb else self.publish_s
+
+    @property
+    def snapshot_s(self) -> float:
+        """Seconds to copy one version aside before a background write (0 when weights_gb is 0)."""
+        return self.weights_gb * self.snapshot_s_per_gb
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

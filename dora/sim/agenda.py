@@ -1,8 +1,8 @@
 """What the simulator has scheduled: one typed timer per kind of moment, ordered on the virtual clock.
 
 ``dora.sim.des`` sets a timer when something starts that takes time (a decode run, a load, a yield, an export,
-a tool call, a train step) and handles it when the clock gets there. Timers due at the same instant fire in the
-order they were set. Ticks recur forever, so only the others keep a run going.
+a tool call, a train step, a background write) and handles it when the clock gets there. Timers due at the same
+instant fire in the order they were set. Ticks recur forever, so only the others keep a run going.
 """
 
 from __future__ import annotations
@@ -55,7 +55,13 @@ class ToolDone:
 
 @dataclass(frozen=True, slots=True)
 class TrainDone:
-    """The trainer has trained the batch and published the next version."""
+    """The trainer has trained the batch and published the next version (or, with ``trainer.overlap_publish``,
+    copied it aside to be written in the background)."""
+
+
+@dataclass(frozen=True, slots=True)
+class WriteDone:
+    """The version written in the background is durable: it is published."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +83,7 @@ class Restart:
     elastic: bool
 
 
-Timer = DecodeDue | LoadDone | YieldDone | ExportDone | ToolDone | TrainDone | TickDue | Kill | Restart
+Timer = DecodeDue | LoadDone | YieldDone | ExportDone | ToolDone | TrainDone | WriteDone | TickDue | Kill | Restart
 
 
 class Agenda:

@@ -35,7 +35,7 @@ from statistics import fmean
 from typing import Literal
 
 from dora.config.sim import SimConfig, SimEngineSection, TrainerSection
-from dora.sim.trainer import batch_train_s, replicas
+from dora.sim.trainer import batch_train_s, publish_cost_s, replicas
 from dora.sim.workload import Workload
 
 Order = Literal["completion", "dispatch"]
@@ -131,9 +131,10 @@ def completion_order(groups: list[tuple[int, list[int]]]) -> tuple[int, ...]:
 
 
 def train_step_s(trainer: TrainerSection, work: StepWork, gpus: int, order: Order = "completion") -> float:
-    """The mean train step (and its publish) over the sampled batches, in ``order``, on ``gpus`` accelerators."""
-    steps = [batch_train_s(trainer, list(s), gpus, work.group_size) for s in work.ordered(order)]
-    return fmean(steps) + trainer.publish_s
+    """The mean train step (and what its publish adds, ``dora.sim.trainer.publish_cost_s``) over the sampled
+    batches, in ``order``, on ``gpus`` accelerators."""
+    train = fmean(batch_train_s(trainer, list(s), gpus, work.group_size) for s in work.ordered(order))
+    return train + publish_cost_s(trainer, train)
 
 
 def step_bound(decode_s: float, workers: int, elastic: int, train_s: float) -> float:

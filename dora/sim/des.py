@@ -7,11 +7,15 @@ The core (``dora.core.core.Core``) makes every decision; this module only advanc
   weight swap or a migration without KV) costs ``prefill_s_per_token`` and stalls that replica's
   decoding; a version change costs ``load_s``; a migration ships ``kv_bytes_per_token`` per token of
   context at ``transfer_bytes_per_s`` (or nothing, then the target re-prefills).
-- **Trainer.** A batch of ``T`` tokens trains for ``step_fixed_s + T * gpu_s_per_token / trainer_gpus``,
-  then publishes for ``publish_s``; or, with ``trainer.data_parallel`` other than fluid, in
-  ``updates_per_step`` updates, each as long as its busiest data-parallel replica (a barrier per update:
-  the fewer sequences a replica gets, the more a long one makes the others wait, a cost that grows with
-  the fleet).
+- **Trainer.** A batch of ``T`` tokens trains for ``step_fixed_s + T * gpu_s_per_token / trainer_gpus``;
+  or, with ``trainer.data_parallel`` other than fluid, in ``updates_per_step`` updates, each as long as its
+  busiest data-parallel replica (a barrier per update: the fewer sequences a replica gets, the more a long one
+  makes the others wait, a cost that grows with the fleet). Then it writes the version (``trainer.write_s``:
+  ``publish_s``, or ``weights_gb x write_s_per_gb``) and publishes it. With ``trainer.overlap_publish`` the step
+  ends once the version is copied aside (``snapshot_s``): the learner asks for the next batch at once and a
+  ``WriteDone`` publishes the version ``write_s`` later. One write is in flight at most: a step that ends before
+  it waits for it, then copies. The core decides when the early batch may go (K = 0: not before the publish, as
+  its groups need the new version; with elastic workers: held until the publish).
 - **Tools.** An agentic episode that ends a turn waits ``tools_s`` seconds of wall clock on its tool
   call (also while a colocated fleet trains: tools run on CPUs), holding its lease but no decode slot;
   then its observation tokens are prefilled (its whole context too without a KV cache) and its next
@@ -73,6 +77,7 @@ from dora.sim.agenda import (
     Timer,
     ToolDone,
     TrainDone,
+    WriteDone,
     YieldDone,
 )
 from dora.sim.bounds import kv_token_steps
@@ -151,6 +156,8 @@ class Simulation:
         self.occupancy = Occupancy()
         self.counts = Counts()
         self._training = False
+        self._write_until: float | None = None
+        """When the version being written in the background is durable (None: no write in flight)."""
         self._acct_t = 0.0
         self.totals = Totals()
         self.totals_at_step: list[Totals] = []
@@ -299,8 +306,16 @@ class Simulation:
             self._agenda.at(self.now + delay, Kill(victim))
         self._account()
         self._training = True
-        train_s = rec.train_s + self.switch_s + self.cfg.trainer.publish_s
-        self._agenda.at(self.now + train_s, TrainDone())
+        self._agenda.at(self._step_ends_at(rec.train_s), TrainDone())
+
+    def _step_ends_at(self, train_s: float) -> float:
+        """When a step that computes ``train_s`` from now ends: with its write in line, or, overlapped, with its
+        copy aside, after the previous version's write if that is still running (one write in flight)."""
+        tr = self.cfg.trainer
+        trained = self.now + train_s + self.switch_s
+        if not tr.overlap_publish:
+            return trained + tr.write_s
+        return max(trained, self._write_until or 0.0) + tr.snapshot_s
 
     def _account(self) -> None:
         dt = self.now - self._acct_t
@@ -454,6 +469,9 @@ class Simulation:
                     self._feed(None)
             case TrainDone():
                 self._finish_training()
+            case WriteDone():
+                self._write_until = None
+                self._publish()
             case TickDue():
                 for w in self.world.alive_workers():
                     self._touched.add(w.worker_id)
@@ -475,13 +493,30 @@ class Simulation:
             self._feed(None)
 
     def _finish_training(self) -> None:
+        """The step is over: its version is published, or, overlapped, its write starts and the learner asks for
+        the next batch before the version is out (``World.finish_training``)."""
         batch = self.world.learner.batch
         assert batch is not None
         self._trained_samples.append([s for g in batch.groups for s in g.samples])
-        self.steps[-1].published_s = self.now
         self._training = False
+        if not self.cfg.trainer.overlap_publish:
+            self._publish()
+            return
+        self.world.finish_training()
+        self._write_until = self.now + self.cfg.trainer.write_s
+        self._agenda.at(self._write_until, WriteDone())
+        self._feed(self.world.request_batch())
+        self._feed(None)
+
+    def _publish(self) -> None:
+        """The version is durable: it is published (a step boundary of the measured window), and a learner that
+        neither waits for a batch nor trains one (overlapped, the next may be in training already) asks for one."""
+        lr = self.world.learner
+        done = lr.writing or lr.batch
+        assert done is not None
+        next(r for r in reversed(self.steps) if r.step == done.step).published_s = self.now
         self.totals_at_step.append(Totals(*(getattr(self.totals, f) for f in Totals.__slots__)))
         self._feed(self.world.publish())
-        if not self.world.learner.finished:
+        if not lr.finished and not lr.waiting and lr.batch is None:
             self._feed(self.world.request_batch())
         self._feed(None)

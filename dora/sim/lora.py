@@ -35,7 +35,8 @@ about 2 x layers x heads x head_dim x context per token forward, a few % of 2N a
 and ``trainer.step_fixed_s`` (kept whole, though the optimizer now updates the adapters only).
 
 **Publishing** moves ``adapter_bytes`` where full weights moved the model's: ``trainer.publish_s`` (the full
-weights over the trainer's egress, in the paper configs) x adapter_bytes / weight_bytes. A trainer that shares its
+weights over the trainer's egress, in the paper configs) x adapter_bytes / weight_bytes, and ``trainer.weights_gb``
+(when given, priced per GB) scaled alike. A trainer that shares its
 accelerators moves its state on and off them (``trainer.state_bytes``, per weight: bf16 weights, fp32 master,
 Adam moments, gradients); a LoRA trainer's is the frozen weights plus that much per adapter parameter.
 
@@ -135,6 +136,7 @@ def priced(cfg: SimConfig) -> SimConfig:
     trainer = replace(
         tr, gpu_s_per_token=tr.gpu_s_per_token * c.train_cost_factor,
         publish_s=tr.publish_s * c.adapter_bytes / c.weight_bytes,
+        weights_gb=tr.weights_gb * c.adapter_bytes / c.weight_bytes,
         state_bytes=c.weight_bytes + state_per_param * adapter_params(cfg.model, cfg.lora) if tr.state_bytes else 0.0,
     )  # fmt: skip
     return replace(cfg, trainer=trainer)

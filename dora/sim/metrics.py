@@ -20,6 +20,7 @@ from dora.config.sim import SimConfig
 from dora.sim import lora
 from dora.sim.bounds import decode_replica_s, step_bound
 from dora.sim.outcome import Outcome, StepRecord, Totals
+from dora.sim.trainer import publish_cost_s
 
 LENGTH_BUCKETS = (0, 1024, 2048, 4096, 8192, 16384, 1 << 62)
 
@@ -158,7 +159,9 @@ def _versions(o: Outcome, cfg: SimConfig) -> dict[str, Any]:
         "versions_per_worker": costs.holds,
         "version_bytes": costs.load_bytes,
         "load_s_per_version": costs.load_s,
-        "publish_s": cfg.trainer.publish_s,
+        "publish_s": cfg.trainer.write_s,
+        "snapshot_s": cfg.trainer.snapshot_s if cfg.trainer.overlap_publish else 0.0,
+        "overlap_publish": cfg.trainer.overlap_publish,
         "loads": o.loads,
         "load_s": o.load_s,
         "load_bytes": o.load_bytes,
@@ -172,7 +175,8 @@ def ideal_step_time(o: Outcome, cfg: SimConfig, window: list[StepRecord]) -> flo
     n = len(window)
     decode = decode_replica_s(cfg.engine, sum(s.response_tokens for s in window) / n,
                               sum(s.kv_token_steps for s in window) / n)  # fmt: skip
-    train = fmean(s.train_s for s in window) + cfg.trainer.publish_s
+    train = fmean(s.train_s for s in window)
+    train += publish_cost_s(cfg.trainer, train)
     return step_bound(decode, o.rollout_workers, o.elastic_workers, train)
 
 

@@ -5,6 +5,10 @@
 the batch's sequences are trained in ``updates_per_step`` optimizer updates, each split over the data-parallel
 replicas (``model_parallel_gpus`` accelerators each) and ended by a barrier, so every update lasts as long as its
 busiest replica.
+
+Then the version is published: written in line (``publish_s``, or ``weights_gb x write_s_per_gb``), or with
+``overlap_publish`` copied aside (``weights_gb x snapshot_s_per_gb``) and written in the background while the next
+batch trains, one write at a time (``dora.sim.des``).
 """
 
 from __future__ import annotations
@@ -46,3 +50,13 @@ def replica_loads(sequences: list[int], replicas: int, split: str, groups: list[
         return [sum(sequences[r * n // replicas : (r + 1) * n // replicas]) for r in range(replicas)]
     groups = list(range(len(sequences))) if groups is None else groups
     return rank_loads(sequences, assign(sequences, groups, replicas, split))
+
+
+def publish_cost_s(trainer: TrainerSection, train_s: float) -> float:
+    """What publishing a version adds to the trainer's cadence when its steps train ``train_s`` each: the write in
+    line; with ``overlap_publish``, the copy aside plus whatever of the write the next step's training does not
+    hide (one write in flight: a step waits for the previous write before its copy). A lower bound where the next
+    batch waits for the publish (K = 0, elastic workers), which hides nothing."""
+    if not trainer.overlap_publish:
+        return trainer.write_s
+    return trainer.snapshot_s + max(0.0, trainer.write_s - train_s)

@@ -4,7 +4,8 @@ Where the stateful machine lets hypothesis pick adversarial orders, these runs k
 (continuous batching with slot and KV limits, preemption, prefill, weight loads, migrations, learner
 steps, every placement: elastic workers yield to the trainer, paying role switches, with their KV
 offloaded or dropped) so that several versions really are alive at once and the orchestrator
-really migrates; with a share of groups whose rewards are all equal filtered and replaced, or not. Each run
+really migrates; with a share of groups whose rewards are all equal filtered and replaced, or not; with each
+version written in line or in the background (the learner asking for the next batch meanwhile). Each run
 must end (liveness), train every group of the run exactly once or filter it exactly once (C2),
 keep staleness <= K (C3) and one version per trajectory (C1, except the partial baseline, which
 must report its violations), with at most K + 1 versions alive.
@@ -12,6 +13,7 @@ must report its violations), with at most K + 1 versions alive.
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import replace
 
@@ -66,12 +68,16 @@ def check_run(o, cfg, mode: Mode) -> None:
     deaths=st.lists(st.tuples(st.floats(0.0, 200.0), st.integers(0, 99)), max_size=5),
     seed=st.integers(0, 2**20),
     uniform=st.sampled_from([None, None, 0.3, 0.8]),
+    overlap=st.booleans(),
+    write_s=st.floats(0.0, 40.0),
 )
 def test_simulated_runs_keep_every_invariant(
     mode, placement, elastic, yield_kv, deadlines, drain_load, k, train_groups, group_size, steps, workers,
-    slot_groups, running_frac, kv, watermark, legacy_fill, sigma, load_s, train_s, deaths, seed, uniform,
+    slot_groups, running_frac, kv, watermark, legacy_fill, sigma, load_s, train_s, deaths, seed, uniform, overlap,
+    write_s,
 ):  # fmt: skip
-    """``uniform``: that share of groups get equal rewards and are filtered and replaced (None: no filtering)."""
+    """``uniform``: that share of groups get equal rewards and are filtered and replaced (None: no filtering).
+    ``overlap``: each version (1 GB, written in ``write_s``) is written in the background."""
     credit = slot_groups * group_size
     cfg = small(
         workers=workers, credit=credit, max_running=max(1, round(credit * running_frac)), steps=steps, k=k,
@@ -85,7 +91,7 @@ def test_simulated_runs_keep_every_invariant(
         workload=replace(cfg.workload, uniform_share=uniform or 0.0),
         cluster=replace(cfg.cluster, elastic_gpus=min(elastic, workers), host_link_bytes_per_s=1e9),
         engine=replace(cfg.engine, weight_bytes=1e9, wake_s=0.5, kv_bytes_per_token=1e6, yield_kv=yield_kv),
-        trainer=replace(cfg.trainer, state_bytes=1e9),
+        trainer=replace(cfg.trainer, state_bytes=1e9, weights_gb=1.0, write_s_per_gb=write_s, overlap_publish=overlap),
     )
     o = Simulation(cfg, mode, deaths=tuple(sorted(deaths)), strict=True).run()
     check_run(o, cfg, mode)
@@ -99,6 +105,10 @@ def test_simulated_runs_keep_every_invariant(
     event(f"preempted={'yes' if o.preemptions else 'no'}")
     event(f"live versions={o.max_live_versions}")
     event(f"filtered={'off' if uniform is None else 'some' if o.groups_filtered else 'none'}")
+    early = any(b.delivered_s < a.published_s for a, b in itertools.pairwise(o.steps))
+    event(f"publish={'in line' if not overlap else 'a batch trained while a write ran' if early else 'overlapped'}")
+    if early:  # K = 0 and a fleet with elastic workers alive wait for the publish
+        assert overlap and cfg.for_mode(mode).core.staleness > 0 and (o.elastic_workers == 0 or deaths)
 
 
 @settings(max_examples=max(EXAMPLES // 3, 10), deadline=None, suppress_health_check=[HealthCheck.too_slow])
