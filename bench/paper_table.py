@@ -4,6 +4,8 @@
     python bench/paper_table.py --only table    # just the two paper configs
     python bench/paper_table.py --only sweeps --steps 8
     python bench/paper_table.py --only pareto --table bench/out_table/paper_table.json --out bench/out_table
+    python bench/paper_table.py --only table --variants sync,dora --set trainer.weights_gb=65.5 \
+        --set trainer.overlap_publish=true      # some rows, with a setting changed in every run
 
 Each run is the same `dora.core.core.Core` the broker runs, driven by the simulator. Only the
 64-GPU synchronous run was calibrated (bench/calibrate.py); everything else printed is a prediction.
@@ -69,24 +71,27 @@ def _row(gpus: int, name: str, mode: Mode, overrides: list[str]) -> ModeResult:
     return r
 
 
-def table(gpus: int, out: pathlib.Path, steps: int | None, jobs: int = 1) -> dict[str, Any]:
-    extra = [f"run.steps={steps}"] if steps else []
+def table(gpus: int, out: pathlib.Path, extra: list[str], jobs: int = 1, variants: list[str] | None = None
+          ) -> dict[str, Any]:  # fmt: skip
+    """The table's rows (``variants``: those only; None: every one), each run with the ``extra`` overrides."""
     rows: dict[str, dict[str, Any]] = {}
     results: dict[str, ModeResult] = {}
+    chosen = [v for v in VARIANTS if variants is None or v[0] in variants]
     with ProcessPoolExecutor(jobs) as pool:
-        futures = {name: pool.submit(_row, gpus, name, mode, overrides + extra) for name, mode, overrides in VARIANTS}
+        futures = {name: pool.submit(_row, gpus, name, mode, overrides + extra) for name, mode, overrides in chosen}
         for name, future in futures.items():
             r = future.result()
             rows[name], results[name] = r.metrics, r
             print(f"  {gpus} GPUs {name:>20}: {r.metrics['step_time_s'] / 60:6.2f} min/step "
                   f"({r.metrics['sim_seconds']:.0f}s to simulate)", file=sys.stderr, flush=True)  # fmt: skip
     print_table(gpus, rows)
-    picks = [results[n] for n in ("sync", "one_step", "partial", "dora", "drop_stale")]
+    picks = [results[n] for n in ("sync", "one_step", "partial", "dora", "drop_stale") if n in results]
     throughput_bars([r.metrics for r in results.values()], out / f"throughput_{gpus}gpu.png",
                     title=f"paper-{gpus}gpu", label="variant")  # fmt: skip
     staleness(picks, out / f"staleness_{gpus}gpu.png", title=f"paper-{gpus}gpu")
     for name in ("sync", "partial", "dora"):
-        timeline(results[name], out / f"timeline_{gpus}gpu_{name}.png", title=f"paper-{gpus}gpu")
+        if name in results:
+            timeline(results[name], out / f"timeline_{gpus}gpu_{name}.png", title=f"paper-{gpus}gpu")
     return rows
 
 
@@ -154,7 +159,8 @@ def frontier(gpus: int, elastic: dict[str, Any], out: pathlib.Path, extra: list[
 
 
 def print_table(gpus: int, rows: dict[str, dict[str, Any]]) -> None:
-    sync = rows["sync"]["throughput_tokens_per_s"]
+    """The rows beside the paper's; ratios to sync where sync ran, the summary where sync, partial and dora did."""
+    sync = rows["sync"]["throughput_tokens_per_s"] if "sync" in rows else float("nan")
     print(f"\n### {gpus} GPUs: ours beside the paper's Table A (steady state, steps after warm-up)\n")
     print("| variant | GPUs (rollout+trainer) | step min: ours / paper | tokens/s: ours / paper | "
           "rollout-only: ours / paper | vs sync (ours) | max staleness | C1 viol. | dropped |")  # fmt: skip
@@ -167,6 +173,12 @@ def print_table(gpus: int, rows: dict[str, dict[str, Any]]) -> None:
               f"{m['throughput_tokens_per_s']:,.0f} / {_fmt(p_tps, ',.0f')} | "
               f"{m['rollout_only_fraction']:.0%} / {_fmt(p_ro, '.0%')} | {m['throughput_tokens_per_s'] / sync:.2f}x | "
               f"{m['max_staleness_consumed']} | {m['c1_violations']} | {m['dropped_groups']} |")  # fmt: skip
+    if {"sync", "partial", "dora"} <= rows.keys():
+        _summary(gpus, rows)
+
+
+def _summary(gpus: int, rows: dict[str, dict[str, Any]]) -> None:
+    sync = rows["sync"]["throughput_tokens_per_s"]
     d, p = rows["dora"]["throughput_tokens_per_s"], rows["partial"]["throughput_tokens_per_s"]
     best = max((m for n, m in rows.items() if n.startswith("dora")), key=lambda m: m["throughput_tokens_per_s"])
     print(f"\ndora / sync = {d / sync:.2f}x (paper {PAPER[gpus]['dora'][1] / PAPER[gpus]['sync'][1]:.2f}x), "
@@ -196,6 +208,8 @@ def scaling(small: dict[str, dict[str, Any]], big: dict[str, dict[str, Any]]) ->
     print("|---|---|---|---|")
     out: dict[str, Any] = {}
     for name, m in small.items():
+        if name not in big:
+            continue
         b = big[name]
         ratio = b["throughput_tokens_per_s"] / m["throughput_tokens_per_s"]
         out[name] = {"throughput_ratio": ratio, "paper": PAPER_SCALING.get(name),
@@ -317,6 +331,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="table and frontier runs at once")
     p.add_argument("--steps", type=int, help="steps per table run (default: the configs' 20)")
     p.add_argument("--sweep-steps", type=int, default=8)
+    p.add_argument("--sizes", default="64,128", help="with --only table: the paper configs to run (GPUs)")
+    p.add_argument("--variants", help="with --only table: these rows only, comma-separated (e.g. sync,dora); the "
+                   "frontier runs only with the dora elastic row")  # fmt: skip
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                   help="a config override for every table and frontier run (repeatable)")  # fmt: skip
     p.add_argument("--out", default=str(ROOT / "bench" / "out"))
     args = p.parse_args(argv)
     out = pathlib.Path(args.out)
@@ -326,7 +345,13 @@ def main(argv: list[str]) -> int:
     fractions: dict[str, float] = {"dora": 0.5625, "one_step": 0.5625, "drop_stale": 0.5}
     if args.seeds < 1 or args.jobs < 1:
         p.error("--seeds and --jobs must be at least 1")
-    extra = [f"run.steps={args.steps}"] if args.steps else []
+    extra = ([f"run.steps={args.steps}"] if args.steps else []) + args.overrides
+    variants = args.variants.split(",") if args.variants else None
+    sizes = sorted({int(g) for g in args.sizes.split(",")})
+    if set(sizes) - set(CONFIGS):
+        p.error(f"--sizes: the paper configs are {sorted(CONFIGS)}")
+    if variants and set(variants) - {name for name, _, _ in VARIANTS}:
+        p.error(f"--variants: unknown {sorted(set(variants) - {name for name, _, _ in VARIANTS})}")
     if args.only == "pareto":
         path = pathlib.Path(args.table) if args.table else out / "paper_table.json"
         try:
@@ -337,12 +362,16 @@ def main(argv: list[str]) -> int:
         for gpus, elastic in placements.items():
             report[f"pareto_{gpus}gpu"] = frontier(gpus, elastic, out, extra, seeds=args.seeds, jobs=args.jobs)
     elif args.only != "sweeps":
-        for gpus in (64, 128):
-            report[f"paper_{gpus}gpu"] = rows = table(gpus, out, args.steps, args.jobs)
-            report[f"pareto_{gpus}gpu"] = frontier(gpus, rows["dora elastic"], out, extra, seeds=args.seeds,
-                                                   jobs=args.jobs)  # fmt: skip
-        report["scaling"] = scaling(report["paper_64gpu"], report["paper_128gpu"])
-        fractions = split_fractions(report["paper_64gpu"])
+        report["overrides"] = args.overrides
+        for gpus in sizes:
+            report[f"paper_{gpus}gpu"] = rows = table(gpus, out, extra, args.jobs, variants)
+            if "dora elastic" in rows:
+                report[f"pareto_{gpus}gpu"] = frontier(gpus, rows["dora elastic"], out, extra, seeds=args.seeds,
+                                                       jobs=args.jobs)  # fmt: skip
+        if sizes == [64, 128]:
+            report["scaling"] = scaling(report["paper_64gpu"], report["paper_128gpu"])
+        if 64 in sizes:
+            fractions = split_fractions(report["paper_64gpu"])
     if args.only in (None, "sweeps"):
         report["sweeps"] = sweeps(out, args.sweep_steps, fractions)
     (out / "paper_table.json").write_text(json.dumps(report, indent=1, default=str))
