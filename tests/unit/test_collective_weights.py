@@ -1,0 +1,49 @@
+"""A version broadcast over a weight group (``dora.store.collective``) between real processes: a learner (rank 0)
+and two workers, gloo on 127.0.0.1 (NCCL between GPUs in the ``gpu`` test). Each worker receives into its own
+tensors of the model's shapes, checks the bytes against the version's manifest and adopts them; a version whose
+bytes changed after it was published is refused by every worker with its tensors left as they were."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+import torch
+
+from tests import collective_peers
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def peers(tmp_path: pathlib.Path, backend: str, learner_device: str, worker_device: str, world: int) -> list[dict]:
+    """The learner and world - 1 workers as processes started at once (they meet through tmp_path/ready.json), each
+    killed by PID if it has not ended in 45 s; every worker's rows."""
+    argvs = [["learner", str(tmp_path), str(world), backend, learner_device]]
+    argvs += [["worker", str(tmp_path), str(rank), str(world), backend, worker_device] for rank in range(1, world)]
+    codes = collective_peers.run(argvs, timeout_s=45)
+    assert codes == [0] * world, f"exit codes {codes} (None: killed at the timeout)"
+    files = [tmp_path / f"rank{r}.jsonl" for r in range(1, world)]
+    return [json.loads(line) for f in files for line in f.read_text().splitlines()]
+
+
+def check(rows: list[dict], workers: int, digests_differ: bool = True) -> None:
+    assert len(rows) == 2 * workers, rows
+    for row in rows:
+        if row["version"] == 1:  # as published: received, checked, adopted
+            assert "error" not in row and row["received"] == 1 and row["equal"], row
+            assert row["digest"].startswith("xxh3_128/1MiB/dir:") and row["bytes"] > 1_000_000
+        else:  # one element changed after publishing: refused, the model's tensors (v1's) untouched
+            assert row["untouched"] and not row["equal"], row
+            assert "chunks differ from the manifest" in row["error"] and "model-0000" in row["error"], row
+
+
+def test_a_version_reaches_two_workers_checked_and_a_changed_one_is_refused(tmp_path):
+    check(peers(tmp_path, "gloo", "cpu", "cpu", world=3), workers=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank: 2 GPUs at least")
+def test_nccl_broadcast_between_gpus(tmp_path):
+    world = min(3, torch.cuda.device_count())
+    check(peers(tmp_path, "nccl", "cuda:0", "cuda:RANK", world=world), workers=world - 1)
