@@ -1,312 +1,286 @@
-"""The weight path per GB: publish, verify and load a real architecture's weights through the store, beside the
-disk's own bandwidth measured in the same run.
+"""The weight path per GB, for synthetic versions of 0.5, 2 and 8 GB: the learner's wait, the publish, the verify
+and the load, each beside the machine's own bound measured in the same run. One table.
 
-    .venv/bin/python bench/weights.py                        # Qwen2-shaped, tied, 3 versions in fp32 then bf16 (~3 min)
-    .venv/bin/python bench/weights.py --algo sha256 --out bench/out/weights_sha256.json   # a cryptographic digest
-    .venv/bin/python bench/weights.py --dtype bfloat16 --hidden 1536 --layers 16 --versions 4
+    .venv/bin/python bench/weights.py                  # 0.5, 2 and 8 GB (~10 min on a 2-core machine)
+    .venv/bin/python bench/weights.py --sizes 0.5      # a quick run
+    .venv/bin/python bench/weights.py --sizes 2 --algo sha256 --dir /mnt/shared/scratch
 
-The model is a transformers Qwen2 built from a config with random weights (nothing downloaded), its embeddings
-tied by default as in the families users start from. A version is published the way the learner publishes it: a
-model folder (the config, generation config and tokenizer beside the weights), each tied tensor once, the weights
-in the publish dtype. The run measures each of ``--publish-dtypes`` in turn (default: float32, what every version
-was written in before versions followed the engine's dtype, then bfloat16, a GPU engine's dtype), each loaded by a
-torch engine of that dtype, and prints them side by side: bytes per version and seconds per stage. Every stage is
-timed in the same run, in GB/s of the version's safetensors file:
+A version is bf16 tensors of a Llama-like shape (embeddings 32000 x 2048; per layer q, o 2048 x 2048, k, v
+256 x 2048, gate, up 5632 x 2048, down 2048 x 5632, two norms; layers until the size is reached), random bits.
+For each size, in the same run:
 
-- **disk**: a file of the same size written in 16 MiB blocks then fsync'd, after ``os.sync()`` (write to the page
-  cache, and with the fsync: the disk's own rate); read back in 16 MiB blocks *cold* (its pages dropped first:
-  fsync then ``posix_fadvise(DONTNEED)``; the residency after the drop is printed, from ``mincore``) and *warm*.
-- **publish**: ``WeightStore.publish`` of the learner's ``state_dict()``, whole and by parts when the manifest
-  records them (serialize + write, fsync, hash, rename).
-- **load / verified load**: what a torch rollout worker does for an ``Assign``: ``TorchEngine.load_weights(v,
-  path, digest)``, tensors copied into a model already in memory. Without a digest (``load``) and with the
-  published one (``verified``: checked chunk by chunk as it is copied, the engine holding the file it loaded
-  last); ``verify = verified - load``, the time the check adds. Cold (the version's pages dropped first) and
-  warm. Each version is published twice and every load reads the copy the engine does not hold (``TWIN``). The
-  target is verify / load <= 0.25.
-- **check pass**: the digest alone, read from the file through a small buffer (``dora.digest.digest_file`` on its
-  path, what a publish runs; a verified load hashes its own mapping of the file in place instead);
-  **sha256 pass**: one sequential sha256 read of the file (``sha256_file``), the check a worker ran before.
+- **critical path**: ``HostSnapshot.take`` of the state (what the learner waits for: one copy into a reused,
+  prefaulted buffer laid out as the files), in s/GB: the first take (the buffer made and touched) and the later
+  ones (reused), beside ``memcpy`` between two prefaulted buffers. Target: <= 0.05 s/GB.
+- **total publish**: ``WeightStore.publish`` of the snapshot's views (write, hash, fsync, rename), beside
+  ``dd if=/dev/zero bs=1M count=N conv=fsync`` to the same filesystem. The disk is shared and its speed swings,
+  so the two alternate, ``--reps`` times each (``os.sync()`` before each); the ratio is the median of each
+  publish against the ``dd`` just before it. Target: >= 0.8 x dd. ``publish via save_file`` (sizes up to
+  2 GB, once) is the previous path: ``safetensors.torch.save_file`` (a bytes copy of every tensor, then the
+  write), the file read back to hash it, fsync.
+- **verify / load** (the page cache warm: the version was just written): ``load_verified`` (the files mapped,
+  every chunk hashed in place, the tensors views of the mapping) and ``load_into`` (as a torch engine loads: each
+  piece hashed, then copied into the model's tensors), beside ``memcpy`` and a single-thread sha256 of memory.
 
-Reading it: cold, the check's one read pass is the disk read the load would have made, so it adds little or
-nothing. Warm, a CPU engine's load is one memory copy from the page cache (every byte read and written). A check
-that ends before the model is touched reads every byte once more; checked as it is copied (each piece hashed, then
-copied from cache, the held version put back if a chunk differs), the check costs the hash's own work, not a read.
+The ``copies`` column counts the CPU copies each byte takes on each path (read from the code, not measured):
+the snapshot 1 (the state into the buffer, cast in the same pass); the publish 1 (the buffer into the page
+cache; the hash reads the buffer, the disk reads the page cache by DMA); ``dd`` 1; save_file 2 (into bytes, into
+the page cache) and a read back; ``load_verified`` 0 (the tensors are the mapping; the hash reads it once);
+``load_into`` 1 (the page cache into the model; the hash reads the same piece while it is in cache).
 
-Writes bench/out/weights.json and prints it as the last line.
+Rows from ``bench/weights_transfer.py`` (direct transfer to workers), when that module exists, are printed in the
+same table: its ``transfer_rows(sizes, scratch)`` returns rows of the keys ``ROW_KEYS``.
+
+Writes bench/out/weights.json (every measurement, and the rows).
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
+import gc
+import hashlib
+import importlib.util
 import json
-import mmap
+import math
 import os
 import pathlib
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from dora.hf.folder import companion_files, with_dtype  # noqa: E402
-from dora.hf.tensors import publishable, tied_copies  # noqa: E402
-from dora.rollout.engines.torch.engine import TorchEngine  # noqa: E402
-from dora.store import WeightStore, sha256_file  # noqa: E402
+from dora.store import WeightStore, load_into, load_verified  # noqa: E402
 from dora.store.digest import digest_file  # noqa: E402
+from dora.store.snapshot import HostSnapshot  # noqa: E402
 
-BLOCK = 16 << 20
-TARGET = 0.25
-"""verify / load: the check may add at most a quarter of the load."""
-
-
-def build_model(out: pathlib.Path, *, hidden: int, layers: int, vocab: int, dtype: str,
-                tied: bool = True) -> torch.nn.Module:  # fmt: skip
-    """A Qwen2 causal LM with random weights, saved as an HF folder (the run's version 0) at ``out``, with dora's
-    tokenizer beside it (what makes each published version a model folder)."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    from dora.hf.tiny import build_tokenizer
-
-    heads = max(2, hidden // 64)
-    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=int(hidden * 2.75) // 64 * 64,
-                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 4),
-                      max_position_embeddings=2048, tie_word_embeddings=tied)  # fmt: skip
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
-    model.save_pretrained(out)
-    build_tokenizer(1024).save_pretrained(out)
-    return model
+CRITICAL_S_PER_GB = 0.05
+PUBLISH_OVER_DD = 0.8
+ROW_KEYS = ("size_gb", "stage", "seconds", "rate", "beside", "beside_rate", "ratio", "copies", "target", "met")
+"""A row of the table: ``rate`` and ``beside_rate`` are GB/s (s/GB where ``stage`` says so), ``ratio`` is rate over
+beside_rate, ``target`` a text, ``met`` True/False/None."""
+HIDDEN, FFN, KV, VOCAB = 2048, 5632, 256, 32000
 
 
-def resident(path: pathlib.Path) -> float:
-    """The fraction of the file's pages in the page cache (``mincore`` on a private mapping of it)."""
-    size = path.stat().st_size
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as mm:
-        pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
-        vec = (ctypes.c_ubyte * pages)()
-        addr = ctypes.addressof(ctypes.c_char.from_buffer(mm))
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec) != 0:
-            return float("nan")
-        return sum(b & 1 for b in vec) / pages
+def synthetic(size_gb: float) -> dict[str, torch.Tensor]:
+    """bf16 tensors of a Llama-like model's shapes, about ``size_gb`` GB, random bits."""
+    shapes = {"model.embed_tokens.weight": (VOCAB, HIDDEN), "model.norm.weight": (HIDDEN,)}
+    layer = {"self_attn.q_proj.weight": (HIDDEN, HIDDEN), "self_attn.k_proj.weight": (KV, HIDDEN),
+             "self_attn.v_proj.weight": (KV, HIDDEN), "self_attn.o_proj.weight": (HIDDEN, HIDDEN),
+             "mlp.gate_proj.weight": (FFN, HIDDEN), "mlp.up_proj.weight": (FFN, HIDDEN),
+             "mlp.down_proj.weight": (HIDDEN, FFN), "input_layernorm.weight": (HIDDEN,),
+             "post_attention_layernorm.weight": (HIDDEN,)}  # fmt: skip
+    per_layer = sum(math.prod(s) for s in layer.values()) * 2
+    layers = max(1, round((size_gb * 1e9 - VOCAB * HIDDEN * 2) / per_layer))
+    for i in range(layers):
+        shapes.update({f"model.layers.{i}.{k}": s for k, s in layer.items()})
+    g = torch.Generator().manual_seed(0)
+    return {k: torch.empty(s, dtype=torch.bfloat16).view(torch.int16).random_(generator=g).view(torch.bfloat16)
+            for k, s in shapes.items()}  # fmt: skip
 
 
-def drop(path: pathlib.Path) -> float:
-    """Drop the file's pages from the page cache (written back first); returns the fraction still resident."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-    return resident(path)
-
-
-def read_through(path: pathlib.Path) -> float:
-    buf = bytearray(BLOCK)
-    view = memoryview(buf)
+def timed(fn: Callable[[], Any]) -> float:
     started = time.perf_counter()
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        while os.readv(fd, [view]) > 0:
-            pass
-    finally:
-        os.close(fd)
+    fn()
     return time.perf_counter() - started
 
 
-def disk(scratch: pathlib.Path, size: int, reps: int) -> dict[str, float]:
-    """Best of ``reps``: seconds to write ``size`` bytes (to the page cache, then with fsync) and to read them cold
-    and warm. Whatever else is dirty is written back first, so the fsync waits for this file's bytes only."""
-    path = scratch / "disk.bin"
-    block = os.urandom(BLOCK)
-    runs = []
-    for _ in range(reps):
+def dd(path: pathlib.Path, nbytes: int) -> float:
+    """Seconds for ``dd`` to write ``nbytes`` (in MiB blocks) and fsync them; the file is removed after."""
+    os.sync()
+    started = time.perf_counter()
+    subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={-(-nbytes // (1 << 20))}",
+                    "conv=fsync"], check=True, capture_output=True)  # fmt: skip
+    seconds = time.perf_counter() - started
+    path.unlink()
+    return seconds
+
+
+def save_file_publish(folder: pathlib.Path, state: dict[str, torch.Tensor], algo: str) -> float:
+    """The previous publish's work for one file: ``save_file``, the file read back to hash it, fsync."""
+    from safetensors.torch import save_file
+
+    os.sync()
+    started = time.perf_counter()
+    folder.mkdir()
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    digest_file(folder / "model.safetensors", algo)
+    fd = os.open(folder / "model.safetensors", os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+    seconds = time.perf_counter() - started
+    (folder / "model.safetensors").unlink()
+    folder.rmdir()
+    return seconds
+
+
+def memcpy_s(buf: torch.Tensor, nbytes: int, reps: int) -> float:
+    """Best seconds to copy ``nbytes`` between two halves of a prefaulted buffer (at most 2 GB a copy), per byte
+    scaled to ``nbytes``."""
+    n = min(nbytes, buf.numel() // 2, 2 << 30)
+    return min(timed(lambda: buf[n : 2 * n].copy_(buf[:n])) for _ in range(reps)) * nbytes / n
+
+
+def sha256_s(buf: torch.Tensor, nbytes: int) -> float:
+    """Seconds for one thread's sha256 of ``nbytes`` in memory (at most 512 MB hashed, scaled)."""
+    n = min(nbytes, buf.numel(), 512 << 20)
+    view = memoryview(buf[:n].numpy())
+    return timed(lambda: hashlib.sha256(view).digest()) * nbytes / n
+
+
+def one_size(size_gb: float, scratch: pathlib.Path, reps: int, algo: str) -> dict[str, Any]:
+    """Every measurement for one synthetic version (a dict of lists of seconds, and the bytes)."""
+    state = synthetic(size_gb)
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    snap = HostSnapshot()
+    takes = []
+    for _ in range(reps + 1):
+        views = snap.take(state, torch.bfloat16)
+        takes.append((snap.seconds, snap.alloc_s))
+    store = WeightStore(scratch / f"store-{size_gb}", algo=algo)
+    runs: dict[str, Any] = {"bytes": nbytes, "tensors": len(state), "take_first_s": takes[0][0],
+                            "alloc_s": takes[0][1], "take_s": [t for t, _ in takes[1:]], "dd_s": [], "publish_s": [],
+                            "publish_stages_s": []}  # fmt: skip
+    beside = {"config.json": json.dumps({"architectures": ["LlamaForCausalLM"], "dtype": "bfloat16"}).encode()}
+    for v in range(1, reps + 1):
+        runs["dd_s"].append(dd(scratch / "dd.bin", nbytes))
         os.sync()
-        started = time.perf_counter()
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            for _ in range(size // BLOCK):
-                os.write(fd, block)
-            os.write(fd, block[: size % BLOCK])
-            cached_s = time.perf_counter() - started
-            os.fsync(fd)
-            fsync_s = time.perf_counter() - started
-        finally:
-            os.close(fd)
-        left = drop(path)
-        runs.append({"write_cache_s": cached_s, "write_fsync_s": fsync_s, "resident_after_drop": left,
-                     "read_cold_s": read_through(path), "read_warm_s": read_through(path)})  # fmt: skip
-        path.unlink()
-    return {k: (max if k == "resident_after_drop" else min)(r[k] for r in runs) for k in runs[0]}
+        _, digest, seconds = store.publish(v, views, beside=beside)
+        runs["publish_s"].append(seconds)
+        runs["publish_stages_s"].append(store.manifest(v).timings_s)
+        if v > 1:
+            store.retire(v - 1)
+    if size_gb <= 2:
+        runs["dd_before_save_file_s"] = dd(scratch / "dd.bin", nbytes)
+        runs["save_file_s"] = save_file_publish(scratch / "save_file", dict(views), algo)
+    folder = store.path(reps)
+    runs["load_verified_s"] = [timed(lambda: load_verified(folder, digest, name="v")) for _ in range(reps)]
+    runs["load_into_s"] = [timed(lambda: load_into(folder, digest, name="v", into=state, undo=lambda: None))
+                           for _ in range(reps)]  # fmt: skip
+    same = all(torch.equal(state[k].view(torch.int16), v.view(torch.int16)) for k, v in views.items())  # NaN bits too
+    assert same, "the version loaded is the one taken"
+    runs["memcpy_s"] = memcpy_s(snap.buffer, nbytes, reps) if snap.buffer is not None else float("nan")
+    runs["sha256_s"] = sha256_s(snap.buffer, nbytes) if snap.buffer is not None else float("nan")
+    store.retire(reps)
+    return runs
 
 
-def timed(fn, *args) -> float:
-    started = time.perf_counter()
-    fn(*args)
-    return time.perf_counter() - started
+def rows_of(size_gb: float, r: dict[str, Any]) -> list[dict[str, Any]]:
+    """The table's rows for one size."""
+    gb = r["bytes"] / 1e9
+    med = statistics.median
+    take, memcpy = med(r["take_s"]) / gb, r["memcpy_s"] / gb
+    pairs = [(gb / p) / (gb / d) for p, d in zip(r["publish_s"], r["dd_s"], strict=True)]
+    publish, disk = gb / med(r["publish_s"]), gb / med(r["dd_s"])
 
+    def row(stage: str, seconds: float, rate: float, beside: str, beside_rate: float, ratio: float, copies: str,
+            target: str = "", met: bool | None = None) -> dict[str, Any]:  # fmt: skip
+        return dict(zip(ROW_KEYS, (size_gb, stage, seconds, rate, beside, beside_rate, ratio, copies, target, met),
+                        strict=True))  # fmt: skip
 
-TWIN = 1000
-"""Each version is published twice (as v and TWIN + v, the same bytes): a load reads the file the engine does not
-hold, since a torch engine keeps the mapping of the file it last loaded (clean pages a drop cannot evict)."""
-
-
-def versions(model: torch.nn.Module, store: WeightStore, engine: TorchEngine, n: int, reps: int, *,
-             folder: pathlib.Path, publish_dtype: str) -> list[dict]:  # fmt: skip
-    """Publish ``n`` versions; each one loaded by the engine ``reps`` times cold and warm, without and with its
-    digest (alternating which goes first), and read by a plain sha256 pass. Every load reads the copy of the
-    version the engine does not hold (``TWIN``)."""
-    rows = []
-    held = None
-    copies = tied_copies(model)
-    beside = companion_files(folder)
-    beside["config.json"] = with_dtype(beside["config.json"], publish_dtype)
-    dtype = getattr(torch, publish_dtype)
-
-    def publish(version: int) -> tuple[str, str, float]:  # as the learner does (TorchTrainer._publish)
-        return store.publish(version, publishable(model.state_dict(), copies), beside=beside, dtype=dtype)
-
-    for v in range(1, n + 1):
-        with torch.no_grad():  # a new version: every byte differs from the last one's
-            for p in model.parameters():
-                p.mul_(1.0 + 1e-3)
-        os.sync()  # the publish's fsync waits for its own bytes, not for what the last step left dirty
-        uri, digest, publish_s = publish(v)
-        file = pathlib.Path(uri.removeprefix("file://")) / "model.safetensors"
-        twin_uri, twin_digest, _ = publish(TWIN + v)
-        assert twin_digest == digest, "the same tensors make the same file"
-        twin = pathlib.Path(twin_uri.removeprefix("file://")) / "model.safetensors"
-        manifest = json.loads((file.parent / "manifest.json").read_text())
-        row: dict = {"version": v, "bytes": file.stat().st_size, "folder_bytes": manifest["bytes"],
-                     "publish_s": [publish_s],
-                     **{f"publish_{k}_s": [s] for k, s in manifest.get("timings_s", {}).items()}}  # fmt: skip
-        for rep in range(reps):
-            for temp in ("cold", "warm"):
-                order = [("load", None), ("verified", digest)]
-                for name, check in order[:: 1 if rep % 2 == 0 else -1]:
-                    path = twin if held == file else file
-                    if temp == "cold":
-                        row.setdefault("resident_after_drop", []).append(drop(path))
-                    row.setdefault(f"{name}_{temp}_s", []).append(timed(engine.load_weights, v, path, check))
-                    held = path
-                path = twin if held == file else file
-                for name, check in (("check_pass", lambda f: digest_file(f, store.algo, store.chunk_bytes)),
-                                    ("sha256_pass", sha256_file)):  # fmt: skip
-                    if temp == "cold":
-                        drop(path)
-                    row.setdefault(f"{name}_{temp}_s", []).append(timed(check, path))
-        store.retire(v - 1)
-        store.retire(TWIN + v - 1)
-        rows.append(row)
-    return rows
-
-
-def summary(rows: list[dict], io: dict[str, float]) -> dict[str, float]:
-    """Each stage's best time over every version and repetition (other work on the machine only adds time)."""
-    gb = statistics.median(r["bytes"] for r in rows) / 1e9
-    stages = [k for k in rows[0] if k.endswith("_s")]
-    best = {k: min(x for r in rows for x in r[k]) for k in stages}
-    out: dict[str, float] = {"gb": gb, **{k: round(s, 4) for k, s in best.items()}}
-    out.update({f"median_{k}": round(statistics.median(x for r in rows for x in r[k]), 4) for k in stages})
-    for temp in ("cold", "warm"):
-        verify = best[f"verified_{temp}_s"] - best[f"load_{temp}_s"]
-        out[f"verify_{temp}_s"] = round(verify, 4)
-        out[f"verify_over_load_{temp}"] = round(verify / best[f"load_{temp}_s"], 3)
-    out.update({f"disk_{k}": round(s, 4) for k, s in io.items()})
+    out = [row("critical path: HostSnapshot.take (s/GB)", med(r["take_s"]), take, "memcpy (s/GB)", memcpy,
+               take / memcpy, "1", f"<= {CRITICAL_S_PER_GB} s/GB", take <= CRITICAL_S_PER_GB),
+           row("  first take: buffer made and touched (s/GB)", r["take_first_s"], r["take_first_s"] / gb,
+               "of which alloc (s/GB)", r["alloc_s"] / gb, float("nan"), "1"),
+           row("total publish (GB/s)", med(r["publish_s"]), publish, "dd conv=fsync (GB/s)", disk, med(pairs),
+               "1 + hash read", f">= {PUBLISH_OVER_DD} x dd", med(pairs) >= PUBLISH_OVER_DD)]  # fmt: skip
+    stages = r["publish_stages_s"]
+    for k in stages[0]:
+        s = med(x[k] for x in stages)
+        out.append(row(f"  publish: {k} (GB/s)", s, gb / s if s else float("inf"), "", float("nan"), float("nan"), ""))
+    if "save_file_s" in r:
+        d = gb / r["dd_before_save_file_s"]
+        out.append(row("publish via save_file, previous (GB/s)", r["save_file_s"], gb / r["save_file_s"],
+                       "dd conv=fsync (GB/s)", d, gb / r["save_file_s"] / d, "2 + read back"))  # fmt: skip
+    sha = gb / r["sha256_s"]
+    for name, key, copies in (("load_verified", "load_verified_s", "0 + hash read"),
+                              ("load_into (engine)", "load_into_s", "1 + hash read")):  # fmt: skip
+        s = min(r[key])
+        copy = gb / r["memcpy_s"]
+        out.append(row(f"{name}, best (GB/s)", s, gb / s, "memcpy (GB/s)", copy, (gb / s) / copy, copies))
+    out.append(row("sha256, one thread, memory (GB/s)", r["sha256_s"], sha, "", float("nan"), float("nan"), "0 + read"))
     return out
 
 
-def report(s: dict[str, float], label: str, reps: int) -> None:
-    gb = s["gb"]
-    write, read = {"write": s["disk_write_fsync_s"]}, {"cold": s["disk_read_cold_s"], "warm": s["disk_read_warm_s"]}
-    lines = [("disk write (to the page cache)", s["disk_write_cache_s"], None),
-             ("disk write + fsync", write["write"], "write"),
-             (f"disk read cold (resident after drop {s['disk_resident_after_drop']:.0%})", read["cold"], "cold"),
-             ("disk read warm", read["warm"], "warm"),
-             ("publish (whole)", s["publish_s"], "write")]  # fmt: skip
-    lines += [(f"  publish: {k.removeprefix('publish_').removesuffix('_s')}", t, None)
-              for k, t in s.items() if k.startswith("publish_") and k != "publish_s"]  # fmt: skip
-    for temp in ("cold", "warm"):
-        lines += [(f"load {temp} (engine, no digest)", s[f"load_{temp}_s"], temp),
-                  (f"verified load {temp} (engine, digest checked)", s[f"verified_{temp}_s"], temp),
-                  (f"  verify {temp} (verified - load)", s[f"verify_{temp}_s"], None),
-                  (f"check pass {temp} (the digest alone, dora.digest)", s[f"check_pass_{temp}_s"], temp),
-                  (f"sha256 pass {temp} (one sequential read + sha256)", s[f"sha256_pass_{temp}_s"], temp)]  # fmt: skip
-    print(f"weight path, {label}: {gb:.3f} GB per version; best of {reps} per version, over the versions")
-    print(f"{'stage':58s} {'s':>8s} {'GB/s':>7s} {'/ disk':>7s}")
-    for name, sec, base in lines:
-        rate = f"{gb / sec:7.2f}" if sec > 0 else f"{'-':>7s}"
-        ratio = f"{(gb / sec) / (gb / (write | read)[base]):7.2f}" if base else ""
-        print(f"{name:58s} {sec:8.3f} {rate} {ratio:>7s}")
-    for temp in ("cold", "warm"):
-        r = s[f"verify_over_load_{temp}"]
-        note = " (the check's read pass reads the disk faster than the load's page faults)" if r < 0 else ""
-        print(f"verify / load {temp}: {r:.3f} (target <= {TARGET}: {'met' if r <= TARGET else 'not met'}){note}")
+def transfer_rows(sizes: list[float], scratch: pathlib.Path) -> list[dict[str, Any]]:
+    """The direct-transfer rows (``bench/weights_transfer.py``: to 1, 4 and 16 workers beside memcpy) when that
+    module exists, as rows of this table; none otherwise."""
+    if importlib.util.find_spec("bench.weights_transfer") is None:
+        return []
+    from bench import weights_transfer
+
+    found = list(weights_transfer.transfer_rows(sizes, scratch))
+    return [r if set(ROW_KEYS) <= set(r) else _as_row(r, found) for r in found]
 
 
-def compare(results: dict[str, dict[str, float]]) -> None:
-    """The publish dtypes side by side: bytes of a version and seconds (and s/GB of the float32 version's size)."""
-    base = results.get("float32", next(iter(results.values())))["gb"]
-    stages = [("publish", "publish_s"), ("verified load cold", "verified_cold_s"),
-              ("verified load warm", "verified_warm_s"), ("load warm (no digest)", "load_warm_s"),
-              ("verify warm", "verify_warm_s")]  # fmt: skip
-    print(f"\nper version, by publish dtype (s per GB: of the float32 version's {base:.3f} GB, the same parameters)")
-    print(f"{'':24s}" + "".join(f"{d:>22s}" for d in results))
-    print(f"{'GB written':24s}" + "".join(f"{r['gb']:22.3f}" for r in results.values()))
-    for name, key in stages:
-        print(f"{name + ' s (s/GB)':24s}" + "".join(f"{r[key]:13.3f} ({r[key] / base:6.3f})" for r in results.values()))
+def _as_row(r: dict[str, Any], every: list[dict[str, Any]]) -> dict[str, Any]:
+    """A transfer row (``kind``: memcpy or transfer; ``fetchers``, ``fanout``, ``gb_s_per_worker``,
+    ``learner_sends``) in this table's keys, with the transfer's two targets."""
+    size = r.get("size_gb", float("nan"))
+    if r.get("kind") != "transfer":
+        return dict(zip(ROW_KEYS, (size, f"transfer: {r.get('kind', '?')} (GB/s)", float("nan"), r.get("gb_s"), "",
+                                   float("nan"), float("nan"), "", "", None), strict=True))  # fmt: skip
+    n, fanout = r.get("fetchers", 0), r.get("fanout", 0)
+    memcpy = next((m["gb_s"] for m in every if m.get("kind") == "memcpy" and m.get("size_gb") == size), float("nan"))
+    rate, sends = r.get("gb_s_per_worker", float("nan")), r.get("learner_sends", float("nan"))
+    target, met = "", None
+    if n == 1:
+        target, met = ">= 1 GB/s", rate >= 1
+    elif n == 4 and fanout:
+        target, met = "sends <= 2", sends <= 2
+    stage = f"transfer to {n}, {'relayed' if fanout else 'direct'} (GB/s a worker)"
+    if "skipped" in r:
+        return dict(zip(ROW_KEYS, (size, stage, float("nan"), float("nan"), r["skipped"], float("nan"), float("nan"),
+                                   "", target, None), strict=True))  # fmt: skip
+    return dict(zip(ROW_KEYS, (size, stage, r.get("seconds"), rate, "memcpy (GB/s)", memcpy, rate / memcpy,
+                               f"learner sends {sends}", target, met), strict=True))  # fmt: skip
+
+
+def show(rows: list[dict[str, Any]]) -> None:
+    def num(x: Any) -> str:
+        return f"{x:8.3f}" if isinstance(x, float | int) and x == x else f"{'-':>8s}"  # NaN: nothing to show
+
+    print(f"{'GB':>5s} {'stage':46s} {'s':>8s} {'rate':>8s} {'beside':30s} {'rate':>8s} {'ratio':>8s} "
+          f"{'copies':15s} {'target':15s} met")  # fmt: skip
+    for r in rows:
+        met = "" if r["met"] is None else ("met" if r["met"] else "NOT MET")
+        print(f"{r['size_gb']:5.1f} {r['stage']:46s} {num(r['seconds'])} {num(r['rate'])} {r['beside']:30s} "
+              f"{num(r['beside_rate'])} {num(r['ratio'])} {r['copies']:15s} {r['target']:15s} {met}")  # fmt: skip
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--untied", action="store_true", help="untied embeddings (default: tied, as Qwen2.5 / Llama-3.2)")
-    p.add_argument("--publish-dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
-    p.add_argument("--versions", type=int, default=3)
-    p.add_argument("--reps", type=int, default=3, help="loads of each kind per version (the best is kept)")
-    p.add_argument("--algo", default="xxh3_128", help="the store's digest (xxh3_128 or sha256; a store of this tree)")
-    p.add_argument("--dir", help="scratch directory on the disk to measure (default: a temp dir); emptied after")
-    p.add_argument("--label", default="this tree", help="what this run measures, in the printed title and JSON")
+    p.add_argument("--sizes", type=float, nargs="+", default=[0.5, 2.0, 8.0], help="version sizes, GB")
+    p.add_argument("--reps", type=int, default=3, help="publishes (each after a dd), takes and loads per size")
+    p.add_argument("--algo", default="xxh3_128", help="the store's digest: xxh3_128 or sha256")
+    p.add_argument("--dir", help="scratch directory on the filesystem to measure (default: a temp dir)")
+    p.add_argument("--no-transfer", action="store_true", help="leave out bench/weights_transfer.py's rows")
     p.add_argument("--out", default=str(ROOT / "bench" / "out" / "weights.json"))
     args = p.parse_args()
-    torch.set_num_threads(min(4, os.cpu_count() or 1))
-    results, rows_by = {}, {}
+    runs, rows = {}, []
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="dora-weights-") as tmp:
         scratch = pathlib.Path(tmp)
-        started = time.perf_counter()
-        model = build_model(scratch / "hf", hidden=args.hidden, layers=args.layers, vocab=args.vocab,
-                            dtype="float32", tied=not args.untied)  # fmt: skip
-        size = (scratch / "hf" / "model.safetensors").stat().st_size
-        built_s = time.perf_counter() - started
-        io = disk(scratch, size, args.reps)
-        for dtype in args.publish_dtypes:
-            engine = TorchEngine(scratch / "hf", dtype=dtype, version=0)
-            engine.load_weights(0, scratch / "hf", None)  # every parameter page touched once before anything is timed
-            store = WeightStore(scratch / f"store-{dtype}", algo=args.algo)
-            rows = versions(model, store, engine, args.versions, args.reps, folder=scratch / "hf", publish_dtype=dtype)
-            results[dtype], rows_by[dtype] = summary(rows, io), rows
-            report(results[dtype], f"{args.label}, published in {dtype}", args.reps)
-            del engine
-    if len(results) > 1:
-        compare(results)
-    params = sum(p.numel() for p in model.parameters())
-    shape = {"arch": "qwen2", "params": params, "tied": not args.untied, "hidden": args.hidden,
-             "layers": args.layers, "vocab": args.vocab, "digest": args.algo, "build_s": round(built_s, 1)}  # fmt: skip
-    result = {"label": args.label, "model": shape, "by_publish_dtype": results, "versions": rows_by,
-              "target_verify_over_load": TARGET}  # fmt: skip
+        for size in args.sizes:
+            runs[str(size)] = one_size(size, scratch, args.reps, args.algo)
+            gc.collect()  # the version's state and snapshot go before the next size's are made
+            rows += rows_of(size, runs[str(size)])
+            print(f"{size} GB measured", file=sys.stderr, flush=True)
+        if not args.no_transfer:
+            rows += transfer_rows(args.sizes, scratch)
+    print(f"weight path ({os.cpu_count()} cores; {args.algo}; medians of {args.reps} unless a best is named; "
+          f"copies: CPU copies per byte, from the code)")  # fmt: skip
+    show(rows)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps({k: v for k, v in result.items() if k != "versions"}))
+    out.write_text(json.dumps({"sizes_gb": args.sizes, "algo": args.algo, "reps": args.reps, "rows": rows,
+                               "runs": runs}, indent=1, default=str) + "\n")  # fmt: skip
     return 0
 
 
