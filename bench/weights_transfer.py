@@ -87,10 +87,9 @@ def memcpy_gb_s(size_gb: float) -> float:
 def _fetcher(i: int, root: str, relay: bool, conn: Any) -> None:
     """One fetcher process: its own store (and with ``relay``, its chunk server), the sources it is sent, one fetch
     at the start signal, its times reported; its server stays up until the parent says every fetcher is done."""
-    from dora.store.fetch import fetch
-    from dora.store.plane import ChunkServer
+    from dora.store.fetch import fetch, relay_server
 
-    server = ChunkServer(root, "tcp://127.0.0.1:0") if relay else None
+    server = relay_server(root, "tcp://127.0.0.1:0", timeout_s=30.0) if relay else None
     conn.send(server.start() if server is not None else "")
     version, digest, sources = conn.recv()
     conn.recv()  # start

@@ -29,7 +29,7 @@ from dora.rollout.actor import RolloutActor
 from dora.rollout.engines.base import WorkerEngine
 from dora.rollout.engines.sim import SimEngine
 from dora.sim.workload import Workload
-from dora.store.plane import ChunkServer
+from dora.store.fetch import relay_server
 
 if TYPE_CHECKING:
     from dora.rollout.engines.torch.engine import TorchEngine
@@ -187,7 +187,8 @@ async def serve(cfg: RunConfig, endpoint: Callable[[], str], name: str, kind: st
     # must not kill the process, which is its default action
     loop.add_signal_handler(signal.SIGUSR1, lambda: structlog.get_logger().info("signal_ignored", signal="SIGUSR1"))
     ctx = zmq.asyncio.Context()
-    server = ChunkServer(cfg.rollout.store, cfg.rollout.weights_bind) if cfg.rollout.store else None
+    r = cfg.rollout
+    server = relay_server(r.store, r.weights_bind, r.fetch_timeout_s) if r.store else None
     try:
         try:
             engine = make_engine(cfg, kind, loop.time(), task)

@@ -19,6 +19,10 @@ digest published with it, and the broker deletes the versions its ledger retired
 - ``digest``: chunked digests (xxh3_128 or sha256 per 16 MiB chunk), hashed in parallel, in place or from the
   memory a file is written from;
 - ``tensorfile``: a safetensors file mapped once, its tensors as views of the mapping;
+- ``plane``, ``fetch`` and ``relays``: the weights' data plane, for workers that share no filesystem with the
+  learner (``rollout.store``): a chunk server over ZeroMQ (one in the learner, one in each such worker, relaying
+  what its node fetched), a fetcher that checks each chunk against the manifest and falls back source by source to
+  the learner, and the tree of relays the broker names in each ``Assign``;
 - ``dirs``: the store's directories, a dead publisher's leftovers, retirement: all the broker imports. Nothing
   here imports torch until a version is published or loaded.
 

@@ -33,9 +33,9 @@ import zmq
 from dora.store.digest import ALGOS, Digest
 from dora.store.dirs import MANIFEST, remove_version, stale, temp_name
 from dora.store.manifest import Manifest
-from dora.store.plane import CHUNK_REQ, MANIFEST_REQ, OK, PROGRESS, WAIT, chunk_count
+from dora.store.plane import CHUNK_REQ, MANIFEST_REQ, OK, PROGRESS, WAIT, ChunkServer, chunk_count
 
-__all__ = ["FetchFailed", "Fetched", "fetch", "retire_local"]
+__all__ = ["FetchFailed", "Fetched", "fetch", "relay_server", "retire_local"]
 
 log = structlog.get_logger()
 
@@ -115,6 +115,19 @@ def fetch(version: int, digest: str, sources: Sequence[str], into_root: str | pa
     return got
 
 
+def relay_server(root: str | pathlib.Path, bind: str = "", timeout_s: float = 10.0) -> ChunkServer:
+    """A worker's chunk server over its node's store: it serves what the node holds or is fetching, and fetches a
+    version another node asks it for (with the digest and the sources above it) when it holds none."""
+
+    def relay(version: int, digest: str, upstream: list[str]) -> None:
+        try:
+            fetch(version, digest, upstream, root, timeout_s=timeout_s)
+        except (FetchFailed, OSError, ValueError) as e:
+            log.warning("weights_relay_fetch_failed", version=version, error=str(e))
+
+    return ChunkServer(root, bind, relay=relay)
+
+
 def retire_local(root: str | pathlib.Path, version: int) -> bool:
     """Remove a node-local store's copy of ``version`` (the broker retired it); False if it held none."""
     return remove_version(pathlib.Path(root) / f"v{version}")
@@ -178,17 +191,9 @@ def _open(ctx: zmq.Context[Any], version: int, want: Digest, sources: Sequence[s
     made at its full size and the progress file beside them; and that source's index."""
     why = []
     for i, source in enumerate(sources):
-        sock = _socket(ctx, source)
-        try:
-            _request(sock, 0, MANIFEST_REQ, str(version).encode())
-            if not sock.poll(int(timeout_s * 1000)):
-                why.append(f"{source}: silent for {timeout_s:g} s")
-                continue
-            _, status, raw = sock.recv_multipart()
-        finally:
-            sock.close(linger=0)
-        if status != OK:
-            why.append(f"{source}: does not hold v{version}")
+        raw = _manifest(ctx, source, version, want, sources[i + 1 :], timeout_s)
+        if isinstance(raw, str):
+            why.append(f"{source}: {raw}")
             continue
         (tmp / MANIFEST).write_bytes(raw)
         try:
@@ -202,6 +207,31 @@ def _open(ctx: zmq.Context[Any], version: int, want: Digest, sources: Sequence[s
         return _prepare(tmp, manifest), i
     log.warning("weights_manifest_unavailable", version=version, reasons=why)
     raise FetchFailed(f"v{version}: no source served its manifest: " + "; ".join(why))
+
+
+def _manifest(ctx: zmq.Context[Any], source: str, version: int, want: Digest, upstream: Sequence[str],
+              timeout_s: float) -> bytes | str:  # fmt: skip
+    """A source's manifest of ``version``, or why not. A relay that does not hold it yet is told the digest and the
+    sources after it (``upstream``): it starts fetching it and says wait, and it is asked again until it serves
+    the manifest or ``timeout_s`` passes without it."""
+    sock = _socket(ctx, source)
+    ask = [MANIFEST_REQ, str(version).encode(), str(want).encode(), *(u.encode() for u in upstream)]
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            _request(sock, 0, *ask)
+            if not sock.poll(max(1, int((deadline - time.monotonic()) * 1000))):
+                return f"silent for {timeout_s:g} s"
+            _, status, raw = sock.recv_multipart()
+            if status == OK:
+                return raw
+            if status != WAIT:
+                return f"does not hold v{version}"
+            if time.monotonic() + WAIT_S > deadline:
+                return f"still fetching v{version} after {timeout_s:g} s"
+            time.sleep(WAIT_S)
+    finally:
+        sock.close(linger=0)
 
 
 def _prepare(tmp: pathlib.Path, manifest: Manifest) -> _Target:

@@ -8,7 +8,10 @@ behind a ROUTER socket; its endpoint is what ``WeightsPublished.sources`` and ``
 
 The protocol, one request per chunk, many in flight on one DEALER socket (``dora.store.fetch``):
 
-- ``[tag, b"M", b"<version>"]`` -> ``[tag, b"ok", manifest bytes]``;
+- ``[tag, b"M", b"<version>", b"<digest>", *upstream]`` -> ``[tag, b"ok", manifest bytes]``; a relay (a worker's
+  server) that does not hold the version and is told its digest and the sources above it (``upstream``) fetches it
+  into its store, its node's, and says ``b"wait"`` meanwhile: a node's parent relay need not have been assigned
+  the version itself;
 - ``[tag, b"C", b"<version>", file name, b"<chunk index>"]`` -> ``[tag, b"ok", the chunk's bytes]``, sent zero-copy
   from a read-only mapping of the file (the frame is a view of the page cache);
 - ``b"wait"`` instead of ``b"ok"``: the version is being fetched here and that chunk has not come yet (ask again);
@@ -27,6 +30,7 @@ import os
 import pathlib
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,8 +90,13 @@ class ChunkServer:
     """Serves the versions in store ``root`` (whole or being fetched) on ``bind`` (``tcp://<address>:0``: this host,
     a free port). ``start`` returns the endpoint; ``stop`` ends the thread, closes the socket and the context."""
 
-    def __init__(self, root: str | pathlib.Path, bind: str = "") -> None:
+    def __init__(self, root: str | pathlib.Path, bind: str = "", *,
+                 relay: Callable[[int, str, list[str]], object] | None = None) -> None:  # fmt: skip
         self.root = pathlib.Path(root)
+        self.relay = relay
+        """A worker's server: ``relay(version, digest, upstream)`` fetches a version asked for and not held into
+        this store (``dora.store.fetch.relay_server``); None (the learner's): what is not held is not served."""
+        self._pulls: dict[int, threading.Thread] = {}
         self.bind = bind or f"tcp://{host_address()}:0"
         self.endpoint = ""
         self.sent_bytes = 0
@@ -152,7 +161,9 @@ class ChunkServer:
         except (ValueError, OSError) as e:
             log.warning("chunk_version_unreadable", version=version[:20].decode(errors="replace"), error=str(e))
             held = None
-        if held is None:
+        if held is None and kind == MANIFEST_REQ and self._pull(int(version), frames[4:]):
+            sock.send_multipart([ident, tag, WAIT, b""])
+        elif held is None:
             sock.send_multipart([ident, tag, NONE, b""])
         elif kind == MANIFEST_REQ:
             sock.send_multipart([ident, tag, OK, held.manifest])
@@ -162,6 +173,23 @@ class ChunkServer:
             if status == OK:
                 self.sent_bytes += len(data)
                 self.chunks_sent += 1
+
+    def _pull(self, version: int, asked: list[bytes]) -> bool:
+        """A relay asked for a version it does not hold, with its digest and the sources above it: fetch it (once
+        at a time) into this node's store; whether it is being fetched. A failed fetch is logged; the asker's own
+        timeout leaves this relay for the next source."""
+        relay = self.relay
+        if relay is None or len(asked) < 2:
+            return False
+        running = self._pulls.get(version)
+        if running is not None and running.is_alive():
+            return True
+        digest, upstream = asked[0].decode(errors="replace"), [u.decode(errors="replace") for u in asked[1:]]
+        thread = threading.Thread(target=relay, args=(version, digest, upstream), name=f"relay-v{version}",
+                                  daemon=True)  # fmt: skip
+        self._pulls[version] = thread
+        thread.start()
+        return True
 
     def _chunk(self, held: _Held, name: str, index: bytes) -> tuple[bytes, Any]:
         """(status, bytes) for chunk ``index`` of file ``name``: a view of the file's mapping when it is there."""

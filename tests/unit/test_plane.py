@@ -18,7 +18,7 @@ from structlog.testing import capture_logs
 
 from dora.store import WeightStore, load_verified
 from dora.store.dirs import temp_name
-from dora.store.fetch import FetchFailed, fetch, retire_local
+from dora.store.fetch import FetchFailed, fetch, relay_server, retire_local
 from dora.store.plane import PROGRESS, ChunkServer
 from dora.store.relays import RelayTree, node_relays, relay_sources
 
@@ -113,6 +113,24 @@ def test_a_relay_stopped_mid_transfer_leaves_its_child_to_fetch_the_rest_from_th
     assert [e["source"] for e in logs if e["event"] == "weights_source_failed"] == [a.endpoint]
     back = load_verified(got.path, digest, name="v1")
     assert all(torch.equal(back[k], tensors[k]) for k in tensors)
+
+
+def test_a_relay_asked_for_a_version_it_lacks_fetches_it_from_above_and_passes_it_on_as_it_comes(tmp_path):
+    """learner -> A -> B, A never assigned the version: B's request makes A fetch it from the learner, and B takes
+    every chunk from A; the learner sends each byte once."""
+    store, digest, tensors = published(tmp_path / "learner", mib=8)
+    with ChunkServer(store.root, LOCAL) as learner, relay_server(tmp_path / "a", LOCAL, timeout_s=5) as a:
+        got = fetch(1, digest, [a.endpoint, learner.endpoint], tmp_path / "b", timeout_s=5)
+        deadline = time.monotonic() + 5
+        while not (tmp_path / "a" / "v1").is_dir() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert got.served == {a.endpoint: got.bytes}, got.served
+    assert learner.sent_bytes == got.bytes and (tmp_path / "a" / "v1").is_dir()
+    back = load_verified(got.path, digest, name="v1")
+    assert all(torch.equal(back[k], tensors[k]) for k in tensors)
+    # the learner's server fetches nothing: it holds a version or not
+    with ChunkServer(tmp_path / "empty", LOCAL) as plain, pytest.raises(FetchFailed, match="does not hold v1"):
+        fetch(1, digest, [plain.endpoint], tmp_path / "c", timeout_s=1)
 
 
 def test_workers_of_one_node_share_one_fetch_into_its_store(tmp_path):
