@@ -84,10 +84,21 @@ def memcpy_gb_s(size_gb: float) -> float:
     return n / best / GB
 
 
+def quiet() -> None:
+    """Only warnings and errors from the store's loggers (a line per fetch would bury the table)."""
+    import logging
+
+    import structlog
+
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+
+
 def _fetcher(i: int, root: str, relay: bool, conn: Any) -> None:
     """One fetcher process: its own store (and with ``relay``, its chunk server), the sources it is sent, one fetch
     at the start signal, its times reported; its server stays up until the parent says every fetcher is done."""
     from dora.store.fetch import fetch, relay_server
+
+    quiet()
 
     server = relay_server(root, "tcp://127.0.0.1:0", timeout_s=30.0) if relay else None
     conn.send(server.start() if server is not None else "")
@@ -164,7 +175,6 @@ def transfer_rows(sizes_gb: list[float], scratch: str | pathlib.Path, fetchers: 
                                      "fanout": fanout, "skipped": why})  # fmt: skip
                         continue
                     rows.append(transfer(work / "learner", digest, size, work, n, fanout))
-                    print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
         finally:
             shutil.rmtree(work, ignore_errors=True)
     return rows
@@ -177,6 +187,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--fanouts", type=int, nargs="+", default=list(FANOUTS))
     p.add_argument("--scratch", default=os.environ.get("TMPDIR", "/tmp"))
     args = p.parse_args(argv)
+    quiet()
     rows = transfer_rows(args.sizes, args.scratch, tuple(args.fetchers), tuple(args.fanouts))
     cols = ("size_gb", "fetchers", "mode", "seconds", "gb_s_per_worker", "gb_s_slowest", "gb_s_total", "learner_sends")
     print(" ".join(f"{c:>15}" for c in cols))
