@@ -21,8 +21,13 @@ it drives the torch engine; vLLM schedules, batches and pages the KV cache itsel
 - **Length**: ``max_model_len`` None takes the model's own limit (``max_position_embeddings``).
 - **KV memory**: ``kv_cache_bytes`` bounds it when given; vLLM's CPU default would size the cache to most of the
   machine's memory, so on the CPU it is always bounded.
-- **Weights**: ``load_weights`` checks the file's digest, then reloads the tensors in place with
-  ``reload_weights``, with no restart. A mismatch is refused, and so is a load of full weights while requests run.
+- **Weights**: ``load_weights`` checks the file's digest, then loads the checked tensors in place, with no
+  restart; ``load_tensors`` loads tensors the worker holds in memory already (checked by whoever got them: a
+  version broadcast to the workers, ``dora.store.collective``). Where vLLM has its weight-transfer API and the
+  model runs in this process, they are pushed through it (``vllm_transfer``: ``start_weight_update``,
+  ``update_weights`` with the tensors themselves, ``finish_weight_update`` naming the version; vLLM's layerwise
+  reload); otherwise with ``reload_weights``. ``weight_path`` says which, and the ``vllm_weight_path`` log line
+  at start-up says why. A mismatch is refused, and so is a load of full weights while requests run.
   The prefix cache is reset, because its entries were computed with the old weights. Under tensor parallelism
   the checked tensors go to every shard (``collective_rpc``: vLLM's shared-memory queue carries CPU tensors as
   out-of-band buffers) and each shard's ``load_weights`` keeps its own slice: the shards load exactly the
@@ -65,17 +70,23 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import structlog
 
 from dora.hf.folder import facts
 from dora.hf.lora import VLLM_RANKS, check_base
 from dora.ids import Finish
+from dora.rollout.engines import vllm_transfer
 from dora.rollout.engines.base import EngineError, Sample, SampleState
 from dora.rollout.engines.torch.engine import hash_seed, read_weights
 from dora.rollout.engines.versions import HoldsVersions, Versions
 from dora.store import model_digest
 
 if TYPE_CHECKING:
+    import torch
+
     from dora.config.models import LoraSection
+
+log = structlog.get_logger()
 
 CPU_KV_CACHE_BYTES = 256 << 20
 """KV cache memory on the CPU when none is given (vLLM's own default there takes most of the machine's memory)."""
@@ -127,12 +138,18 @@ class VllmEngine(HoldsVersions):
 
             if hasattr(envs.__getattr__, "cache_clear"):  # an engine made earlier in this process froze vLLM's env
                 envs.__getattr__.cache_clear()
+        transfer, self.weight_path = (vllm_transfer.options(tensor_parallel_size) if lora is None else
+                                      ({}, "reload_weights (a LoRA run loads adapters)"))  # fmt: skip
+        """How full weights are loaded: ``weight_transfer`` (vLLM's weight-transfer API) or ``reload_weights``."""
         self.llm = LLM(model=str(model_dir), tokenizer=str(model_dir), dtype=dtype, max_model_len=max_model_len,
                        enforce_eager=bool(enforce_eager), seed=seed, tensor_parallel_size=tensor_parallel_size,
                        distributed_executor_backend="mp" if tensor_parallel_size > 1 else "uni",
                        kv_cache_memory_bytes=kv_cache_bytes, gpu_memory_utilization=gpu_memory_utilization,
                        max_num_seqs=max_slots, logprobs_mode="processed_logprobs",
-                       enable_sleep_mode=sleep_level == 1, **adapter_options(lora, max_loras))  # fmt: skip
+                       enable_sleep_mode=sleep_level == 1, **adapter_options(lora, max_loras), **transfer)  # fmt: skip
+        if transfer:
+            self.llm.init_weight_transfer_engine({"init_info": {}})
+        log.info("vllm_weight_path", path=self.weight_path.split(" ")[0], detail=self.weight_path)
         self.dtype = dtype
         self.tensor_parallel_size = tensor_parallel_size
         self.engine = self.llm.llm_engine
@@ -180,17 +197,36 @@ class VllmEngine(HoldsVersions):
         ``sha256`` (``dora.store.inline.verified``): ``path`` is not read (``_inline_folder``)."""
         if self.lora is None and inline:
             raise EngineError(f"v{version}: full weights are read from the store, never carried inline")
-        if self.lora is None and len(self):
-            raise EngineError(f"cannot load v{version}: {len(self)} requests are running")
-        state = read_weights(version, path, sha256) if self.lora is None else {}
+        if self.lora is None:
+            if len(self):
+                raise EngineError(f"cannot load v{version}: {len(self)} requests are running")
+            self.load_tensors(version, read_weights(version, path, sha256))
+            return
         asleep = self.held is not None  # a load that ends after the worker yielded: awake for it, then asleep again
         if asleep:
             self.wake()
         try:
-            if self.lora is not None:
-                self._load_adapter(version, pathlib.Path(path), sha256, self.named(keep), inline)
-                return
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state.items())})
+            self._load_adapter(version, pathlib.Path(path), sha256, self.named(keep), inline)
+        finally:
+            if asleep:
+                self.sleep()
+
+    def load_tensors(self, version: int, state: Mapping[str, torch.Tensor]) -> None:
+        """Load full weights held in memory, checked already (``dora.store.collective``'s, ``read_weights``'), in
+        place: through vLLM's weight-transfer API where it has one, else ``reload_weights``. Refused while
+        requests run; an engine asleep wakes for the load and sleeps again."""
+        if self.lora is not None:
+            raise EngineError(f"v{version}: a LoRA run's versions are adapter folders (load_weights)")
+        if len(self):
+            raise EngineError(f"cannot load v{version}: {len(self)} requests are running")
+        asleep = self.held is not None
+        if asleep:
+            self.wake()
+        try:
+            if self.weight_path == "weight_transfer":
+                vllm_transfer.push(self.llm, version, state)
+            else:
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state.items())})
             self.llm.reset_prefix_cache()
             self.versions.take(version, None)
         finally:
