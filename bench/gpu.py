@@ -1,6 +1,6 @@
 """dora on one GPU, in one script of at most 5 minutes (H100 / H200): decode, learner step, weight path, `dora run`.
 
-    python3 bench/gpu.py [--out FILE.json] [--only engine learner weights run static] [--peak-flops 989e12]
+    python3 bench/gpu.py [--out FILE.json] [--only engine learner weights transfer run static] [--peak-flops 989e12]
     python3 bench/gpu.py --quick --device cpu     # tiny shapes, a few tokens: the smoke run (CPU, 1-3 min)
 
 On a GPU machine without network: fetch the wheels dora needs beyond the image's packages here first
@@ -28,9 +28,14 @@ order they run, each guarded (one that fails records its error and the next runs
 3. **weights**: ``TorchTrainer.publish`` twice (bf16 where the trainer has ``publish_dtype``), then
    ``TorchEngine.load_weights`` of the published version without and with its digest: seconds, and seconds per
    GB of the version's safetensors.
-4. **run**: ``dora sft`` then ``dora run --config examples/arithmetic.toml`` with the workers and the learner on
+4. **transfer**: the GPU weight paths (``bench/gpu_paths.py``) for a bf16 state of 1 and 4 GB (``--transfer-gb``):
+   pinned host -> device copy GB/s, device -> pinned host (``HostSnapshot.take``, the learner's copy of a version)
+   GB/s, ``dora.store.ipc.open_shared`` of the state in another process on the GPU (CUDA IPC: seconds to open,
+   GB/s to read), and ``dora.store.collective``'s NCCL broadcast GB/s with 2 GPUs or more (with one it says why
+   not). Without CUDA: the snapshot's copy only, the rest ``skipped`` with the reason.
+5. **run**: ``dora sft`` then ``dora run --config examples/arithmetic.toml`` with the workers and the learner on
    the device and 40 steps, as subprocesses with timeouts; the held-out accuracy before -> after.
-5. **static**: HF ``generate`` with ``cache_implementation="static"`` (on CUDA, transformers compiles its decode
+6. **static**: HF ``generate`` with ``cache_implementation="static"`` (on CUDA, transformers compiles its decode
    step) per batch, in a child process given the time left of ``--budget-s`` (compiling may be long); the first
    call (compiling) and a second timed one; dora / it (``dora_over_hf_static``, dora's rate from **engine**).
 """
@@ -62,7 +67,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-PARTS = ("engine", "learner", "weights", "run", "static")
+PARTS = ("engine", "learner", "weights", "transfer", "run", "static")
 """In the order they run: the static-cache child last, in the time left (its compilation may take long)."""
 CHILD_MARK = "hf_static "
 
@@ -428,7 +433,16 @@ def part_weights(model_dir: pathlib.Path, device: torch.device, scratch: pathlib
             "verified_load_s_per_gb": verified / gb, "verify_over_load": (verified - plain) / plain}  # fmt: skip
 
 
-# ---------------------------------------------------------------------- 4. dora sft + dora run
+# ---------------------------------------------------------------------- 4. the GPU weight paths
+
+
+def part_transfer(device: torch.device, sizes_gb: list[float], deadline: float) -> dict[str, Any]:
+    from bench import gpu_paths
+
+    return gpu_paths.part_transfer(device, sizes_gb, deadline)
+
+
+# ---------------------------------------------------------------------- 5. dora sft + dora run
 
 
 def dora(argv: list[str], log: pathlib.Path, timeout_s: float) -> tuple[int | str, float, str]:
@@ -545,6 +559,10 @@ def summary(name: str, r: dict[str, Any]) -> str:
         return (f"trainer {t['s']:.2f} s ({t['tok_s']:,.0f} tok/s, MFU {t['mfu']:.1%}), plain {p['s']:.2f} s "
                 f"({p['tok_s']:,.0f} tok/s, MFU {p['mfu']:.1%}); peak GB {t['max_memory_allocated_gb']} / "
                 f"{p['max_memory_allocated_gb']}")  # fmt: skip
+    if name == "transfer":
+        from bench import gpu_paths
+
+        return gpu_paths.summary(r)
     if name == "weights":
         return (f"{r['weight_bytes'] / 1e9:.3f} GB: publish {r['publish_s']:.2f} s ({r['publish_s_per_gb']:.2f} s/GB), "
                 f"load {r['load_s_per_gb']:.3f} s/GB, verified {r['verified_load_s_per_gb']:.3f} s/GB")  # fmt: skip
@@ -565,6 +583,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-timeout-s", type=float, default=150)
     p.add_argument("--run-steps", type=int, help="dora run's core.total_steps (default 40; quick 4)")
     p.add_argument("--sft-epochs", type=int, help="dora sft's sft.epochs (default the config's; quick 1)")
+    p.add_argument("--transfer-gb", type=float, nargs="+", help="transfer's state sizes (default 1 4; quick 0.016)")
     p.add_argument("--config", default="examples/arithmetic.toml")
     p.add_argument("--commit", help="the commit to record where this copy has no .git (default: git rev-parse)")
     p.add_argument("--hf-static-child", help=argparse.SUPPRESS)
@@ -617,6 +636,8 @@ def run(a: argparse.Namespace) -> int:
         steps = {"engine": lambda: part_engine(model_dir, device, sz),
                  "learner": lambda: part_learner(model_dir, device, sz, a.peak_flops, scratch),
                  "weights": lambda: part_weights(model_dir, device, scratch),
+                 "transfer": lambda: part_transfer(device, a.transfer_gb or ([0.016] if a.quick else [1.0, 4.0]),
+                                                   deadline),
                  "run": lambda: part_run(device, sz, scratch, a.config, deadline, a.sft_timeout_s,
                                          a.run_timeout_s),
                  "static": lambda: part_static(model_dir, device, sz,
