@@ -135,8 +135,20 @@ def sha256_s(buf: torch.Tensor, nbytes: int) -> float:
     return timed(lambda: hashlib.sha256(view).digest()) * nbytes / n
 
 
+def available() -> int:
+    """Bytes of memory available to a new allocation (``MemAvailable``), or 0 where /proc/meminfo is not."""
+    try:
+        lines = pathlib.Path("/proc/meminfo").read_text().splitlines()
+    except OSError:
+        return 0
+    found = [int(line.split()[1]) << 10 for line in lines if line.startswith("MemAvailable:")]
+    return found[0] if found else 0
+
+
 def one_size(size_gb: float, scratch: pathlib.Path, reps: int, algo: str) -> dict[str, Any]:
-    """Every measurement for one synthetic version (a dict of lists of seconds, and the bytes)."""
+    """Every measurement for one synthetic version (a dict of lists of seconds, and the bytes). At most two copies
+    of the version are in memory at once: the state and the snapshot while it is taken, then the snapshot alone
+    (the loads copy into it, as an engine into its model)."""
     state = synthetic(size_gb)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     snap = HostSnapshot()
@@ -144,8 +156,10 @@ def one_size(size_gb: float, scratch: pathlib.Path, reps: int, algo: str) -> dic
     for _ in range(reps + 1):
         views = snap.take(state, torch.bfloat16)
         takes.append((snap.seconds, snap.alloc_s))
+    del state
+    gc.collect()
     store = WeightStore(scratch / f"store-{size_gb}", algo=algo)
-    runs: dict[str, Any] = {"bytes": nbytes, "tensors": len(state), "take_first_s": takes[0][0],
+    runs: dict[str, Any] = {"bytes": nbytes, "tensors": len(views), "take_first_s": takes[0][0],
                             "alloc_s": takes[0][1], "take_s": [t for t, _ in takes[1:]], "dd_s": [], "publish_s": [],
                             "publish_stages_s": []}  # fmt: skip
     beside = {"config.json": json.dumps({"architectures": ["LlamaForCausalLM"], "dtype": "bfloat16"}).encode()}
@@ -161,11 +175,13 @@ def one_size(size_gb: float, scratch: pathlib.Path, reps: int, algo: str) -> dic
         runs["dd_before_save_file_s"] = dd(scratch / "dd.bin", nbytes)
         runs["save_file_s"] = save_file_publish(scratch / "save_file", dict(views), algo)
     folder = store.path(reps)
-    runs["load_verified_s"] = [timed(lambda: load_verified(folder, digest, name="v")) for _ in range(reps)]
-    runs["load_into_s"] = [timed(lambda: load_into(folder, digest, name="v", into=state, undo=lambda: None))
-                           for _ in range(reps)]  # fmt: skip
-    same = all(torch.equal(state[k].view(torch.int16), v.view(torch.int16)) for k, v in views.items())  # NaN bits too
+    got = load_verified(folder, digest, name="v")
+    same = all(torch.equal(got[k].view(torch.int16), v.view(torch.int16)) for k, v in views.items())  # NaN bits too
     assert same, "the version loaded is the one taken"
+    del got
+    runs["load_verified_s"] = [timed(lambda: load_verified(folder, digest, name="v")) for _ in range(reps)]
+    runs["load_into_s"] = [timed(lambda: load_into(folder, digest, name="v", into=views, undo=lambda: None))
+                           for _ in range(reps)]  # fmt: skip
     runs["memcpy_s"] = memcpy_s(snap.buffer, nbytes, reps) if snap.buffer is not None else float("nan")
     runs["sha256_s"] = sha256_s(snap.buffer, nbytes) if snap.buffer is not None else float("nan")
     store.retire(reps)
@@ -191,6 +207,8 @@ def rows_of(size_gb: float, r: dict[str, Any]) -> list[dict[str, Any]]:
                "of which alloc (s/GB)", r["alloc_s"] / gb, float("nan"), "1"),
            row("total publish (GB/s)", med(r["publish_s"]), publish, "dd conv=fsync (GB/s)", disk, med(pairs),
                "1 + hash read", f">= {PUBLISH_OVER_DD} x dd", med(pairs) >= PUBLISH_OVER_DD)]  # fmt: skip
+    spread = " ".join(f"{x:.2f}" for x in pairs)
+    out.append(row("  publish / dd, each pair", float("nan"), float("nan"), spread, float("nan"), float("nan"), ""))
     stages = r["publish_stages_s"]
     for k in stages[0]:
         s = med(x[k] for x in stages)
@@ -268,6 +286,13 @@ def main() -> int:
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="dora-weights-") as tmp:
         scratch = pathlib.Path(tmp)
         for size in args.sizes:
+            if available() and 2 * size * 1e9 > 0.9 * available():
+                print(f"{size} GB skipped: the state and its snapshot need {2 * size:.0f} GB, "
+                      f"{available() / 1e9:.1f} GB available", file=sys.stderr)  # fmt: skip
+                rows.append(dict(zip(ROW_KEYS, (size, "skipped: not enough memory", *[float("nan")] * 2,
+                                                f"needs {2 * size:.0f} GB, {available() / 1e9:.1f} available",
+                                                *[float("nan")] * 2, "", "", None), strict=True)))  # fmt: skip
+                continue
             runs[str(size)] = one_size(size, scratch, args.reps, args.algo)
             gc.collect()  # the version's state and snapshot go before the next size's are made
             rows += rows_of(size, runs[str(size)])
