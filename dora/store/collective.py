@@ -246,16 +246,19 @@ class Receiver:
         self.staging: torch.Tensor | None = None
         self.host: torch.Tensor | None = None
 
-    def receive(self, *, into: Mapping[str, torch.Tensor] | None = None, digest: str | None = None) -> Received:
+    def receive(self, *, into: Mapping[str, torch.Tensor] | None = None, digest: str | None = None,
+                version: int | None = None) -> Received:  # fmt: skip
         """The next version rank 0 sends, checked against its manifest (and that manifest against ``digest``, the
         version's published digest, when given), then copied into ``into`` (the same names and shapes; None: left in
         the staging buffer, as ``Received.tensors``). DigestMismatch or ValueError, with ``into`` untouched, when the
-        bytes, the manifest or the tensors do not fit."""
+        bytes, the manifest or the tensors do not fit, or the version sent is not ``version`` (when given)."""
         started = time.perf_counter()
         offer = Offer.decode(self.group.broadcast_bytes(None))
         items, starts = offer.items()
         staging, host = self._reserve(starts[-1])
         problem = _unfit(offer, items, into, digest)
+        if problem is None and version is not None and offer.version != version:
+            problem = ValueError(f"v{offer.version} was sent, v{version} expected")
         checks = _Checks(offer, starts, host, self.threads if problem is None else 0)
         try:
             for lo in range(0, starts[-1], offer.bucket_bytes):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import threading
 
 import pytest
 import torch
@@ -47,3 +48,43 @@ def test_a_version_reaches_two_workers_checked_and_a_changed_one_is_refused(tmp_
 def test_nccl_broadcast_between_gpus(tmp_path):
     world = min(3, torch.cuda.device_count())
     check(peers(tmp_path, "nccl", "cuda:0", "cuda:RANK", world=world), workers=world - 1)
+
+
+def test_a_torch_engine_takes_a_broadcast_version_and_refuses_one_that_does_not_check(tiny_model, tmp_path):
+    """The learner's side in a thread of this process (its own store and gloo group on 127.0.0.1), the engine's
+    in the test: v1 lands in the engine's model; v2, one element changed after it was published, is refused and the
+    model keeps v1 bit for bit."""
+    from dora.hf.tensors import publishable
+    from dora.rollout.engines.base import EngineError
+    from dora.rollout.engines.torch.engine import TorchEngine
+    from dora.store.collective import Receiver, WeightGroup, send
+    from dora.store.publish import WeightStore
+
+    engine = TorchEngine(tiny_model, max_slots=4, version=0)
+    original = {k: v.clone() for k, v in publishable(engine.model.state_dict(), engine.copies).items()}
+    versions = {v: {k: t + 0.01 * v for k, t in original.items()} for v in (1, 2)}
+    store = WeightStore(tmp_path / "store", chunk_bytes=1 << 20, fsync=False)
+    digests = {v: store.publish(v, state)[1] for v, state in versions.items()}
+    versions[2]["model.embed_tokens.weight"][3, 3] += 1
+    sender = WeightGroup("127.0.0.1", 0, 0, 2, timeout_s=20)
+    errors: list[BaseException] = []
+
+    def learner() -> None:
+        try:
+            for v in (1, 2):
+                send(sender, store.manifest(v), versions[v], bucket_bytes=1 << 20)
+        except BaseException as e:  # the test's thread reports it
+            errors.append(e)
+
+    thread = threading.Thread(target=learner, daemon=True)
+    thread.start()
+    receiver = Receiver(WeightGroup("127.0.0.1", sender.port, 1, 2, timeout_s=20))
+    engine.receive_weights(1, receiver, digests[1])
+    assert engine.version == 1
+    model = engine.model.state_dict()
+    assert all(torch.equal(model[k], t) for k, t in versions[1].items())
+    with pytest.raises(EngineError, match="chunks differ from the manifest"):
+        engine.receive_weights(2, receiver, digests[2])
+    thread.join(20)
+    assert not errors and not thread.is_alive()
+    assert engine.version == 1 and all(torch.equal(model[k], t) for k, t in versions[1].items())

@@ -37,7 +37,9 @@ a version: they follow the tensor they share. On a CPU, once a version was loade
 mappings are kept (clean file pages, shared with every process mapping them): the next version is then checked
 chunk by chunk as it is copied into the model (``dora.store.load_into``: every byte read once), and a chunk that
 does not match puts the kept version's bytes back. The first load, one in another dtype, or one on another device,
-checks every file before it touches the model (``dora.store.load_verified``).
+checks every file before it touches the model (``dora.store.load_verified``). ``receive_weights`` takes a version
+the learner broadcasts to its weight group instead (``dora.store.collective``: NCCL between GPUs, gloo between
+CPUs): checked against its manifest in a staging buffer, then copied into the model, no file read.
 
 LoRA (``lora``): a version is an adapter folder, and the engine holds up to ``max_versions`` of them at once
 (``adapters``), each request sampled under its own version's adapters, rows of several versions
@@ -82,6 +84,7 @@ log = structlog.get_logger()
 
 if TYPE_CHECKING:
     from dora.config.models import LoraSection
+    from dora.store.collective import Receiver
 
 
 @dataclass(slots=True, kw_only=True)
@@ -242,6 +245,33 @@ class TorchEngine(HoldsVersions):
             raise EngineError(f"v{version} does not fit the model: missing {missing[:3]}, extra {unexpected[:3]}")
         self.versions.take(version, 0)
         self._loaded_from = state if self.device.type == "cpu" else None  # views of the file's mapping
+
+    def receive_weights(self, version: int, receiver: Receiver, digest: str | None) -> None:
+        """Full weights the learner broadcasts to its weight group (``dora.store.collective``): received into the
+        receiver's staging buffer, checked against the version's manifest (and the manifest against ``digest``),
+        then copied into this engine's own tensors; no file, no store. A broadcast is collective, so the engine
+        takes part even when it cannot take the version (requests running, a LoRA run, bytes that do not check,
+        another version sent): it receives, then raises EngineError and keeps the version it holds."""
+        if self.asleep:
+            self.wake()
+            try:
+                return self.receive_weights(version, receiver, digest)
+            finally:
+                self.sleep()
+        refused = None
+        if self.adapters is not None:
+            refused = "a LoRA run's versions are adapter folders"
+        elif self.batch or self.waiting:
+            refused = f"{len(self.running) + len(self.waiting)} requests are running"
+        into = {k: t for k, t in self.model.state_dict().items() if "rotary" not in k and k not in self.copies}
+        try:
+            receiver.receive(into=None if refused else into, digest=digest, version=version)
+        except ValueError as e:  # a digest mismatch, a manifest or tensors that do not fit: nothing was copied
+            raise EngineError(str(e)) from None
+        if refused:
+            raise EngineError(f"cannot load v{version}: {refused}")
+        self.versions.take(version, 0)
+        self._loaded_from = None  # no file mapping to put back from: the next in-place load reads whole first
 
     def _load_adapters(self, version: int, path: pathlib.Path, digest: str | None, kept: set[int],
                        inline: Mapping[str, bytes]) -> None:  # fmt: skip
