@@ -23,8 +23,14 @@ digest published with it, and the broker deletes the versions its ledger retired
   learner (``rollout.store``): a chunk server over ZeroMQ (one in the learner, one in each such worker, relaying
   what its node fetched), a fetcher that checks each chunk against the manifest and falls back source by source to
   the learner, and the tree of relays the broker names in each ``Assign``;
+- ``collective``: a version broadcast from the learner's rank 0 to a group of workers with torch.distributed (a
+  group of its own, gloo or NCCL, in buckets), each worker checking the bytes against the manifest before it
+  adopts them;
+- ``ipc``: a version's tensors mapped by another process on the same machine, not copied (CUDA IPC, or shared host
+  memory), through handles of plain values;
 - ``dirs``: the store's directories, a dead publisher's leftovers, retirement: all the broker imports. Nothing
-  here imports torch until a version is published or loaded.
+  here imports torch until a version is published or loaded (``collective`` and ``ipc`` import it, and are
+  imported by name only, never from here).
 
 The ledger keeps at most K + 1 versions alive, so the store holds at most K + 2 while the next one is written.
 A broker restarted from its journal holds only the newest version alive: it retires the older ones at once
