@@ -8,10 +8,12 @@ from __future__ import annotations
 import json
 import pathlib
 import threading
+from typing import Any
 
 import pytest
 import torch
 
+from dora.store.digest import DigestMismatch
 from tests import collective_peers
 
 pytestmark = pytest.mark.timeout(60)
@@ -50,41 +52,73 @@ def test_nccl_broadcast_between_gpus(tmp_path):
     check(peers(tmp_path, "nccl", "cuda:0", "cuda:RANK", world=world), workers=world - 1)
 
 
-def test_a_torch_engine_takes_a_broadcast_version_and_refuses_one_that_does_not_check(tiny_model, tmp_path):
-    """The learner's side in a thread of this process (its own store and gloo group on 127.0.0.1), the engine's
-    in the test: v1 lands in the engine's model; v2, one element changed after it was published, is refused and the
-    model keeps v1 bit for bit."""
-    from dora.hf.tensors import publishable
-    from dora.rollout.engines.base import EngineError
-    from dora.rollout.engines.torch.engine import TorchEngine
+def learner_thread(tmp_path: pathlib.Path, versions: dict[int, dict[str, torch.Tensor]],
+                   changed: dict[int, tuple[str, tuple[int, ...]]]) -> tuple[Any, dict[int, str], Any]:  # fmt: skip
+    """The learner's side in a thread of this process (its own store and gloo group on 127.0.0.1): each version
+    published, then sent, those in ``changed`` with that element changed after publishing. (the receiver of rank 1,
+    the digests, a call that joins the thread and raises what it met)."""
     from dora.store.collective import Receiver, WeightGroup, send
     from dora.store.publish import WeightStore
 
-    engine = TorchEngine(tiny_model, max_slots=4, version=0)
-    original = {k: v.clone() for k, v in publishable(engine.model.state_dict(), engine.copies).items()}
-    versions = {v: {k: t + 0.01 * v for k, t in original.items()} for v in (1, 2)}
     store = WeightStore(tmp_path / "store", chunk_bytes=1 << 20, fsync=False)
     digests = {v: store.publish(v, state)[1] for v, state in versions.items()}
-    versions[2]["model.embed_tokens.weight"][3, 3] += 1
+    for v, (key, where) in changed.items():
+        versions[v][key][where] += 1
     sender = WeightGroup("127.0.0.1", 0, 0, 2, timeout_s=20)
     errors: list[BaseException] = []
 
     def learner() -> None:
         try:
-            for v in (1, 2):
-                send(sender, store.manifest(v), versions[v], bucket_bytes=1 << 20)
+            for v, state in versions.items():
+                send(sender, store.manifest(v), state, bucket_bytes=1 << 20)
         except BaseException as e:  # the test's thread reports it
             errors.append(e)
 
     thread = threading.Thread(target=learner, daemon=True)
     thread.start()
-    receiver = Receiver(WeightGroup("127.0.0.1", sender.port, 1, 2, timeout_s=20))
+
+    def finish() -> None:
+        thread.join(20)
+        assert not thread.is_alive() and not errors, errors
+
+    return Receiver(WeightGroup("127.0.0.1", sender.port, 1, 2, timeout_s=20)), digests, finish
+
+
+def test_a_torch_engine_takes_a_broadcast_version_and_refuses_one_that_does_not_check(tiny_model, tmp_path):
+    """v1 lands in the engine's model; v2, one element changed after it was published, is refused and the model
+    keeps v1 bit for bit."""
+    from dora.hf.tensors import publishable
+    from dora.rollout.engines.base import EngineError
+    from dora.rollout.engines.torch.engine import TorchEngine
+
+    engine = TorchEngine(tiny_model, max_slots=4, version=0)
+    original = {k: v.clone() for k, v in publishable(engine.model.state_dict(), engine.copies).items()}
+    versions = {v: {k: t + 0.01 * v for k, t in original.items()} for v in (1, 2)}
+    receiver, digests, finish = learner_thread(tmp_path, versions, {2: ("model.embed_tokens.weight", (3, 3))})
     engine.receive_weights(1, receiver, digests[1])
     assert engine.version == 1
     model = engine.model.state_dict()
     assert all(torch.equal(model[k], t) for k, t in versions[1].items())
     with pytest.raises(EngineError, match="chunks differ from the manifest"):
         engine.receive_weights(2, receiver, digests[2])
-    thread.join(20)
-    assert not errors and not thread.is_alive()
+    finish()
     assert engine.version == 1 and all(torch.equal(model[k], t) for k, t in versions[1].items())
+
+
+def test_a_worker_that_refuses_a_version_stays_in_step_with_the_group(tmp_path):
+    """Tensors of another shape, another version than expected, a digest that is not the version's: each refused
+    with what differs, nothing adopted, and the version after each still arrives whole."""
+    versions = {v: {"w": torch.full((300, 500), float(v)), "b": torch.arange(7) + v} for v in (1, 2, 3, 4)}
+    receiver, digests, finish = learner_thread(tmp_path, versions, {})
+    into = {"w": torch.zeros(300, 501), "b": torch.zeros(7, dtype=torch.int64)}
+    with pytest.raises(ValueError, match=r"tensor 'w' is \[300, 500\] sent, \[300, 501\] in the model"):
+        receiver.receive(into=into, digest=digests[1])
+    assert not into["w"].any() and not into["b"].any()
+    with pytest.raises(ValueError, match="v2 was sent, v5 expected"):
+        receiver.receive(digest=digests[2], version=5)
+    with pytest.raises(DigestMismatch, match="not the published"):
+        receiver.receive(digest=digests[1])
+    got = receiver.receive(digest=digests[4], version=4)
+    finish()
+    assert got.version == 4 and set(got.tensors) == {"w", "b"}
+    assert torch.equal(got.tensors["w"], versions[4]["w"]) and torch.equal(got.tensors["b"], versions[4]["b"])
