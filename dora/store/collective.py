@@ -22,8 +22,8 @@ nothing adopted. A worker that finds the offer unfit for its model still receive
 is collective: the others would hang) and raises after.
 
 On GPUs the staging buffer is on the device and each bucket is also copied to a pinned host mirror to be hashed
-(xxh3 and sha256 run on the CPU): the check costs one device-to-host copy of the version, overlapped with the
-broadcast of the next buckets.
+(xxh3 and sha256 run on the CPU): the check costs one device-to-host copy of the version, on a stream of its own,
+overlapped with the broadcast of the next buckets, and host memory the size of the version.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from __future__ import annotations
 import datetime
 import json
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -260,13 +261,13 @@ class Receiver:
         if problem is None and version is not None and offer.version != version:
             problem = ValueError(f"v{offer.version} was sent, v{version} expected")
         checks = _Checks(offer, starts, host, self.threads if problem is None else 0)
+        mirror = _Mirror(staging, host, copy=problem is None)
         try:
             for lo in range(0, starts[-1], offer.bucket_bytes):
                 hi = min(lo + offer.bucket_bytes, starts[-1])
                 self.group.broadcast(staging[lo:hi]).wait()
-                if staging is not host:
-                    host[lo:hi].copy_(staging[lo:hi])
-                checks.arrived(hi)
+                checks.arrived(mirror.arrived(lo, hi))
+            checks.arrived(mirror.drain(starts[-1]))
             received = time.perf_counter()
             if problem is not None:
                 raise problem
@@ -323,6 +324,43 @@ def _unfit(offer: Offer, items: Sequence[Item], into: Mapping[str, torch.Tensor]
         return ValueError(f"{what}: tensor {bad[0]!r} is {list(sent[bad[0]].shape)} sent, "
                           f"{list(into[bad[0]].shape)} in the model")  # fmt: skip
     return None
+
+
+class _Mirror:
+    """The staging buffer's bytes on the host as the buckets arrive, for the hashes: on a GPU each bucket is copied
+    to the pinned mirror on a stream of its own while the next one is broadcast; on a CPU they are there already."""
+
+    def __init__(self, staging: torch.Tensor, host: torch.Tensor, *, copy: bool) -> None:
+        self.staging, self.host = staging, host
+        self.stream = torch.cuda.Stream(staging.device) if copy and staging.device.type == "cuda" else None
+        self.pending: deque[tuple[int, Any]] = deque()
+        self.landed = 0
+
+    def arrived(self, lo: int, hi: int) -> int:
+        """Bytes ``lo:hi`` are in the staging buffer (on the current stream): start their copy to the host; how
+        many bytes from the start have landed there."""
+        if self.stream is None:
+            self.landed = hi
+            return hi
+        received = torch.cuda.Event()
+        received.record()
+        self.stream.wait_event(received)
+        with torch.cuda.stream(self.stream):
+            self.host[lo:hi].copy_(self.staging[lo:hi], non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        self.pending.append((hi, done))
+        while self.pending and self.pending[0][1].query():
+            self.landed = self.pending.popleft()[0]
+        return self.landed
+
+    def drain(self, total: int) -> int:
+        """Every copy landed: ``total``."""
+        if self.stream is not None:
+            self.stream.synchronize()
+            self.pending.clear()
+        self.landed = total
+        return total
 
 
 class _Checks:
