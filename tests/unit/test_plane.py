@@ -148,6 +148,20 @@ def test_workers_of_one_node_share_one_fetch_into_its_store(tmp_path):
         assert learner.sent_bytes == store.manifest(1).bytes
 
 
+def test_a_worker_on_the_learners_node_maps_the_version_the_learner_wrote_and_nothing_is_sent(tmp_path):
+    """On the learner's node rollout.store is the learner's store: the version is there once the broker names it
+    (it hears of a version only once it is durable), so no source is asked (an unreachable one here) and the engine
+    maps the very files the learner wrote, from the page cache the two processes share."""
+    store, digest, tensors = published(tmp_path / "learner")
+    with capture_logs() as logs:
+        got = fetch(1, digest, ["tcp://127.0.0.1:9"], store.root, timeout_s=0.5)
+    assert got.bytes == 0 and got.path == store.path(1)
+    assert [e["event"] for e in logs] == ["weights_local"]
+    loaded = load_verified(got.path, digest, name="v1")
+    assert all(torch.equal(loaded[k], tensors[k]) for k in tensors)
+    assert store.versions() == [1], "the lock file beside the versions is not a version"
+
+
 @given(nodes=st.integers(0, 40), fanout=st.integers(0, 5))
 def test_the_relay_tree_reaches_the_learner_from_every_node_without_a_cycle(nodes, fanout):
     order = [f"tcp://n{i}:1" for i in range(nodes)]
