@@ -70,7 +70,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import structlog
 
 from dora.hf.folder import facts
 from dora.hf.lora import VLLM_RANKS, check_base
@@ -85,8 +84,6 @@ if TYPE_CHECKING:
     import torch
 
     from dora.config.models import LoraSection
-
-log = structlog.get_logger()
 
 CPU_KV_CACHE_BYTES = 256 << 20
 """KV cache memory on the CPU when none is given (vLLM's own default there takes most of the machine's memory)."""
@@ -138,8 +135,7 @@ class VllmEngine(HoldsVersions):
 
             if hasattr(envs.__getattr__, "cache_clear"):  # an engine made earlier in this process froze vLLM's env
                 envs.__getattr__.cache_clear()
-        transfer, self.weight_path = (vllm_transfer.options(tensor_parallel_size) if lora is None else
-                                      ({}, "reload_weights (a LoRA run loads adapters)"))  # fmt: skip
+        transfer, self.weight_path = vllm_transfer.options(tensor_parallel_size, lora=lora is not None)
         """How full weights are loaded: ``weight_transfer`` (vLLM's weight-transfer API) or ``reload_weights``."""
         self.llm = LLM(model=str(model_dir), tokenizer=str(model_dir), dtype=dtype, max_model_len=max_model_len,
                        enforce_eager=bool(enforce_eager), seed=seed, tensor_parallel_size=tensor_parallel_size,
@@ -147,9 +143,7 @@ class VllmEngine(HoldsVersions):
                        kv_cache_memory_bytes=kv_cache_bytes, gpu_memory_utilization=gpu_memory_utilization,
                        max_num_seqs=max_slots, logprobs_mode="processed_logprobs",
                        enable_sleep_mode=sleep_level == 1, **adapter_options(lora, max_loras), **transfer)  # fmt: skip
-        if transfer:
-            self.llm.init_weight_transfer_engine({"init_info": {}})
-        log.info("vllm_weight_path", path=self.weight_path.split(" ")[0], detail=self.weight_path)
+        vllm_transfer.started(self.llm, self.weight_path)
         self.dtype = dtype
         self.tensor_parallel_size = tensor_parallel_size
         self.engine = self.llm.llm_engine

@@ -43,16 +43,24 @@ def available() -> str | None:
     return f"vllm.LLM has no {', '.join(missing)}" if missing else None
 
 
-def options(tensor_parallel_size: int) -> tuple[dict[str, Any], str]:
+def options(tensor_parallel_size: int, *, lora: bool = False) -> tuple[dict[str, Any], str]:
     """The ``LLM`` options that enable the push (none where it cannot run), and the weight path taken:
-    ``weight_transfer`` or ``reload_weights (<why>)``."""
-    why = available()
+    ``weight_transfer`` or ``reload_weights (<why>)``. A LoRA run's versions are adapters: no full weights to push."""
+    why = "a LoRA run loads adapters" if lora else available()
     if why is None and tensor_parallel_size > 1:
         why = f"tensor_parallel_size {tensor_parallel_size}: the shards run in processes of their own"
     if why is not None:
         return {}, f"reload_weights ({why})"
     register()
     return {"weight_transfer_config": {"backend": BACKEND}}, "weight_transfer"
+
+
+def started(llm: Any, path: str) -> None:
+    """Once ``llm`` is made with ``options``: its transfer engine initialised (nothing to meet: the tensors are in
+    this process) when the path is ``weight_transfer``, and the path logged (``vllm_weight_path``)."""
+    if path == "weight_transfer":
+        llm.init_weight_transfer_engine({"init_info": {}})
+    log.info("vllm_weight_path", path=path.split(" ")[0], detail=path)
 
 
 def register() -> None:
