@@ -42,10 +42,13 @@ if TYPE_CHECKING:
 METADATA = {"format": "pt"}
 IOV_PIECES = 512
 """Pieces per ``pwritev`` call (below every system's IOV_MAX)."""
+WRITE_BYTES = 1 << 20
+"""Bytes per write call: a version written 1 MiB a call took 0.6 of the time it took 16 MiB a call (a 0.5 GB
+version, ext4, 2 cores; each write paired with a ``dd`` of the same size, six pairs each)."""
 SYNC_FILE_RANGE_WRITE = 2
-SYNC_STEP = 64 << 20
-"""The disk is told to write a file's bytes back in steps of this, each once the write is a step past it (telling
-it chunk by chunk, right behind the write, slowed the write more than it saved: measured on ext4)."""
+SYNC_STEP = 256 << 20
+"""The disk is told to write a file's bytes back in steps of this, each once the write is a step past it (steps of
+16 and 64 MiB, right behind the write, slowed the write more than they saved: measured on ext4)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,10 +181,16 @@ _SYNC_RANGE = _sync_range()
 
 
 def write_at(fd: int, pieces: Sequence[memoryview], offset: int) -> None:
-    """Write ``pieces`` one after the other at ``offset`` (large ``pwritev`` calls, short writes resumed)."""
-    todo = [p for p in pieces if len(p)]
+    """Write ``pieces`` one after the other at ``offset``, ``WRITE_BYTES`` a call (short writes resumed)."""
+    todo = [p[i : i + WRITE_BYTES] for p in pieces for i in range(0, len(p), WRITE_BYTES)]
     while todo:
-        n = os.pwritev(fd, todo[:IOV_PIECES], offset)
+        batch, size = [], 0
+        for p in todo[:IOV_PIECES]:
+            if batch and size + len(p) > WRITE_BYTES:
+                break
+            batch.append(p)
+            size += len(p)
+        n = os.pwritev(fd, batch, offset)
         offset += n
         while todo and n >= len(todo[0]):
             n -= len(todo[0])
