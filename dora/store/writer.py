@@ -184,7 +184,8 @@ def write_at(fd: int, pieces: Sequence[memoryview], offset: int) -> None:
     """Write ``pieces`` one after the other at ``offset``, ``WRITE_BYTES`` a call (short writes resumed)."""
     todo = [p[i : i + WRITE_BYTES] for p in pieces for i in range(0, len(p), WRITE_BYTES)]
     while todo:
-        batch, size = [], 0
+        batch: list[memoryview] = []
+        size = 0
         for p in todo[:IOV_PIECES]:
             if batch and size + len(p) > WRITE_BYTES:
                 break
