@@ -10,13 +10,13 @@ already in layout order is the same layout, so ``dora.store.snapshot.HostSnapsho
 files will be, and a publish of its views writes each file's data as one span of that buffer.
 
 **The write** (``write_files``): each file's bytes are its header, then the spans of tensor memory (adjacent
-tensors of one storage merged), written with ``os.pwritev`` one digest chunk at a time: one copy, from the tensors
-into the page cache, and no bytes object the size of a tensor. Each chunk is hashed from the same memory in
-worker threads (``dora.store.digest.hash_pieces``: exactly what ``digest_file`` finds in the file), and the disk
-is told to start writing the bytes back a step behind the write (``sync_file_range`` every ``SYNC_STEP``, on its
-own thread), then each file is fsync'd on that thread while the next one is written: the disk writes while the
-page cache fills, instead of only once the last byte is in it. The caller must not change the tensors until this
-returns.
+tensors of one storage merged), written with ``os.pwritev`` 1 MiB a call, digest chunk after digest chunk: one
+copy, from the tensors into the page cache, and no bytes object the size of a tensor. Each chunk is hashed from
+the same memory in worker threads as its bytes are written (``dora.store.digest.hash_pieces``: exactly what
+``digest_file`` finds in the file), and the disk is told to start writing the bytes back a step behind the write
+(``sync_file_range`` every ``SYNC_STEP``, on its own thread), then each file is fsync'd on that thread while the
+next one is written: the disk writes while the page cache fills, instead of only once the last byte is in it. The
+caller must not change the tensors until this returns.
 """
 
 from __future__ import annotations
