@@ -160,7 +160,7 @@ def frontier(gpus: int, elastic: dict[str, Any], out: pathlib.Path, extra: list[
 
 def print_table(gpus: int, rows: dict[str, dict[str, Any]]) -> None:
     """The rows beside the paper's; ratios to sync where sync ran, the summary where sync, partial and dora did."""
-    sync = rows["sync"]["throughput_tokens_per_s"] if "sync" in rows else float("nan")
+    sync = rows["sync"]["throughput_tokens_per_s"] if "sync" in rows else None
     print(f"\n### {gpus} GPUs: ours beside the paper's Table A (steady state, steps after warm-up)\n")
     print("| variant | GPUs (rollout+trainer) | step min: ours / paper | tokens/s: ours / paper | "
           "rollout-only: ours / paper | vs sync (ours) | max staleness | C1 viol. | dropped |")  # fmt: skip
@@ -171,7 +171,8 @@ def print_table(gpus: int, rows: dict[str, dict[str, Any]]) -> None:
         where = _where(m)
         print(f"| {name} | {where} | {m['step_time_s'] / 60:.2f} / {_fmt(p_step, '.2f')} | "
               f"{m['throughput_tokens_per_s']:,.0f} / {_fmt(p_tps, ',.0f')} | "
-              f"{m['rollout_only_fraction']:.0%} / {_fmt(p_ro, '.0%')} | {m['throughput_tokens_per_s'] / sync:.2f}x | "
+              f"{m['rollout_only_fraction']:.0%} / {_fmt(p_ro, '.0%')} | "
+              f"{_ratio(m['throughput_tokens_per_s'], sync)} | "
               f"{m['max_staleness_consumed']} | {m['c1_violations']} | {m['dropped_groups']} |")  # fmt: skip
     if {"sync", "partial", "dora"} <= rows.keys():
         _summary(gpus, rows)
@@ -228,6 +229,10 @@ def _where(m: dict[str, Any]) -> str:
         elastic = m["elastic_workers"] * m["rollout_gpus"] // m["rollout_workers"]
         return f"{m['rollout_gpus'] - elastic} standalone + {elastic} elastic"
     return f"{m['rollout_gpus']}+{m['trainer_gpus']}"
+
+
+def _ratio(value: float, sync: float | None) -> str:
+    return "n/r" if sync is None else f"{value / sync:.2f}x"
 
 
 def _fmt(value: float | None, spec: str) -> str:
