@@ -114,3 +114,12 @@ def retire_older(uri: str) -> list[pathlib.Path]:
 def published(root: pathlib.Path) -> dict[int, pathlib.Path]:
     """The versions in the store at ``root``, by number: the ``v<N>`` directories that hold their manifest."""
     return {int(p.name[1:]): p for p in root.glob("v*") if p.name[1:].isdigit() and (p / MANIFEST).is_file()}
+
+
+def sync_path(path: pathlib.Path) -> None:
+    """Make a file's data, or a directory's entries, durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

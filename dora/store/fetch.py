@@ -31,7 +31,7 @@ import structlog
 import zmq
 
 from dora.store.digest import ALGOS, Digest
-from dora.store.dirs import MANIFEST, remove_version, stale, temp_name
+from dora.store.dirs import MANIFEST, remove_version, stale, sync_path, temp_name
 from dora.store.manifest import Manifest
 from dora.store.plane import CHUNK_REQ, MANIFEST_REQ, OK, PROGRESS, WAIT, ChunkServer, chunk_count
 
@@ -354,7 +354,7 @@ def _seal(tmp: pathlib.Path, final: pathlib.Path, want: Digest) -> None:
             finally:
                 os.close(fd)
     (tmp / PROGRESS).unlink()
-    _fsync_dir(tmp)
+    sync_path(tmp)
     try:
         os.rename(tmp, final)
     except OSError:
@@ -362,12 +362,4 @@ def _seal(tmp: pathlib.Path, final: pathlib.Path, want: Digest) -> None:
             raise
         shutil.rmtree(tmp, ignore_errors=True)
         return
-    _fsync_dir(final.parent)
-
-
-def _fsync_dir(path: pathlib.Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    sync_path(final.parent)

@@ -30,7 +30,7 @@ from collections.abc import Mapping
 import structlog
 
 from dora.store.digest import CHUNK_BYTES, Digest, DigestMismatch, digest_file, folder_root, verify
-from dora.store.dirs import MANIFEST, remove_version, temp_name
+from dora.store.dirs import MANIFEST, remove_version, sync_path, temp_name
 from dora.store.manifest import FileEntry, Manifest
 
 __all__ = ["pack", "verified", "write"]
@@ -116,25 +116,17 @@ def write(root: str | pathlib.Path, version: int, inline: Mapping[str, bytes], f
         for key in sorted(inline, key=lambda k: k == MANIFEST):  # the manifest last, as a publish writes it
             (tmp / key).write_bytes(inline[key])
             if fsync:
-                _fsync(tmp / key)
+                sync_path(tmp / key)
         if fsync:
-            _fsync(tmp)
+            sync_path(tmp)
         if final.exists():
             remove_version(final)
         os.replace(tmp, final)
         if fsync:
-            _fsync(root)
+            sync_path(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     log.info("inline_version_written", version=version, bytes=manifest.bytes, files=len(manifest.files),
              digest=str(manifest.digest), write_s=round(time.perf_counter() - started, 4))  # fmt: skip
     return f"file://{final}"
-
-
-def _fsync(path: pathlib.Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from dora.store.digest import ALGOS, CHUNK_BYTES, Digest, folder_root
-from dora.store.dirs import FILE, MANIFEST, remove_version, stale, temp_name
+from dora.store.dirs import FILE, MANIFEST, remove_version, stale, sync_path, temp_name
 from dora.store.load import INDEX, load_verified
 from dora.store.manifest import Manifest
 from dora.store.writer import index, plan, spans, writable, write_files
@@ -123,13 +123,13 @@ class WeightStore:
         """Write the manifest, then rename the folder into place (replacing a version published before)."""
         (tmp / MANIFEST).write_text(manifest.to_json())
         if self.fsync:
-            _fsync(tmp / MANIFEST)
-            _fsync(tmp)
+            sync_path(tmp / MANIFEST)
+            sync_path(tmp)
         if final.exists():  # a re-publish of the same version (a restarted learner): replace it whole
             remove_version(final)
         os.replace(tmp, final)
         if self.fsync:
-            _fsync(self.root)
+            sync_path(self.root)
 
     def load(self, version: int, device: str = "cpu") -> dict[str, torch.Tensor]:
         """A published version's tensors, checked against its manifest's digest on the very bytes loaded."""
@@ -154,11 +154,3 @@ class WeightStore:
                 log.info("store_temp_removed", path=str(p), reason=reason)
                 removed.append(p)
         return removed
-
-
-def _fsync(path: pathlib.Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
