@@ -2,9 +2,9 @@
 
 A step takes the trainer timing model's time for the batch's sequences (``[trainer]``: ``step_fixed_s +
 tokens x gpu_s_per_token / learner.sim_gpus`` when fluid, else each update as long as its busiest
-data-parallel replica; then ``publish_s``), scaled by ``run.time_scale``, and
-publishes ``sim://v<N>`` with a sha256 named after the version. There are no weights, so there is
-nothing to checkpoint, restore or adopt. Everything else a learner does (the protocol, the batch
+data-parallel replica; then the version's copy aside and its write, ``dora.sim.trainer``), scaled by
+``run.time_scale``, and publishes ``sim://v<N>`` with a sha256 named after the version. There are no weights,
+so there is nothing to checkpoint, restore or adopt. Everything else a learner does (the protocol, the batch
 checks, the audit) is the learner actor's, the same as with the torch trainer.
 """
 
@@ -34,14 +34,18 @@ class SimTrainer:
         return {"train_s": train_s}
 
     def snapshot(self, version: int) -> PendingVersion:
-        """Nothing to copy: the write is the trainer model's ``publish_s``, slept on the writer's thread."""
+        """The trainer model's copy aside (``weights_gb x snapshot_s_per_gb``; nothing without ``weights_gb``), slept
+        here, and its write (``weights_gb x write_s_per_gb``, else ``publish_s``), slept on the writer's thread."""
+        scale = self.cfg.run.time_scale
+        snapshot_s = self.cfg.trainer.snapshot_s * scale
+        time.sleep(snapshot_s)
 
         def write() -> Published:
-            publish_s = self.cfg.trainer.publish_s * self.cfg.run.time_scale
+            publish_s = self.cfg.trainer.write_s * scale
             time.sleep(publish_s)
             return f"sim://v{version}", hashlib.sha256(f"sim-weights-{version}".encode()).hexdigest(), publish_s
 
-        return PendingVersion(version=version, write=write, snapshot_s=0.0)
+        return PendingVersion(version=version, write=write, snapshot_s=snapshot_s)
 
     def publish(self, version: int) -> Published:
         return self.snapshot(version).write()
