@@ -200,9 +200,16 @@ class TaskSection:
     """Folder holding tokenizer.json (the model folder); the broker encodes prompts with it."""
     reward: str | None = None
     """`module:function` scoring `(completion: str, item) -> float` on the workers (the broker imports it too, so
-    keep its module free of heavy imports); default: the task's own."""
+    keep its module free of heavy imports), or a reward service's `http(s)://host:port/path` (called in batches,
+    see dora.tasks.remote_reward); default: the task's own."""
     reward_timeout_s: float = 5.0
     """A reward call taking longer scores 0 (with the reason); the worker goes on."""
+    reward_service_timeout_s: float = 10.0
+    """Reward service: one POST's timeout (per socket operation)."""
+    reward_service_retries: int = 2
+    """Reward service: retries of a failed POST (same ids, 0.1 s backoff doubling); then its samples score 0."""
+    reward_batch_size: int = 32
+    """Reward service: samples per POST at most."""
     dataset: str | None = None
     """The user's dataset: a .jsonl/.json file (JSON lines), a .parquet file, or a folder written by
     datasets' save_to_disk. Every row is checked before any process starts."""
@@ -255,6 +262,10 @@ class TaskSection:
             raise ConfigError("task.messages_field (chat turns) needs task.chat_template = true")
         if self.env is not None and not self.chat_template:
             raise ConfigError("task.env (multi-turn episodes) needs task.chat_template = true")
+        if self.reward_service_timeout_s <= 0 or self.reward_service_retries < 0 or self.reward_batch_size < 1:
+            raise ConfigError(f"task.reward_service_timeout_s must be > 0, reward_service_retries >= 0 and "
+                              f"reward_batch_size >= 1; got {self.reward_service_timeout_s}, "
+                              f"{self.reward_service_retries}, {self.reward_batch_size}")  # fmt: skip
         if self.env_failure not in ("zero", "mask"):
             raise ConfigError(f"task.env_failure must be 'zero' or 'mask'; got {self.env_failure!r}")
         for name in ("max_turns", "max_episode_tokens"):

@@ -45,7 +45,9 @@ class TaskRun:
         spec = task.reward or rewards.DEFAULT.get(task.name)
         if spec is None and self.env is None:
             raise ConfigError(f"task {task.name!r} needs task.reward (a module:function scoring a completion)")
-        self.reward = rewards.resolve(spec) if spec else None
+        self.reward = rewards.resolve(spec, service_timeout_s=task.reward_service_timeout_s,
+                                      service_retries=task.reward_service_retries,
+                                      batch_size=task.reward_batch_size) if spec else None  # fmt: skip
         self.timeout_s = task.reward_timeout_s
         self.about: dict[str, Any] = {"task": task.name}
         """What the task is, for the start report, the journal and the metrics."""
@@ -129,6 +131,15 @@ class TaskRun:
 
     def score(self, group: int, tokens: list[int]) -> rewards.Scored:
         return self._score(self.item(group), tokens)
+
+    def score_many(self, pairs: list[tuple[int, list[int]]]) -> list[rewards.Scored]:
+        """``score`` of every (group, tokens), in order, all submitted at once: a reward service scores them in
+        shared batches (``rewards.score_many``); any other reward, one by one as ``score`` does."""
+        if self.reward is None:
+            raise ConfigError("an environment's task scores episodes, not completions (task.reward is unset)")
+        texts = [(self.tokenizer.decode(list(tokens), skip_special_tokens=True), self.item(group))
+                 for group, tokens in pairs]  # fmt: skip
+        return rewards.score_many(self.reward, texts, timeout_s=self.timeout_s)
 
     def score_row(self, row: int, tokens: list[int]) -> rewards.Scored:
         """A completion of dataset row ``row`` (held-out evaluation reads rows in file order, outside epochs)."""

@@ -13,7 +13,8 @@ visible in the worker's metrics.
 Built in: ``exact``, ``numeric`` and ``math`` compare the final answers of the completion and the
 reference (``dora.tasks.verify``: the last ``\\boxed{}``, else after ``####``, else after ``=``, else the
 last line) as normalised text, as numbers, or with math-verify (the ``math`` extra); ``exact_match``,
-``digits_shaped`` and ``countdown`` score the built-in tasks; ``python_stdout`` runs the completion.
+``digits_shaped`` and ``countdown`` score the built-in tasks; ``python_stdout`` runs the completion. A spec
+that is an ``http(s)://`` URL is a reward service (``dora.tasks.remote_reward``), called in batches.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import ast
 import concurrent.futures
 import operator
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -30,6 +32,7 @@ from typing import Any
 
 from dora.config import ConfigError, resolve_callable
 from dora.tasks import verify
+from dora.tasks.remote_reward import RemoteReward, RewardServiceError
 from dora.tasks.tasks import Item
 
 RewardFn = Callable[[str, Item], Any]
@@ -120,9 +123,12 @@ BUILT_IN = {name: f"dora.tasks.rewards:{name}" for name in
 """Short names a reward spec may use instead of ``module:function``."""
 
 
-def resolve(spec: str) -> RewardFn:
-    """``module:function`` or a short name (``BUILT_IN``) -> the function; a clear ConfigError (a ValueError) for
-    a bad spec, and for ``math`` when math-verify is not installed."""
+def resolve(spec: str, *, service_timeout_s: float = 10.0, service_retries: int = 2, batch_size: int = 32) -> RewardFn:
+    """``module:function``, a short name (``BUILT_IN``) or a reward service's ``http(s)://`` URL (a
+    ``RemoteReward`` with the given timeout, retries and batch size) -> the function; a clear ConfigError (a
+    ValueError) for a bad spec or URL, and for ``math`` when math-verify is not installed."""
+    if spec.startswith(("http://", "https://")):
+        return RemoteReward(spec, timeout_s=service_timeout_s, retries=service_retries, batch_size=batch_size)
     fn = resolve_callable(BUILT_IN.get(spec, spec), "reward")
     if fn is math and not verify.math_verify_installed():
         raise ConfigError(f"task.reward = \"{spec}\" needs the math extra: pip install 'dora-rl[math]'")
@@ -165,14 +171,37 @@ def _from_dict(value: dict[Any, Any]) -> Scored:
 def score(fn: RewardFn, completion: str, item: Item, *, timeout_s: float = 5.0) -> Scored:
     """``fn``'s reward for the completion, called in a worker thread within ``timeout_s``: the number it returned,
     or its dict's ``"reward"`` (else the sum) with the components; 0.0 with the reason for anything else."""
+    return _collect(_pool.submit(fn, completion, item), timeout_s, count_stuck=True)
+
+
+def score_many(fn: RewardFn, pairs: list[tuple[str, Item]], *, timeout_s: float = 5.0) -> list[Scored]:
+    """``score`` of every (completion, item), in order. A reward service's calls (``RemoteReward``) are all queued
+    at once, so they share its batches, and each waits at most ``timeout_s`` from now; any other reward is called
+    one by one, exactly as ``score`` does."""
+    if not isinstance(fn, RemoteReward):
+        return [score(fn, completion, item, timeout_s=timeout_s) for completion, item in pairs]
+    futures = []
+    for completion, item in pairs:
+        try:
+            futures.append(fn.submit(completion, item))
+        except RewardServiceError as e:  # closed
+            futures.append(concurrent.futures.Future())
+            futures[-1].set_exception(e)
+    deadline = time.monotonic() + timeout_s
+    return [_collect(f, max(0.0, deadline - time.monotonic()), count_stuck=False, budget_s=timeout_s)
+            for f in futures]  # fmt: skip
+
+
+def _collect(future: concurrent.futures.Future[Any], timeout_s: float, *, count_stuck: bool,
+             budget_s: float | None = None) -> Scored:  # fmt: skip
     global _stuck
-    future = _pool.submit(fn, completion, item)
     try:
         value = future.result(timeout=timeout_s)
     except concurrent.futures.TimeoutError:
-        with _lock:
-            _stuck += 1
-        return Scored(0.0, f"reward timed out after {timeout_s:g} s")
+        if count_stuck:
+            with _lock:
+                _stuck += 1
+        return Scored(0.0, f"reward timed out after {timeout_s if budget_s is None else budget_s:g} s")
     except Exception as e:  # the reward is user code: any error is a zero, never a crash
         return Scored(0.0, f"reward raised {type(e).__name__}: {str(e)[:200]}")
     if isinstance(value, dict):
