@@ -59,6 +59,9 @@ class StepWorkerEngine(ReadsVersions, WorkerEngine):
         self.task = task
         self.held_out = held_out
         self.finished: list[Any] = []
+        self.scored: dict[tuple[int, int, int], Any] = {}
+        """(group, attempt, index) -> the reward of a finished sample, scored with the rest of its step at once (a
+        reward service batches them: ``TaskRun.score_many``); ``result`` takes it."""
         self._paused = False
         self.eval_open: dict[tuple[int, int], tuple[m.Evaluate, list[Any]]] = {}
         """(round, row) -> the request and its finished samples. Evaluation sequences run beside the training
@@ -181,11 +184,21 @@ class StepWorkerEngine(ReadsVersions, WorkerEngine):
             else:
                 self._eval_sample(seq)
         if self.episodes is None:
+            self._score_together(done)
             self.finished.extend(done)
             return
         self.episodes.turns_ended(done)
         for ep in self.episodes.take_finished():
             self.finished.append(ep) if ep.seq.group_id >= 0 else self._eval_sample(ep)
+
+    def _score_together(self, seqs: list[Any]) -> None:
+        """Score a step's finished samples in one call (a custom task without ``score_many`` is scored by
+        ``result``, one by one)."""
+        score_many = getattr(self.task, "score_many", None)
+        if score_many is None or not seqs:
+            return
+        for s, scored in zip(seqs, score_many([(s.group_id, s.tokens) for s in seqs]), strict=True):
+            self.scored[(s.group_id, s.attempt, s.index)] = scored
 
     # ------------------------------------------------------------------ held-out evaluation
 
@@ -261,7 +274,9 @@ class StepWorkerEngine(ReadsVersions, WorkerEngine):
     def result(self, s: Any, broker_epoch: int) -> FinishedSample:
         if self.episodes is not None:
             return self.episodes.result(s, broker_epoch)
-        scored = self.task.score(s.group_id, s.tokens)
+        scored = self.scored.pop((s.group_id, s.attempt, s.index), None)
+        if scored is None:
+            scored = self.task.score(s.group_id, s.tokens)
         return FinishedSample(
             group_id=s.group_id, attempt=s.attempt, index=s.index,
             segments=np.array([[ran_under(s, self.engine), len(s.tokens)]], dtype=np.int32),
@@ -279,6 +294,7 @@ class StepWorkerEngine(ReadsVersions, WorkerEngine):
         for group, attempt in self.engine.groups():
             self.engine.cancel(group, attempt)
         self.finished.clear()
+        self.scored.clear()
         self.eval_open.clear()
         self.evaluated.clear()
 
