@@ -190,3 +190,24 @@ def test_a_step_worker_scores_a_steps_finished_samples_in_one_call() -> None:
     assert [(r.reward, r.reward_components) for r in results] == [(4.0, {"n": 4.0}), (5.0, {"n": 4.0}),
                                                                   (6.0, {"n": 6.0})]  # fmt: skip
     assert w.scored == {}
+
+
+def test_a_task_run_with_a_service_url_scores_its_samples_in_one_batch(serve: Callable[[Answer], Service],
+                                                                       tmp_path: Any) -> None:  # fmt: skip
+    from dora.config.run import TaskSection
+    from dora.hf.tiny import build_tokenizer
+    from dora.tasks.prompts import TaskRun
+
+    build_tokenizer().save_pretrained(tmp_path)
+    service = serve(by_length)
+    run = TaskRun(TaskSection(name="arithmetic", reward=service.url, reward_batch_size=16), str(tmp_path))
+    completions = ["12", "345", "6"]
+    pairs = [(g, run.encode(text)) for g, text in enumerate(completions)]
+    scored = run.score_many(pairs)
+    assert [s.reward for s in scored] == [float(len(run.tokenizer.decode(t, skip_special_tokens=True)))
+                                          for _, t in pairs]  # fmt: skip
+    assert [len(b) for b in service.batches] == [3]
+    assert [r["prompt"] for r in service.batches[0]] == [run.item(g).prompt for g in range(3)]
+    assert isinstance(run.reward, RemoteReward) and run.reward.batch_size == 16
+    with pytest.raises(ConfigError, match="reward_batch_size >= 1"):
+        TaskSection(name="arithmetic", reward=service.url, reward_batch_size=0)
