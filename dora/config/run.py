@@ -245,6 +245,16 @@ class TaskSection:
     env_failure: str = "zero"
     """env: an episode whose environment failed (raised, timed out, answered junk) scores 0 and is trained
     (zero), or is kept out of the loss (mask); either way its group is trained whole and the failure counted."""
+    agent: str | None = None
+    """`module:function`: an agent written against the OpenAI API (see dora.rollout.agents). Each sample is one
+    call `await agent(row, client)`, `client` an `openai.AsyncOpenAI` bound to an endpoint serving that episode
+    alone, every completion under the one version its group was dispatched on; it returns the episode's reward
+    (a number), or None to leave the last answer to task.reward. Agent episodes never migrate. Needs
+    chat_template = true; task.max_turns, max_episode_tokens, env_timeout_s (the agent's time between its calls)
+    and env_failure apply as to environments."""
+    tool_parser: str = "auto"
+    """agent: how completions are read into OpenAI `tool_calls`: a vLLM tool-call parser's name (`hermes`,
+    `llama3_json`, `mistral`, ...), or auto: the one the model's chat template writes (none: tools are refused)."""
 
     def __post_init__(self) -> None:
         if self.dataset is not None and self.name == "synthetic":
@@ -262,6 +272,10 @@ class TaskSection:
             raise ConfigError("task.messages_field (chat turns) needs task.chat_template = true")
         if self.env is not None and not self.chat_template:
             raise ConfigError("task.env (multi-turn episodes) needs task.chat_template = true")
+        if self.agent is not None and not self.chat_template:
+            raise ConfigError("task.agent (episodes through the OpenAI API) needs task.chat_template = true")
+        if self.agent is not None and self.env is not None:
+            raise ConfigError("task.agent and task.env are two ways to run episodes: set one of them")
         if self.reward_service_timeout_s <= 0 or self.reward_service_retries < 0 or self.reward_batch_size < 1:
             raise ConfigError(f"task.reward_service_timeout_s must be > 0, reward_service_retries >= 0 and "
                               f"reward_batch_size >= 1; got {self.reward_service_timeout_s}, "
