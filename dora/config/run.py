@@ -12,6 +12,8 @@ time by ``run.time_scale``.
 
 from __future__ import annotations
 
+import math
+import string
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -256,6 +258,41 @@ class TaskSection:
     """agent: how completions are read into OpenAI `tool_calls`: a vLLM tool-call parser's name (`hermes`,
     `llama3_json`, `mistral`, ...), or auto: the one the model's chat template writes (none: tools are refused)."""
 
+    reward_model: str | None = None
+    """A reward model: a sequence-classification model folder (one label) that scores each sample's rendered prompt
+    and completion as one text, with its own tokenizer; served by `dora reward` (which `dora run` starts), its score
+    is the reward component `model`."""
+    reward_judge: str | None = None
+    """An LLM judge: a causal LM folder that answers task.judge_template greedily, at fixed weights, in `dora reward`;
+    the first number of its answer over task.judge_max_score, clipped to [0, 1], is the reward component `judge` (an
+    answer without a number scores the sample 0, with the reason)."""
+    judge_template: str = (
+        "Rate the response to the prompt from 0 (wrong) to 10 (fully correct); the reference answer is "
+        "{answer}. Reply with the number only.\n\nPrompt:\n{prompt}\n\nResponse:\n{completion}\n\nScore:"
+    )
+    """reward_judge: the judge's prompt; {prompt} (as the policy saw it, rendered), {completion} and {answer} are
+    filled in ({{ and }} for braces), then the judge's own chat template is applied if it has one."""
+    judge_max_tokens: int = 16
+    """reward_judge: tokens the judge answers at most."""
+    judge_max_score: float = 10.0
+    """reward_judge: the judge's scale; its number is divided by this and clipped to [0, 1]."""
+    reward_weights: dict[str, float] = field(default_factory=dict)
+    """Several rewards combined: source -> weight; the reward is the weighted sum and each source's value is a
+    reward component (metrics.jsonl). A source is `model` (task.reward_model), `judge` (task.reward_judge) or what
+    task.reward takes (a built-in name such as `exact`, a `module:function`, a reward service URL). Empty: the one
+    source set (reward_model or reward_judge alone, else task.reward)."""
+    reward_server: str | None = None
+    """The URL of the `dora reward` serving reward_model and reward_judge (`dora run` starts one and sets this);
+    the workers call it as a reward service."""
+    reward_server_bind: str = "127.0.0.1:0"
+    """`dora reward`: host:port it listens on (port 0: any free port; it prints and logs its URL)."""
+    reward_server_batch_size: int = 32
+    """`dora reward`: samples scored per forward at most, gathered from every worker's requests."""
+    reward_server_wait_s: float = 0.01
+    """`dora reward`: how long the first waiting sample waits for others to fill its batch."""
+    reward_device: str = "cpu"
+    """`dora reward`: the torch device of the reward model and the judge (cpu, cuda, cuda:N)."""
+
     def __post_init__(self) -> None:
         if self.dataset is not None and self.name == "synthetic":
             object.__setattr__(self, "name", "dataset")  # the dataset is the task
@@ -287,6 +324,52 @@ class TaskSection:
                 raise ConfigError(f"task.{name} must be >= 1; got {getattr(self, name)}")
         if not self.env_timeout_s > 0:
             raise ConfigError(f"task.env_timeout_s must be > 0; got {self.env_timeout_s}")
+        check_reward_sources(self)
+
+
+def check_reward_sources(t: TaskSection) -> None:
+    """task.reward_model, reward_judge, reward_weights and the reward server's settings, each mistake one line."""
+    for key, name in (("reward_model", "model"), ("reward_judge", "judge")):
+        if getattr(t, key) is not None and t.reward_weights and name not in t.reward_weights:
+            raise ConfigError(f"task.{key} is set but task.reward_weights has no {name!r} source (give it a weight)")
+        if getattr(t, key) is None and name in t.reward_weights:
+            raise ConfigError(f"task.reward_weights names {name!r} but task.{key} is unset")
+    served = [k for k in ("reward_model", "reward_judge") if getattr(t, k) is not None]
+    if not t.reward_weights and (len(served) > 1 or (served and t.reward is not None)):
+        raise ConfigError(f"task.{' and task.'.join(served)}{' and task.reward' * (t.reward is not None)} are "
+                          f"several rewards: weigh them in task.reward_weights")  # fmt: skip
+    if t.reward_weights and t.reward is not None:
+        raise ConfigError("task.reward_weights names every reward source: put task.reward's there, with its weight")
+    if (served or t.reward_weights) and t.env is not None:
+        raise ConfigError("task.env scores its own episodes: task.reward_model, reward_judge and reward_weights "
+                          "are for completions")  # fmt: skip
+    for name, weight in t.reward_weights.items():
+        if not name or len(name) > 64 or name == "reward":
+            raise ConfigError(f"task.reward_weights: source {name!r} must be 1 to 64 characters and not 'reward'")
+        if not math.isfinite(weight):
+            raise ConfigError(f"task.reward_weights.{name} must be a finite number; got {weight}")
+    try:
+        fields = {f for _, f, _, _ in string.Formatter().parse(t.judge_template) if f is not None}
+    except ValueError as e:
+        raise ConfigError(f"task.judge_template is not a template: {e} (write {{{{ and }}}} for braces)") from None
+    if not fields <= {"prompt", "completion", "answer"} or "completion" not in fields:
+        raise ConfigError(f"task.judge_template may hold {{prompt}}, {{completion}} and {{answer}}, and needs "
+                          f"{{completion}}; got {sorted(fields)}")  # fmt: skip
+    if t.judge_max_tokens < 1 or not t.judge_max_score > 0:
+        raise ConfigError(f"task.judge_max_tokens must be >= 1 and judge_max_score > 0; got {t.judge_max_tokens}, "
+                          f"{t.judge_max_score}")  # fmt: skip
+    if t.reward_server_batch_size < 1 or not t.reward_server_wait_s >= 0:
+        raise ConfigError(f"task.reward_server_batch_size must be >= 1 and reward_server_wait_s >= 0; got "
+                          f"{t.reward_server_batch_size}, {t.reward_server_wait_s}")  # fmt: skip
+    device, _, index = t.reward_device.partition(":")
+    if device not in ("cpu", "cuda") or (index and (device != "cuda" or not index.isdigit())):
+        raise ConfigError(f"task.reward_device must be cpu, cuda or cuda:N; got {t.reward_device!r}")
+    host, sep, port = t.reward_server_bind.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f"task.reward_server_bind must be host:port (port 0: any free port); got "
+                          f"{t.reward_server_bind!r}")  # fmt: skip
+    if t.reward_server is not None and not t.reward_server.startswith(("http://", "https://")):
+        raise ConfigError(f"task.reward_server must be the http(s) URL `dora reward` printed; got {t.reward_server!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
