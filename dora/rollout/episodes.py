@@ -67,6 +67,14 @@ class Episode:
     call: asyncio.Future | None = None
     """The environment's answer to the turn just sampled, while it is awaited."""
 
+    @property
+    def key(self) -> tuple[int, int, int]:
+        return self.seq.key
+
+    @property
+    def length(self) -> int:
+        return len(self.seq.tokens)
+
 
 class Episodes:
     def __init__(self, engine: StepEngine[Any], task: TaskRun) -> None:

@@ -64,6 +64,8 @@ def main(argv: list[str]) -> int:
                                   "(arithmetic, countdown)")  # fmt: skip
         if cfg.task.env is not None and args.engine == "sim":
             raise ConfigError("task.env: multi-turn episodes run on --engine torch or vllm, not sim")
+        if cfg.task.agent is not None and args.engine == "sim":
+            raise ConfigError("task.agent: agent episodes run on --engine torch or vllm, not sim")
         if args.engine == "vllm":
             try:
                 import vllm  # noqa: F401

@@ -21,8 +21,8 @@ import numpy as np
 from dora.config import ConfigError
 from dora.config.run import RunConfig, TaskSection
 from dora.sim.workload import Workload
-from dora.tasks import datasets, rewards, tasks
-from dora.tasks.templates import Renderer
+from dora.tasks import combine, datasets, rewards, tasks
+from dora.tasks.templates import Renderer, opening_ids
 
 
 class TaskRun:
@@ -42,12 +42,21 @@ class TaskRun:
             from dora import envs
 
             self.env = envs.resolve(task.env)
+        self.agent: Callable[..., Any] | None = None
+        """The agent (task.agent): items are episodes it drives; their prompt is the chat template's opening."""
+        self.opening: list[int] = []
+        """An agent task's prompt: the tokens every conversation opens with (``templates.opening_ids``)."""
+        if task.agent is not None:
+            self.agent = resolve_agent(task.agent)
+            self.opening = opening_ids(self.renderer, self.encode)
+            if self.encode(self.opening_text) != self.opening:
+                raise ConfigError(f"task.agent: the chat template's opening {self.opening_text!r} does not encode back "
+                                  "to its own tokens")  # fmt: skip
         spec = task.reward or rewards.DEFAULT.get(task.name)
-        if spec is None and self.env is None:
+        if spec is None and self.env is None and self.agent is None and not combine.weights(task):
             raise ConfigError(f"task {task.name!r} needs task.reward (a module:function scoring a completion)")
-        self.reward = rewards.resolve(spec, service_timeout_s=task.reward_service_timeout_s,
-                                      service_retries=task.reward_service_retries,
-                                      batch_size=task.reward_batch_size) if spec else None  # fmt: skip
+        self.reward = combine.resolve(task, spec)
+        """task.reward (or the task's default), or the weighted sources of task.reward_weights (``combine``)."""
         self.timeout_s = task.reward_timeout_s
         self.about: dict[str, Any] = {"task": task.name}
         """What the task is, for the start report, the journal and the metrics."""
@@ -61,11 +70,13 @@ class TaskRun:
         self.rows = datasets.check_rows(raw, columns, where=task.dataset, prompt_field=task.prompt_field,
                                         messages_field=task.messages_field, answer_field=task.answer_field,
                                         system_prompt=task.system_prompt)  # fmt: skip
-        if self.env is None:
-            self.texts = [self.renderer.render(r.messages, f"{task.dataset} row {r.index}") for r in self.rows]
-        else:
+        if self.env is not None:
             self.texts = [self._episode(self._row_source(r)).prompt for r in range(len(self.rows))]
-        lengths = [len(self.encode(t)) for t in self.texts]
+        else:
+            self.texts = [self.renderer.render(r.messages, f"{task.dataset} row {r.index}") for r in self.rows]
+        lengths = [len(self.encode(t)) for t in self.texts]  # an agent's rows: as a plain chat would open
+        if self.agent is not None:
+            self.texts = [self.opening_text] * len(self.rows)
         kept, filtered = datasets.kept_rows(self.rows, lambda r: lengths[r.index], task.max_prompt_tokens)
         self.epochs = datasets.Epochs(kept, task.seed)
         digest = hashlib.sha256()
@@ -93,6 +104,18 @@ class TaskRun:
         return tasks.Item(task=item.task, index=item.index, prompt=self.renderer.render(opening, where),
                           answer=item.answer, meta=meta)  # fmt: skip
 
+    @property
+    def opening_text(self) -> str:
+        """An agent task's prompt as text (encoding it gives ``opening`` back: checked when the task is made)."""
+        return self.tokenizer.decode(self.opening, skip_special_tokens=False)
+
+    def _agent_item(self, item: tasks.Item, chat: tuple[dict[str, str], ...] = ()) -> tasks.Item:
+        """An agent's episode: its prompt is the template's opening; ``meta["source"]`` the item the agent is given,
+        ``meta["messages"]`` its chat as a plain prompt would open (``chat``: a dataset row's turns)."""
+        opening = list(chat) or [*self.system, {"role": "user", "content": item.prompt}]
+        return tasks.Item(task=item.task, index=item.index, prompt=self.opening_text, answer=item.answer,
+                          meta={**item.meta, "source": item, "messages": opening})  # fmt: skip
+
     def _row_source(self, row: int) -> tasks.Item:
         """Row ``row`` as an environment's item: its last user turn as the prompt, and its answer."""
         turns = self.rows[row].messages
@@ -103,6 +126,8 @@ class TaskRun:
         item = self.task.item(group)
         if self.env is not None:
             return self._episode(item)
+        if self.agent is not None:
+            return self._agent_item(item)
         text = self.renderer.render((*self.system, {"role": "user", "content": item.prompt}), f"item {group}")
         return item if text == item.prompt else tasks.Item(task=item.task, index=item.index, prompt=text,
                                                            answer=item.answer, meta=item.meta)  # fmt: skip
@@ -117,6 +142,8 @@ class TaskRun:
         """Row ``row`` of the dataset as an item, outside any epoch order (evaluation reads rows in file order)."""
         if self.env is not None:
             return self._episode(self._row_source(row))
+        if self.agent is not None:
+            return self._agent_item(self._row_source(row), self.rows[row].messages)
         return tasks.Item(task="dataset", index=row, prompt=self.texts[row], answer=self.rows[row].answer,
                           meta={"row": row})  # fmt: skip
 
@@ -150,6 +177,18 @@ class TaskRun:
             raise ConfigError("an environment's task scores episodes, not completions (task.reward is unset)")
         text = self.tokenizer.decode(list(tokens), skip_special_tokens=True)
         return rewards.score(self.reward, text, item, timeout_s=self.timeout_s)
+
+
+def resolve_agent(spec: str) -> Callable[..., Any]:
+    """The agent function of ``task.agent``: an ``async def agent(row, client)``; anything else is a ConfigError."""
+    import inspect
+
+    from dora.config import resolve_callable
+
+    fn = resolve_callable(spec, "task.agent")
+    if not inspect.iscoroutinefunction(fn):
+        raise ConfigError(f"task.agent = {spec!r} must be an async function: async def agent(row, client)")
+    return fn
 
 
 def stop_ids(task: TaskRun, texts: tuple[str, ...]) -> list[int]:

@@ -1,1 +1,2 @@
-"""Agent episodes: a user's agent, written against the OpenAI API, drives each sample through an endpoint of its worker."""
+"""Agent episodes: a user's agent, written against the OpenAI API, drives each sample through its worker's
+endpoint."""

@@ -33,7 +33,8 @@ from dora.tasks.prompts import TaskRun
 from dora.wire import messages as m
 
 if TYPE_CHECKING:
-    from dora.rollout.episodes import Episode, Episodes
+    from dora.rollout.agents.episodes import AgentEpisodes
+    from dora.rollout.episodes import Episodes
 
 log = structlog.get_logger()
 
@@ -67,12 +68,17 @@ class StepWorkerEngine(ReadsVersions, WorkerEngine):
         """(round, row) -> the request and its finished samples. Evaluation sequences run beside the training
         ones under group ids below zero (-1 - row), never reported as training samples."""
         self.evaluated: list[m.EvalFinished] = []
-        self.episodes: Episodes | None = None
-        """Multi-turn episodes (task.env), driven on this engine (``dora.rollout.episodes``)."""
+        self.episodes: Episodes | AgentEpisodes | None = None
+        """Multi-turn episodes, driven on this engine: an environment's (task.env, ``dora.rollout.episodes``) or an
+        agent's (task.agent, ``dora.rollout.agents``)."""
         if getattr(task, "env", None) is not None:  # a custom task without environments has no env
             from dora.rollout.episodes import Episodes
 
             self.episodes = Episodes(engine, task)
+        elif getattr(task, "agent", None) is not None:
+            from dora.rollout.agents.episodes import AgentEpisodes
+
+            self.episodes = AgentEpisodes(engine, task)
 
     @property
     def paused(self) -> bool:
@@ -189,7 +195,7 @@ class StepWorkerEngine(ReadsVersions, WorkerEngine):
             return
         self.episodes.turns_ended(done)
         for ep in self.episodes.take_finished():
-            self.finished.append(ep) if ep.seq.group_id >= 0 else self._eval_sample(ep)
+            self.finished.append(ep) if ep.key[0] >= 0 else self._eval_sample(ep)
 
     def _score_together(self, seqs: list[Any]) -> None:
         """Score a step's finished samples in one call (a custom task without ``score_many`` is scored by
@@ -236,8 +242,8 @@ class StepWorkerEngine(ReadsVersions, WorkerEngine):
 
     def _eval_sample(self, sample: Any) -> None:
         """A finished held-out sample (a sequence, or an episode whose environment scored it)."""
-        seq = seq_of(sample)
-        key = (seq.attempt, -1 - seq.group_id)
+        group, attempt, _ = sample.key
+        key = (attempt, -1 - group)
         if key not in self.eval_open:
             return
         msg, samples = self.eval_open[key]
@@ -246,7 +252,7 @@ class StepWorkerEngine(ReadsVersions, WorkerEngine):
             return
         del self.eval_open[key]
         assert self.held_out is not None
-        samples.sort(key=lambda s: seq_of(s).index)
+        samples.sort(key=lambda s: s.key[2])
         if self.episodes is not None:
             from dora.rollout.episodes import score
 
@@ -256,7 +262,7 @@ class StepWorkerEngine(ReadsVersions, WorkerEngine):
         self.evaluated.append(m.EvalFinished(
             version=msg.version, round=msg.round, row=msg.row,
             rewards=np.array([reward for reward, _ in scored], dtype=np.float32),
-            lengths=np.array([len(seq_of(s).tokens) for s in samples], dtype=np.int32),
+            lengths=np.array([length(s) for s in samples], dtype=np.int32),
             failed=sum(bool(reason) for _, reason in scored),
         ))  # fmt: skip
 
@@ -299,6 +305,6 @@ class StepWorkerEngine(ReadsVersions, WorkerEngine):
         self.evaluated.clear()
 
 
-def seq_of(sample: Sample | Episode) -> Sample:
-    """A finished held-out sample's sequence: the sample itself, or an episode's."""
-    return sample if isinstance(sample, Sample) else sample.seq
+def length(sample: Any) -> int:
+    """A finished held-out sample's tokens: a sequence's, or an episode's (``Episode``, ``AgentEpisode``)."""
+    return len(sample.tokens) if isinstance(sample, Sample) else int(sample.length)
