@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from fractions import Fraction
 from math import isfinite
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from dora.config import ConfigError, resolve_callable
 from dora.tasks import verify
@@ -37,6 +37,17 @@ from dora.tasks.tasks import Item
 
 RewardFn = Callable[[str, Item], Any]
 """Returns a finite number, or a dict of named finite numbers (see the module docstring)."""
+
+
+@runtime_checkable
+class Batched(Protocol):
+    """A reward that takes calls to answer together (a reward service, a weighted combination holding one)."""
+
+    def __call__(self, completion: str, item: Item) -> Any: ...
+
+    def submit(self, completion: str, item: Item) -> concurrent.futures.Future[Any]: ...
+
+
 MAX_COMPONENTS = 32
 MAX_COMPONENT_NAME = 64
 _pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="reward")
@@ -177,19 +188,25 @@ def score(fn: RewardFn, completion: str, item: Item, *, timeout_s: float = 5.0) 
 def score_many(fn: RewardFn, pairs: list[tuple[str, Item]], *, timeout_s: float = 5.0) -> list[Scored]:
     """``score`` of every (completion, item), in order. A reward service's calls (``RemoteReward``) are all queued
     at once, so they share its batches, and each waits at most ``timeout_s`` from now; any other reward is called
-    one by one, exactly as ``score`` does."""
-    if not isinstance(fn, RemoteReward):
+    one by one, exactly as ``score`` does. A weighted combination (``dora.tasks.combine``) is queued the same way."""
+    if not isinstance(fn, Batched):
         return [score(fn, completion, item, timeout_s=timeout_s) for completion, item in pairs]
     futures = []
     for completion, item in pairs:
         try:
             futures.append(fn.submit(completion, item))
-        except RewardServiceError as e:  # closed
+        except RewardServiceError as e:  # a service's client closed
             futures.append(concurrent.futures.Future())
             futures[-1].set_exception(e)
     deadline = time.monotonic() + timeout_s
     return [_collect(f, max(0.0, deadline - time.monotonic()), count_stuck=False, budget_s=timeout_s)
             for f in futures]  # fmt: skip
+
+
+def settled(future: concurrent.futures.Future[Any]) -> Scored:
+    """A finished call's result as ``score`` gives it: its number, or its dict's reward and components, or 0.0
+    with the reason it raised or returned junk."""
+    return _collect(future, 0.0, count_stuck=False)
 
 
 def _collect(future: concurrent.futures.Future[Any], timeout_s: float, *, count_stuck: bool,
