@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "learner": ("the learner: --trainer sim (stand-in) or torch (GRPO; FSDP2 over ranks)", "dora.learner.main"),
     "run": ("broker, rollout workers and learner on one machine (the embedded default)", "dora.launch.run"),
     "sft": ("supervised warm start: fine-tune a model folder on the task dataset before RL", "dora.learner.sft_main"),
+    "reward": ("a run's reward model and LLM judge, served as a batching reward service", "dora.reward.main"),
     "sim": ("discrete-event simulation of all paradigms on the production core", "dora.sim.main"),
     "status": ("live versions, workers, queues and staleness of a running broker", "dora.ops.status"),
     "plot": ("`dora plot RUN_DIR`: reward, staleness and worker-timeline PNGs of a run", "dora.ops.plot"),
