@@ -277,3 +277,45 @@ def test_an_agent_must_be_an_async_function(tiny_model):
         worker(tiny_model, "answer_length")
     with pytest.raises(ConfigError, match=r"needs task\.chat_template"):
         TaskSection(name="arithmetic", tokenizer=str(tiny_model), agent=f"{HERE}:two_turns")
+
+
+CALC = {"type": "function", "function": {"name": "calc", "description": "Evaluate an arithmetic expression.",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+                       "required": ["expression"]}}}  # fmt: skip
+
+
+async def test_a_tool_call_the_model_writes_is_answered_in_openai_form_and_its_result_rendered_after_it(tiny_model):
+    """The model's turn holds a call in its family's format (dora's tiny model: Hermes ``<tool_call>``): it is
+    answered as an OpenAI tool call and recorded; the tool's result, sent back as a ``tool`` message, is rendered by
+    the chat template right after the tokens the model wrote (not a re-rendering of the call)."""
+    from dora.rollout.agents import openai_api as api
+    from dora.rollout.agents.episodes import AgentEpisode
+    from dora.rollout.engines.base import Sample
+
+    w = worker(tiny_model, "two_turns")
+    agents, run = w.episodes, w.task
+    chat = [{"role": "system", "content": "use calc"}, {"role": "user", "content": "48213+9071="}]
+    first = api.read_request({"messages": chat, "tools": [CALC]}, temperature=1.0, top_p=1.0)
+    ep = AgentEpisode(group_id=1, attempt=1, index=0, version=7, item=run.item(1), token="t", seed=1,
+                      temperature=1.0, top_p=1.0, turn_tokens=64, budget=1024)  # fmt: skip
+    ask = agents._first(ep, first)
+    assert ask.tokens == run.encode(run.renderer.render(chat, tools=[CALC])) and ask.tokens[:1] == run.opening
+    wrote = '<tool_call>\n{"name": "calc", "arguments": {"expression": "48213+9071"}}\n</tool_call>'
+    end = run.tokenizer.token_to_id("<|im_end|>")
+    ep.seq = Sample(group_id=1, attempt=1, index=0, prompt=ask.tokens, max_tokens=64, temperature=1.0, top_p=1.0,
+                    tokens=[*run.encode(wrote), end], finish=Finish.STOP, version=7)  # fmt: skip
+    content, calls = agents.read_turn(ep.seq, 0, len(ep.seq.tokens), first)
+    assert content is None and [c["function"]["name"] for c in calls] == ["calc"]
+    assert calls[0]["function"]["arguments"] == '{"expression": "48213+9071"}' and calls[0]["id"]
+    ep.chat = [*first.messages, api.message(api.answer(content, calls), 2)]
+    ep.turns = [(0, len(ep.seq.tokens), 7)]
+    # the agent appends the answer as the client returns it, then the tool's result
+    echoed = {"role": "assistant", "content": None, "refusal": None, "tool_calls": calls}
+    result = {"role": "tool", "tool_call_id": calls[0]["id"], "content": "57284"}
+    follow = api.read_request({"messages": [*chat, echoed, result], "tools": [CALC]}, temperature=1.0, top_p=1.0)
+    ask = agents._next(ep, follow)
+    after = run.tokenizer.decode(ask.tokens, skip_special_tokens=False)
+    assert after == "\n<|im_start|>tool\n57284<|im_end|>\n<|im_start|>assistant\n", after
+    changed = api.read_request({"messages": [*chat, echoed, result], "tools": []}, temperature=1.0, top_p=1.0)
+    with pytest.raises(api.Refused, match="tools differ"):
+        agents._next(ep, changed)

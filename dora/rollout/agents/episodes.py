@@ -294,9 +294,10 @@ class AgentEpisodes:
         tokens = seq.tokens[start:end]
         if seq.finish is Finish.STOP and tokens:
             tokens = tokens[:-1]
-        text = self.task.tokenizer.decode(tokens, skip_special_tokens=True)
         if not request.tools or request.tool_choice == "none":
-            return text, []
+            return self.task.tokenizer.decode(tokens, skip_special_tokens=True), []
+        # a family's call marker may be a special token (Mistral's [TOOL_CALLS]): the parser reads them all
+        text = self.task.tokenizer.decode(tokens, skip_special_tokens=False)
         return self.parser().parse(text, request.tools, request.tool_choice)
 
     def parser(self) -> Any:
@@ -331,11 +332,23 @@ class AgentEpisodes:
             raise api.Refused(400, f"the episode has ended: {ep.closed}", code="episode_ended")
         if ep.reason:
             raise api.Refused(400, f"the episode has failed: {ep.reason}", code="episode_failed")
+        if request.tools and request.tool_choice != "none":
+            self._tools_served()
         ask = self._first(ep, request) if not ep.chat and ep.seq is None else self._next(ep, request)
         ep.ask, ep.request = ask, request
         ep.answer = asyncio.get_running_loop().create_future()
         ep.progress.clear()
         return ep.answer
+
+    def _tools_served(self) -> None:
+        """Refuse tools the model's format cannot be read for (no vLLM, no format in its chat template)."""
+        try:
+            name = self.parser().name
+        except ConfigError as e:
+            raise api.Refused(400, f"tools are not served: {e}", param="tools") from None
+        if not name:
+            raise api.Refused(400, "tools are not served: the model's chat template writes no tool calls (set "
+                                   "task.tool_parser to the vLLM parser of its format)", param="tools")  # fmt: skip
 
     def _first(self, ep: AgentEpisode, request: api.ChatRequest) -> Ask:
         ids = self._encode(request.messages, request.tools)
