@@ -133,6 +133,7 @@ if __name__ == "__main__":
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--rounds", type=int, default=3)
     result = asyncio.run(main(p.parse_args()))
-    out = ROOT / "bench" / "out" / f"agent_endpoint{'' if result['concurrent'] == 1 else '_c' + str(result['concurrent'])}.json"
+    suffix = "" if result["concurrent"] == 1 else f"_c{result['concurrent']}"
+    out = ROOT / "bench" / "out" / f"agent_endpoint{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
