@@ -57,13 +57,16 @@ class ToolCallParser:
         a ConfigError here, not at the first completion."""
         self.name: str = detect(chat_template) if name == "auto" else name
         """The vLLM parser in use; "" when the chat template writes no tool calls (``parse`` finds none)."""
-        self._tokenizer = tokenizer
+        self._tokenizer: Any = None
         self._class: Any = None
         if not self.name:
             return
         self._class = parser_class(self.name)
+        from vllm.tokenizers.hf import get_cached_tokenizer
+
+        self._tokenizer = get_cached_tokenizer(tokenizer)  # as vLLM's server hands it: its vocabulary read once
         try:
-            self._class(tokenizer)
+            self._class(self._tokenizer)
         except (RuntimeError, ValueError, KeyError) as e:
             raise ConfigError(f"task.tool_parser: vLLM's {self.name!r} parser cannot read this model's completions: "
                               f"{e}") from None  # fmt: skip
