@@ -84,6 +84,24 @@ class LocalRun:
         self.endpoint = json.loads(disc.read_text())["endpoint"]
         return self.endpoint
 
+    def start_reward(self, timeout_s: float = 600.0) -> str:
+        """``dora reward`` (the task's reward model and judge), before the workers: wait until it serves, then point
+        task.reward_server at it in the run's config (rewritten; read by every process started after). Its URL."""
+        url_file = self.dir / "reward.json"
+        url_file.unlink(missing_ok=True)
+        proc = self.spawn("reward", "reward", "--url-file", str(url_file))
+        deadline = time.monotonic() + timeout_s
+        while not url_file.exists():
+            if proc.poll() is not None:
+                raise RuntimeError(f"dora reward exited with {proc.returncode}:\n{self.log('reward')[-3000:]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"dora reward did not serve within {timeout_s:g} s (loading its models?)")
+            time.sleep(0.05)
+        url = str(json.loads(url_file.read_text())["url"])
+        self.cfg.setdefault("task", {})["reward_server"] = url
+        self.config.write_text(to_toml(self.cfg))
+        return url
+
     def start_chaos(self, *args: str, timeout_s: float = 30.0) -> str:
         """A ``dora chaos`` proxy in front of the broker (``args``: its fault options); peers started after
         this reach the broker through it. Returns the proxy's endpoint."""

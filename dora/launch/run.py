@@ -19,6 +19,10 @@ On a machine with GPUs each process gets its own (``dora.launch.placement``: run
 rollout.gpus_per_worker) through CUDA_VISIBLE_DEVICES, printed in one line at the start; a layout that does not fit
 is refused before any process starts. On a machine without GPUs nothing is placed.
 
+With task.reward_model or task.reward_judge (and no task.reward_server), `dora reward` starts first; once it serves,
+its URL is written into the run's config as task.reward_server for the broker and the workers, and it is stopped with
+the other processes at the end (its log: ``reward.log``).
+
 A rollout worker that exits is reported at once, one line with its last error (from its log). The run goes on
 without it once every worker has joined the broker; it stops (every process, by PID) and exits 1 when no worker
 is left, when a worker exits before the whole fleet has joined, or when the fleet has not joined within
@@ -217,8 +221,11 @@ def announce(p: Prepared, run: LocalRun, shares: Threads, elastic: int) -> None:
 
 
 def start_fleet(run: LocalRun, p: Prepared, shares: Threads, elastic: int) -> WorkerWatch:
-    """The broker, then the rollout workers (the first ``elastic`` of them elastic); the watch over the workers."""
+    """`dora reward` when the task has a reward model or a judge and no task.reward_server, the broker, then the
+    rollout workers (the first ``elastic`` of them elastic); the watch over the workers."""
     cfg = p.cfg
+    if (cfg.task.reward_model or cfg.task.reward_judge) and cfg.task.reward_server is None:
+        print(f"dora run: reward server at {run.start_reward(cfg.run.worker_start_timeout_s)}", file=sys.stderr)
     run.start_broker()
     url = json.loads((p.rundir / "broker.json").read_text()).get("metrics_url")
     if url:
@@ -370,7 +377,7 @@ def follow(run: LocalRun, rundir: pathlib.Path, total: int, stopped: Any, watch:
                     f"reward {r.get('reward_mean', 0):.3f}  staleness {r['staleness']}  "
                     f"{tokens / max(r['elapsed_s'], 1e-9):,.0f} tok/s"))  # fmt: skip
             if ending:  # everyone was told goodbye: let them finish on their own
-                for name in run.procs:
+                for name in run.procs.keys() - {"reward"}:  # the reward server serves until stopped
                     with contextlib.suppress(TimeoutError):
                         run.wait(name, 30)
                 return
