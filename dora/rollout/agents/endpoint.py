@@ -18,22 +18,32 @@ import asyncio
 import json
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import structlog
 from aiohttp import web
 
 from dora.rollout.agents import openai_api as api
 
-if TYPE_CHECKING:
-    from dora.rollout.agents.episodes import AgentEpisode, AgentEpisodes, Answered
+
+class Served(Protocol):
+    """What the endpoint asks of the worker's agent episodes (``dora.rollout.agents.episodes.AgentEpisodes``)."""
+
+    model_name: str
+    stats: Counter[str]
+    task: Any
+
+    def episode(self, token: str) -> Any: ...
+    def accept(self, ep: Any, request: api.ChatRequest) -> asyncio.Future: ...
+
 
 log = structlog.get_logger()
 
 
 class Endpoint:
-    def __init__(self, episodes: AgentEpisodes, host: str = "127.0.0.1") -> None:
+    def __init__(self, episodes: Served, host: str = "127.0.0.1") -> None:
         self.episodes = episodes
         self.host = host
         self.runner: web.AppRunner | None = None
@@ -82,7 +92,7 @@ class Endpoint:
         if chat.stream:
             return await self.stream(request, ep, chat, answer, meta)
         try:
-            turn: Answered = await asyncio.shield(answer)
+            turn = await asyncio.shield(answer)
         except api.Refused as e:
             return refusal(e)
         except Exception as e:  # the episode went away (cancelled, cleared) while the request waited
@@ -91,7 +101,7 @@ class Endpoint:
                                                 finish=turn.finish, prompt_tokens=turn.prompt_tokens,
                                                 completion_tokens=turn.completion_tokens))  # fmt: skip
 
-    async def stream(self, request: web.Request, ep: AgentEpisode, chat: api.ChatRequest, answer: asyncio.Future,
+    async def stream(self, request: web.Request, ep: Any, chat: api.ChatRequest, answer: asyncio.Future,
                      meta: dict[str, Any]) -> web.StreamResponse:  # fmt: skip
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
@@ -104,7 +114,7 @@ class Endpoint:
             log.info("agent_stream_dropped", group_id=ep.group_id, index=ep.index)
         return response
 
-    async def chunks(self, ep: AgentEpisode, chat: api.ChatRequest, answer: asyncio.Future, meta: dict[str, Any],
+    async def chunks(self, ep: Any, chat: api.ChatRequest, answer: asyncio.Future, meta: dict[str, Any],
                      fingerprint: str) -> AsyncIterator[dict[str, Any]]:  # fmt: skip
         """The stream's chunks: the role, the text as it decodes (when no tools were offered), then the rest of the
         text and the tool calls, the finish, and the usage if asked."""
@@ -125,7 +135,7 @@ class Endpoint:
                 yield api.chunk(**meta, fingerprint=fingerprint, delta={"content": text[len(sent) :]})
                 sent = text
         try:
-            turn: Answered = await asyncio.shield(answer)
+            turn = await asyncio.shield(answer)
         except api.Refused as e:
             yield e.body()
             return
