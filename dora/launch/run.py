@@ -183,6 +183,10 @@ def check_run(cfg: RunConfig) -> int:
     from dora.rollout.main import check_engine, check_sleep
 
     check_engine(cfg.run.engine, cfg)
+    if cfg.task.reward_model or cfg.task.reward_judge:
+        from dora.reward.main import check_models
+
+        check_models(cfg.task)
     if cfg.rollout.sleep_on_yield:
         check_sleep(cfg.run.engine, cfg.rollout.device)
     return cfg.core.total_steps

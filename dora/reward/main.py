@@ -13,8 +13,19 @@ import os
 import sys
 
 from dora.config import ConfigError, load
-from dora.config.run import RunConfig
+from dora.config.run import RunConfig, TaskSection
+from dora.hf.folder import resolve
 from dora.logging import configure_logging
+
+
+def check_models(task: TaskSection) -> None:
+    """The reward model's and the judge's folders resolve (a folder, or a hub id in the cache or downloaded), before
+    torch is imported; a ConfigError naming the key otherwise. Also what `dora run` checks before any process."""
+    if task.reward_model is None and task.reward_judge is None:
+        raise ConfigError("dora reward serves task.reward_model and task.reward_judge: set one of them")
+    for key, name in (("task.reward_model", task.reward_model), ("task.reward_judge", task.reward_judge)):
+        if name is not None:
+            resolve(name, key=key)
 
 
 def main(argv: list[str]) -> int:
@@ -26,8 +37,7 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     try:
         cfg = load(RunConfig, path=args.config, env=os.environ, env_prefix="DORA_", overrides=args.set)
-        if cfg.task.reward_model is None and cfg.task.reward_judge is None:
-            raise ConfigError("dora reward serves task.reward_model and task.reward_judge: set one of them")
+        check_models(cfg.task)
         configure_logging(cfg.log, process="reward")
         from dora.reward.server import serve
 

@@ -6,6 +6,7 @@ the config's mistakes as one line. tests/unit/test_reward_server.py runs `dora r
 from __future__ import annotations
 
 import concurrent.futures
+import pathlib
 import re
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from dora.broker.metrics import batch_stats
 from dora.config import ConfigError, build
 from dora.config.run import RunConfig, TaskSection
 from dora.ids import AttemptId, Finish, GroupId
+from dora.launch.local import LocalRun
 from dora.reward.batcher import Batcher
 from dora.reward.judge import fill, parse_score
 from dora.samples import FinishedSample
@@ -62,7 +64,7 @@ def test_each_source_is_a_component_and_the_reward_their_weighted_sum(service: S
     assert isinstance(fn, combine.Combined)
     pairs = [("= 7", item("7")), ("= 8", item("7")), ("judge?", item("7")), ("= 7", item("7"))]
     scored = rewards.score_many(fn, pairs, timeout_s=5.0)
-    assert [len(b) for b in service.batches] == [4]  # the step's samples in one POST
+    assert sum(len(b) for b in service.batches) == 4  # queued at once: one POST unless the client's 5 ms wait ran out
     assert scored[0] == rewards.Scored(1.0 + 0.5 * 3 + 2.0 * 0.25, "", {"exact": 1.0, "model": 3.0, "judge": 0.25,
                                                                      "reward": 3.0})  # fmt: skip
     assert scored[1].reward == 0.0 + 1.5 + 0.5 and scored[1].components["exact"] == 0.0
@@ -193,3 +195,17 @@ def test_dora_reward_help_imports_no_torch_and_needs_a_model() -> None:
     assert "HEAVY []" in r.stdout and "--url-file" in r.stdout, r.stdout + r.stderr
     r = subprocess.run([sys.executable, "-m", "dora", "reward"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "set one of them" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_reward_model_that_is_not_there_stops_dora_run_and_dora_reward_in_one_line(tmp_path: pathlib.Path) -> None:
+    missing = str(tmp_path / "no-such-model")
+    r = subprocess.run([sys.executable, "-m", "dora", "run", "--set", f"run.dir={tmp_path / 'runs'}", "--set",
+                        "core.total_steps=1", "--set", "task.name=arithmetic", "--set", f"task.reward_model={missing}"],
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 2 and "task.reward_model = " in r.stderr and "no such folder" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "runs").exists()  # nothing started, no run directory
+    run = LocalRun(tmp_path / "run", {"task": {"name": "arithmetic", "reward_judge": missing}})
+    with pytest.raises(RuntimeError, match="dora reward exited with 2") as e:
+        run.start_reward(timeout_s=60)
+    assert "task.reward_judge = " in str(e.value) and "no such folder" in str(e.value)
+    assert "reward_server" not in (tmp_path / "run" / "run.toml").read_text()
