@@ -66,6 +66,11 @@ class CoreConfig:
     fleet's work (long multi-turn episodes) it keeps the newest version short of workers, so leave it at 0."""
     kv_rebalance_threshold: float = 0.9
     """dora: a worker reporting KV/slot use at or above this fraction triggers a re-partition."""
+    migrate: bool = True
+    """False: running groups never move between workers (agent episodes, whose agent talks to one worker's
+    endpoint): a worker of an older version keeps its groups until they end and moves when empty; a yielding
+    elastic worker keeps its groups paused. True: the orchestrator and elastic workers hand running groups to
+    workers of the same version (dora's migration)."""
     max_group_failures: int = 3
     """A group whose generation errors this many times stops the run (it can be neither trained nor dropped)."""
     min_workers: int = 1

@@ -13,10 +13,10 @@ versions, and in strict mode (6) re-checks every invariant from scratch, raising
 
 Elastic workers share their accelerators with the trainer (docs/how-it-works.md#elastic-workers). When a batch is
 taken, each one hands its running groups to standalone workers of the same version that have room (a migration:
-C1 holds because the weights are identical) and is told to ``Lend`` them: it pauses whatever it still holds.
-The batch is delivered once every elastic worker has lent its accelerators (the trainer has them). After
-the step is published each such worker comes back: one that holds groups ``Reclaim``s the version it
-served, so they go on under the same weights (C1); one that holds none is pinned to the newest version.
+C1 holds because the weights are identical; none with ``migrate`` off) and is told to ``Lend`` them: it pauses
+whatever it still holds. The batch is delivered once every elastic worker has lent its accelerators (the trainer
+has them). After the step is published each such worker comes back: one that holds groups ``Reclaim``s the
+version it served, so they go on under the same weights (C1); one that holds none is pinned to the newest version.
 Held groups keep their deadlines; the feasibility invariant counts them like any running group, so C2
 and C3 hold as before. All workers elastic is colocated training; none is disaggregated (``dora.core.elastic``).
 
@@ -456,8 +456,8 @@ class Core:
 
     def _repartition(self, out: Outbox) -> list[WorkerId]:
         """A full re-partition: the empty workers of versions with nothing pending move without a plan; the others
-        off the newest version are planned (their groups migrated where the plan says). Returns the workers to
-        move to the newest version."""
+        off the newest version are planned (their groups migrated where the plan says; with ``migrate`` off, a
+        worker the plan moves keeps its groups and moves once they have ended). Returns the workers to move."""
         sched, led = self.scheduler, self.ledger
         newest, pending = led.newest, self._pending()
         moves: list[WorkerId] = []
@@ -487,8 +487,9 @@ class Core:
         ]
         on_newest = sum(1 for w in map(sched.workers.__getitem__, led.pinned_to(newest)) if _movable(w))
         drain = self.cfg.drain_load if self.cfg.mode is Mode.DORA else 0  # the baselines keep the paper's rule
+        hosts = self._hosts({v.version for v in views}) if self.cfg.migrate else None
         plan = orchestrator.plan(views, pending, newest, full=True, fleet=len(views) + len(moves) + on_newest,
-                                 drain_load=drain, hosts=self._hosts({v.version for v in views}))  # fmt: skip
+                                 drain_load=drain, hosts=hosts, migrate=self.cfg.migrate)  # fmt: skip
         for gid, _src, dst in plan.migrations:
             sched.migrate(sched.flights[gid], sched.workers[dst], out)
         return moves + plan.moves

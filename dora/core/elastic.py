@@ -3,9 +3,10 @@ step is published.
 
 When a batch is taken, each elastic worker hands its running groups to standalone workers of the same version
 that have room (a migration: C1 holds because the weights are identical) and is told to ``Lend``: it pauses
-whatever it still holds. The batch is delivered once every elastic worker has yielded (the trainer has its
-accelerators). After the publish each yielded worker comes back (``wake``). Functions of the ``Core``'s state, as
-``dispatch`` is of the scheduler's.
+whatever it still holds. With ``core.migrate`` off (agent episodes, whose agent talks to one worker's endpoint)
+nothing is handed over: the worker holds all its running groups paused. The batch is delivered once every elastic
+worker has yielded (the trainer has its accelerators). After the publish each yielded worker comes back
+(``wake``). Functions of the ``Core``'s state, as ``dispatch`` is of the scheduler's.
 """
 
 from __future__ import annotations
@@ -38,9 +39,10 @@ def would_pause(core: Core) -> bool:
     it, and a group of theirs that no standalone worker of its version has room for waits on its yielded
     worker (``evacuate``): taking the batch early then only trades that group's rollout time for the
     trainer's, and the group is due a step later anyway. In ``partial`` mode (``in_flight_swap``) nothing is
-    evacuated (the publish swaps every worker's weights anyway), so any running group of theirs would wait."""
+    evacuated (the publish swaps every worker's weights anyway), nor without migration (``migrate`` off), so
+    any running group of theirs would wait."""
     sched = core.scheduler
-    if core.cfg.in_flight_swap:
+    if core.cfg.in_flight_swap or not core.cfg.migrate:
         return any(running_by_version(core, w) for w in sched.workers.values() if w.elastic and not w.yielded)
     holders = (  # made as they are placed: the first that does not fit ends the check
         running
@@ -57,16 +59,18 @@ def would_pause(core: Core) -> bool:
 
 
 def yield_elastic(core: Core, batch: DeliverBatch, out: Outbox) -> None:
-    """The batch is taken: elastic workers hand what they can to standalone peers of their version and
-    yield; the batch goes out when they all have (at once if there are none)."""
+    """The batch is taken: elastic workers hand what they can to standalone peers of their version (unless
+    ``migrate`` is off) and yield; the batch goes out when they all have (at once if there are none)."""
     sched = core.scheduler
     elastic = sorted((w for w in sched.workers.values() if w.elastic and not w.yielded), key=lambda x: x.order)
     if not elastic:
         out.emit(batch)
         return
-    peers = evacuation_peers(core)
+    # partial swaps every worker's weights at the publish anyway; without migration groups stay where they run
+    hand = not core.cfg.in_flight_swap and core.cfg.migrate
+    peers = evacuation_peers(core) if hand else []
     for w in elastic:
-        if not core.cfg.in_flight_swap:  # partial swaps every worker's weights at the publish anyway
+        if hand:
             evacuate(core, w, peers, out)
         sched.lend(w)
         core.yielding.add(w.worker_id)

@@ -12,6 +12,8 @@ DORA's Algorithm 1 as dora implements it (docs/how-it-works.md#the-orchestrator)
    slots (C1: identical weights, so the continuation is exact); a worker whose groups do not fit
    stays until the next trigger. Workers that keep the version besides a newer one (multi-version workers,
    ``hosts``) take its groups too: they hold the same weights, so the continuation is as exact.
+   Without migration (``core.migrate = false``: agent episodes, whose agent talks to one worker's endpoint)
+   a leaving worker keeps its groups: it takes no new ones and moves once they have ended.
 4. with ``core.drain_load`` set (dora's addition), a staying worker is packed to at most that many
    unfinished samples, and an older version keeps at least ``ceil(R_v / drain_load)`` of its workers.
    Its samples are due before any newer version's, and each decode step of a worker slows with every
@@ -74,7 +76,7 @@ def allocate(workers: int, pending: dict[int, int], newest: int) -> dict[int, in
 
 def plan(workers: list[WorkerView], pending: dict[int, int], newest: int, *, full: bool,
          fleet: int | None = None, drain_load: int = 0,
-         hosts: dict[int, list[WorkerView]] | None = None) -> Plan:  # fmt: skip
+         hosts: dict[int, list[WorkerView]] | None = None, migrate: bool = True) -> Plan:  # fmt: skip
     """Which workers move to ``newest`` and which groups they hand over first.
 
     ``full=False`` (between triggers): only empty workers of versions with no pending work move.
@@ -84,6 +86,8 @@ def plan(workers: list[WorkerView], pending: dict[int, int], newest: int, *, ful
     older version keeps at least ``ceil(R_v / drain_load)`` workers (of those it has).
     ``hosts``: per version, workers that keep it besides the version they are pinned to (multi-version workers):
     they never move here and only take groups; their room is shared by every version they keep.
+    ``migrate=False`` (``core.migrate``): no group moves; a leaving worker keeps its groups (the core marks it
+    leaving, so it takes no new ones, and moves it once they have ended).
     """
     out = Plan()
     target = allocate(len(workers) if fleet is None else fleet, pending, newest)
@@ -111,7 +115,7 @@ def plan(workers: list[WorkerView], pending: dict[int, int], newest: int, *, ful
         free.update({w.worker_id: _room(w, drain_load) for w in staying})
         targets = staying + hosts.get(version, [])
         for cand in leaving:
-            placed = _place(cand, targets, free)
+            placed = _place(cand, targets, free) if migrate else []
             if placed is None:  # its groups do not fit: it stays (and can take others' groups)
                 staying.append(cand)
                 targets.append(cand)
