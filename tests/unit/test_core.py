@@ -20,6 +20,7 @@ from dora.core.events import (
     LearnerLost,
     Lease,
     Lent,
+    LoadReported,
     Outbox,
     Pin,
     Refused,
@@ -366,6 +367,27 @@ def test_dora_moves_workers_to_the_new_version_and_migrates_residual_groups_with
     assert (mig.worker_id, mig.source, mig.version, mig.state) == (out.target, out.worker_id, 0, "kv")
     assert of(acts, Pin) == [Pin(worker_id=out.worker_id, version=1)]
     assert core.ledger.workers_of(0) == [out.target]
+
+
+def test_without_migration_a_worker_the_plan_moves_keeps_its_group_and_moves_once_it_ends():
+    core = Core(cfg(group_size=1, train_groups=2, rollout_groups=4, max_staleness=1, migrate=False))
+    leases = of(ready(core, "a", slots=2), Lease) + of(ready(core, "b", slots=2), Lease)
+    a0, a1, b0, b1 = sorted(leases, key=lambda x: (x.worker_id, x.group_id))
+    core.handle(0, BatchRequested(step=0))
+    finish(core, a0)
+    assert of(finish(core, b0), DeliverBatch)
+    # The same fleet as above: the plan moves one worker to v1 and keeps one on v0. Its group stays where it runs.
+    for trigger in (VersionPublished(version=1), Tick(), LoadReported(worker_id="a", kv_use=1.0)):
+        acts = core.handle(0, trigger)
+        assert not of(acts, ExportGroup) and not of(acts, Pin), f"{trigger}: no group moves, no busy worker moves"
+    leaving = core.scheduler.workers["a"]
+    assert leaving.leaving and core.ledger.version_of("a") == 0 and sorted(leaving.groups) == [a1.group_id]
+    acts = finish(core, a1)
+    assert of(acts, Pin) == [Pin(worker_id="a", version=1)], "empty: it moves to the newest version"
+    assert not of(acts, Lease), "it takes no new group of v0 while it drains, and loads v1 first"
+    acts = finish(core, b1)
+    assert of(acts, Pin) == [Pin(worker_id="b", version=1)], "v0 has nothing left: its last worker moves too"
+    assert core.scheduler.stats_migrated_groups == 0
 
 
 def test_export_after_the_target_died_reruns_the_group():

@@ -8,8 +8,9 @@ batch), when old results are replayed, when the orchestrator's timer and load tr
 which workers are elastic (yield their accelerators for each train step) and when their yields end,
 and how many versions each worker holds at once (1: full weights; more: a LoRA engine's adapters, which
 takes a new version while groups of older ones still run on it, and serves those until they end);
-in every mode, for K in {0, 1, 2, 3}, with fixed and adaptive deadlines, and with groups whose rewards are all
-equal filtered and replaced (a share of them drawn per group, up to all of them: then every step's cap binds).
+in every mode, for K in {0, 1, 2, 3}, with fixed and adaptive deadlines, with groups whose rewards are all
+equal filtered and replaced (a share of them drawn per group, up to all of them: then every step's cap binds),
+and with migration on or off (off: no group ever moves between workers, as agent episodes need).
 
 Checked after every step: the core's own invariants from scratch (strict mode), at most K + 1
 live versions, and liveness (something can still move). At the end the run is driven to completion:
@@ -57,10 +58,11 @@ class CoreMachine(RuleBasedStateMachine):
         filtering=st.sampled_from([False, False, True]),
         max_filtered=st.sampled_from([None, 1, 2, 5]),
         uniform_share=st.sampled_from([0.0, 0.3, 0.7, 1.0]),
+        migrate=st.sampled_from([True, True, False]),
     )
     def setup(
         self, mode, k, train_groups, group_size, steps, workers, slot_groups, watermark, seed, sigma, elastic,
-        holds, deadlines, drain_load, filtering, max_filtered, uniform_share,
+        holds, deadlines, drain_load, filtering, max_filtered, uniform_share, migrate,
     ):  # fmt: skip
         cfg = CoreConfig(
             deadlines=deadlines,
@@ -73,6 +75,7 @@ class CoreMachine(RuleBasedStateMachine):
             rollout_groups=watermark,
             filter_uniform=filtering,
             max_filtered=max_filtered,
+            migrate=migrate,
         )
         self.h = Harness(
             cfg=cfg,
@@ -237,6 +240,15 @@ class CoreMachine(RuleBasedStateMachine):
         self.extended = core.extended
 
     @invariant()
+    def no_group_moves_without_migration(self):
+        """With migration off no worker is ever asked to export a group: each runs where it was leased (or
+        re-runs whole elsewhere if its worker is lost), as an agent episode bound to one endpoint must."""
+        if not self.h.cfg.migrate:
+            exporting = [w.worker_id for w in self.h.world.workers.values() if w.exporting]
+            assert not exporting, f"workers {exporting} asked to export a group with migration off"
+            assert not self.h.core.scheduler.stats_migrated_groups
+
+    @invariant()
     def something_can_move(self):
         if self.h.world.alive_workers():
             assert self.h.progress_possible(), "deadlock: learner waits and no worker can make progress"
@@ -251,6 +263,7 @@ class CoreMachine(RuleBasedStateMachine):
             event(f"deadlines extended={'yes' if core.extended else 'no'}")
             event(f"events={min(self.h.events // 100 * 100, 1000)}+")
             event(f"requeued={'yes' if core.scheduler.stats_requeued else 'no'}")
+            event(f"migrate={'on' if self.h.cfg.migrate else 'off'}")
             event(f"migrated={'yes' if core.scheduler.stats_migrated_groups else 'no'}")
             event(f"elastic workers={sum(w.elastic for w in self.h.world.workers.values())}")
             event(f"multi-version workers={'yes' if any(w.holds > 1 for w in self.h.world.workers.values()) else 'no'}")

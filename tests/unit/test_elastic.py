@@ -17,6 +17,7 @@ from dora.core.events import (
     Pin,
     Reclaim,
     Refused,
+    Tick,
     VersionLoaded,
     VersionPublished,
     WorkerJoined,
@@ -27,10 +28,11 @@ from tests.unit.machine import finished
 from tests.unit.test_core import of
 
 
-def fleet(standalone_slots: int = 2, elastic_slots: int = 4) -> tuple[Core, list[Lease]]:
+def fleet(standalone_slots: int = 2, elastic_slots: int = 4, *, migrate: bool = True) -> tuple[Core, list[Lease]]:
     """K = 2, one group of 2 a batch, 2 groups out at once; standalone "s" (one group's room) gets the first,
     elastic "e" the second."""
-    core = Core(CoreConfig(mode=Mode.DORA, max_staleness=2, train_groups=1, group_size=2, rollout_groups=2))
+    cfg = CoreConfig(mode=Mode.DORA, max_staleness=2, train_groups=1, group_size=2, rollout_groups=2, migrate=migrate)
+    core = Core(cfg)
     leases = []
     for name, slots, elastic in (("s", standalone_slots, False), ("e", elastic_slots, True)):
         core.handle(0, WorkerJoined(worker_id=name, slots=slots, elastic=elastic))
@@ -64,6 +66,25 @@ def test_running_groups_move_to_a_standalone_peer_and_the_batch_waits_for_the_yi
     acts = core.handle(0, VersionPublished(version=1))
     assert of(acts, Pin) == [Pin(worker_id="e", version=1)], "it held nothing: it comes back on the newest"
     assert not of(acts, Reclaim)
+
+
+def test_without_migration_a_lending_worker_keeps_its_groups_paused_though_a_peer_has_room():
+    core, leases = fleet(migrate=False)
+    g0, g1 = leases
+    core.handle(0, BatchRequested(step=0))
+    finish(core, g0, 0)
+    acts = finish(core, g0, 1)  # "s" has room for g1, as in the first test
+    assert not of(acts, ExportGroup) and of(acts, Lend) == [Lend(worker_id="e")]
+    assert core.scheduler.workers["e"].groups == {g1.group_id}
+    assert of(core.handle(0, Lent(worker_id="e")), DeliverBatch)
+    acts = core.handle(0, VersionPublished(version=1))
+    assert of(acts, Reclaim) == [Reclaim(worker_id="e", version=0)], "C1: its group goes on under version 0"
+    core.handle(0, VersionLoaded(worker_id="e", version=0))
+    finish(core, g1, 0)
+    assert not of(finish(core, g1, 1), ExportGroup), "its group ended where it ran"
+    acts = core.handle(0, Tick())  # "s" still runs a v0 group: v0 keeps one worker, the empty one moves
+    assert of(acts, Pin) == [Pin(worker_id="e", version=1)]
+    assert core.scheduler.stats_migrated_groups == 0
 
 
 def test_groups_with_no_room_elsewhere_stay_paused_and_resume_on_their_version():

@@ -73,6 +73,17 @@ def test_migration_targets_must_have_room():
     assert p.moves == [] and p.migrations == [], "neither old worker can absorb the other's 4 requests"
 
 
+def test_without_migration_the_plans_leavers_keep_their_groups():
+    workers = [_w("a", 1, free=0, groups=[(1, 4)]), _w("b", 1, free=2, groups=[(2, 4)], order=1),
+               _w("n", 2, free=8, order=2)]  # fmt: skip
+    host = _w("lora", 1, free=8, order=3)  # keeps version 1 beside a newer one: room for a's group
+    for hosts in ({}, {1: [host]}):
+        p = plan(workers, pending={1: 8, 2: 100}, newest=2, full=True, hosts=hosts, migrate=False)
+        assert p.moves == ["a"] and p.migrations == [], "the surplus worker leaves with its group (it drains)"
+    p = plan(workers, pending={1: 8, 2: 100}, newest=2, full=True, hosts={1: [host]})
+    assert p.moves == ["a"] and p.migrations == [(1, "a", "lora")], "with migration its group goes to the host"
+
+
 def test_between_triggers_only_idle_workers_of_finished_versions_move():
     workers = [_w("idle-done", 1, free=8), _w("idle-busy-version", 2, free=8), _w("busy", 2, free=4, groups=[(7, 4)]),
                _w("newest", 3, free=8), _w("loading-old", 2, free=8, settled=False)]  # fmt: skip
