@@ -18,6 +18,7 @@ from enum import StrEnum
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
+from msgspec import UNSET, UnsetType
 
 from dora.ids import AttemptId, Finish, GroupId, WorkerId
 from dora.samples import finite, non_negative
@@ -101,6 +102,11 @@ class Heartbeat:
     """Rollout: the version being loaded now (-1: none)."""
     yielded: bool = False
     """Rollout (elastic): its accelerators are the trainer's now; its requests are paused."""
+    counters: dict[str, float] | UnsetType = UNSET
+    """Rollout: its process's cumulative counters since it started, ``<source>_<what>`` with units
+    (``reward_service_calls``, ``agent_failed``; docs/metrics.md#worker-counters). Unset (a worker with none to
+    report) it is left out of the encoding, so such a heartbeat's bytes are those of before the field; read it
+    through ``counted``."""
 
     def __post_init__(self) -> None:
         non_negative("tokens_generated", self.tokens_generated)
@@ -110,10 +116,17 @@ class Heartbeat:
             raise ValueError(f"kv_use must be in [0, 1], got {self.kv_use}")
         if self.holding is not None and (self.holding.ndim != 2 or self.holding.shape[1:] != (2,)):
             raise ValueError(f"holding must have shape (n, 2), got {self.holding.shape}")
+        for name, value in self.counted().items():
+            finite(f"counters[{name!r}]", value)
+            non_negative(f"counters[{name!r}]", value)
 
     def held(self) -> set[tuple[int, int]]:
         """The (group_id, attempt) leases reported held."""
         return set() if self.holding is None else {(int(g), int(a)) for g, a in self.holding.tolist()}
+
+    def counted(self) -> dict[str, float]:
+        """The worker's cumulative counters (empty: none reported)."""
+        return {} if isinstance(self.counters, UnsetType) else self.counters
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

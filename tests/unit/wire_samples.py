@@ -214,6 +214,8 @@ def for_type(tp: Any) -> st.SearchStrategy[Any]:
         return _json
     if origin is not None and type(None) in args:
         return st.none() | for_type(next(a for a in args if a is not type(None)))
+    if origin is not None and m.UnsetType in args:  # a field left out of the encoding while unset
+        return st.just(m.UNSET) | for_type(next(a for a in args if a is not m.UnsetType))
     if tp is np.ndarray:
         return _array()
     if origin is tuple:
@@ -277,6 +279,7 @@ def for_message(cls: type) -> st.SearchStrategy[Any]:
             kv_use=st.floats(0, 1),
             seen=st.integers(0, 2**40),
             holding=st.none() | _array("<i8", st.integers(0, 4).map(lambda k: (k, 2))),
+            counters=st.just(m.UNSET) | st.dictionaries(st.text(max_size=24), st.floats(0, 1e12), max_size=4),
         )
     return st.fixed_dictionaries(fields).map(lambda kw: cls(**kw))
 
