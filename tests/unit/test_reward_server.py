@@ -36,7 +36,9 @@ SAMPLES = [("What is 3 + 4?", "= 7", "7"), ("What is 2 + 2?", "4, surely", "4"),
 
 
 def build(out: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
-    """A reward model and a judge sharing one tokenizer (the judge's with a ChatML template)."""
+    """A reward model and a judge sharing one tokenizer (the judge's with a ChatML template). The judge's logits of
+    digit tokens are doubled, so its greedy answers start with numbers: here " 4 ..." (0.4) for most samples and one
+    "...086" (8.6, clipped to 1.0); a judge's answer without a number is tests/unit/test_reward_sources.py's."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification
@@ -56,7 +58,11 @@ def build(out: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
     rm, judge = out / "rm", out / "judge"
     Qwen2ForSequenceClassification(Qwen2Config(num_labels=1, **shape)).save_pretrained(rm)
     tok.save_pretrained(rm)
-    Qwen2ForCausalLM(Qwen2Config(**shape)).save_pretrained(judge)
+    judge_lm = Qwen2ForCausalLM(Qwen2Config(**shape))
+    digits = [i for i in range(len(tok)) if tok.decode([i]).strip().isdigit()]
+    with torch.no_grad():  # numbers come out first (random weights seldom write one): the scaled score is exercised
+        judge_lm.lm_head.weight[digits] *= 2.0
+    judge_lm.save_pretrained(judge)
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(judge)
     return rm, judge
@@ -182,6 +188,7 @@ def test_the_judge_answers_the_filled_template_greedily_and_its_number_is_the_sc
     again = rewards.score_many(fn, pairs, timeout_s=30.0)
     assert first == again  # greedy, at fixed weights
     answers = judge_expected(servers["judge"], TaskSection().judge_template, SAMPLES)
+    assert any(s.reason == "" and 0 < s.reward < 1 for s in first), answers  # a number, scaled (digits doubled)
     for answer, scored in zip(answers, first, strict=True):
         number = re.search(r"[-+]?(\d+(\.\d*)?|\.\d+)", answer)
         if number is None:
