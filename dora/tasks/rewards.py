@@ -14,7 +14,8 @@ Built in: ``exact``, ``numeric`` and ``math`` compare the final answers of the c
 reference (``dora.tasks.verify``: the last ``\\boxed{}``, else after ``####``, else after ``=``, else the
 last line) as normalised text, as numbers, or with math-verify (the ``math`` extra); ``exact_match``,
 ``digits_shaped`` and ``countdown`` score the built-in tasks; ``python_stdout`` runs the completion. A spec
-that is an ``http(s)://`` URL is a reward service (``dora.tasks.remote_reward``), called in batches.
+that is an ``http(s)://`` URL is a reward service (``dora.tasks.remote_reward``), called in batches. Several
+sources weighed together, a reward model and an LLM judge among them, are ``dora.tasks.combine``'s.
 """
 
 from __future__ import annotations
