@@ -29,6 +29,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -171,6 +172,86 @@ def encode_episodes(run: TaskRun, field: str, max_answer_tokens: int) -> Example
         answer_tokens += sum(trained)
         items.append(Example(row=i, ids=tuple(ids), prompt_len=prompt_len, trained=tuple(trained)))
     return Examples(items=items, truncated=truncated, answer_tokens=answer_tokens)
+
+
+def encode_conversations(run: TaskRun, field: str, max_answer_tokens: int) -> Examples:
+    """An agent's task: each kept row's recorded conversation (column ``field``: ``{"tools": [...], "messages":
+    [...]}``, the agent's messages from its first request's on, in OpenAI form, ending with its last answer) as an
+    agent episode records it. The prompt is the chat template's opening (the group's prompt); the rest of the first
+    request, rendered with its tools, is context; each assistant message is trained on as the template writes it
+    (content and tool calls) with the turn's end token; the messages between answers (tool results) are context,
+    rendered as the worker's endpoint renders a later request's new messages."""
+    from dora.tasks import datasets
+    from dora.tasks.prompts import stop_ids
+    from dora.tasks.templates import observation_text
+
+    assert run.agent is not None and run.epochs is not None and run.section.dataset is not None
+    stop = stop_ids(run, run.section.turn_end)
+    if not stop:
+        raise ConfigError("sft.trace_field needs task.turn_end: the token that ends an assistant turn")
+    said = run.tokenizer.decode([stop[0]], skip_special_tokens=False)
+    raw, _ = datasets.read_table(run.section.dataset, run.section.split)
+    items, truncated, answer_tokens = [], 0, 0
+    for i in run.epochs.kept.tolist():
+        where = f"{run.section.dataset} row {i}"
+        tools, chat = conversation(raw[i].get(field), f"{where}: {field!r}")
+        first = next(k for k, msg in enumerate(chat) if msg["role"] == "assistant")
+        ids = run.encode(run.renderer.render(chat[:first], where, tools=tools))
+        if ids[: len(run.opening)] != run.opening:
+            raise ConfigError(f"{where}: the conversation does not render after the chat template's opening "
+                              f"{run.opening_text!r}, the prompt of every agent episode")  # fmt: skip
+        prompt_len = len(run.opening)
+        trained = [False] * (len(ids) - prompt_len)
+        answers = [k for k, msg in enumerate(chat) if msg["role"] == "assistant"]
+        for k, after in zip(answers, [*answers[1:], len(chat)], strict=True):
+            turn = [*run.encode(assistant_text(run, chat[:k], chat[k], tools, said, where)), stop[0]]
+            between = run.encode(observation_text(run.renderer, chat[:k], chat[k + 1 : after], said, tools=tools)
+                                 ) if after > k + 1 else []  # fmt: skip
+            ids += turn + between
+            trained += [True] * len(turn) + [False] * len(between)
+        if sum(trained) > max_answer_tokens:
+            truncated += 1
+            keep = next(j for j in range(len(trained)) if sum(trained[: j + 1]) == max_answer_tokens) + 1
+            ids, trained = ids[: prompt_len + keep], trained[:keep]
+        answer_tokens += sum(trained)
+        items.append(Example(row=i, ids=tuple(ids), prompt_len=prompt_len, trained=tuple(trained)))
+    return Examples(items=items, truncated=truncated, answer_tokens=answer_tokens)
+
+
+def conversation(trace: object, where: str) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]]]:
+    """A recorded agent conversation's tools and messages, checked: messages with roles, an assistant answer after
+    the first request's, and an answer last (what follows the last answer is never sampled)."""
+    shape = ('must be {"tools": [...], "messages": [...]}: the agent\'s messages from its first request on, ending '
+             "with its last answer")  # fmt: skip
+    if not isinstance(trace, dict) or not isinstance(trace.get("messages"), list):
+        raise ConfigError(f"{where} {shape}")
+    chat, tools = trace["messages"], trace.get("tools") or None
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise ConfigError(f"{where}: tools must be a list of OpenAI function tools")
+    if not all(isinstance(msg, dict) and isinstance(msg.get("role"), str) for msg in chat):
+        raise ConfigError(f"{where}: every message needs a role")
+    roles = [msg["role"] for msg in chat]
+    if not roles or roles[-1] != "assistant" or roles[0] == "assistant":
+        raise ConfigError(f"{where} {shape} (roles {roles})")
+    return tools, [dict(msg) for msg in chat]
+
+
+def assistant_text(run: TaskRun, chat: list[dict[str, Any]], message: dict[str, Any],
+                   tools: list[dict[str, Any]] | None, said: str, where: str) -> str:  # fmt: skip
+    """What the model writes for assistant ``message`` after ``chat``: the chat template's rendering with the message
+    less its rendering with the generation prompt (where the model starts), up to the end of turn ``said``."""
+    tokenizer = run.renderer.tokenizer
+    assert tokenizer is not None  # task.agent needs task.chat_template
+    before = run.renderer.render(chat, where, tools=tools)
+    try:
+        text = tokenizer.apply_chat_template([*chat, message], tools=tools, tokenize=False, add_generation_prompt=False)
+    except Exception as e:  # a template is user code, as in Renderer.render
+        raise ConfigError(f"{where}: the chat template failed on an answer: {type(e).__name__}: {e}") from None
+    if not isinstance(text, str) or not text.startswith(before) or said not in text[len(before) :]:
+        raise ConfigError(f"{where}: the chat template does not write an answer after its generation prompt, ended "
+                          f"by {said!r}: its assistant turns cannot be imitated")  # fmt: skip
+    turn = text[len(before) :]
+    return turn[: turn.index(said)]
 
 
 def answer_count(e: Example) -> int:
@@ -344,10 +425,12 @@ def plan(cfg: RunConfig) -> Plan:
         raise ConfigError(f"sft.out must differ from the folder it starts from ({start})")
     check_out(out)
     task = TaskRun(cfg.task, cfg.task.tokenizer or str(start))
-    if task.env is not None:
+    if task.env is not None or task.agent is not None:
         if not sft.trace_field:
-            raise ConfigError("dora sft on an environment's task needs sft.trace_field (recorded episodes to imitate)")
-        data = encode_episodes(task, sft.trace_field, sft.max_answer_tokens)
+            raise ConfigError(f"dora sft on {'an environment' if task.env else 'an agent'}'s task needs "
+                              "sft.trace_field (recorded episodes to imitate)")  # fmt: skip
+        encoder = encode_episodes if task.env is not None else encode_conversations
+        data = encoder(task, sft.trace_field, sft.max_answer_tokens)
     else:
         data = encode(task, answer_end(start, cfg.task.chat_template), sft.max_answer_tokens)
     return Plan(start=start, out=out, task=task, data=data)
