@@ -392,6 +392,9 @@ def follow(run: LocalRun, rundir: pathlib.Path, total: int, stopped: Any, watch:
                 continue
             if broker.poll() is not None:
                 raise RuntimeError(f"the broker exited with {broker.returncode}; see {rundir}/broker.log")
+            reward = run.procs.get("reward")
+            if reward is not None and reward.poll() is not None:  # every sample would score 0 from now on
+                raise RuntimeError(f"dora reward exited with {reward.returncode}; see {rundir}/reward.log")
             if watch is not None:
                 watch.check()
             time.sleep(0.5)

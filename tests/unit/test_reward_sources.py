@@ -23,6 +23,7 @@ from dora.config import ConfigError, build
 from dora.config.run import RunConfig, TaskSection
 from dora.ids import AttemptId, Finish, GroupId
 from dora.launch.local import LocalRun
+from dora.launch.run import follow
 from dora.reward.batcher import Batcher
 from dora.reward.judge import fill, parse_score
 from dora.samples import FinishedSample
@@ -209,3 +210,18 @@ def test_a_reward_model_that_is_not_there_stops_dora_run_and_dora_reward_in_one_
         run.start_reward(timeout_s=60)
     assert "task.reward_judge = " in str(e.value) and "no such folder" in str(e.value)
     assert "reward_server" not in (tmp_path / "run" / "run.toml").read_text()
+
+
+def test_dora_run_stops_when_its_reward_server_is_gone(tmp_path: pathlib.Path) -> None:
+    run = LocalRun(tmp_path, {})
+    sleeping = {name: subprocess.Popen(["sleep", "30"]) for name in ("broker", "learner")}
+    gone = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    gone.wait(timeout=30)
+    run.procs.update(sleeping, reward=gone)
+    try:
+        with pytest.raises(RuntimeError, match="dora reward exited with 3"):
+            follow(run, tmp_path, 2, lambda: False)
+    finally:
+        for p in sleeping.values():
+            p.kill()
+            p.wait()
