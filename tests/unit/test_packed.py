@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import msgpack
 import numpy as np
 import pytest
@@ -13,6 +15,10 @@ from dora.ids import Finish
 from dora.samples import Batch, FinishedSample
 from dora.wire import codec, packed
 from tests.unit.wire_samples import for_message, same
+
+EXAMPLES = int(os.environ.get("DORA_FUZZ_EXAMPLES", "500")) // 5
+"""Examples per round-trip property: 100 by default (34 + 17 s of a loaded suite at 300); the wire fuzzers'
+DORA_FUZZ_EXAMPLES scales them too (1500 for 300)."""
 
 
 def sample(group: int, index: int, n: int, *, masked: bool = False, version: int = 3) -> FinishedSample:
@@ -30,7 +36,7 @@ def wire(msg):
     return codec.decode([bytes(f) for f in codec.encode(msg)])
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=EXAMPLES, deadline=None)
 @given(samples=st.lists(for_message(FinishedSample), min_size=1, max_size=5))
 def test_packed_samples_unpack_to_what_was_packed(samples):
     back = packed.unpack_samples(wire(packed.pack_samples(samples)))
@@ -43,7 +49,7 @@ def test_packed_samples_unpack_to_what_was_packed(samples):
         assert (a.group_id, a.index, a.reward, a.reward_error) == (b.group_id, b.index, b.reward, b.reward_error)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=EXAMPLES, deadline=None)
 @given(batch=for_message(Batch))
 def test_a_batch_packed_and_unpacked_is_the_same_batch(batch):
     back = packed.unpack_batch(wire(packed.pack_batch(batch)))

@@ -24,7 +24,7 @@ from dora.sim.engine import Engine, Request, decode_step_s
 from dora.sim.metrics import summarize
 from dora.sim.runner import simulate
 from dora.sim.workload import Episode, Workload
-from tests.unit.simcfg import small
+from tests.unit.simcfg import SIM_EXAMPLES, small
 from tests.unit.test_sim_properties import check_run
 
 COLOCATED = {m.value: "colocated" for m in Mode}
@@ -252,7 +252,7 @@ def test_a_waiting_episode_migrates_with_its_state_and_its_tool_result_finds_it(
 KEEPERS = [Mode.DORA, Mode.DORA, Mode.PARTIAL, Mode.ONE_STEP, Mode.SYNC]
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=SIM_EXAMPLES // 2, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     mode=st.sampled_from(KEEPERS),
     colocated=st.booleans(),
@@ -295,7 +295,7 @@ def test_agentic_runs_keep_every_invariant(
     event(f"mixed-version episodes={'yes' if o.mixed_version_trajectories else 'no'}")
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=SIM_EXAMPLES // 5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     k=st.integers(1, 3),
     workers=st.integers(4, 8),

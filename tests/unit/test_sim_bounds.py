@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 
 import pytest
@@ -23,9 +22,9 @@ from dora.sim.bounds import (
 )
 from dora.sim.des import Simulation
 from dora.sim.workload import Workload
-from tests.unit.simcfg import small
+from tests.unit.simcfg import SIM_EXAMPLES, small
 
-EXAMPLES = int(os.environ.get("DORA_SIM_EXAMPLES", "300")) // 3
+EXAMPLES = SIM_EXAMPLES // 3
 
 
 def run_decode_bound(engine: SimEngineSection, lengths: list[int], prompt: int) -> float:

@@ -14,7 +14,6 @@ must report its violations), with at most K + 1 versions alive.
 from __future__ import annotations
 
 import itertools
-import os
 from dataclasses import replace
 
 from hypothesis import HealthCheck, event, given, settings
@@ -22,9 +21,9 @@ from hypothesis import strategies as st
 
 from dora.ids import Mode
 from dora.sim.des import Simulation
-from tests.unit.simcfg import small
+from tests.unit.simcfg import SIM_EXAMPLES, small
 
-EXAMPLES = int(os.environ.get("DORA_SIM_EXAMPLES", "300"))
+EXAMPLES = SIM_EXAMPLES
 KEEPERS = [Mode.DORA, Mode.DORA, Mode.PARTIAL, Mode.ONE_STEP, Mode.SYNC]
 
 
