@@ -474,6 +474,8 @@ class RunConfig:
                               f"(it is {self.learner.filter_uniform_groups!r})")  # fmt: skip
         if replacing and not self.core.filter_uniform:  # the broker's core filters; the learner masks what is left
             object.__setattr__(self, "core", replace(self.core, filter_uniform=True))
+        if self.task.agent is not None and self.core.migrate:  # an agent talks to one worker's endpoint
+            object.__setattr__(self, "core", replace(self.core, migrate=False))
         if self.learner.mini_batches > self.core.train_groups:
             raise ConfigError(f"learner.mini_batches = {self.learner.mini_batches} is more than core.train_groups = "
                               f"{self.core.train_groups}: a mini-batch holds whole groups, at least one")  # fmt: skip

@@ -1,0 +1,83 @@
+"""A live run of agent episodes: broker, two torch workers serving a tool-calling agent through their OpenAI-compatible
+endpoints (the real ``openai`` client), and the torch learner checking every turn's version."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+import structlog
+
+from dora.envs.calculator import evaluate
+from tests.live.cluster import cluster
+from tests.live.test_model_run import torch_run
+
+pytestmark = pytest.mark.timeout(300)
+
+CALC = {"type": "function", "function": {"name": "calc", "description": "Evaluate a sum or product of integers.",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+                       "required": ["expression"]}}}  # fmt: skip
+
+
+async def agent(row, client):
+    """The calculator as an OpenAI function tool. Its results take 0.4 to 1.6 s, by row (a slow tool keeps episodes
+    open across the learner's steps, some longer than others), and an answer without a call is asked once more to
+    use the tool: three completions at most. Each completion is logged with the version that served it (the
+    answer's system_fingerprint)."""
+    log = structlog.get_logger()
+    chat = [{"role": "system", "content": "Use calc."}, {"role": "user", "content": row["prompt"]}]
+    for turn in range(3):
+        answer = await client.chat.completions.create(model="policy", messages=chat, tools=[CALC])
+        version = int(answer.system_fingerprint.removeprefix("dora-v"))
+        log.info("test_agent_completion", row=row["index"], turn=turn, version=version, at=time.time())
+        msg = answer.choices[0].message
+        chat.append(msg.model_dump(exclude_none=True))
+        if msg.tool_calls:
+            for call in msg.tool_calls:
+                try:
+                    said = str(evaluate(json.loads(call.function.arguments)["expression"]))
+                except (ValueError, KeyError, TypeError) as e:
+                    said = f"error: {e}"
+                chat.append({"role": "tool", "tool_call_id": call.id, "content": said})
+        else:
+            chat.append({"role": "user", "content": "Use calc."})
+        await asyncio.sleep(0.4 * (1 + row["index"] % 4))
+    return float(row["answer"] in (chat[-2].get("content") or ""))
+
+
+def test_agents_of_two_versions_on_two_workers_train_with_one_version_per_turn_and_never_migrate(tmp_path, tiny_model):
+    steps = 5
+    task = {"name": "arithmetic", "chat_template": True, "agent": f"{__name__}:agent", "max_turns": 3,
+            "max_episode_tokens": 512, "reward": None, "env_timeout_s": 10.0}  # fmt: skip
+    overrides = torch_run(tmp_path, tiny_model, steps, min_workers=2, max_tokens=8, task=task,
+                          rollout={"max_slots": 16, "credit_slots": 16})  # fmt: skip
+    # four groups a worker at once: both workers hold groups when a version is published, and the one whose episodes
+    # end first moves to it while the other's, of the older version, go on
+    with cluster(tmp_path, overrides, fork=True) as c:
+        c.start_broker()
+        for i in range(2):
+            c.start_worker(f"w{i}", "torch", "--model", str(tiny_model))
+        c.spawn("learner", "learner", "--trainer", "torch", "--broker", str(tmp_path / "broker.json"))
+        assert c.wait("learner", 250) == 0, c.log("learner")[-3000:] + c.log("w0")[-3000:]
+        assert c.wait("broker", 15) == 0, c.log("broker")[-3000:]
+        audit = c.check_exactly_once()
+        # every trained episode's turns were checked against its group's version by the learner (C1 per turn)
+        assert all(r["mixed"] == 0 for r in audit) and sum(r["turns"] for r in audit) >= 2 * 4 * 4 * steps
+        assert [r["version"] for r in c.events("broker", "train_step")] == list(range(1, steps + 1))
+        assert not c.events("broker", "migration"), "an agent's episode moved"
+        served = {w: c.events(w, "test_agent_completion") for w in ("w0", "w1")}
+        assert all(served.values()), "both workers served agents"
+        # episodes of two versions open at once, on the two workers: one worker answered v while the other answered
+        # another version within that span
+        spans = {(w, r["version"]): [] for w, rows in served.items() for r in rows}
+        for w, rows in served.items():
+            for r in rows:
+                spans[(w, r["version"])].append(r["at"])
+        overlapping = [(a, b) for a in spans for b in spans if a[0] < b[0] and a[1] != b[1]
+                       and min(spans[a]) < max(spans[b]) and min(spans[b]) < max(spans[a])]  # fmt: skip
+        assert overlapping, {k: (min(v), max(v)) for k, v in spans.items()}
+        for w in ("w0", "w1"):
+            assert not [r for r in c.events(w) if r.get("level") == "error"], c.log(w)[-2000:]
+            assert not c.events(w, "agent_failed"), c.events(w, "agent_failed")[:3]
