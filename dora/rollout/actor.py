@@ -421,12 +421,15 @@ class RolloutActor:
             self.settle((ack.group_id, ack.attempt), 1)
 
     def heartbeat(self) -> m.Heartbeat:
+        """What the worker holds and does now, and its engine's cumulative counters (left out when it has none)."""
         running, kv = self.engine.load()
+        counters = self.engine.counters()
         return m.Heartbeat(
             tokens_generated=self.engine.tokens_generated, running=0 if self.yielded else running, kv_use=kv,
             seen=self.seen, yielded=self.yielded,
             holding=np.array(sorted(self.leases), dtype=np.int64).reshape(-1, 2), version=self.version,
             loading=self.loading[0] if self.loading is not None else self.deferred.version if self.deferred else -1,
+            counters=counters if counters else m.UNSET,
         )  # fmt: skip
 
     def report_finished(self) -> None:

@@ -156,3 +156,42 @@ def resolve(task: TaskSection, spec: str | None) -> rewards.RewardFn | None:
         server = RemoteReward(task.reward_server, timeout_s=task.reward_service_timeout_s,
                               retries=task.reward_service_retries, batch_size=task.reward_batch_size)  # fmt: skip
     return Combined(sources, rules, server)
+
+
+def services(fn: rewards.RewardFn | None) -> dict[str, RemoteReward]:
+    """Every reward service client a task's reward holds, by a name that is the same on every worker of the run:
+    ``reward_service`` (task.reward a URL, or the one URL source of a combination), ``reward_service_<i>`` (the
+    i-th URL source, from 1 in task.reward_weights order, of a combination of several) and ``reward_server`` (the
+    `dora reward` client of the model and judge sources)."""
+    if isinstance(fn, RemoteReward):
+        return {"reward_service": fn}
+    if not isinstance(fn, Combined):
+        return {}
+    remote = [r for r in fn.rules.values() if isinstance(r, RemoteReward)]
+    out = {"reward_service" if len(remote) == 1 else f"reward_service_{i}": r for i, r in enumerate(remote, 1)}
+    if fn.server is not None:
+        out["reward_server"] = fn.server
+    return out
+
+
+SERVICE_COUNTERS = {"calls": "requests", "retries": "retries", "failures": "failures", "samples": "samples",
+                    "latency_s_sum": "latency_sum_s"}  # fmt: skip
+"""A service's counters as workers report them (``<service>_<what>``), from ``RemoteReward.stats`` (its key)."""
+
+
+def service_counters(*fns: rewards.RewardFn | None) -> dict[str, float]:
+    """The cumulative counters of every reward service the reward functions ``fns`` call (``services``; a worker's
+    training rows' and held-out rows' rewards hold a client each: summed by name, a client held twice counted once):
+    its POSTs (``calls``, retries included), ``retries``, batches that failed every attempt (``failures``), samples
+    sent, seconds waited on its answers (``latency_s_sum``)."""
+    out: dict[str, float] = {}
+    counted: set[int] = set()
+    for fn in fns:
+        for name, client in services(fn).items():
+            if id(client) in counted:
+                continue
+            counted.add(id(client))
+            stats = client.stats()
+            for what, key in SERVICE_COUNTERS.items():
+                out[f"{name}_{what}"] = out.get(f"{name}_{what}", 0.0) + float(stats[key])
+    return out

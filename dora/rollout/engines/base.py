@@ -29,6 +29,8 @@ The rollout actor owns the socket and the clock and calls these from its event l
   can, its KV cache) and resume them there, under the version the ``MigrateIn`` names.
 - ``cancel``, ``clear`` (drop everything: the session ended), ``busy``, ``load`` (running sequences,
   KV or slot use 0..1), ``tokens_generated`` (a progress counter for the stall watchdog).
+- ``counters()``: the worker's cumulative counters since it started, ``<source>_<what>`` (a reward service's
+  calls, an agent's failed episodes: docs/metrics.md#worker-counters), sent in its heartbeats when not empty.
 - What an engine may not do, with defaults that say so: held-out evaluation (``evaluate``, ``evaluating``,
   ``take_evaluated``, ``drop_evaluations``: by default it cannot), giving the accelerator's memory back while
   paused (``asleep``: by default never), more than one version (``max_versions``: by default 1).
@@ -202,6 +204,11 @@ class WorkerEngine(ABC):
     def drop_evaluations(self) -> None:
         """Cancel every held-out evaluation request (weights swapped under them)."""
         return None
+
+    def counters(self) -> dict[str, float]:
+        """Cumulative counters since the worker started (never lower on a later call), by ``<source>_<what>``
+        with units; the broker sums them over the run's workers. None by default."""
+        return {}
 
 
 S = TypeVar("S", bound=Sample)

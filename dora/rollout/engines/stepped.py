@@ -29,6 +29,7 @@ from dora.rollout.engines.base import Sample, SampleState, StepEngine, WorkerEng
 from dora.rollout.engines.versions import ReadsVersions, Versions
 from dora.samples import FinishedSample
 from dora.store.inline import verified
+from dora.tasks import combine
 from dora.tasks.prompts import TaskRun
 from dora.wire import messages as m
 
@@ -291,6 +292,14 @@ class StepWorkerEngine(ReadsVersions, WorkerEngine):
             reward_components=scored.components, reward_error=scored.reason,
         )  # fmt: skip
 
+    def counters(self) -> dict[str, float]:
+        """The reward services' counters (``combine.service_counters``: the training rows' and the held-out rows'
+        clients, summed by service) and the episodes' (``episode_counters``)."""
+        out = combine.service_counters(*(getattr(run, "reward", None) for run in (self.task, self.held_out)))
+        if self.episodes is not None:
+            out.update(episode_counters(self.episodes))
+        return out
+
     def load(self) -> tuple[int, float]:
         return self.engine.load()
 
@@ -308,3 +317,17 @@ class StepWorkerEngine(ReadsVersions, WorkerEngine):
 def length(sample: Any) -> int:
     """A finished held-out sample's tokens: a sequence's, or an episode's (``Episode``, ``AgentEpisode``)."""
     return len(sample.tokens) if isinstance(sample, Sample) else int(sample.length)
+
+
+AGENT_COUNTERS = {"completions": "agent_completions", "refused": "agent_refused", "late_calls": "agent_late_calls"}
+"""``AgentEpisodes.stats`` keys as workers report them."""
+
+
+def episode_counters(episodes: Episodes | AgentEpisodes) -> dict[str, float]:
+    """Episodes' counters: an environment's episodes that failed (``env_failed``); an agent's completions served,
+    requests refused, calls after their episode ended and episodes failed (``agent_*``)."""
+    failed = float(sum(episodes.failures.values()))
+    stats = getattr(episodes, "stats", None)  # only agent episodes keep stats of their endpoint
+    if stats is None:
+        return {"env_failed": failed}
+    return {**{name: float(stats[key]) for key, name in AGENT_COUNTERS.items()}, "agent_failed": failed}
