@@ -320,6 +320,7 @@ class BrokerActor:
                 # so the worker can tell a dead broker from an idle one, and knows the last command sent to it
                 self.links.send(peer, m.Heartbeat(seen=peer.seq))
                 self.liveness.progressed(w, self.clock(), msg.tokens_generated, busy=msg.running > 0)
+                self.metrics.worker_counted((peer.name, *peer.process), msg.counted())
                 if not self.waiting[w]:  # with commands still to go out, what it holds cannot match yet
                     reconcile(self.core, peer, msg, command=self.links.command, feed=self.feed, counters=self.counters)
                 if msg.kv_use >= self.core.cfg.kv_rebalance_threshold:
@@ -396,7 +397,7 @@ class BrokerActor:
         if any(isinstance(a, ev.Refused) for a in actions):
             raise InvariantViolation(f"the core refused publish {msg.version} after the broker checked it")
         now = self.clock()
-        row = step_row(self.core, msg, now - self.step_started, rewards)
+        row = step_row(self.core, msg, now - self.step_started, rewards, self.metrics.workers.totals())
         self.evals.published(msg.version, now)
         learner = {k: rounded(v) for k, v in msg.metrics.items()}
         if self.core.cfg.filter_uniform:

@@ -13,6 +13,10 @@ published version, each with the wall-clock time ``t``. `dora plot` draws a run 
 
 Sinks (``[metrics]``, dora.broker.sinks): each train step's line also goes to TensorBoard and Weights & Biases
 when configured, as named scalars; other streams (a held-out evaluation) log through ``scalars``.
+
+What the rollout workers count themselves (reward service calls, agent episodes that failed: their heartbeats'
+``counters``) is summed over the run's worker processes by ``WorkerCounters``: Prometheus
+``dora_worker_counters_total{name=...}``, and ``worker_counters`` in each train step's line.
 """
 
 from __future__ import annotations
@@ -64,6 +68,39 @@ class JsonLines:
         self._file.close()
 
 
+class WorkerCounters:
+    """The rollout workers' cumulative counters (``Heartbeat.counters``), summed over every worker process the run
+    has had; no sum ever goes down.
+
+    A worker process reports its counts since it started. They are kept per process, ``(name, host, pid)`` of its
+    Hello: a worker that reconnects (a new session of the same process) goes on counting from where it was, a worker
+    restarted is a new process starting from 0, and a process gone stays in the sums with the last counts it sent
+    (what it counted after its last heartbeat is lost). A count a process reports lower than before (its pid reused
+    by a restart) is taken as a new start: the earlier count is kept aside in the sum."""
+
+    def __init__(self) -> None:
+        self._latest: dict[tuple[str, str, int], dict[str, float]] = {}
+        self._before: collections.defaultdict[str, float] = collections.defaultdict(float)
+        """Counts of processes that started again under the same key, up to their restart."""
+
+    def update(self, process: tuple[str, str, int], counters: Mapping[str, float]) -> None:
+        """A heartbeat's counters from the worker process ``process``: ``(name, host, pid)``."""
+        latest = self._latest.setdefault(process, {})
+        for name, value in counters.items():
+            before = latest.get(name, 0.0)
+            if value < before:
+                self._before[name] += before
+            latest[name] = value
+
+    def totals(self) -> dict[str, float]:
+        """Each counter summed over the processes, by name (sorted)."""
+        out = collections.defaultdict(float, self._before)
+        for counters in self._latest.values():
+            for name, value in counters.items():
+                out[name] += value
+        return {name: round(out[name], 6) for name in sorted(out)}
+
+
 class BrokerMetrics:
     """The broker's Prometheus registry and record files, fed by the actor."""
 
@@ -108,6 +145,8 @@ class BrokerMetrics:
         r.register(self)
         self.learner: dict[str, float] = {}
         """The learner's metrics of the latest step."""
+        self.workers = WorkerCounters()
+        """The rollout workers' own counters, summed over the run."""
         self._leased_at: dict[GroupId, tuple[int, float]] = {}
         """group -> (attempt, when leased) for every group leased and not finished."""
         self._ready: dict[WorkerId, int] = {}
@@ -196,6 +235,11 @@ class BrokerMetrics:
             self.evals.write({"step": version, **result, "t": round(self.wall(), 4)})
         self.scalars(version, "eval", self.held_out)
 
+    def worker_counted(self, process: tuple[str, str, int], counters: Mapping[str, float]) -> None:
+        """A rollout heartbeat's counters (none: nothing to do) from the worker process ``(name, host, pid)``."""
+        if counters:
+            self.workers.update(process, counters)
+
     def peer_lost(self, role: str, reason: str) -> None:
         self.peers_lost.labels(role=role, reason=reason.partition(":")[0]).inc()
 
@@ -243,6 +287,9 @@ class BrokerMetrics:
             counts = {k[len(prefix) : -1]: n for k, n in a.counters.items() if k.startswith(prefix)}
             yield _by(CounterMetricFamily, name, doc, "reason", counts)
         yield _by(CounterMetricFamily, "dora_core_decision_seconds", "Seconds in the core", "event", a.decision_s)
+        yield _by(CounterMetricFamily, "dora_worker_counters", "What the rollout workers counted, summed over the "
+                  "run's worker processes (reward service calls, failed episodes, ...)", "name",
+                  self.workers.totals())  # fmt: skip
         yield _by(GaugeMetricFamily, "dora_learner_step_metric", "The learner's latest step", "name", self.learner)
         yield _by(GaugeMetricFamily, "dora_eval_metric", "The latest held-out evaluation round (accuracy, pass@k, ...)",
                   "name", self.held_out)  # fmt: skip
@@ -283,9 +330,11 @@ def rounded(value: float) -> float:
     return float(f"{value:.4g}") if 0 < abs(value) < 1 else round(value, 4)
 
 
-def step_row(core: Core, msg: m.WeightsPublished, step_s: float, rewards: dict[str, Any]) -> dict[str, Any]:
+def step_row(core: Core, msg: m.WeightsPublished, step_s: float, rewards: dict[str, Any],
+             workers: Mapping[str, float] | None = None) -> dict[str, Any]:  # fmt: skip
     """A published train step as the broker logs and records it (the learner's own numbers are kept apart);
-    ``rewards``: its batch's reward stats (``batch_stats``)."""
+    ``rewards``: its batch's reward stats (``batch_stats``); ``workers``: the workers' counters summed so far
+    (``WorkerCounters.totals``), under ``worker_counters`` when there are any."""
     return {
         "step": msg.version - 1,
         "version": msg.version,
@@ -295,6 +344,7 @@ def step_row(core: Core, msg: m.WeightsPublished, step_s: float, rewards: dict[s
         "live_versions": core.view.alive(),
         "workers": core.view.worker_count(),
         **rewards,
+        **({"worker_counters": dict(workers)} if workers else {}),
     }
 
 

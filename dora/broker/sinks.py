@@ -14,6 +14,8 @@ Scalar names, one point per train step at x = ``step`` (the ``step`` of metrics.
 - ``time/<name>``: seconds: ``time/step_s`` (between two publishes), ``time/publish_s``, ``time/elapsed_s``
   (since the broker started);
 - ``staleness/<k>``: trajectories taken into train batches so far at staleness k (the cumulative histogram);
+- ``worker/<name>``: the rollout workers' own counters summed over the run so far (``worker/reward_service_calls``,
+  ``worker/agent_failed``; docs/metrics.md#worker-counters), when they report any;
 - ``broker/<name>``: the broker's other numbers: ``broker/version``, ``broker/workers``,
   ``broker/live_versions`` (how many), ``broker/max_staleness``, and any key the step row gains later;
 - ``<prefix>/<name>``: another stream logged through ``BrokerMetrics.scalars(step, prefix, values)``, such
@@ -52,6 +54,7 @@ STEP_NAMES = {
     "staleness": "staleness",
     "reward_components": "train/reward",
     "reward_failed": "train/reward_failed",
+    "worker_counters": "worker",
 }
 """Keys of the step row not named ``broker/<key>`` (the learner's are ``train/<key>``)."""
 NOT_SCALARS = frozenset({"step", "t"})
