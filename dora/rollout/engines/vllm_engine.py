@@ -306,8 +306,9 @@ class VllmEngine(HoldsVersions):
     def submit(self, *, group_id: int, attempt: int, prompt: list[int], n: int, max_tokens: int,
                temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, stops: frozenset[int] = frozenset(),
                keep_kv: bool = False, version: int | None = None, index: int = 0) -> list[Request]:  # fmt: skip
-        """Queue ``n`` samples, indices ``index`` on; ``stops``: token ids besides EOS that end a turn; ``keep_kv``: episodes (their next
-        turn starts with ``extend``); ``version``: the one they run under (held here; None: the current one)."""
+        """Queue ``n`` samples, indices ``index`` on; ``stops``: token ids besides EOS that end a turn; ``keep_kv``:
+        episodes (their next turn starts with ``extend``); ``version``: the one they run under (held here; None: the
+        current one)."""
         version, adapter = self._runs_under(version)
         out = []
         for i in range(index, index + n):

@@ -311,9 +311,10 @@ class TorchEngine(HoldsVersions):
     def submit(self, *, group_id: int, attempt: int, prompt: list[int], n: int, max_tokens: int,
                temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, stops: frozenset[int] = frozenset(),
                keep_kv: bool = False, version: int | None = None, index: int = 0) -> list[Sequence]:  # fmt: skip
-        """Queue ``n`` samples of a prompt, indices ``index`` on (an agent's episode is a sample submitted alone). ``stops``: token ids besides EOS that end a turn; ``keep_kv``: the
-        samples are episodes, whose caches outlive their turns (``extend`` starts the next one); ``version``: the one
-        they run under (held here; None: the current one)."""
+        """Queue ``n`` samples of a prompt, indices ``index`` on (an agent's episode is a sample submitted alone).
+        ``stops``: token ids besides EOS that end a turn; ``keep_kv``: the samples are episodes, whose caches outlive
+        their turns (``extend`` starts the next one); ``version``: the one they run under (held here; None: the
+        current one)."""
         version = self.versions.runs_under(version)
         out = []
         for i in range(index, index + n):
