@@ -362,7 +362,8 @@ def maps(pid: int, library: str) -> bool:
         return library in f.read()
 
 
-@pytest.mark.parametrize("after_s", [0.0, 0.5])
+# slow: [0.5] is one more moment of the imports [0.0] stops a worker and a learner in
+@pytest.mark.parametrize("after_s", [0.0, pytest.param(0.5, marks=pytest.mark.slow)])
 def test_sigterm_while_starting_exits_0(tmp_path, tiny_model, after_s):
     """SIGTERM twice 10 ms apart to a worker and a learner still starting (importing torch, loading the model; their
     event loops do not run yet) ends them with exit 0 and no traceback, as it does once they serve: never the

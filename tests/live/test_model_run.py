@@ -77,6 +77,12 @@ def wait_steps(c, n: int, learner: str, timeout_s: float = 150) -> None:
 
 
 @pytest.mark.vllm
+# slow: by default a vLLM worker serves a live run of several versions, every group trained once, in
+# test_every_learner_option_on_trains_from_torch_and_vllm_workers, and logs no error in test_episodes_run.py's
+# test_lora_workers_keep_the_version_of_episodes_open_across_a_publish_and_train_one_version_per_turn; several
+# versions served at once, steps on data one version old and rewards in [0, 1] are checked on torch workers in
+# test_a_torch_learner_trains_and_standalone_and_elastic_workers_load_every_published_version
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="the vllm extra is not installed")
 def test_vllm_workers_serve_a_multi_version_run_with_real_tokens_and_rewards(tmp_path, tiny_model):
     """The torch engine's counterpart runs beside the torch learner (next test)."""

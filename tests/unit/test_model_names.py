@@ -35,8 +35,14 @@ COMMANDS = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("empty", [False, True], ids=["missing", "empty"])
-@pytest.mark.parametrize("command", sorted(COMMANDS))
+@pytest.mark.parametrize(
+    ("command", "empty"),
+    [("run", False),
+     # slow: dora run's one line for a path is [run-missing]; the empty folder's words are [sft-empty], from the same
+     # check (dora.hf.preflight.model_folder); dora run costs seconds of torch imports before it checks
+     pytest.param("run", True, marks=pytest.mark.slow), ("sft", False), ("sft", True)],
+    ids=["run-missing", "run-empty", "sft-missing", "sft-empty"],
+)  # fmt: skip
 def test_a_model_path_that_does_not_exist_or_is_empty_is_one_line_and_exit_2(tmp_path, command, empty):
     model = tmp_path / "typo"
     if empty:
