@@ -3,6 +3,7 @@ from __future__ import annotations
 import compileall
 import os
 import pathlib
+import sys
 
 import pytest
 from hypothesis import Phase, settings
@@ -20,8 +21,49 @@ def pytest_configure(config: pytest.Config) -> None:
     imports the actors. Only the first pytest process compiles (xdist's workers find the files written)."""
     if os.environ.get("PYTEST_XDIST_WORKER") is None:
         compileall.compile_dir(pathlib.Path(__file__).resolve().parents[1] / "dora", quiet=1, workers=1)
+        if getattr(config.option, "numprocesses", None) and getattr(config.option, "dist", "no") != "no":
+            rewrite_the_tests_once(config)
     else:
         share_the_cores()
+
+
+def rewrite_the_tests_once(config: pytest.Config) -> None:
+    """Under ``-n``: the test modules' asserts rewritten once, here, before the workers start. Each worker imports
+    every test module to collect it, and pytest rewrites a module's asserts as it imports it unless the rewritten
+    code is cached beside it (``__pycache__/*-pytest-*.pyc``, which no process writes where PYTHONDONTWRITEBYTECODE
+    is set, and which three workers starting together on a fresh clone each make): 19 CPU-s a worker. Written here
+    on each core, the workers read them (pytest checks each against its source's hash, so a stale one is unused)."""
+    import multiprocessing
+
+    if config.getoption("assertmode") != "rewrite" or sys.pycache_prefix:
+        return
+    files = sorted(f for f in TESTS.rglob("*.py") if f.name.startswith("test_") or f.name == "conftest.py")
+    global _REWRITING
+    _REWRITING = config
+    try:
+        with multiprocessing.get_context("fork").Pool(len(os.sched_getaffinity(0))) as pool:
+            pool.map(_rewrite_one, files, chunksize=4)
+    except OSError:  # a read-only tree: each worker rewrites for itself, as without this
+        pass
+    finally:
+        _REWRITING = None
+
+
+_REWRITING: pytest.Config | None = None
+"""The config ``_rewrite_one`` rewrites with, in the forked processes of ``rewrite_the_tests_once``."""
+TESTS = pathlib.Path(__file__).resolve().parent
+
+
+def _rewrite_one(path: pathlib.Path) -> None:
+    from _pytest.assertion.rewrite import PYC_TAIL, _read_pyc, _rewrite_test, _write_pyc, assertstate_key
+
+    assert _REWRITING is not None
+    pyc = path.parent / "__pycache__" / (path.name[:-3] + PYC_TAIL)
+    if _read_pyc(path, pyc) is not None:
+        return
+    pyc.parent.mkdir(exist_ok=True)
+    source_hash, code = _rewrite_test(path, _REWRITING)
+    _write_pyc(_REWRITING.stash[assertstate_key], code, source_hash, pyc)
 
 
 def share_the_cores() -> None:
