@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import re
 import shutil
@@ -165,11 +164,24 @@ def test_with_lora_the_adapters_alone_train_and_the_folder_is_the_base_with_them
     assert not torch.allclose(start, want, atol=1e-4), "the adapters changed nothing"
 
 
-def test_dora_sft_with_lora_writes_a_merged_full_model(tiny_model, tmp_path):
+def dora_sft(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    """`dora sft ARGV` through the command's own ``main``, in this process: its exit code and what it wrote to
+    stderr. A process of its own costs seconds of imports and checks nothing more here (the command as a process,
+    dora:tiny built on first use included, is tests/live/test_dora_run.py's README test; the one line of bad input
+    with no traceback is test_bad_input_in_a_subprocess_has_no_traceback). The torch threads it sets are restored."""
+    threads = torch.get_num_threads()
+    capsys.readouterr()
+    try:
+        code = sft_main.main(list(argv))
+    finally:
+        torch.set_num_threads(threads)
+    return code, capsys.readouterr().err
+
+
+def test_dora_sft_with_lora_writes_a_merged_full_model(tiny_model, tmp_path, capsys):
     config = write_config(tmp_path, rows_file(tmp_path, 16), tiny_model, epochs=1, lora=True)
-    r = subprocess.run([sys.executable, "-m", "dora", "sft", "--config", str(config), "--set", "learner.lora.rank=4"],
-                       capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert r.returncode == 0, r.stderr
+    code, err = dora_sft(capsys, "--config", str(config), "--set", "learner.lora.rank=4")
+    assert code == 0, err
     from safetensors.torch import load_file
 
     written = load_file(str(tmp_path / "out" / "model.safetensors"))
@@ -201,18 +213,18 @@ def write_config(tmp_path: pathlib.Path, dataset: pathlib.Path, model: pathlib.P
     return path
 
 
-def test_dora_sft_builds_dora_tiny_on_first_use_trains_and_writes_the_folder(tmp_path):
+def test_dora_sft_builds_dora_tiny_on_first_use_trains_and_writes_the_folder(tmp_path, capsys, monkeypatch):
     config = write_config(tmp_path, rows_file(tmp_path, 24), "dora:tiny", epochs=2)
     home = tmp_path / "home"  # dora:tiny is built into the user's cache: this test's, not the real one
-    r = subprocess.run([sys.executable, "-m", "dora", "sft", "--config", str(config)], capture_output=True,
-                       text=True, timeout=120, env={**os.environ, "HOME": str(home)})  # fmt: skip
-    assert r.returncode == 0, r.stderr
+    monkeypatch.setenv("HOME", str(home))
+    code, err = dora_sft(capsys, "--config", str(config))
+    assert code == 0, err
     start = home / ".cache" / "dora" / "tiny-model"
-    assert f"building dora:tiny into {start}" in r.stderr and f"epochs from {start}" in r.stderr, r.stderr
-    assert "24 rows" in r.stderr and "0 answers cut" in r.stderr
-    assert re.search(r"epoch 2/2  loss [\d.]+  [\d,]+ tok/s", r.stderr), r.stderr
+    assert f"building dora:tiny into {start}" in err and f"epochs from {start}" in err, err
+    assert "24 rows" in err and "0 answers cut" in err
+    assert re.search(r"epoch 2/2  loss [\d.]+  [\d,]+ tok/s", err), err
     assert (tmp_path / "out" / "config.json").is_file() and (tmp_path / "out" / "chat_template.jinja").is_file()
-    assert f"wrote {tmp_path / 'out'}" in r.stderr
+    assert f"wrote {tmp_path / 'out'}" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["home", "out", "rows.jsonl", "sft.toml"]
     assert sorted(p.name for p in start.parent.iterdir()) == ["tiny-model"] and (start / "config.json").is_file()
 
