@@ -31,7 +31,7 @@ def evaluate(engine: StepEngine[Any], task: TaskRun, *, samples: int = 1, temper
         raise ValueError("eval: samples must be >= 1, and 1 with greedy decoding (temperature 0)")
     started = time.perf_counter()
     rows = task.rows[:limit] if limit else task.rows
-    if task.env is not None:
+    if task.env is not None or task.agent is not None:
         metrics = asyncio.run(_episodes(engine, task, rows, samples=samples, temperature=temperature,
                                         max_tokens=max_tokens, seed=seed))  # fmt: skip
         return {**metrics, "seconds": round(time.perf_counter() - started, 3)}
@@ -61,33 +61,40 @@ def evaluate(engine: StepEngine[Any], task: TaskRun, *, samples: int = 1, temper
 
 async def _episodes(engine: StepEngine[Any], task: TaskRun, rows: list[Any], *, samples: int, temperature: float,
                     max_tokens: int, seed: int) -> dict[str, Any]:  # fmt: skip
-    """An environment's task: each row's ``samples`` episodes, scored by the environment (a success is a reward of
-    at least 1). Runs on its own event loop, from a process's main thread (dora run, dora eval)."""
+    """An environment's or an agent's task: each row's ``samples`` episodes, scored by the environment or returned
+    by the agent (a success is a reward of at least 1), as a worker's evaluation round runs them. Runs on its own
+    event loop, from a process's main thread (dora run, dora eval)."""
+    from dora.rollout.agents.episodes import AgentEpisodes
     from dora.rollout.episodes import Episodes, score
     from dora.wire import messages as m
 
-    episodes = Episodes(engine, task)
-    for r in rows:
-        prompt = np.array(task.encode(task.texts[r.index]), np.int32)
-        episodes.submit(m.Generate(group_id=GroupId(r.index), attempt=AttemptId(0), version=engine.version or 0,
-                                   prompt_ids=prompt, n_samples=samples, max_tokens=max_tokens, temperature=temperature,
-                                   seed=row_seed(seed, r.index)),
-                        task.row_item(r.index))  # fmt: skip
+    episodes = AgentEpisodes(engine, task) if task.agent is not None else Episodes(engine, task)
     done: dict[int, list[Any]] = {r.index: [] for r in rows}
-    while len(episodes):
-        episodes.advance()
+    try:
+        for r in rows:
+            prompt = np.array(task.encode(task.texts[r.index]), np.int32)
+            episodes.submit(m.Generate(group_id=GroupId(r.index), attempt=AttemptId(0), version=engine.version or 0,
+                                       prompt_ids=prompt, n_samples=samples, max_tokens=max_tokens,
+                                       temperature=temperature, seed=row_seed(seed, r.index)),
+                            task.row_item(r.index))  # fmt: skip
+        while len(episodes):  # the engine steps on a thread, as a worker's does: agents and tools go on meanwhile
+            episodes.take_answers()
+            episodes.turns_ended(await asyncio.to_thread(engine.step) if len(engine) else [])
+            for ep in episodes.take_finished():
+                done[ep.key[0]].append(ep)
+            await asyncio.sleep(0 if len(engine) else 0.002)
         for ep in episodes.take_finished():
-            done[ep.seq.group_id].append(ep)
-        await asyncio.sleep(0 if len(engine) else 0.002)
-    for ep in episodes.take_finished():
-        done[ep.seq.group_id].append(ep)
+            done[ep.key[0]].append(ep)
+    finally:
+        if isinstance(episodes, AgentEpisodes):
+            await episodes.endpoint.close()
     per_row, lengths, failed = [], [], 0
     for r in rows:
-        eps = sorted(done[r.index], key=lambda e: e.seq.index)
+        eps = sorted(done[r.index], key=lambda e: e.key[2])
         scored = [score(ep) for ep in eps]
         failed += sum(bool(reason) for _, reason in scored)
         per_row.append([reward for reward, _ in scored])
-        lengths.append([len(ep.seq.tokens) for ep in eps])
+        lengths.append([ep.length for ep in eps])
     out: dict[str, Any] = summarize(per_row, lengths)
     out.update(reward_failures=float(failed), turns=float(np.mean([len(e.turns) for v in done.values() for e in v])))
     return out

@@ -165,3 +165,16 @@ def test_dora_sft_on_an_agents_task_needs_the_trace_field(tiny_model, tmp_path):
     cfg = agent_cfg(rows, f"sft.model={tiny_model}", f"sft.out={tmp_path / 'o'}")
     with pytest.raises(ConfigError, match=r"an agent's task needs sft\.trace_field"):
         sft.plan(cfg)
+
+
+def test_held_out_evaluation_runs_the_agents_episodes(tiny_model, tmp_path):
+    """`dora run`'s before and after (and `dora eval`): each row's samples are agent episodes, scored by what the
+    agent returns, not completions of the template's opening."""
+    from dora.rollout.evaluate import evaluate
+
+    rows = [json.loads(x) for x in ROWS.read_text().splitlines()[:2]]
+    run = agent_run(tiny_model, rows_file(tmp_path, rows))
+    right = turns_of(sft.encode_conversations(run, "trace", max_answer_tokens=96).items[0])
+    out = evaluate(Scripted(right), run, samples=1, max_tokens=80, limit=1)
+    assert out["accuracy"] == 1.0 and out["turns"] == 2.0 and out["reward_failures"] == 0.0
+    assert out["mean_tokens"] == len(sft.encode_conversations(run, "trace", 96).items[0].ids) - len(run.opening)
