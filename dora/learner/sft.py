@@ -17,6 +17,9 @@ format (and a little of the task) on the same dataset config RL uses:
    share of every batch: the steps, the loss and the folder are the one-rank run's (``dora.learner.sft_ranks``).
 6. ``sft.lora``: adapters shaped as ``[learner.lora]`` train on the frozen start model (``dora.hf.lora``), and are
    merged into its weights before the folder is written (``merged``): the folder is a full model either way.
+7. Episodes (``sft.trace_field``): an environment's recorded turns (``encode_episodes``), or an agent's recorded
+   conversations in OpenAI form (``encode_conversations``), each encoded as a worker records the episode: the
+   assistant turns trained on, everything else context.
 """
 
 from __future__ import annotations
