@@ -11,6 +11,8 @@ import dataclasses
 import enum
 import importlib
 import json
+import os
+import sys
 import tomllib
 import types
 import typing
@@ -160,6 +162,19 @@ class CoreConfig:
         return self.total_steps * self.train_groups
 
 
+def _import(module: str) -> Any:
+    """``module``, imported; one not found on the path is looked for in the working directory too, as ``python -m``
+    would find it (the ``dora`` script's own path does not hold the directory it runs in)."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        here = os.getcwd()
+        if e.name != module.partition(".")[0] or here in sys.path:
+            raise
+        sys.path.append(here)
+        return importlib.import_module(module)
+
+
 def resolve_callable(spec: str, what: str) -> Callable[..., Any]:
     """``module:function`` -> the function, imported; a ConfigError that starts with ``what`` for a bad spec
     (no colon, a module that does not import, no such attribute, not callable)."""
@@ -167,7 +182,7 @@ def resolve_callable(spec: str, what: str) -> Callable[..., Any]:
     if not module or not name:
         raise ConfigError(f"{what} {spec!r}: expected 'module:function'")
     try:
-        imported = importlib.import_module(module)
+        imported = _import(module)
     except ImportError as e:
         raise ConfigError(f"{what} {spec!r}: {e}") from None
     except Exception as e:  # the user's module failed while importing: one line, not a traceback

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from dora.config import ConfigError, CoreConfig, load
@@ -123,3 +125,17 @@ def test_filter_uniform_groups_is_false_true_or_replace_and_replace_turns_the_co
     with pytest.raises(ConfigError, match=r"core\.filter_uniform is set by learner\.filter_uniform_groups = 'replace'"):
         load(RunConfig, overrides=["core.filter_uniform=true"])
     assert load(SimConfig, overrides=["core.filter_uniform=true", "workload.uniform_share=0.5"]).core.filter_cap == 32
+
+
+def test_a_module_callable_is_found_in_the_working_directory_as_python_m_would(tmp_path, monkeypatch):
+    """The ``dora`` script's path does not hold the directory it runs in: a ``module:function`` of the user's (an
+    agent, a reward) is looked for there too; a module that is nowhere is still one clear error."""
+    from dora.config import resolve_callable
+
+    (tmp_path / "myagents_here").mkdir()
+    (tmp_path / "myagents_here" / "__init__.py").write_text("async def agent(row, client):\n    return 1.0\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    assert resolve_callable("myagents_here:agent", "task.agent").__name__ == "agent"
+    with pytest.raises(ConfigError, match="No module named 'nowhere_at_all'"):
+        resolve_callable("nowhere_at_all:f", "task.agent")
