@@ -5,7 +5,8 @@ of the engine directly, side by side in one run.
     .venv/bin/python bench/agent_endpoint.py --concurrent 8 --tokens 32
 
 One process builds dora's tiny model and a torch engine, then alternates rounds of the two paths on the same
-requests (same conversation, seeds and token budget, so the engine does the same work):
+requests (same conversation, seeds and token budget, so the engine does the same work), batch by batch of
+``--concurrent`` completions, so that the machine's load swings fall on both:
 
 - **direct**: the conversation rendered with the chat template and encoded here, submitted to the engine, stepped
   until the turn ends; what a worker does for an environment's episode;
@@ -14,8 +15,8 @@ requests (same conversation, seeds and token budget, so the engine does the same
   the client parses the JSON; the worker's own step loop drives the engine.
 
 Both paths must sample the same tokens (the bench checks it: the endpoint adds no re-tokenization). It prints the
-median wall time per completion of each, the overhead per completion (endpoint - direct) and the ratio, for
-``--concurrent`` completions at once (1: one after another). Writes bench/out/agent_endpoint.json.
+median over batches of the wall time per completion of each, the overhead per completion (endpoint - direct) and
+the ratio, for ``--concurrent`` completions at once (1: one after another). Writes bench/out/agent_endpoint.json.
 """
 
 from __future__ import annotations
@@ -106,20 +107,24 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     await endpoint_round(w, groups[:2], 1)  # warm: the endpoint started, the client's first connection made
     direct_round(w, groups[:2], 1)
     times: dict[str, list[float]] = {"direct": [], "endpoint": []}
-    for _ in range(args.rounds):
-        d, d_tokens = direct_round(w, groups, args.concurrent)
-        e, e_tokens = await endpoint_round(w, groups, args.concurrent)
-        if d_tokens != e_tokens:
-            raise SystemExit("the endpoint sampled other tokens than the engine did for the same request")
-        times["direct"].append(d)
-        times["endpoint"].append(e)
+    d_tokens: dict[int, list[int]] = {}
+    for _ in range(args.rounds):  # batch by batch, alternating: a swing of the machine's load falls on both
+        for k in range(0, len(groups), args.concurrent):
+            batch = groups[k : k + args.concurrent]
+            d, direct_tokens = direct_round(w, batch, args.concurrent)
+            e, endpoint_tokens = await endpoint_round(w, batch, args.concurrent)
+            if direct_tokens != endpoint_tokens:
+                raise SystemExit("the endpoint sampled other tokens than the engine did for the same request")
+            d_tokens.update(direct_tokens)
+            times["direct"].append(d)
+            times["endpoint"].append(e)
     direct, endpoint = statistics.median(times["direct"]), statistics.median(times["endpoint"])
     tokens = statistics.mean(len(t) for t in d_tokens.values())
     result = {"completions": args.completions, "concurrent": args.concurrent, "rounds": args.rounds,
               "tokens_per_completion": tokens, "direct_ms": direct * 1e3, "endpoint_ms": endpoint * 1e3,
               "overhead_ms": (endpoint - direct) * 1e3, "ratio": endpoint / direct, "raw_s": times}  # fmt: skip
     print(f"{args.completions} completions of ≤{TOKENS} tokens (mean {tokens:.1f}), {args.concurrent} at once, "
-          f"median of {args.rounds} rounds, same tokens both ways")  # fmt: skip
+          f"{args.rounds} rounds, median of {len(times['direct'])} batches a side, same tokens both ways")  # fmt: skip
     print(f"  direct engine call : {direct * 1e3:8.2f} ms per completion")
     print(f"  through endpoint   : {endpoint * 1e3:8.2f} ms per completion")
     print(f"  overhead           : {(endpoint - direct) * 1e3:8.2f} ms per completion (x{endpoint / direct:.2f})")
