@@ -23,6 +23,7 @@ process runs on one and the config names none (``wants_gpus``).
 
 from __future__ import annotations
 
+import glob
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -63,8 +64,12 @@ class Placement:
         return f"GPUs {','.join(self.gpus)}: " + "; ".join(parts)
 
 
-def cuda_count() -> int:
-    """GPUs torch counts here (it honours CUDA_VISIBLE_DEVICES); 0 where torch has no CUDA."""
+def cuda_count(devices: Sequence[str] = ("/proc/driver/nvidia/version", "/dev/nvidia*", "/dev/kfd")) -> int:
+    """GPUs torch counts here (it honours CUDA_VISIBLE_DEVICES); 0 where torch has no CUDA. Where no GPU driver shows
+    (none of ``devices``: NVIDIA's /proc entry or device nodes, ROCm's /dev/kfd), it is 0 without importing torch,
+    which takes seconds of CPU."""
+    if not any(glob.glob(pattern) for pattern in devices):
+        return 0
     import torch
 
     return torch.cuda.device_count()

@@ -194,6 +194,8 @@ def test_dora_run_starts_each_process_with_its_gpus(tmp_path, tiny_model, monkey
     assert "GPUs 4,5,6,7: learner 4,5 (2 ranks); w0 4 (elastic); w1 6; idle 7" in err, err
     env = {}
     for argv, e in Recorded.started:
+        if argv[0] != sys.executable:  # not a dora process (a library may run a tool of its own, e.g. ldconfig)
+            continue
         name = "learner" if "learner" in argv else argv[argv.index("--name") + 1] if "--name" in argv else "broker"
         env[name] = e["CUDA_VISIBLE_DEVICES"]
         if name == "learner":
@@ -255,3 +257,13 @@ def test_vllm_cpu_shards_split_the_workers_cores(monkeypatch, cores, shards, wan
 
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: cores)
     assert cpu_binding(shards) == want
+
+
+def test_no_gpu_driver_is_no_gpu_without_asking_torch(tmp_path, monkeypatch):
+    from dora.launch import placement
+
+    assert placement.cuda_count(devices=(str(tmp_path / "nvidia*"),)) == 0
+    (tmp_path / "nvidia0").touch()
+    asked = []
+    monkeypatch.setattr("torch.cuda.device_count", lambda: asked.append(1) or 3)
+    assert placement.cuda_count(devices=(str(tmp_path / "nvidia*"),)) == 3 and asked == [1]
