@@ -34,7 +34,7 @@ from dora.ids import Mode
 from dora.sim.workload import Workload
 from tests.unit.machine import Harness, together
 
-EXAMPLES = int(os.environ.get("DORA_PROPERTY_EXAMPLES", "500"))
+EXAMPLES = int(os.environ.get("DORA_PROPERTY_EXAMPLES", "200"))
 
 
 class CoreMachine(RuleBasedStateMachine):
