@@ -149,3 +149,17 @@ def test_environment_tokens_are_context_but_never_trained(tiny_model, tmp_path):
     for (name, p), q in zip(trainer.model.named_parameters(), other.model.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, atol=0, rtol=0, msg=lambda e, w=name: f"{w}: {e}")
         assert p.grad is not None
+
+
+def test_an_episode_of_no_tokens_trains_nothing_and_its_batch_trains(tiny_model, tmp_path):
+    """An agent that never asked for a completion is an episode of no tokens: its group is trained whole, the empty
+    sample contributes nothing; a micro-batch of only such samples is no step at all, not an error."""
+    batch = sampled_batch(tiny_model)
+    empty = TrainSample(index=0, token_ids=np.zeros(0, np.int32), logprobs=np.zeros(0, np.float32), reward=1.0,
+                        finish=Finish.STOP, loss_mask=np.zeros(0, np.uint8), turns=np.zeros((0, 3), np.int32))
+    first = batch.groups[0]
+    groups = (TrainGroup(group_id=first.group_id, version=0, prompt_ids=first.prompt_ids,
+                         samples=(empty, *first.samples[1:])), *batch.groups[1:])  # fmt: skip
+    metrics = TorchTrainer(tiny_model, WeightStore(tmp_path / "a"), LossConfig(),
+                           TrainerConfig(lr=1e-2, micro_batch=1)).train(Batch(step=0, groups=groups))  # fmt: skip
+    assert np.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
