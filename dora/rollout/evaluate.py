@@ -25,15 +25,18 @@ from dora.tasks.prompts import TaskRun
 
 
 def evaluate(engine: StepEngine[Any], task: TaskRun, *, samples: int = 1, temperature: float = 0.0,
-             max_tokens: int = 32, limit: int | None = None, seed: int = 0) -> dict[str, Any]:  # fmt: skip
-    """Sample every row (the first ``limit``) with ``engine`` and score it; the metrics and the seconds taken."""
+             max_tokens: int = 32, limit: int | None = None, seed: int = 0,
+             open_episodes: int = 64) -> dict[str, Any]:  # fmt: skip
+    """Sample every row (the first ``limit``) with ``engine`` and score it; the metrics and the seconds taken.
+    Episodes (an environment's or an agent's task) are open ``open_episodes`` at most (a row's samples at least), as
+    a worker holds no more than its credit: hundreds of agents at once on one event loop wait past their timeout."""
     if samples < 1 or (temperature <= 0 and samples > 1):
         raise ValueError("eval: samples must be >= 1, and 1 with greedy decoding (temperature 0)")
     started = time.perf_counter()
     rows = task.rows[:limit] if limit else task.rows
     if task.env is not None or task.agent is not None:
         metrics = asyncio.run(_episodes(engine, task, rows, samples=samples, temperature=temperature,
-                                        max_tokens=max_tokens, seed=seed))  # fmt: skip
+                                        max_tokens=max_tokens, seed=seed, most=open_episodes))  # fmt: skip
         return {**metrics, "seconds": round(time.perf_counter() - started, 3)}
     for r in rows:
         prompt = task.encode(task.texts[r.index])
@@ -60,7 +63,7 @@ def evaluate(engine: StepEngine[Any], task: TaskRun, *, samples: int = 1, temper
 
 
 async def _episodes(engine: StepEngine[Any], task: TaskRun, rows: list[Any], *, samples: int, temperature: float,
-                    max_tokens: int, seed: int) -> dict[str, Any]:  # fmt: skip
+                    max_tokens: int, seed: int, most: int) -> dict[str, Any]:  # fmt: skip
     """An environment's or an agent's task: each row's ``samples`` episodes, scored by the environment or returned
     by the agent (a success is a reward of at least 1), as a worker's evaluation round runs them. Runs on its own
     event loop, from a process's main thread (dora run, dora eval)."""
@@ -70,14 +73,16 @@ async def _episodes(engine: StepEngine[Any], task: TaskRun, rows: list[Any], *, 
 
     episodes = AgentEpisodes(engine, task) if task.agent is not None else Episodes(engine, task)
     done: dict[int, list[Any]] = {r.index: [] for r in rows}
+    waiting = list(rows)
     try:
-        for r in rows:
-            prompt = np.array(task.encode(task.texts[r.index]), np.int32)
-            episodes.submit(m.Generate(group_id=GroupId(r.index), attempt=AttemptId(0), version=engine.version or 0,
-                                       prompt_ids=prompt, n_samples=samples, max_tokens=max_tokens,
-                                       temperature=temperature, seed=row_seed(seed, r.index)),
-                            task.row_item(r.index))  # fmt: skip
-        while len(episodes):  # the engine steps on a thread, as a worker's does: agents and tools go on meanwhile
+        while waiting or len(episodes):  # the engine steps on a thread, as a worker's does: agents go on meanwhile
+            while waiting and (not len(episodes) or len(episodes) + samples <= most):
+                r = waiting.pop(0)
+                prompt = np.array(task.encode(task.texts[r.index]), np.int32)
+                episodes.submit(m.Generate(group_id=GroupId(r.index), attempt=AttemptId(0),
+                                           version=engine.version or 0, prompt_ids=prompt, n_samples=samples,
+                                           max_tokens=max_tokens, temperature=temperature,
+                                           seed=row_seed(seed, r.index)), task.row_item(r.index))  # fmt: skip
             episodes.take_answers()
             episodes.turns_ended(await asyncio.to_thread(engine.step) if len(engine) else [])
             for ep in episodes.take_finished():

@@ -64,6 +64,8 @@ class Scripted:
         self.turns = turns
         self.running: list[Sample] = []
         self.done: dict[int, int] = {}
+        self.most = 0
+        """Sequences in one step at most."""
 
     def submit(self, *, group_id, attempt, prompt, n, max_tokens, stops=frozenset(), version=None, index=0, **_):
         seq = Sample(group_id=group_id, attempt=attempt, index=index, prompt=prompt, max_tokens=max_tokens,
@@ -76,6 +78,7 @@ class Scripted:
         self.running.append(seq)
 
     def step(self) -> list[Sample]:
+        self.most = max(self.most, len(self.running))
         ended, self.running = self.running, []
         for seq in ended:
             turn = self.turns[self.done.setdefault(id(seq), 0)]
@@ -178,3 +181,8 @@ def test_held_out_evaluation_runs_the_agents_episodes(tiny_model, tmp_path):
     out = evaluate(Scripted(right), run, samples=1, max_tokens=80, limit=1)
     assert out["accuracy"] == 1.0 and out["turns"] == 2.0 and out["reward_failures"] == 0.0
     assert out["mean_tokens"] == len(sft.encode_conversations(run, "trace", 96).items[0].ids) - len(run.opening)
+    for most, together in ((1, 1), (64, 2)):  # at most one open: the second row's episode starts after the first's
+        engine = Scripted(right)
+        out = evaluate(engine, run, samples=1, max_tokens=80, open_episodes=most)
+        assert out["rows"] == 2 and out["turns"] == 2.0 and out["reward_failures"] == 0.0
+        assert engine.most == together
