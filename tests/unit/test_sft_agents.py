@@ -186,3 +186,13 @@ def test_held_out_evaluation_runs_the_agents_episodes(tiny_model, tmp_path):
         out = evaluate(engine, run, samples=1, max_tokens=80, open_episodes=most)
         assert out["rows"] == 2 and out["turns"] == 2.0 and out["reward_failures"] == 0.0
         assert engine.most == together
+
+
+def test_the_shipped_rows_are_what_their_generator_writes(tmp_path):
+    from examples.agents.rows import write_rows
+
+    write_rows(tmp_path)
+    for name in ("train", "test"):
+        assert (tmp_path / f"{name}.jsonl").read_bytes() == (ROWS.parent / f"{name}.jsonl").read_bytes()
+    rows = [json.loads(x) for x in ROWS.read_text().splitlines()]
+    assert [bool(len(r["trace"]["messages"]) > 3) for r in rows[:4]] == [True, False, True, False]
