@@ -358,8 +358,10 @@ class SftSection:
     threads: int = 0
     """torch CPU threads per rank; 0 = this machine's cores shared out among the ranks."""
     trace_field: str | None = None
-    """task.env: the dataset column holding each row's recorded episode after the opening (chat turns); the
-    assistant turns are trained on (max_answer_tokens bounds their tokens), the environment's are context."""
+    """task.env: the dataset column holding each row's recorded episode after the opening (chat turns); task.agent:
+    each row's recorded conversation, {"tools", "messages"} (the first request, then each answer with its tool calls
+    and the tool results). The assistant turns are trained on (max_answer_tokens bounds their tokens), the rest is
+    context."""
     device: str = "auto"
     """``auto`` (this rank's GPU, ``cuda:<local rank>``, when there is one, else the CPU), ``cpu``, ``cuda``
     (``cuda:<local rank>``) or a torch device string (``cuda:1``: one rank only). GPUs use NCCL between ranks,
