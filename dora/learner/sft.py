@@ -134,14 +134,10 @@ def encode_episodes(run: TaskRun, field: str, max_answer_tokens: int) -> Example
     ``field``: the chat turns after the opening). Assistant turns are trained on, each with the turn's end token;
     the environment's turns are context, rendered exactly as a worker renders them between turns."""
     from dora.tasks import datasets
-    from dora.tasks.prompts import stop_ids
     from dora.tasks.templates import observation_text
 
     assert run.env is not None and run.epochs is not None and run.section.dataset is not None
-    stop = stop_ids(run, run.section.turn_end)
-    if not stop:
-        raise ConfigError("sft.trace_field needs task.turn_end: the token that ends an assistant turn")
-    said = run.tokenizer.decode([stop[0]], skip_special_tokens=False)
+    stop, said = turn_end(run)
     raw, _ = datasets.read_table(run.section.dataset, run.section.split)
     items, truncated, answer_tokens = [], 0, 0
     for i in run.epochs.kept.tolist():
@@ -185,14 +181,10 @@ def encode_conversations(run: TaskRun, field: str, max_answer_tokens: int) -> Ex
     (content and tool calls) with the turn's end token; the messages between answers (tool results) are context,
     rendered as the worker's endpoint renders a later request's new messages."""
     from dora.tasks import datasets
-    from dora.tasks.prompts import stop_ids
     from dora.tasks.templates import observation_text
 
     assert run.agent is not None and run.epochs is not None and run.section.dataset is not None
-    stop = stop_ids(run, run.section.turn_end)
-    if not stop:
-        raise ConfigError("sft.trace_field needs task.turn_end: the token that ends an assistant turn")
-    said = run.tokenizer.decode([stop[0]], skip_special_tokens=False)
+    stop, said = turn_end(run)
     raw, _ = datasets.read_table(run.section.dataset, run.section.split)
     items, truncated, answer_tokens = [], 0, 0
     for i in run.epochs.kept.tolist():
@@ -255,6 +247,16 @@ def assistant_text(run: TaskRun, chat: list[dict[str, Any]], message: dict[str, 
                           f"by {said!r}: its assistant turns cannot be imitated")  # fmt: skip
     turn = text[len(before) :]
     return turn[: turn.index(said)]
+
+
+def turn_end(run: TaskRun) -> tuple[list[int], str]:
+    """The token ids that end an assistant turn (task.turn_end, else the template's) and the first one's text."""
+    from dora.tasks.prompts import stop_ids
+
+    stop = stop_ids(run, run.section.turn_end)
+    if not stop:
+        raise ConfigError("sft.trace_field needs task.turn_end: the token that ends an assistant turn")
+    return stop, run.tokenizer.decode([stop[0]], skip_special_tokens=False)
 
 
 def answer_count(e: Example) -> int:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import pathlib
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from dora.tasks.tasks import Arithmetic, Item
 
@@ -23,10 +25,12 @@ def trace(item: Item, tool: bool) -> list[dict[str, str]]:
             {"role": "tool", "content": f"= {item.answer}"}, a]  # fmt: skip
 
 
-def write_rows(folder: str | pathlib.Path, *, train: int = 2000, test: int = 300) -> None:
+def write_rows(folder: str | pathlib.Path, *, train: int = 2000, test: int = 300,
+               traced: Callable[[Item, bool], Any] = trace) -> None:  # fmt: skip
     """``train.jsonl`` and ``test.jsonl`` (``question``, ``answer``, ``trace``: a recorded right episode, with
     the calculator in every other row and the answer alone in the rest) from two seeds of the arithmetic
-    task; a test question also in train is left out."""
+    task; a test question also in train is left out. ``traced(item, tool)`` records a row's episode (an agent's
+    conversation: examples/agents/rows.py)."""
     out = pathlib.Path(folder)
     out.mkdir(parents=True, exist_ok=True)
     seen: set[str] = set()
@@ -38,7 +42,7 @@ def write_rows(folder: str | pathlib.Path, *, train: int = 2000, test: int = 300
             if item.prompt in seen:
                 continue
             seen.add(item.prompt)
-            rows.append({"question": item.prompt, "answer": item.answer, "trace": trace(item, len(rows) % 2 == 0)})
+            rows.append({"question": item.prompt, "answer": item.answer, "trace": traced(item, len(rows) % 2 == 0)})
         with open(out / f"{name}.jsonl", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
 

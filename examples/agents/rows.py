@@ -15,7 +15,8 @@ import sys
 from typing import Any
 
 from dora.envs.calculator import evaluate
-from dora.tasks.tasks import Arithmetic, Item
+from dora.tasks import tool_rows
+from dora.tasks.tasks import Item
 from examples.agents.calculator import SYSTEM, TOOLS
 
 
@@ -36,20 +37,7 @@ def write_rows(folder: str | pathlib.Path, *, train: int = 2000, test: int = 300
     """``train.jsonl`` and ``test.jsonl`` from two seeds of the arithmetic task (the calculator environment's
     questions: ``dora.tasks.tool_rows``), the calculator in every other row; a test question also in train is left
     out."""
-    out = pathlib.Path(folder)
-    out.mkdir(parents=True, exist_ok=True)
-    seen: set[str] = set()
-    for name, n, seed in (("train", train, 0), ("test", test, 1)):
-        task, i = Arithmetic(seed=seed), 0
-        rows: list[dict[str, object]] = []
-        while len(rows) < n:
-            item, i = task.item(i), i + 1
-            if item.prompt in seen:
-                continue
-            seen.add(item.prompt)
-            rows.append({"question": item.prompt, "answer": item.answer, "trace": trace(item, len(rows) % 2 == 0)})
-        with open(out / f"{name}.jsonl", "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+    tool_rows.write_rows(folder, train=train, test=test, traced=trace)
 
 
 if __name__ == "__main__":
