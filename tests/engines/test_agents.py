@@ -249,6 +249,11 @@ async def test_requests_outside_the_runs_distribution_or_its_record_are_refused_
 async def test_an_episodes_calls_come_one_at_a_time_and_calls_after_its_end_find_nothing(tiny_model):
     w = worker(tiny_model, "calls_twice_at_once")
     w.submit(lease(w, 10, n=1), 0.0)
+    w.paused = True  # the first call waits for the engine, so the second surely finds it in progress
+    deadline = time.monotonic() + 30
+    while w.episodes.stats["refused"] < 1 and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    w.paused = False
     (r,) = await run(w, until=1)
     results = SEEN["calls_twice_at_once"][-1]
     assert sum(isinstance(x, openai.ConflictError) for x in results) == 1 and len(r.turns) == 1
