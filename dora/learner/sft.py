@@ -164,12 +164,10 @@ def encode_episodes(run: TaskRun, field: str, max_answer_tokens: int) -> Example
             model = [*run.tokenizer.encode(turn["content"], add_special_tokens=False).ids, stop[0]]
             ids, trained = ids + model, trained + [True] * len(model)
             chat.append({"role": "assistant", "content": turn["content"]})
-        if sum(trained) > max_answer_tokens:
-            truncated += 1
-            keep = next(j for j in range(len(trained)) if sum(trained[: j + 1]) == max_answer_tokens) + 1
-            ids, trained = ids[: prompt_len + keep], trained[:keep]
-        answer_tokens += sum(trained)
-        items.append(Example(row=i, ids=tuple(ids), prompt_len=prompt_len, trained=tuple(trained)))
+        example, cut = bounded(i, ids, trained, prompt_len, max_answer_tokens)
+        truncated += cut
+        answer_tokens += sum(example.trained or ())
+        items.append(example)
     return Examples(items=items, truncated=truncated, answer_tokens=answer_tokens)
 
 
@@ -204,12 +202,10 @@ def encode_conversations(run: TaskRun, field: str, max_answer_tokens: int) -> Ex
                                  ) if after > k + 1 else []  # fmt: skip
             ids += turn + between
             trained += [True] * len(turn) + [False] * len(between)
-        if sum(trained) > max_answer_tokens:
-            truncated += 1
-            keep = next(j for j in range(len(trained)) if sum(trained[: j + 1]) == max_answer_tokens) + 1
-            ids, trained = ids[: prompt_len + keep], trained[:keep]
-        answer_tokens += sum(trained)
-        items.append(Example(row=i, ids=tuple(ids), prompt_len=prompt_len, trained=tuple(trained)))
+        example, cut = bounded(i, ids, trained, prompt_len, max_answer_tokens)
+        truncated += cut
+        answer_tokens += sum(example.trained or ())
+        items.append(example)
     return Examples(items=items, truncated=truncated, answer_tokens=answer_tokens)
 
 
@@ -247,6 +243,15 @@ def assistant_text(run: TaskRun, chat: list[dict[str, Any]], message: dict[str, 
                           f"by {said!r}: its assistant turns cannot be imitated")  # fmt: skip
     turn = text[len(before) :]
     return turn[: turn.index(said)]
+
+
+def bounded(row: int, ids: list[int], trained: list[bool], prompt_len: int, most: int) -> tuple[Example, bool]:
+    """A recorded episode's example, cut after its ``most``-th trained token; and whether it was cut."""
+    cut = sum(trained) > most
+    if cut:
+        keep = next(j for j in range(len(trained)) if sum(trained[: j + 1]) == most) + 1
+        ids, trained = ids[: prompt_len + keep], trained[:keep]
+    return Example(row=row, ids=tuple(ids), prompt_len=prompt_len, trained=tuple(trained)), cut
 
 
 def turn_end(run: TaskRun) -> tuple[list[int], str]:

@@ -19,7 +19,7 @@ from dora.rollout.engines.stepped import StepWorkerEngine
 from dora.rollout.engines.torch.engine import TorchEngine
 from dora.samples import FinishedSample
 from dora.tasks.prompts import TaskRun
-from dora.wire import messages as m
+from tests.engines.test_episodes import lease, run
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -127,21 +127,6 @@ def worker(model, agent: str, **task) -> StepWorkerEngine:
     task.setdefault("env_timeout_s", 5.0)
     section = TaskSection(name="arithmetic", tokenizer=str(model), chat_template=True, agent=f"{HERE}:{agent}", **task)
     return StepWorkerEngine(TorchEngine(model, version=7), TaskRun(section, str(model)))
-
-
-def lease(w: StepWorkerEngine, group: int, n: int = 2, max_tokens: int = 6) -> m.Generate:
-    return m.Generate(group_id=group, attempt=1, version=7, prompt_ids=w.task.prompt_ids(group), n_samples=n,
-                      max_tokens=max_tokens, seed=group)  # fmt: skip
-
-
-async def run(w: StepWorkerEngine, *, until: int) -> list[FinishedSample]:
-    out: list[FinishedSample] = []
-    deadline = time.monotonic() + 60
-    while len(out) < until and time.monotonic() < deadline:
-        w.advance(0.0)
-        out += [w.result(s, 0) for s in w.take_finished()]
-        await asyncio.sleep(w.next_event_s() or 0)
-    return sorted(out, key=lambda r: (r.group_id, r.index))
 
 
 def check_recorded(w: StepWorkerEngine, r: FinishedSample) -> None:
