@@ -275,6 +275,10 @@ class Episodes:
 
     # ------------------------------------------------------------------ results
 
+    def counters(self) -> dict[str, float]:
+        """What a worker reports of its episodes (``WorkerEngine.counters``): those whose environment failed."""
+        return {"env_failed": float(sum(self.failures.values()))}
+
     def take_finished(self) -> list[Episode]:
         done, self.finished = self.finished, []
         return done

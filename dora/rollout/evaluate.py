@@ -92,7 +92,7 @@ async def _episodes(engine: StepEngine[Any], task: TaskRun, rows: list[Any], *, 
             done[ep.key[0]].append(ep)
     finally:
         if isinstance(episodes, AgentEpisodes):
-            await episodes.endpoint.close()
+            await episodes.close()
     per_row, lengths, failed = [], [], 0
     for r in rows:
         eps = sorted(done[r.index], key=lambda e: e.key[2])

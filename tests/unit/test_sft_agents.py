@@ -112,7 +112,7 @@ async def episode(run: TaskRun, row: int, turns: list[list[int]]):
             await asyncio.sleep(0.002)
         raise AssertionError("the agent never returned")
     finally:
-        await episodes.endpoint.close()
+        await episodes.close()
 
 
 @pytest.mark.parametrize(("row", "calls"), [(0, 1), (1, 0)])

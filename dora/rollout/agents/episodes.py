@@ -475,6 +475,19 @@ class AgentEpisodes:
 
     # ------------------------------------------------------------------ results
 
+    def counters(self) -> dict[str, float]:
+        """What a worker reports of its agents (``WorkerEngine.counters``): completions served, requests refused,
+        calls after their episode ended, and episodes failed."""
+        served = {f"agent_{key}": float(self.stats[key]) for key in ("completions", "refused", "late_calls")}
+        return {**served, "agent_failed": float(sum(self.failures.values()))}
+
+    async def close(self) -> None:
+        """Stop serving: the endpoint, and the connection pool the episodes' clients share."""
+        await self.endpoint.close()
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+
     def take_finished(self) -> list[AgentEpisode]:
         done, self.finished = self.finished, []
         return done

@@ -294,10 +294,10 @@ class StepWorkerEngine(ReadsVersions, WorkerEngine):
 
     def counters(self) -> dict[str, float]:
         """The reward services' counters (``combine.service_counters``: the training rows' and the held-out rows'
-        clients, summed by service) and the episodes' (``episode_counters``)."""
+        clients, summed by service) and the episodes' (their ``counters``)."""
         out = combine.service_counters(*(getattr(run, "reward", None) for run in (self.task, self.held_out)))
         if self.episodes is not None:
-            out.update(episode_counters(self.episodes))
+            out.update(self.episodes.counters())
         return out
 
     def load(self) -> tuple[int, float]:
@@ -318,16 +318,3 @@ def length(sample: Any) -> int:
     """A finished held-out sample's tokens: a sequence's, or an episode's (``Episode``, ``AgentEpisode``)."""
     return len(sample.tokens) if isinstance(sample, Sample) else int(sample.length)
 
-
-AGENT_COUNTERS = {"completions": "agent_completions", "refused": "agent_refused", "late_calls": "agent_late_calls"}
-"""``AgentEpisodes.stats`` keys as workers report them."""
-
-
-def episode_counters(episodes: Episodes | AgentEpisodes) -> dict[str, float]:
-    """Episodes' counters: an environment's episodes that failed (``env_failed``); an agent's completions served,
-    requests refused, calls after their episode ended and episodes failed (``agent_*``)."""
-    failed = float(sum(episodes.failures.values()))
-    stats = getattr(episodes, "stats", None)  # only agent episodes keep stats of their endpoint
-    if stats is None:
-        return {"env_failed": failed}
-    return {**{name: float(stats[key]) for key, name in AGENT_COUNTERS.items()}, "agent_failed": failed}
