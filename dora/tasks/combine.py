@@ -31,7 +31,6 @@ from dora.tasks.tasks import Item
 
 SERVED = {"model": "reward_model", "judge": "reward_judge"}
 """The sources `dora reward` serves (the components of its answer), by the task key that sets each."""
-_rules = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="reward-source")
 
 
 class RewardSourceFailed(Exception):
@@ -50,6 +49,8 @@ class Combined:
         self.rules = dict(rules)
         self.server = server
         self.served = tuple(name for name in SERVED if name in self.weights)
+        self._rules = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="reward-source")
+        """Where the rule sources run, beside the served ones."""
 
     def __call__(self, completion: str, item: Item) -> dict[str, float]:
         """The sample's components and ``"reward"`` (blocks until every source answered)."""
@@ -61,7 +62,7 @@ class Combined:
         parts: list[tuple[str, concurrent.futures.Future[Any]]] = []
         if self.served:
             parts.append(("server", self._serve(completion, item)))
-        parts += [(name, _rules.submit(fn, completion, item)) for name, fn in self.rules.items()]
+        parts += [(name, self._rules.submit(fn, completion, item)) for name, fn in self.rules.items()]
         out: concurrent.futures.Future[Any] = concurrent.futures.Future()
         left = [len(parts)]
         lock = threading.Lock()
@@ -116,6 +117,7 @@ class Combined:
         return {**values, "reward": total}
 
     def close(self) -> None:
+        self._rules.shutdown(wait=False)
         if self.server is not None:
             self.server.close()
 
