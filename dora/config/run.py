@@ -263,9 +263,10 @@ class TaskSection:
     and completion as one text, with its own tokenizer; served by `dora reward` (which `dora run` starts), its score
     is the reward component `model`."""
     reward_judge: str | None = None
-    """An LLM judge: a causal LM folder that answers task.judge_template greedily, at fixed weights, in `dora reward`;
-    the first number of its answer over task.judge_max_score, clipped to [0, 1], is the reward component `judge` (an
-    answer without a number scores the sample 0, with the reason)."""
+    """An LLM judge: a causal LM folder that answers task.judge_template greedily, at fixed weights, in `dora reward`
+    (served by one of dora's own engines: task.judge_engine); the first number of its answer over
+    task.judge_max_score, clipped to [0, 1], is the reward component `judge` (an answer without a number scores the
+    sample 0, with the reason)."""
     judge_template: str = (
         "Rate the response to the prompt from 0 (wrong) to 10 (fully correct); the reference answer is "
         "{answer}. Reply with the number only.\n\nPrompt:\n{prompt}\n\nResponse:\n{completion}\n\nScore:"
@@ -276,6 +277,10 @@ class TaskSection:
     """reward_judge: tokens the judge answers at most."""
     judge_max_score: float = 10.0
     """reward_judge: the judge's scale; its number is divided by this and clipped to [0, 1]."""
+    judge_engine: str = "torch"
+    """reward_judge: the dora engine that serves the judge in `dora reward`, its folder loaded once as version 0:
+    `torch` (dora's torch engine, on task.reward_device: float32 on the CPU, bfloat16 on a GPU) or `vllm` (the vllm
+    extra; on vLLM's platform, the first device CUDA_VISIBLE_DEVICES shows on a GPU machine)."""
     reward_weights: dict[str, float] = field(default_factory=dict)
     """Several rewards combined: source -> weight; the reward is the weighted sum and each source's value is a
     reward component (metrics.jsonl). A source is `model` (task.reward_model), `judge` (task.reward_judge) or what
@@ -291,7 +296,7 @@ class TaskSection:
     reward_server_wait_s: float = 0.01
     """`dora reward`: how long the first waiting sample waits for others to fill its batch."""
     reward_device: str = "cpu"
-    """`dora reward`: the torch device of the reward model and the judge (cpu, cuda, cuda:N)."""
+    """`dora reward`: the torch device of the reward model and of the judge's torch engine (cpu, cuda, cuda:N)."""
 
     def __post_init__(self) -> None:
         if self.dataset is not None and self.name == "synthetic":
@@ -355,6 +360,8 @@ def check_reward_sources(t: TaskSection) -> None:
     if not fields <= {"prompt", "completion", "answer"} or "completion" not in fields:
         raise ConfigError(f"task.judge_template may hold {{prompt}}, {{completion}} and {{answer}}, and needs "
                           f"{{completion}}; got {sorted(fields)}")  # fmt: skip
+    if t.judge_engine not in ("torch", "vllm"):
+        raise ConfigError(f"task.judge_engine must be 'torch' or 'vllm'; got {t.judge_engine!r}")
     if t.judge_max_tokens < 1 or not t.judge_max_score > 0:
         raise ConfigError(f"task.judge_max_tokens must be >= 1 and judge_max_score > 0; got {t.judge_max_tokens}, "
                           f"{t.judge_max_score}")  # fmt: skip

@@ -2,9 +2,9 @@
 sequence classifier and a Qwen2 causal LM judge with a chat template, on a small byte-level BPE tokenizer), called
 through the workers' own reward client: the reward model's scores are its direct forward pass on the prompt and
 completion, concurrent clients' samples share its batches (its /stats), and the judge's component is the first number
-of its own greedy answer to the filled template, scaled (or the sample's reason when there is none), the same each
-time. The weights are random: this is the plumbing, not the judge's quality. Both servers start at once, in the
-module's fixture; stopped by PID."""
+of its own greedy answer to the filled template (answered by dora's torch engine, as ``generate`` answers), scaled
+(or the sample's reason when there is none), the same each time. The weights are random: this is the plumbing, not
+the judge's quality. Both servers start at once, in the module's fixture; stopped by PID."""
 
 from __future__ import annotations
 
@@ -163,19 +163,25 @@ def test_concurrent_clients_share_the_server_batches(servers: dict[str, Any]) ->
 
 
 def judge_expected(judge: pathlib.Path, template: str, samples: list[tuple[str, str, str]]) -> list[str]:
-    """The judge's greedy answers computed here, one sample at a time, from its folder."""
+    """The judge's greedy answers computed here with ``generate``, one sample at a time, from its folder, ending on
+    its stop ids (its EOS and its chat template's end of turn), as the server's engine ends them."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from dora.hf.folder import facts
+
     model = AutoModelForCausalLM.from_pretrained(str(judge), dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(str(judge))
+    stops = sorted(facts(judge).stop_ids)
+    assert len(stops) == 2  # <|endoftext|> and <|im_end|>
     out = []
     for p, c, a in samples:
         text = template.replace("{prompt}", p).replace("{completion}", c).replace("{answer}", a)
         chat = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
         ids = tok(chat, add_special_tokens=False, return_tensors="pt")
         with torch.inference_mode():
-            gen = model.generate(**ids, max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id)
+            gen = model.generate(**ids, max_new_tokens=6, do_sample=False, eos_token_id=stops,
+                                 pad_token_id=tok.pad_token_id)  # fmt: skip
         out.append(tok.decode(gen[0, ids["input_ids"].shape[1] :], skip_special_tokens=True))
     return out
 

@@ -125,6 +125,7 @@ def test_a_served_source_alone_is_the_reward_and_a_missing_server_is_a_reason(se
         ({"judge_template": "{question} {completion}"}, "may hold {prompt}, {completion} and {answer}"),
         ({"judge_template": "{completion"}, "task.judge_template is not a template"),
         ({"reward_device": "tpu"}, "cpu, cuda or cuda:N"),
+        ({"judge_engine": "tensorrt"}, "task.judge_engine must be 'torch' or 'vllm'; got 'tensorrt'"),
         ({"reward_server_bind": "8600"}, "reward_server_bind must be host:port"),
         ({"reward_server": "localhost:8600"}, "must be the http(s) URL"),
     ],
