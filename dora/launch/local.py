@@ -141,20 +141,22 @@ class LocalRun:
         except subprocess.TimeoutExpired:
             raise TimeoutError(f"{name} still running after {timeout_s:g} s:\n{self.log(name)[-3000:]}") from None
 
-    def stop(self, grace_s: float = 10.0) -> dict[str, int]:
-        """SIGTERM what still runs, SIGKILL what does not stop within ``grace_s``; exit codes by name."""
-        for proc in self.procs.values():
+    def stop(self, grace_s: float = 10.0, *, keep: frozenset[str] = frozenset()) -> dict[str, int]:
+        """SIGTERM what still runs (but the processes named in ``keep``), SIGKILL what does not stop within
+        ``grace_s``; exit codes by name, of those stopped."""
+        stopping = {name: proc for name, proc in self.procs.items() if name not in keep}
+        for proc in stopping.values():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGCONT)  # a stopped process cannot act on SIGTERM
                 proc.terminate()
         deadline = time.monotonic() + grace_s
-        for proc in self.procs.values():
+        for proc in stopping.values():
             try:
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        return {name: p.returncode for name, p in self.procs.items()}
+        return {name: p.returncode for name, p in stopping.items()}
 
     # ---------------------------------------------------------------- evidence
 

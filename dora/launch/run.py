@@ -21,7 +21,9 @@ is refused before any process starts. On a machine without GPUs nothing is place
 
 With task.reward_model or task.reward_judge (and no task.reward_server), `dora reward` starts first; once it serves,
 its URL is written into the run's config as task.reward_server for the broker and the workers, and it is stopped with
-the other processes at the end (its log: ``reward.log``).
+the other processes at the end (its log: ``reward.log``). The run's own held-out evaluations (eval.dataset) then run
+while it serves, so it scores both: the starting weights' once it serves, before the broker starts, and the final
+version's once the other processes ended, before it stops.
 
 A rollout worker that exits is reported at once, one line with its last error (from its log). The run goes on
 without it once every worker has joined the broker; it stops (every process, by PID) and exits 1 when no worker
@@ -126,6 +128,16 @@ def check_task(data: dict[str, Any]) -> dict[str, Any]:
     return prompt_source(build(RunConfig, data))[1]
 
 
+def check_eval(data: dict[str, Any]) -> None:
+    """[eval]'s rows loaded as the held-out evaluation loads them, so a bad file, row or field is one line before any
+    process starts."""
+    from dora.config import build
+    from dora.tasks.prompts import eval_task
+
+    cfg = build(RunConfig, data)
+    eval_task(cfg, cfg.task.tokenizer or data["rollout"]["model"])
+
+
 def report_task(about: dict[str, Any]) -> None:
     if "dataset" not in about:
         return
@@ -135,6 +147,22 @@ def report_task(about: dict[str, Any]) -> None:
         line += (f", {about['filtered']} filtered out (prompts over task.max_prompt_tokens = "
                  f"{about['max_prompt_tokens']} tokens: rows {shown}), {about['kept']} kept")  # fmt: skip
     print(line + f"; {about['kept']} groups make an epoch", file=sys.stderr)
+
+
+@dataclass(slots=True)
+class HeldOut:
+    """`dora run`'s own [eval] of the starting weights (``before``) and of the final version (``after``), both
+    scored by the same reward sources: a run whose `dora reward` it starts evaluates while that serves (the starting
+    weights once it serves, before the broker starts; the final version once the others ended, before it stops);
+    any other run before any process starts and after every process ended."""
+
+    before: dict[str, Any] | None = None
+    after: dict[str, Any] | None = None
+
+
+def serves_rewards(cfg: RunConfig) -> bool:
+    """Whether `dora run` starts `dora reward` for this run: a reward model or a judge, and no task.reward_server."""
+    return bool(cfg.task.reward_model or cfg.task.reward_judge) and cfg.task.reward_server is None
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,8 +176,8 @@ class Prepared:
     rundir: pathlib.Path
     data: dict[str, Any]
     """The config the processes get (``prepare``)."""
-    before: dict[str, Any] | None
-    """[eval] on the starting weights; None without eval.dataset."""
+    held_out: HeldOut
+    """[eval] on the starting weights and the final version; None each without eval.dataset (``HeldOut``)."""
 
 
 class Signals:
@@ -180,6 +208,8 @@ def check_run(cfg: RunConfig) -> int:
         raise ConfigError("dora run needs core.total_steps")
     if cfg.task.env is not None and cfg.run.engine == "sim":
         raise ConfigError("task.env: multi-turn episodes run on run.engine = 'torch' or 'vllm', not 'sim'")
+    if cfg.eval.dataset and cfg.run.engine == "sim":
+        raise ConfigError("eval.dataset needs a model: run.engine torch or vllm")
     from dora.rollout.main import check_engine, check_sleep
 
     check_engine(cfg.run.engine, cfg)
@@ -206,8 +236,10 @@ def prepare_run(args: argparse.Namespace) -> Prepared:
     report_task(about)
     if cfg.run.engine != "sim" or cfg.run.trainer != "sim":
         check_run_model(cfg, pathlib.Path(data["rollout"]["model"]), cfg.run.engine, about)
-    before = held_out(data, rundir, 0) if cfg.eval.dataset else None
-    return Prepared(cfg, steps, placement, rundir, data, before)
+    if cfg.eval.dataset and serves_rewards(cfg):
+        check_eval(data)  # evaluated once `dora reward` serves; its rows are checked now
+    evals = HeldOut(before=held_out(data, rundir, 0) if cfg.eval.dataset and not serves_rewards(cfg) else None)
+    return Prepared(cfg, steps, placement, rundir, data, evals)
 
 
 def announce(p: Prepared, run: LocalRun, shares: Threads, elastic: int) -> None:
@@ -225,11 +257,14 @@ def announce(p: Prepared, run: LocalRun, shares: Threads, elastic: int) -> None:
 
 
 def start_fleet(run: LocalRun, p: Prepared, shares: Threads, elastic: int) -> WorkerWatch:
-    """`dora reward` when the task has a reward model or a judge and no task.reward_server, the broker, then the
-    rollout workers (the first ``elastic`` of them elastic); the watch over the workers."""
+    """`dora reward` when the task has a reward model or a judge and no task.reward_server (then the starting
+    weights' held-out evaluation, scored by it), the broker, then the rollout workers (the first ``elastic`` of them
+    elastic); the watch over the workers."""
     cfg = p.cfg
-    if (cfg.task.reward_model or cfg.task.reward_judge) and cfg.task.reward_server is None:
+    if serves_rewards(cfg):
         print(f"dora run: reward server at {run.start_reward(cfg.run.worker_start_timeout_s)}", file=sys.stderr)
+        if cfg.eval.dataset:
+            p.held_out.before = held_out(run.cfg, p.rundir, 0)  # the run's config, pointing at the server
     run.start_broker()
     url = json.loads((p.rundir / "broker.json").read_text()).get("metrics_url")
     if url:
@@ -273,6 +308,8 @@ def drive(run: LocalRun, p: Prepared, shares: Threads, elastic: int, signals: Si
         watch = start_fleet(run, p, shares, elastic)
         start_learner(run, p)
         follow(run, p.rundir, p.steps, lambda: signals.caught, watch)
+        if p.held_out.before is not None and "reward" in run.procs and not signals.caught:
+            evaluate_served(run, p, grace_s, watch.lost)
     except (RuntimeError, TimeoutError) as e:
         broken = True
         print(f"dora run: {e}" + ("; stopping every process" if isinstance(e, RunStuck) else ""), file=sys.stderr)
@@ -287,6 +324,15 @@ def drive(run: LocalRun, p: Prepared, shares: Threads, elastic: int, signals: Si
     return Ended(codes, broken, watch.lost if watch is not None and not broken else {})
 
 
+def evaluate_served(run: LocalRun, p: Prepared, grace_s: float, lost: dict[str, int]) -> None:
+    """A run whose `dora reward` this started, once it ended: every other process stopped, then the final version's
+    held-out evaluation while the server still scores, as it scored the starting weights'. None when a process
+    failed (``lost``: the workers the run went on without): the run reports that instead."""
+    codes = run.stop(grace_s=grace_s, keep=frozenset({"reward"}))
+    if all(code == 0 for name, code in codes.items() if name not in lost):
+        p.held_out.after = held_out(run.cfg, p.rundir, final_version(p.data))
+
+
 def conclude(p: Prepared, ended: Ended, stopped: bool) -> int:
     """The run's last lines and its exit status: 130 stopped, 1 failed or an invariant broken, else 0."""
     failed = {k: v for k, v in ended.codes.items() if v != 0 and k not in ended.lost}
@@ -299,12 +345,11 @@ def conclude(p: Prepared, ended: Ended, stopped: bool) -> int:
     lost = ended.lost
     gone = f" ({len(lost)} rollout worker{'s' * (len(lost) > 1)} lost on the way: {', '.join(lost)})" if lost else ""
     print(f"dora run: done{gone}; metrics in {p.rundir / 'metrics.jsonl'}", file=sys.stderr)
-    if p.before is not None:
-        from dora.store import WeightStore
-
-        after = held_out(p.data, p.rundir, WeightStore(p.data["learner"]["store"]).versions()[-1])
+    before = p.held_out.before
+    if before is not None:
+        after = p.held_out.after or held_out(p.data, p.rundir, final_version(p.data))
         rows = f"{int(after['rows'])} rows of {p.cfg.eval.dataset}, version 0 -> {after['version']}"
-        print(f"dora run: held-out accuracy {p.before['accuracy']:.3f} -> {after['accuracy']:.3f} ({rows})",
+        print(f"dora run: held-out accuracy {before['accuracy']:.3f} -> {after['accuracy']:.3f} ({rows})",
               file=sys.stderr)  # fmt: skip
     return check_invariants(p.rundir)
 
@@ -329,15 +374,21 @@ def main(argv: list[str]) -> int:
     return conclude(p, ended, signals.caught)
 
 
+def final_version(data: dict[str, Any]) -> int:
+    """The newest version in the run's weight store."""
+    from dora.store import WeightStore
+
+    return WeightStore(data["learner"]["store"]).versions()[-1]
+
+
 def held_out(data: dict[str, Any], rundir: pathlib.Path, version: int) -> dict[str, Any]:
     """[eval] on the run's model at ``version`` (0: the starting weights, else from the run's weight store), in
-    this process while no worker runs; recorded in ``eval.jsonl`` and printed."""
+    this process while no worker runs, scored by the reward sources ``data`` (a run's config) names; recorded in
+    ``eval.jsonl`` and printed."""
     from dora.config import build
     from dora.ops.evaluate import evaluate_model, line
 
     cfg = build(RunConfig, data)
-    if cfg.run.engine == "sim":
-        raise ConfigError("eval.dataset needs a model: run.engine torch or vllm")
     metrics = evaluate_model(cfg, data["rollout"]["model"], data["learner"]["store"] if version else None,
                              version or None)  # fmt: skip
     with open(rundir / EVAL, "a") as f:
