@@ -2,6 +2,11 @@
 
     python bench/quickstart.py [--config examples/arithmetic.toml] [--seeds 0 1 2] [--out bench/out/quickstart]
     python bench/quickstart.py --report bench/out/quickstart/quickstart.json   # print again, run nothing
+    python bench/quickstart.py --config C --warm-start DIR [--set SECTION.KEY=VALUE ...]  # one warm start for all
+
+With ``--warm-start DIR`` no seed runs ``dora sft``: every seed's ``dora run`` starts from the model folder DIR
+(one warm start, written once by ``dora sft --config C``), so the seeds differ in sampling, prompt order and
+evaluation draws only, and the report says so. ``--set`` passes settings on to every ``dora run``.
 
 Per seed, exactly what the README's first command runs, with the seed set everywhere it matters:
 ``dora sft --config CFG`` (``sft.seed``: the order of the rows, torch's initial state) writing its own
@@ -44,11 +49,14 @@ def run(argv: list[str], log: pathlib.Path) -> float:
     return time.perf_counter() - started
 
 
-def one_seed(cfg: str, seed: int, out: pathlib.Path) -> dict[str, Any]:
-    model, runs = out / f"sft-s{seed}", out / f"runs-s{seed}"
-    sft = ["sft", "--config", cfg, "--set", f"sft.seed={seed}", "--set", f"sft.out={model}"]
-    sft_s = run(sft, out / f"sft-s{seed}.log")
-    sets = [f"rollout.model={model}", f"run.seed={seed}", f"task.seed={seed}", f"run.dir={runs}"]
+def one_seed(cfg: str, seed: int, out: pathlib.Path, warm_start: pathlib.Path | None = None,
+             extra: tuple[str, ...] = ()) -> dict[str, Any]:  # fmt: skip
+    model, runs = warm_start or out / f"sft-s{seed}", out / f"runs-s{seed}"
+    sft_s = 0.0
+    if warm_start is None:
+        sft = ["sft", "--config", cfg, "--set", f"sft.seed={seed}", "--set", f"sft.out={model}"]
+        sft_s = run(sft, out / f"sft-s{seed}.log")
+    sets = [*extra, f"rollout.model={model}", f"run.seed={seed}", f"task.seed={seed}", f"run.dir={runs}"]
     rl_s = run(["run", "--config", cfg, *(a for s in sets for a in ("--set", s))], out / f"run-s{seed}.log")
     rundir, before, after = held_out(runs)
     return {**weights(rundir), "seed": seed, "before": before["accuracy"], "after": after["accuracy"],
@@ -115,6 +123,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--out", default=str(ROOT / "bench" / "out" / "quickstart"))
     p.add_argument("--report", metavar="JSON", help="print the report of an earlier quickstart.json; run nothing")
+    p.add_argument("--warm-start", metavar="DIR", help="one model folder every seed's dora run starts from (no sft)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="passed to dora run")
     args = p.parse_args(argv)
     if args.report:
         report(json.loads(pathlib.Path(args.report).read_text())["seeds"])
@@ -122,12 +132,18 @@ def main(argv: list[str]) -> int:
     out = pathlib.Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     seeds = []
+    warm = pathlib.Path(args.warm_start).resolve() if args.warm_start else None
+    if warm is not None and not (warm / "config.json").is_file():
+        p.error(f"--warm-start {args.warm_start}: not a model folder (no config.json)")
     for seed in args.seeds:
-        seeds.append(one_seed(args.config, seed, out))
+        seeds.append(one_seed(args.config, seed, out, warm, tuple(args.set)))
         s = seeds[-1]
         print(f"seed {seed}: {s['before']:.3f} -> {s['after']:.3f} in {s['sft_s'] + s['run_s']:.0f} s", flush=True)
     summary = report(seeds)
-    record = {"config": args.config, "summary": summary, "seeds": seeds}
+    if warm is not None:
+        print(f"one warm start for every seed: {warm} (the seeds' sft s are 0)")
+    record = {"config": args.config, "warm_start": str(warm) if warm else None, "sets": args.set,
+              "summary": summary, "seeds": seeds}  # fmt: skip
     (out / "quickstart.json").write_text(json.dumps(record, indent=1))
     print(f"wrote {out / 'quickstart.json'}")
     return 0
