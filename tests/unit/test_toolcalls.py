@@ -185,3 +185,22 @@ def test_the_calls_a_template_writes_parse_back_to_the_same_calls(tokenizers, fa
 def test_an_unknown_parser_or_one_the_tokenizer_lacks_tokens_for_is_a_config_error(tokenizers, name, match):
     with pytest.raises(ConfigError, match=match):  # the tiny tokenizer has no <|python_tag|>
         ToolCallParser(tokenizers["tiny"], tiny.CHAT_TEMPLATE, name)
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_a_call_the_parser_cannot_read_is_content_counted_without_a_traceback(tokenizers):
+    import logging
+
+    tok = tokenizers["tiny"]
+    parser = ToolCallParser(tok, tok.chat_template)
+    logged: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = logged.append  # type: ignore[method-assign]
+    logging.getLogger("vllm.tool_parsers.hermes_tool_parser").addHandler(handler)
+    broken = '<tool_call>\n{"name": "add", "arguments": {"a": "2}}\n</tool_call>'  # an unterminated string
+    assert parser.parse(broken, TOOLS) == (broken, []) and parser.unread == 1
+    assert parser.parse("The sum is 5.", TOOLS) == ("The sum is 5.", []) and parser.unread == 1  # no call begun
+    assert parser.parse(completion(tok, "tiny", None, CALLS), TOOLS)[1] and parser.unread == 1
+    logging.getLogger("vllm.tool_parsers.hermes_tool_parser").removeHandler(handler)
+    assert not logged, [r.getMessage() for r in logged]

@@ -477,9 +477,11 @@ class AgentEpisodes:
 
     def counters(self) -> dict[str, float]:
         """What a worker reports of its agents (``WorkerEngine.counters``): completions served, requests refused,
-        calls after their episode ended, and episodes failed."""
+        calls after their episode ended, episodes failed, and completions that began a tool call the parser could not
+        read (answered as content)."""
         served = {f"agent_{key}": float(self.stats[key]) for key in ("completions", "refused", "late_calls")}
-        return {**served, "agent_failed": float(sum(self.failures.values()))}
+        unread = float(self._parser.unread) if self._parser is not None else 0.0
+        return {**served, "agent_failed": float(sum(self.failures.values())), "agent_tool_calls_unread": unread}
 
     async def close(self) -> None:
         """Stop serving: the endpoint, and the connection pool the episodes' clients share."""

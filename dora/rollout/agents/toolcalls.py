@@ -12,6 +12,7 @@ one) and without the stop token that ended the turn.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -59,9 +60,15 @@ class ToolCallParser:
         """The vLLM parser in use; "" when the chat template writes no tool calls (``parse`` finds none)."""
         self._tokenizer: Any = None
         self._class: Any = None
+        self.unread = 0
+        """Completions that began a call in the format (its opening mark) that the parser could not read (a broken
+        JSON, an unclosed block): answered as content, as vLLM's server answers them, and counted here."""
         if not self.name:
             return
         self._class = parser_class(self.name)
+        # vLLM's parsers log a traceback for every completion they cannot read; a policy in training writes many,
+        # and ``unread`` counts them instead
+        logging.getLogger("vllm.tool_parsers").setLevel(logging.CRITICAL)
         from vllm.tokenizers.hf import get_cached_tokenizer
 
         self._tokenizer = get_cached_tokenizer(tokenizer)  # as vLLM's server hands it: its vocabulary read once
@@ -89,6 +96,7 @@ class ToolCallParser:
         parser = self._class(self._tokenizer, request.tools)  # fresh: the parsers keep per-request state
         found = parser.extract_tool_calls(text, request)
         if not found.tools_called or not found.tool_calls:
+            self.unread += any(mark in text for marks, name in FORMATS if name == self.name for mark in marks[:1])
             return _content(text), []
         calls = [{"id": c.id, "type": "function", "function": {"name": c.function.name,
                   "arguments": c.function.arguments}} for c in found.tool_calls]  # fmt: skip
