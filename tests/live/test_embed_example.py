@@ -11,7 +11,9 @@ import pytest
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "embed" / "run.py"
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
+"""Slow: a whole run's processes (about 45 CPU-s); the default run keeps the example's engine serving a run
+(tests/live/test_model_run.py) and the custom loss and reward tests."""
 
 
 def events(path: pathlib.Path, event: str) -> list[dict]:

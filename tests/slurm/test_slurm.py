@@ -24,7 +24,7 @@ def test_an_sbatch_job_runs_every_process_as_a_step_scancel_stops_them_and_a_res
     """One run over two jobs on the same run directory. The first is cancelled after 3 steps: every step (broker,
     rollout worker, two learner ranks) exits 0 within KillWait. The second resumes the run from the broker's
     journal and the learner's checkpoint, finishes it, and its output shows the invariants of the whole run."""
-    steps = 10
+    steps = 8
     env = job_env(tmp_path, tiny_model, f"core.total_steps={steps}")
     job = submit(slurm, tmp_path, env)
     run = tmp_path / "run"

@@ -138,6 +138,7 @@ def test_two_gloo_ranks_take_the_one_rank_steps_and_write_its_folder(tied, tiny_
         assert diff.max().item() <= 2 * 3 * SFT.lr, k
 
 
+@pytest.mark.slow  # three processes importing torch: the default run keeps the gloo ranks above and the command's test
 @pytest.mark.timeout(120)
 def test_dora_sft_with_two_ranks_starts_them_under_torchrun_and_writes_a_loadable_folder(tiny_model, tmp_path):
     from transformers import AutoModelForCausalLM
