@@ -288,7 +288,9 @@ class Episodes:
         mask = np.array(seq.mask, np.uint8)
         turns = np.array(ep.turns, np.int32).reshape(-1, 3)
         masked = bool(ep.reason) and self.cfg.env_failure == "mask"
-        finish = Finish.LENGTH if seq.finish is None else seq.finish
+        # a failed environment is the episode's outcome (scored, counted, trained), not the engine's error: ERROR
+        # would make the broker re-run the group, and a row whose environment always fails could never be trained
+        finish = Finish.STOP if ep.reason else Finish.LENGTH if seq.finish is None else seq.finish
         return FinishedSample(
             group_id=GroupId(seq.group_id), attempt=AttemptId(seq.attempt), index=seq.index,
             segments=np.array([[ran_under(seq, self.engine), len(seq.tokens)]], dtype=np.int32),

@@ -19,16 +19,19 @@ pytestmark = pytest.mark.timeout(120)
 
 async def test_an_agent_workers_counters_are_what_its_endpoint_served_refused_and_failed(tiny_model):
     w = agents.worker(tiny_model, "breaks_the_rules")
-    assert w.counters() == {"agent_completions": 0, "agent_refused": 0, "agent_late_calls": 0, "agent_failed": 0}
+    assert w.counters() == {"agent_completions": 0, "agent_refused": 0, "agent_late_calls": 0, "agent_failed": 0,
+                            "agent_tool_calls_unread": 0}
     w.submit(agents.lease(w, 9, n=1), 0.0)
     (r,) = await agents.run(w, until=1)
     assert r.reward == 5.0  # five refusals, each with its reason, then one turn
-    assert w.counters() == {"agent_completions": 1, "agent_refused": 5, "agent_late_calls": 0, "agent_failed": 0}
+    assert w.counters() == {"agent_completions": 1, "agent_refused": 5, "agent_late_calls": 0, "agent_failed": 0,
+                            "agent_tool_calls_unread": 0}
 
     w = agents.worker(tiny_model, "raises")
     w.submit(agents.lease(w, 3, n=2), 0.0)
     await agents.run(w, until=2)
-    assert w.counters() == {"agent_completions": 2, "agent_refused": 0, "agent_late_calls": 0, "agent_failed": 2}
+    assert w.counters() == {"agent_completions": 2, "agent_refused": 0, "agent_late_calls": 0, "agent_failed": 2,
+                            "agent_tool_calls_unread": 0}
 
     w = agents.worker(tiny_model, "calls_late")
     w.submit(agents.lease(w, 10, n=1), 0.0)

@@ -165,7 +165,7 @@ async def test_a_failing_environment_ends_its_episode_scored_zero_and_counted(ti
     results = await run(w, until=2)
     assert [r.index for r in results] == [0, 1], "the group is still whole"
     for r in results:
-        assert r.finish is Finish.ERROR and r.reward == 0.0 and r.reward_error.startswith(reason), r.reward_error
+        assert r.finish is Finish.STOP and r.reward == 0.0 and r.reward_error.startswith(reason), r.reward_error
         assert r.reward_components["env_failed"] == 1.0
         assert r.loss_mask.any() == (policy == "zero") and len(r.turns) == (policy == "zero")
     assert sum(w.episodes.failures.values()) == 2

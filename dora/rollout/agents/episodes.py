@@ -508,7 +508,8 @@ class AgentEpisodes:
             group_id=GroupId(ep.group_id), attempt=AttemptId(ep.attempt), index=ep.index,
             segments=np.array([[version, len(tokens)]], dtype=np.int32),
             token_ids=np.array(tokens, np.int32), logprobs=np.array(logprobs, np.float32),
-            reward=0.0 if ep.reason else ep.reward, finish=ep.finish, broker_epoch=broker_epoch,
+            reward=0.0 if ep.reason else ep.reward, broker_epoch=broker_epoch,
+            finish=Finish.STOP if ep.reason else ep.finish,  # a failed agent ends its episode: trained, not re-run
             reward_components={"turns": float(len(ep.turns)), "agent_failed": float(bool(ep.reason))},
             reward_error=ep.reason, loss_mask=np.zeros_like(mask) if masked else mask,
             turns=turns[:0] if masked else turns,
