@@ -15,11 +15,19 @@ from dora.config.run import RunConfig
 from dora.core.core import Core
 
 
+class Totals(Protocol):
+    def totals(self) -> dict[str, float]: ...
+
+
 class LatestMetrics(Protocol):
-    """The numbers the broker was last told: the learner's latest step and the latest held-out round."""
+    """The numbers the broker was last told: the learner's latest step, the latest held-out round, and the
+    rollout workers' own counters summed over the run."""
 
     learner: dict[str, float]
     held_out: dict[str, float]
+
+    @property
+    def workers(self) -> Totals: ...
 
 
 class BrokerView(Protocol):
@@ -99,4 +107,5 @@ def snapshot(actor: BrokerView) -> dict[str, Any]:
         "uptime_s": elapsed,
         "learner": dict(actor.metrics.learner),
         "held_out": dict(actor.metrics.held_out),
+        "worker_counters": actor.metrics.workers.totals(),
     }

@@ -72,6 +72,11 @@ def health(learner: dict[str, float], held_out: dict[str, float]) -> list[str]:
     return [f"{head}: {line}" for head, line in zip(("policy", "samples"), lines, strict=True) if line]
 
 
+def worker_counters(counters: dict[str, float]) -> str:
+    """The workers' own counters summed over the run (reward services, agents, environments), one line."""
+    return "workers counted: " + "  ".join(f"{name} {value:.6g}" for name, value in sorted(counters.items()))
+
+
 def render(s: dict[str, Any], console: Console) -> None:
     console.print(
         f"[bold]dora[/bold] {s['mode']}  step {s['step']}  newest version {s['newest_version']}  "
@@ -106,6 +111,8 @@ def render(s: dict[str, Any], console: Console) -> None:
         for row in s["lost_peers"][-10:]:
             lost.add_row(row["peer"], row["role"], row["reason"], f"{row['uptime_s']:.1f}")
         console.print(lost)
+    if s.get("worker_counters"):
+        console.print(worker_counters(s["worker_counters"]), highlight=False)
     console.print(
         f"staleness consumed: {s['staleness']}  migrated groups: {s['migrated_groups']}  "
         f"re-run groups: {s['requeued_groups']}  counters: {s['counters']}  malformed: {s['malformed']}"

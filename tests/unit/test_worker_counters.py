@@ -5,18 +5,21 @@ over its worker processes into Prometheus and each train step's line, never goin
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from rich.console import Console
 
 from dora.broker.metrics import WorkerCounters, serve_http
 from dora.broker.sinks import step_scalars
 from dora.config.run import TaskSection
 from dora.hf.tiny import build_tokenizer
 from dora.ids import Finish
+from dora.ops.status import render
 from dora.rollout.engines.base import Sample
 from dora.rollout.engines.stepped import StepWorkerEngine
 from dora.rollout.engines.versions import Versions
@@ -179,6 +182,7 @@ async def test_the_broker_sums_its_workers_counters_into_prometheus_and_each_tra
                 await learner.send(m.WeightsPublished(version=step + 1, uri="sim://v", sha256="0" * 8, metrics={}))
                 await learner.recv(m.PublishAck)
             got = await scrape(url)
+            snap = actor.snapshot()
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
         finally:
@@ -194,6 +198,10 @@ async def test_the_broker_sums_its_workers_counters_into_prometheus_and_each_tra
         {"agent_failed": 1.0, "reward_service_calls": 5.0, "reward_service_latency_s_sum": 0.5}] * 2  # fmt: skip
     scalars = step_scalars(rows[-1], learner=())  # TensorBoard's and wandb's names
     assert scalars["worker/reward_service_calls"] == 5.0 and scalars["worker/agent_failed"] == 1.0
+    shown = io.StringIO()  # and `dora status` shows them
+    render(snap, Console(file=shown, width=200))
+    assert ("workers counted: agent_failed 1  reward_service_calls 5  reward_service_latency_s_sum 0.5"
+            in shown.getvalue().splitlines()), shown.getvalue()  # fmt: skip
 
 
 async def counting_worker_until_counted(w: Fake, counters: dict[str, float], actor: Any) -> None:
