@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections import Counter
 
 from dora.config import CoreConfig
-from dora.core import deadline, elastic, intake, orchestrator, scheduler_checks
+from dora.core import core_checks, deadline, elastic, intake, orchestrator
 from dora.core.dispatch import budget_left, dispatch
 from dora.core.events import (
     Action,
@@ -56,7 +56,7 @@ from dora.core.events import (
     WorkerLost,
 )
 from dora.core.ledger import InvariantViolation, Ledger
-from dora.core.scheduler import Flight, GroupState, Scheduler, Worker
+from dora.core.scheduler import Flight, Scheduler, Worker
 from dora.core.transfer import TransferQueue
 from dora.core.view import CoreView
 from dora.ids import GroupId, Mode, WorkerId
@@ -552,53 +552,7 @@ class Core:
 
     def check(self) -> None:
         """Recompute every structural invariant; raise InvariantViolation on the first broken one."""
-        self.ledger.check()
-        scheduler_checks.check(self.scheduler, placement=not self.cfg.in_flight_swap)
-        counts = self.ledger.deadline_counts()
-        if not self.cfg.drops_stale and not deadline.feasible(counts, self.step, self.cfg.train_groups):
-            raise InvariantViolation(f"feasibility broken at step {self.step}: {counts}")
-        owed = Counter[int]()
-        k = self.cfg.staleness
-        for f in self.scheduler.flights.values():
-            owed[f.deadline] += 1
-            if not f.version <= f.deadline <= f.version + k:
-                raise InvariantViolation(f"group {f.group_id} of version {f.version}: deadline {f.deadline}, K {k}")
-        for d, groups in self.transfer.pending_by_deadline().items():
-            owed[d] += groups
-        expect = {d: n for d, n in owed.items() if n}
-        if expect != counts:
-            raise InvariantViolation(f"ledger counts {counts} != groups owed {expect}")
-        created = self.scheduler.cursor - self.start_cursor + self.scheduler.reissued
-        tq = self.transfer
-        held = len(tq.consumed) + len(self.scheduler.flights) + len(tq) + len(tq.dropped) + len(tq.filtered)
-        if created != held:
-            raise InvariantViolation(f"C2: {created} groups created, {held} accounted for")
-        filtered = self.scheduler.filtered
-        if filtered != self.filtered_before + len(tq.filtered):
-            raise InvariantViolation(f"{filtered} groups counted filtered, {len(tq.filtered)} filtered here")
-        if self.cfg.prompt_budget is not None and created > self.cfg.prompt_budget + filtered:
-            raise InvariantViolation(f"{created} groups created, budget is {self.cfg.prompt_budget} + {filtered}")
-        window = len(tq.filtered_by_step.get(self.step, ()))
-        if any(len(ids) > self.cfg.filter_cap for ids in tq.filtered_by_step.values()) or (
-            tq.uniform_waiting and window < self.cfg.filter_cap
-        ):
-            raise InvariantViolation(f"step {self.step} filtered {window} groups, cap {self.cfg.filter_cap}, "
-                                     f"with {tq.uniform_waiting} uniform groups waiting")  # fmt: skip
-        running = [f for f in self.scheduler.flights.values() if f.state is not GroupState.QUEUED]
-        if any(f.version not in self.ledger.alive() for f in running):
-            raise InvariantViolation("a running group's version is retired")
-        workers = self.scheduler.workers
-        if any(w not in workers or not workers[w].yielded for w in self.yielding):
-            raise InvariantViolation(f"yielding {sorted(self.yielding)} includes a worker not told to yield")
-        if (self.held is None) != (not self.yielding):
-            raise InvariantViolation("a batch is held with no yield awaited, or a yield is awaited for no batch")
-        if self.held is not None and self.held is not self.transfer.training[-1]:
-            raise InvariantViolation("the held batch is not the one taken for training")
-        steps = [b.step for b in self.transfer.training]
-        if steps and (len(steps) > 2 or steps != list(range(self.step - len(steps), self.step))
-                      or steps[0] != self.ledger.newest):  # fmt: skip
-            raise InvariantViolation(f"batches in training {steps} at step {self.step}, newest {self.ledger.newest}")
-
+        core_checks.check(self)
 
 def _movable(w: Worker) -> bool:
     """Not yielded to the trainer, and no group on its way to it (it keeps its version until that lands)."""
