@@ -4,6 +4,7 @@ endpoints (the real ``openai`` client), and the torch learner checking every tur
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import time
 
@@ -112,3 +113,33 @@ def test_agents_of_two_versions_on_two_workers_train_with_one_version_per_turn_a
         assert failed and all(e["reason"].startswith("agent raised: RuntimeError: the agent broke") for e in failed)
         for w in ("w0", "w1"):
             assert not [r for r in c.events(w) if r.get("level") == "error"], c.log(w)[-2000:]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="the vllm extra is not installed")
+def test_agents_on_vllm_workers_train_with_one_version_per_turn(tmp_path, tiny_model):
+    """The same agent on two vLLM workers (slow: vLLM on the CPU; the default run's live agents run on torch workers,
+    and tests/zoo/test_turns.py checks vLLM ends turns where the torch engine does): streamed and broken agents
+    included, every turn checked by the learner, every group trained once, nothing migrated."""
+    steps = 3
+    task = {"name": "arithmetic", "chat_template": True, "agent": f"{__name__}:agent", "max_turns": 3,
+            "max_episode_tokens": 512, "reward": None, "env_timeout_s": 30.0}  # fmt: skip
+    overrides = torch_run(tmp_path, tiny_model, steps, min_workers=2, max_tokens=8, task=task,
+                          rollout={"max_slots": 16, "credit_slots": 16, "kv_cache_mib": 64,
+                                   "max_model_len": 1024})  # fmt: skip
+    with cluster(tmp_path, overrides, fork=True) as c:
+        c.start_broker()
+        for i in range(2):
+            c.start_worker(f"w{i}", "vllm", "--model", str(tiny_model))
+        c.spawn("learner", "learner", "--trainer", "torch", "--broker", str(tmp_path / "broker.json"))
+        assert c.wait("learner", 280) == 0, c.log("learner")[-3000:] + c.log("w0")[-3000:]
+        assert c.wait("broker", 15) == 0, c.log("broker")[-3000:]
+        audit = c.check_exactly_once()
+        assert all(r["mixed"] == 0 for r in audit) and sum(r["turns"] for r in audit) >= 2 * 4 * 4 * steps
+        assert not c.events("broker", "migration"), "an agent's episode moved"
+        rows = [r for w in ("w0", "w1") for r in c.events(w, "test_agent_completion")]
+        assert any(r["stream"] and r["turn"] >= 1 for r in rows), rows
+        failed = [e for w in ("w0", "w1") for e in c.events(w, "agent_failed")]
+        assert all(e["reason"].startswith("agent raised: RuntimeError: the agent broke") for e in failed), failed
+        assert not [r for w in ("w0", "w1") for r in c.events(w) if r.get("level") == "error"]
