@@ -67,7 +67,7 @@ TINY_SYSTEM = (
 )
 """With ``tools``, a system turn (the conversation's own system prompt first, if any) listing them, one JSON line
 each, without Qwen's words around them: a 2-layer model attends over every token of its context, and the words
-(about 90 tokens here) only dilute what a call must copy from the question."""
+(156 tokens here) only dilute what a call must copy from the question."""
 CHAT_TEMPLATE = TINY_SYSTEM + HERMES_TURNS + "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 """ChatML, and with ``tools`` the Hermes format: the tools listed in ``<tools>``, calls written in ``<tool_call>``
 blocks (no single token here: the text tokenizes to pieces), read by vLLM's ``hermes`` parser."""
