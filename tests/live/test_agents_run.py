@@ -22,17 +22,19 @@ CALC = {"type": "function", "function": {"name": "calc", "description": "Evaluat
                        "required": ["expression"]}}}  # fmt: skip
 
 
-async def ask(client, chat: list, stream: bool) -> tuple[int, dict]:
-    """One completion, streamed or not: the version that served it and the answer as a message to send back."""
+async def ask(client, chat: list, stream: bool) -> tuple[int, dict, int]:
+    """One completion, streamed or not: the version that served it, the answer as a message to send back, and the
+    chunks its content came in."""
     if not stream:
         answer = await client.chat.completions.create(model="policy", messages=chat, tools=[CALC])
         return int(answer.system_fingerprint.removeprefix("dora-v")), answer.choices[0].message.model_dump(
-            exclude_none=True)  # fmt: skip
-    content, calls, fingerprint = "", {}, ""
+            exclude_none=True), 1  # fmt: skip
+    content, calls, fingerprint, pieces = "", {}, "", 0
     async for chunk in await client.chat.completions.create(model="policy", messages=chat, tools=[CALC], stream=True):
         fingerprint = chunk.system_fingerprint or fingerprint
         for choice in chunk.choices:
             content += choice.delta.content or ""
+            pieces += bool(choice.delta.content)
             for c in choice.delta.tool_calls or []:
                 empty = {"id": "", "type": "function", "function": {"name": "", "arguments": ""}}
                 call = calls.setdefault(c.index, empty)
@@ -42,7 +44,7 @@ async def ask(client, chat: list, stream: bool) -> tuple[int, dict]:
     message = {"role": "assistant", "content": content or None}
     if calls:
         message["tool_calls"] = [calls[i] for i in sorted(calls)]
-    return int(fingerprint.removeprefix("dora-v")), message
+    return int(fingerprint.removeprefix("dora-v")), message, pieces
 
 
 async def agent(row, client):
@@ -56,8 +58,9 @@ async def agent(row, client):
     chat = [{"role": "system", "content": "Use calc."}, {"role": "user", "content": row["prompt"]}]
     stream = row["index"] % 3 == 1
     for turn in range(3):
-        version, msg = await ask(client, chat, stream)
-        log.info("test_agent_completion", row=row["index"], turn=turn, version=version, at=time.time(), stream=stream)
+        version, msg, pieces = await ask(client, chat, stream)
+        log.info("test_agent_completion", row=row["index"], turn=turn, version=version, at=time.time(), stream=stream,
+                 pieces=pieces)  # fmt: skip
         if row["index"] % 5 == 4:
             raise RuntimeError("the agent broke")
         chat.append(msg)
@@ -109,6 +112,7 @@ def test_agents_of_two_versions_on_two_workers_train_with_one_version_per_turn_a
         # broken agents', whose groups were trained whole with the rest (check_exactly_once)
         rows = [r for rows in served.values() for r in rows]
         assert any(r["stream"] and r["turn"] == 2 for r in rows), rows
+        assert any(r["stream"] and r["pieces"] > 1 for r in rows), "content streamed as it decoded, tools offered"
         failed = [e for w in ("w0", "w1") for e in c.events(w, "agent_failed")]
         assert failed and all(e["reason"].startswith("agent raised: RuntimeError: the agent broke") for e in failed)
         for w in ("w0", "w1"):

@@ -4,8 +4,9 @@ Each episode has its own address, ``http://127.0.0.1:<port>/<token>/v1``, where 
 an agent's client reaches its own episode only, and a call to an episode that ended finds nothing there (404).
 
 - ``POST …/v1/chat/completions``: a completion, streamed (server-sent events, as OpenAI's) or not. A stream sends the
-  answer's text as the engine decodes it, a step at a time; when tools were offered, the text and the tool calls
-  follow the turn's end, once the calls are parsed (text the model wrote inside a call is not content).
+  answer's text as the engine decodes it, a step at a time; when tools were offered, the text that no call can
+  follow into (before the format's opening mark, held back while a tail may begin it), and the tool calls at the
+  turn's end, once they are parsed (text the model wrote inside a call is not content).
 - ``GET …/v1/models``: the one model served.
 
 Refusals are OpenAI error bodies (``openai_api.Refused``), which the ``openai`` client raises as its own errors. The
@@ -33,10 +34,10 @@ class Served(Protocol):
 
     model_name: str
     stats: Counter[str]
-    task: Any
 
     def episode(self, token: str) -> Any: ...
     def accept(self, ep: Any, request: api.ChatRequest) -> asyncio.Future: ...
+    def streamable(self, ep: Any, request: api.ChatRequest) -> str: ...
 
 
 log = structlog.get_logger()
@@ -83,6 +84,7 @@ class Endpoint:
                 raise api.Refused(400, "the request body is not JSON") from None
             chat = api.read_request(body, temperature=ep.temperature, top_p=ep.top_p)
             answer = self.episodes.accept(ep, chat)
+            ended = len(ep.seq.tokens) if ep.seq is not None else 0  # where the turn this request asks for will begin
         except api.Refused as e:
             self.episodes.stats["refused"] += 1
             log.warning("agent_request_refused", status=e.status, code=e.code, error=e.message[:200])
@@ -90,7 +92,7 @@ class Endpoint:
         meta: dict[str, Any] = {"rid": f"chatcmpl-{uuid.uuid4().hex}", "model": self.episodes.model_name,
                                 "created": int(time.time())}  # fmt: skip
         if chat.stream:
-            return await self.stream(request, ep, chat, answer, meta)
+            return await self.stream(request, ep, chat, answer, meta, ended)
         try:
             turn = await asyncio.shield(answer)
         except api.Refused as e:
@@ -102,12 +104,12 @@ class Endpoint:
                                                 completion_tokens=turn.completion_tokens))  # fmt: skip
 
     async def stream(self, request: web.Request, ep: Any, chat: api.ChatRequest, answer: asyncio.Future,
-                     meta: dict[str, Any]) -> web.StreamResponse:  # fmt: skip
+                     meta: dict[str, Any], ended: int) -> web.StreamResponse:  # fmt: skip
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         fingerprint = f"dora-v{ep.version if ep.version is not None else ''}"
         try:
-            async for chunk in self.chunks(ep, chat, answer, meta, fingerprint):
+            async for chunk in self.chunks(ep, chat, answer, meta, fingerprint, ended):
                 await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
             await response.write(b"data: [DONE]\n\n")
         except ConnectionResetError:  # the agent hung up: its turn is recorded all the same
@@ -115,22 +117,23 @@ class Endpoint:
         return response
 
     async def chunks(self, ep: Any, chat: api.ChatRequest, answer: asyncio.Future, meta: dict[str, Any],
-                     fingerprint: str) -> AsyncIterator[dict[str, Any]]:  # fmt: skip
-        """The stream's chunks: the role, the text as it decodes (when no tools were offered), then the rest of the
-        text and the tool calls, the finish, and the usage if asked."""
+                     fingerprint: str, ended: int) -> AsyncIterator[dict[str, Any]]:  # fmt: skip
+        """The stream's chunks: the role, the content as it decodes (with tools, the part no call can follow into),
+        then the rest of the content and the tool calls, the finish, and the usage if asked. ``ended``: where the
+        episode's tokens ended when the request came; until its turn begins past them, the sequence still holds the
+        previous turn, and nothing is sent."""
         yield api.chunk(**meta, fingerprint=fingerprint, delta={"role": "assistant", "content": ""})
         sent = ""
-        live = not chat.tools or chat.tool_choice == "none"
-        while live and not answer.done():
+        while not answer.done():
             ep.progress.clear()
             stepped = asyncio.ensure_future(ep.progress.wait())
             try:
                 await asyncio.wait([stepped, answer], return_when=asyncio.FIRST_COMPLETED)
             finally:
                 stepped.cancel()
-            if answer.done() or ep.seq is None:
+            if answer.done() or ep.seq is None or ep.seq.turn_start < ended:
                 continue
-            text = self.episodes.task.tokenizer.decode(ep.seq.tokens[ep.seq.turn_start :], skip_special_tokens=True)
+            text = self.episodes.streamable(ep, chat)
             if len(text) > len(sent) and not text.endswith("\ufffd") and text.startswith(sent):
                 yield api.chunk(**meta, fingerprint=fingerprint, delta={"content": text[len(sent) :]})
                 sent = text

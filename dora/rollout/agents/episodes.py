@@ -290,6 +290,19 @@ class AgentEpisodes:
         ep.idle_since = asyncio.get_running_loop().time()
         self.stats["completions"] += 1
 
+    def streamable(self, ep: AgentEpisode, request: api.ChatRequest) -> str:
+        """The content of the turn being sampled that a stream may send now: its text so far, without tools; with
+        tools, the part no call can follow into (``ToolCallParser.content_so_far``). Always a prefix of the
+        content ``read_turn`` gives the whole turn."""
+        seq = ep.seq
+        tokens = seq.tokens[seq.turn_start :]
+        if tokens and tokens[-1] in self.stops:
+            tokens = tokens[:-1]
+        if not request.tools or request.tool_choice == "none":
+            return str(self.task.tokenizer.decode(tokens, skip_special_tokens=True))
+        text = self.task.tokenizer.decode(tokens, skip_special_tokens=False)
+        return self.parser().content_so_far(text)
+
     def read_turn(self, seq: Any, start: int, end: int, request: api.ChatRequest) -> tuple[str | None, list[dict]]:
         """A sampled turn as the answer's content and tool calls (the model family's format, when tools were
         offered): its text without the token that ended it."""

@@ -103,5 +103,26 @@ class ToolCallParser:
         return _content((found.content or "").rstrip()), calls
 
 
+    def content_so_far(self, text: str) -> str:
+        """The part of a turn's text decoded so far (special tokens kept) that is its content whatever follows, for a
+        stream with tools offered: the text before the format's opening mark, less a tail that may begin the mark and
+        less trailing whitespace (an answer's content loses it when a call follows). It is always a prefix of the
+        content ``parse`` reads from the whole turn. Llama 3.1's calls open with no mark: nothing is sure before the
+        turn ends."""
+        if not self.name:
+            return text
+        marks = [marks[0] for marks, name in FORMATS if name == self.name]
+        if not marks or self.name == "llama3_json":
+            return ""
+        mark = marks[0]
+        at = text.find(mark)
+        if at >= 0:
+            text = text[:at]
+        else:
+            held = next((k for k in range(min(len(mark) - 1, len(text)), 0, -1) if text.endswith(mark[:k])), 0)
+            text = text[: len(text) - held]
+        return text.rstrip()
+
+
 def _content(text: str) -> str | None:
     return text if text.strip() else None
